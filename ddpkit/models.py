@@ -1,0 +1,127 @@
+"""Models and synthetic data for the course and the benchmarks.
+
+Two models, both small enough for a laptop CPU:
+- ``MLP``: ``depth`` Linear(width, width) + ReLU blocks and a Linear head. The default
+  (width 256, depth 32) has 66 parameter tensors and 2.1 M parameters (8.4 MB in fp32):
+  many same-sized layers, so bucketing and overlap have something to work with.
+- ``TinyGPT``: a GPT-style decoder (token + position embeddings, pre-norm blocks with causal
+  self-attention and an MLP, a head tied to the token embedding). It exercises tied
+  parameters, LayerNorm and attention.
+
+The data have learnable structure, so the loss goes down and "equal to one process" is
+checked on a run that actually trains. Batches are a pure function of (seed, step): every
+rank can build the *global* batch and take its own slice, and a single process can build
+the same global batch to compare against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """``depth`` hidden Linear+ReLU layers of size ``width``, then a Linear head to ``classes``."""
+
+    def __init__(self, width: int = 256, depth: int = 32, classes: int = 10):
+        super().__init__()
+        if width < 1 or depth < 1 or classes < 1:
+            raise ValueError(f"MLP needs width, depth, classes >= 1, got {width}, {depth}, {classes}")
+        self.width = width
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):  # x: (batch, width) -> logits (batch, classes)
+        return self.head(self.layers(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):  # x: (batch, seq, dim)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        # (batch, heads, seq, dim/heads) for each of q, k, v
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-style language model; ``head.weight`` is tied to ``tok.weight``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 64, layers: int = 2, heads: int = 4, seq: int = 32):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"TinyGPT needs dim divisible by heads, got dim={dim}, heads={heads}")
+        self.vocab, self.seq = vocab, seq
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: one parameter, used twice
+
+    def forward(self, idx):  # idx: (batch, seq) token ids -> logits (batch, seq, vocab)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        return self.head(self.ln(self.blocks(x)))
+
+
+def build_model(name: str = "mlp", seed: int = 0, **kwargs) -> nn.Module:
+    """A freshly initialised model, the same for the same seed on every process."""
+    models = {"mlp": MLP, "gpt": TinyGPT}
+    if name not in models:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(models)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return models[name](**kwargs)
+
+
+def make_batch(model: nn.Module, batch_size: int, step: int, seed: int = 0):
+    """The global batch number ``step``: (inputs, targets), a pure function of its arguments.
+
+    MLP: inputs x ~ N(0, 1); the target class is argmax of a fixed random linear "teacher"
+    applied to x, so there is a rule to learn. TinyGPT: each sequence counts up from a random
+    start with a random stride (mod vocab), so the next token is predictable from the last two.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if isinstance(model, TinyGPT):
+        start = torch.randint(0, model.vocab, (batch_size, 1), generator=g)
+        stride = torch.randint(1, 4, (batch_size, 1), generator=g)
+        seq = (start + stride * torch.arange(model.seq + 1)) % model.vocab
+        return seq[:, :-1], seq[:, 1:]
+    if not isinstance(model, MLP):
+        raise TypeError(f"make_batch knows MLP and TinyGPT, got {type(model).__name__} (pass the unwrapped model)")
+    width = model.width
+    teacher = torch.randn(width, 10, generator=torch.Generator().manual_seed(seed)) / math.sqrt(width)
+    x = torch.randn(batch_size, width, generator=g)
+    return x, (x @ teacher).argmax(dim=1)
+
+
+def loss_fn(logits, targets):
+    """Mean cross-entropy over every position (works for (B, C) and (B, T, C) logits)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def shard_batch(batch, rank: int, world_size: int):
+    """This rank's contiguous slice of a global batch (the batch must split evenly)."""
+    n = batch[0].shape[0]
+    if n % world_size:
+        raise ValueError(f"a global batch of {n} does not split evenly over {world_size} ranks")
+    per = n // world_size
+    return tuple(t[rank * per:(rank + 1) * per] for t in batch)

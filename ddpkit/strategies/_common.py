@@ -1,0 +1,122 @@
+"""What every strategy shares: the recorder seam, rank-0 broadcast, and input checks.
+
+The recorder seam
+-----------------
+Strategies *report* what happens; they never store or draw it. Every wrapper takes
+``recorder=None`` and talks to it through four calls:
+
+    with recorder.span("forward", cat="compute"):          # a timed span on this rank
+        ...
+    recorder.collective("all_reduce", work, nbytes=S, bucket=i)   # an async collective,
+        # launched just now; the recorder notes completion itself (work's future callback).
+        # nbytes is the FULL size S of the collective (all-reduce: the buffer; all-gather:
+        # the gathered output; reduce-scatter: the input), so bytes-on-the-wire is derivable.
+    recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
+    recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
+
+``NullRecorder`` below is the default: each call does nothing, so recording off costs one
+attribute lookup and an empty ``with``. ``ddpkit.trace.Recorder`` implements the same calls
+and keeps plain records. Strategies check ``recorder.enabled`` before doing extra work that
+only recording needs (e.g. registering hooks just to time gradient readiness).
+
+This module sits in the strategy layer and imports nothing from later layers
+(trace, memory, viz, widget): data flows cluster -> strategy -> recorder -> plots.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+class NullRecorder:
+    """The recorder that records nothing (the default for every strategy)."""
+
+    enabled = False
+
+    def span(self, name: str, cat: str = "compute", **fields):
+        return _NO_SPAN
+
+    def collective(self, name: str, work, nbytes: int, **fields) -> None:
+        pass
+
+    def grad_ready(self, param_name: str, **fields) -> None:
+        pass
+
+    def memory(self, **bytes_by_category: int) -> None:
+        pass
+
+
+NULL_RECORDER = NullRecorder()
+
+
+def require_process_group(strategy: str, group=None) -> None:
+    """Fail with a clear message when a strategy is built before init_process_group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{strategy} needs a process group: call torch.distributed.init_process_group() "
+            "first, or build it inside a job run by ddpkit.Cluster.run() or under torchrun."
+        )
+
+
+def unique_named_parameters(module: nn.Module, trainable_only: bool = True):
+    """(name, parameter) pairs with tied parameters listed once, frozen ones skipped."""
+    seen = set()
+    for name, p in module.named_parameters():  # named_parameters() already drops duplicates
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        yield name, p
+
+
+def check_same_shapes(module: nn.Module, group=None) -> None:
+    """Raise naming the first parameter whose shape differs across ranks (instead of hanging).
+
+    Every rank all-gathers a short fingerprint of its parameter list first: the number of
+    parameters and, per parameter, its shape. A mismatch would otherwise make the later
+    broadcasts and all-reduces wait forever for bytes that never come.
+    """
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    shapes = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, shapes, group=group)
+    mine = gathered[0]
+    for other_rank, theirs in enumerate(gathered[1:], start=1):
+        if len(theirs) != len(mine):
+            raise ValueError(
+                f"rank 0 has {len(mine)} parameters and buffers, rank {other_rank} has "
+                f"{len(theirs)}: every rank must wrap the same model"
+            )
+        for (name, s0, d0), (_, s1, d1) in zip(mine, theirs):
+            if (s0, d0) != (s1, d1):
+                raise ValueError(
+                    f"parameter {name!r} has shape {list(s0)} ({d0}) on rank 0 but "
+                    f"{list(s1)} ({d1}) on rank {other_rank}: every rank must wrap the same model"
+                )
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
+    """Copy rank 0's values into every rank's tensors, so all ranks start equal."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for t in tensors:
+        dist.broadcast(t.data, src=src, group=group)
+
+
+def prepare_module(strategy: str, module: nn.Module, group=None) -> None:
+    """The construction steps every wrapper shares: check, then broadcast rank 0's state."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
+    require_process_group(strategy, group)
+    check_same_shapes(module, group)
+    broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), group)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (numel x element size)."""
+    return t.numel() * t.element_size()
