@@ -1,0 +1,290 @@
+"""The cluster widget: what a displayed ``ddpkit.Cluster`` shows in a notebook.
+
+    cluster = ddpkit.Cluster(world_size=2)
+    cluster            # -> ClusterWidget(cluster): ranks, their logs, progress, plots of the last run
+
+Layout, top to bottom: a header (world size, backend, devices), start / restart / stop buttons,
+one row per rank (status, pid, device, and the tail of what the rank printed), a progress bar
+(steps done of total, from ``ddpkit.progress`` inside the ranks) and, after a run whose results
+are traces, tabs with that run's bucket fill order, timeline and memory plots.
+
+Threads. The cluster calls our observer from its pipe-reader threads (log lines) and from the
+kernel's main thread while ``cluster.run`` waits (status, progress, results). The observer only
+sets widget traits, which ipywidgets sends to the page as comm messages from whichever thread
+sets them, so nothing here waits for the kernel to become idle. Two things would be too slow for
+an observer and get their own thread: re-sending a rank's log on every printed line (coalesced
+into one update per ``LOG_INTERVAL_S``), and drawing plots (rendered to PNG in the background).
+
+This module is imported only when a cluster is displayed (a rank never pays for ipywidgets);
+matplotlib and ``ddpkit.viz`` are imported only when there is something to plot.
+"""
+from __future__ import annotations
+
+import html
+import io
+import logging
+import sys
+import threading
+import time
+
+import ipywidgets as widgets
+
+log = logging.getLogger("ddpkit.widget")
+
+LOG_INTERVAL_S = 0.1  # at most ~10 log updates per second per widget: a chatty rank cannot flood the page
+
+# One colour per RankState.status, so a glance finds the rank that failed.
+STATUS_COLOURS = {
+    "starting": "#b8860b", "idle": "#2e7d32", "running": "#1565c0",
+    "error": "#c62828", "dead": "#6a1b9a", "stopped": "#616161",
+}
+
+# Keeps the log box scrolled to its newest line without any JavaScript: a flex column in
+# reverse order starts at the bottom (the inner div keeps the lines in reading order).
+_LOG_STYLE = ("display:flex;flex-direction:column-reverse;max-height:12em;overflow:auto;"
+              "margin:0;padding:2px 6px;background:#f7f7f7;border:1px solid #ddd;"
+              "font-family:monospace;font-size:11px;line-height:1.3;white-space:pre-wrap")
+
+
+def _snapshot(lines) -> list[str]:
+    """A copy of a deque another thread may append to (retried if it changed under us)."""
+    for _ in range(10):
+        try:
+            return list(lines)
+        except RuntimeError:  # "deque mutated during iteration"
+            continue
+    return []
+
+
+def traces_in(results) -> list | None:
+    """The per-rank traces in a run's results, or None when the results are not traces.
+
+    A run is traced when every rank returned a ``ddpkit.trace.Recorder`` (it has ``.records``) or
+    a list of its records; we hand the viz functions one list of records per rank.
+    """
+    if not isinstance(results, (list, tuple)) or not results:
+        return None
+    traces = []
+    for r in results:
+        records = getattr(r, "records", r)
+        if not isinstance(records, (list, tuple)):
+            return None
+        if records and not all(hasattr(e, "rank") for e in records):
+            return None
+        traces.append(records)
+    return traces if any(traces) else None
+
+
+class ClusterWidget(widgets.VBox):
+    """An ipywidgets view of a Cluster: status and log per rank, buttons, progress, plots."""
+
+    def __init__(self, cluster, log_lines: int = 200):
+        self.cluster = cluster
+        self.log_lines = log_lines
+        self.header = widgets.HTML()
+        self.start_button = widgets.Button(description="start", icon="play", tooltip="start the ranks")
+        self.restart_button = widgets.Button(description="restart", icon="refresh",
+                                             tooltip="stop every rank and start fresh ones")
+        self.stop_button = widgets.Button(description="stop", icon="stop", tooltip="stop every rank")
+        for button, action in ((self.start_button, cluster.start),
+                               (self.restart_button, cluster.restart),
+                               (self.stop_button, cluster.shutdown)):
+            button.on_click(lambda _b, action=action: self._act(action))
+            button.layout.width = "auto"
+        self.message = widgets.HTML()  # why the last button press failed, if it did
+        self.rank_status: list[widgets.HTML] = []
+        self.rank_logs: list[widgets.HTML] = []
+        self.rank_box = widgets.VBox()
+        self.progress = widgets.IntProgress(value=0, min=0, max=1, description="steps",
+                                            layout=widgets.Layout(width="50%"))
+        self.progress_label = widgets.Label()
+        self.progress_box = widgets.HBox([self.progress, self.progress_label],
+                                         layout=widgets.Layout(display="none"))
+        self.plots = widgets.Tab(layout=widgets.Layout(display="none"))
+        self.plots_done = threading.Event()  # set when the plots of the last run are drawn
+        self._steps: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in the current run
+        self._errors: dict[int, str] = {}  # rank -> traceback, when the cluster sends one
+        self._log_lock = threading.Lock()
+        self._log_dirty: set[int] = set()
+        self._log_timer: threading.Timer | None = None
+        self._last_log_flush = 0.0
+        self._plot_generation = 0
+        super().__init__([
+            self.header,
+            widgets.HBox([self.start_button, self.restart_button, self.stop_button, self.message]),
+            self.rank_box, self.progress_box, self.plots,
+        ])
+        self.add_class("ddpkit-cluster")
+        self.refresh()
+        cluster.subscribe(self._on_event)
+
+    # ------------------------------------------------------------------ buttons
+    def _act(self, action) -> None:
+        """Run a button's action; a failure is shown in the widget (a click has no cell to raise in)."""
+        for b in (self.start_button, self.restart_button, self.stop_button):
+            b.disabled = True
+        self.message.value = ""
+        try:
+            action()
+        except Exception as exc:
+            log.exception("cluster widget: %s failed", getattr(action, "__name__", action))
+            self.message.value = (f"<span style='color:{STATUS_COLOURS['error']}'>"
+                                  f"{html.escape(type(exc).__name__)}: {html.escape(str(exc))}</span>")
+        finally:
+            self.refresh()
+
+    # ------------------------------------------------------------------ events from the cluster
+    def _on_event(self, kind: str, rank, **fields) -> None:
+        """The cluster's observer: cheap, sets traits only (called from the cluster's threads)."""
+        if kind == "status":
+            if rank is None and any(r.status == "starting" for r in self.cluster.ranks):
+                self._steps.clear()  # fresh ranks: nothing of the old ones' run applies
+                self._errors.clear()
+                self._show_progress()
+            elif rank is not None and self._rank_state(rank) is not None:
+                if self._rank_state(rank).status == "running":  # a new job: forget the last one's
+                    self._steps.pop(rank, None)
+                    self._errors.pop(rank, None)
+                    self._show_progress()
+                tb = fields.get("traceback") or fields.get("error")
+                if isinstance(tb, str):
+                    self._errors[rank] = tb
+            self.refresh()
+        elif kind == "log":
+            self._log_changed(rank)
+        elif kind == "progress":
+            self._steps[rank] = (int(fields["done"]), int(fields["total"]))
+            self._show_progress()
+        elif kind == "results":
+            self.show_results(self.cluster.last_results)
+
+    def _rank_state(self, rank: int):
+        ranks = self.cluster.ranks
+        return ranks[rank] if 0 <= rank < len(ranks) else None
+
+    # ------------------------------------------------------------------ drawing the state
+    def refresh(self) -> None:
+        """Redraw header, buttons, every rank's row and log from the cluster's current state."""
+        c = self.cluster
+        ranks = list(c.ranks)
+        if len(self.rank_status) != len(ranks):
+            self.rank_status = [widgets.HTML() for _ in ranks]
+            self.rank_logs = [widgets.HTML() for _ in ranks]
+            for s in self.rank_status:
+                s.add_class("ddpkit-rank-status")
+            for lg in self.rank_logs:
+                lg.add_class("ddpkit-rank-log")
+            self.rank_box.children = [w for pair in zip(self.rank_status, self.rank_logs) for w in pair]
+        devices = ", ".join(d for d in c.devices if d) or "none (stopped)"
+        self.header.value = (f"<b>ddpkit cluster</b> &middot; world size {c.world_size} &middot; "
+                             f"backend {html.escape(c.backend)} &middot; devices {html.escape(devices)}")
+        statuses = [r.status for r in ranks]
+        stopped = not statuses or all(s == "stopped" for s in statuses)
+        busy = any(s in ("starting", "running") for s in statuses)
+        self.start_button.disabled = not stopped
+        self.restart_button.disabled = busy
+        self.stop_button.disabled = stopped or busy
+        for r in ranks:
+            colour = STATUS_COLOURS.get(r.status, "black")
+            where = f" &middot; pid {r.pid}" if r.pid else ""
+            where += f" &middot; {html.escape(r.device)}" if r.device else ""
+            self.rank_status[r.rank].value = (
+                f"<b>rank {r.rank}</b> <span class='ddpkit-status' style='color:{colour};"
+                f"font-weight:bold'>{r.status}</span>{where}")
+        self.flush_logs(all_ranks=True)
+
+    def _log_changed(self, rank: int) -> None:
+        """Mark a rank's log as changed; send it now or within LOG_INTERVAL_S, coalescing lines."""
+        with self._log_lock:
+            self._log_dirty.add(rank)
+            if self._log_timer is not None:
+                return  # an update is already on its way and will include this line
+            wait = self._last_log_flush + LOG_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                self._log_timer = threading.Timer(wait, self.flush_logs)
+                self._log_timer.daemon = True
+                self._log_timer.start()
+                return
+        self.flush_logs()
+
+    def flush_logs(self, all_ranks: bool = False) -> None:
+        """Send the tail (``log_lines``) of each changed rank's log to its log box."""
+        with self._log_lock:
+            dirty = set(range(len(self.rank_logs))) if all_ranks else self._log_dirty
+            self._log_dirty = set()
+            if self._log_timer is not None:
+                self._log_timer.cancel()
+                self._log_timer = None
+            self._last_log_flush = time.monotonic()
+        for rank in sorted(dirty):
+            state = self._rank_state(rank)
+            if state is None or rank >= len(self.rank_logs):
+                continue
+            lines = _snapshot(state.log)[-self.log_lines:]
+            text = html.escape("\n".join(lines))
+            if rank in self._errors:
+                tb = html.escape(self._errors[rank].rstrip())
+                text += f"\n<span style='color:{STATUS_COLOURS['error']}'>{tb}</span>"
+            self.rank_logs[rank].value = f"<div style='{_LOG_STYLE}'><div>{text}</div></div>" if text else ""
+
+    def _show_progress(self) -> None:
+        """One bar for the run: the slowest rank's steps done, of the total it reported."""
+        steps = dict(self._steps)
+        if not steps:
+            self.progress_box.layout.display = "none"
+            return
+        done = min(d for d, _ in steps.values())
+        total = max(max(t for _, t in steps.values()), 1)
+        self.progress.max = total
+        self.progress.value = min(done, total)
+        self.progress_label.value = f"{done} / {total} steps"
+        self.progress_box.layout.display = "flex"
+
+    # ------------------------------------------------------------------ plots of the last run
+    def show_results(self, results) -> None:
+        """If ``results`` are traces, draw their plots into tabs (in a background thread)."""
+        traces = traces_in(results)
+        self._plot_generation += 1
+        if traces is None:
+            self.plots_done.set()
+            return
+        self.plots_done.clear()
+        threading.Thread(target=self._draw_plots, args=(traces, self._plot_generation),
+                         daemon=True, name="ddpkit-widget-plots").start()
+
+    def _draw_plots(self, traces: list, generation: int) -> None:
+        try:
+            from ddpkit import viz
+
+            records = [e for per_rank in traces for e in per_rank]
+            tabs = []
+            for title, draw in (("bucket fill", viz.plot_bucket_fill),
+                                ("timeline", viz.plot_timeline),
+                                ("memory", viz.plot_memory)):
+                try:
+                    image = widgets.Image(value=_png(draw(records)), format="png")
+                    image.add_class("ddpkit-plot")
+                    tabs.append((title, image))
+                except Exception as exc:  # e.g. a run with no memory samples has no memory plot
+                    tabs.append((title, widgets.HTML(f"<i>no {title} plot: {html.escape(str(exc))}</i>")))
+            if generation != self._plot_generation:
+                return  # a newer run's plots are on their way
+            self.plots.children = [w for _, w in tabs]
+            self.plots.titles = tuple(t for t, _ in tabs)
+            self.plots.selected_index = 0
+            self.plots.layout.display = "flex"
+        except Exception:
+            log.exception("cluster widget: drawing the run's plots failed")
+        finally:
+            if generation == self._plot_generation:
+                self.plots_done.set()
+
+
+def _png(fig) -> bytes:
+    """A matplotlib Figure as PNG bytes; forgotten by pyplot if it was made there (not shown twice)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt = sys.modules.get("matplotlib.pyplot")  # never import pyplot just for this
+    if plt is not None:
+        plt.close(fig)  # a no-op for a Figure pyplot does not manage
+    return buf.getvalue()
