@@ -1,0 +1,200 @@
+"""Memory per rank by category, and what the ZeRO formulas predict for it.
+
+Categories (bytes, per rank):
+- ``parameters``: the tensors ``model.parameters()`` yields (for FSDP: the local shards);
+- ``gradients``: their ``.grad`` tensors (absent after ``zero_grad(set_to_none=True)``);
+- ``optimizer_state``: per-element optimizer state (SGD momentum, Adam's exp_avg and
+  exp_avg_sq); the 0-dim ``step`` counters are left out, as the ZeRO formulas leave them out;
+- ``communication_buffers``: the wrapper's ``comm_buffer_bytes()`` (buckets, gathered flat
+  parameters) where it has one;
+- ``activations``: bytes autograd saved for backward during a forward, measured with
+  ``ActivationMeter`` (``torch.autograd.graph.saved_tensors_hooks``).
+On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocated``.
+
+    with ActivationMeter(model) as act:
+        train_step(model, opt, x, y)
+    recorder.memory(**memory_by_category(model, opt, activations=act))
+
+``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations")
+
+# Which ZeRO stage each ddpkit strategy is, for putting predictions beside measurements.
+STAGE_OF_STRATEGY = {
+    "naive": "DDP", "bucketed": "DDP", "overlapped": "DDP", "torch_ddp": "DDP",
+    "zero1": "ZeRO-1", "fsdp": "ZeRO-3", "torch_fsdp": "ZeRO-3",
+}
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of distinct tensors (a tensor seen twice, e.g. a tied weight, counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _optimizer_state_tensors(optimizer):
+    """Per-element state tensors of an optimizer (or of the optimizer a wrapper holds)."""
+    state = getattr(optimizer, "state", None)
+    if not state and hasattr(optimizer, "optimizer"):  # e.g. a ZeRO-1 wrapper around AdamW
+        state = optimizer.optimizer.state
+    for per_param in (state or {}).values():
+        for v in per_param.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # skip 0-dim "step" counters
+                yield v
+
+
+def model_state_bytes(model, optimizer=None) -> dict[str, int]:
+    """``{parameters, gradients, optimizer_state}`` bytes held by this rank right now."""
+    params = list(model.parameters())
+    return {
+        "parameters": _tensor_bytes(params),
+        "gradients": _tensor_bytes(p.grad for p in params),
+        "optimizer_state": _tensor_bytes(_optimizer_state_tensors(optimizer)) if optimizer is not None else 0,
+    }
+
+
+def memory_by_category(model, optimizer=None, activations=None, device=None) -> dict[str, int]:
+    """Every category this rank can measure (see the module docstring), in bytes."""
+    out = model_state_bytes(model, optimizer)
+    comm = getattr(model, "comm_buffer_bytes", None)
+    out["communication_buffers"] = int(comm()) if callable(comm) else 0
+    if activations is not None:
+        out["activations"] = int(getattr(activations, "peak_bytes", activations))
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if torch.device(device).type == "cuda":
+        out.update(cuda_allocator_bytes(device))
+    return out
+
+
+def record_memory(recorder, model, optimizer=None, activations=None) -> dict[str, int]:
+    """Measure ``memory_by_category`` and send it to ``recorder.memory``; returns it."""
+    sample = memory_by_category(model, optimizer, activations)
+    recorder.memory(**sample)
+    return sample
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward inside a ``with`` block.
+
+    Every tensor saved for backward passes through the pack hook. We count each distinct
+    storage once (a view keeps its whole storage alive, and two saved views of one tensor
+    share it), and skip the model's parameters -- they are saved too (``Linear`` keeps its
+    weight for the input gradient) but are counted as parameters. Saved tensors are freed
+    only as backward consumes them, so the total at the end of one forward is the peak.
+    Wrap one forward (or one training step); ``peak_bytes`` is the result.
+    """
+
+    def __init__(self, model=None):
+        self._skip = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        self._seen: set = set()
+        self.peak_bytes = 0
+        self._hooks = None
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key not in self._seen and key[0] not in self._skip:
+            self._seen.add(key)
+            self.peak_bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._seen = set()  # drop the keys; the byte count stays
+        return False
+
+    def __int__(self):
+        return self.peak_bytes
+
+
+# ----------------------------------------------------------------------------- CUDA only
+def cuda_allocator_bytes(device=None) -> dict[str, int]:
+    """The CUDA caching allocator's live and peak bytes on ``device`` (CUDA only)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_allocator_bytes needs CUDA; on CPU use memory_by_category")
+    return {"cuda_allocated": torch.cuda.memory_allocated(device),
+            "cuda_max_allocated": torch.cuda.max_memory_allocated(device)}
+
+
+def _allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:
+    """The one place ddpkit touches private torch APIs: the allocator's history recorder.
+
+    ``torch.cuda.memory._record_memory_history`` makes the caching allocator keep a stack
+    trace per allocation; ``_dump_snapshot`` writes them as a pickle that
+    https://pytorch.org/memory_viz draws. Both are private (underscored) and may change
+    between torch releases, so nothing else in ddpkit calls them.
+    """
+    from torch.cuda import memory as cuda_memory
+
+    if enabled:
+        cuda_memory._record_memory_history(max_entries=max_entries)
+    else:
+        if path is not None:
+            cuda_memory._dump_snapshot(str(path))
+        cuda_memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def cuda_memory_snapshot(path, max_entries: int = 100_000):
+    """Record every CUDA allocation inside the block; write a snapshot to ``path`` at the end.
+
+    Open the file at https://pytorch.org/memory_viz. CUDA only: raises on CPU.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_memory_snapshot records the CUDA allocator; no CUDA device here")
+    _allocator_history(True, max_entries=max_entries)
+    try:
+        yield path
+    finally:
+        _allocator_history(False, path=path)
+
+
+# ----------------------------------------------------------------------------- ZeRO formulas
+def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes: float = 4,
+                     grad_bytes: float = 4) -> dict[str, dict[str, float]]:
+    """Model-state bytes per rank for DDP and ZeRO-1/2/3 (Rajbhandari et al., 2020).
+
+    Ψ = ``num_params``, N = ``world_size``, K = optimizer-state bytes per parameter. The
+    defaults are fp32 with Adam, as on CPU: parameters 4Ψ, gradients 4Ψ, Adam's two moments
+    8Ψ. The paper's mixed-precision case is ``param_bytes=2, grad_bytes=2, k=12`` (K counts
+    the fp32 master copy too), giving DDP 16Ψ, ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N,
+    ZeRO-3 16Ψ/N.
+    """
+    if world_size < 1 or num_params < 0:
+        raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
+    p, g, o, n = param_bytes * num_params, grad_bytes * num_params, k * num_params, world_size
+    stages = {
+        "DDP": (p, g, o),            # everything replicated
+        "ZeRO-1": (p, g, o / n),     # optimizer state sharded
+        "ZeRO-2": (p, g / n, o / n),  # ... and gradients
+        "ZeRO-3": (p / n, g / n, o / n),  # ... and parameters (FSDP full sharding)
+    }
+    return {name: {"parameters": a, "gradients": b, "optimizer_state": c, "total": a + b + c}
+            for name, (a, b, c) in stages.items()}
+
+
+__all__ = [
+    "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
+    "ActivationMeter", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
+]
