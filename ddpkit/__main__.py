@@ -1,0 +1,454 @@
+"""The command line: the notebooks' experiments without a notebook.
+
+    python -m ddpkit compare --world-size 2 --strategies naive,bucketed,overlapped,zero1,fsdp,torch_ddp,torch_fsdp
+    python -m ddpkit trace --strategy overlapped --world-size 2 --out trace.json   # open in Perfetto
+    python -m ddpkit predict --world-sizes 2,4,8 --network 100GbE                  # the cost model
+
+Every argument is checked before a rank process starts: a typo costs no start-up time.
+Bad arguments exit with code 2 and a message listing what is valid (argparse's convention).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from ddpkit.experiment import STRATEGIES
+
+MODELS = ("mlp", "gpt")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+# --------------------------------------------------------------------------- argument types
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(t) for t in text.split(",") if t.strip()]
+
+
+def _strategy_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown strateg{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"valid: {', '.join(STRATEGIES)}")
+    return list(dict.fromkeys(names))  # keep order, drop repeats
+
+
+def _bucket_cap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB >= 0, got {value}")
+    return value
+
+
+def _check_writable(parser, option: str, path: str | None) -> None:
+    """Fail now, not after minutes of training, when an output file cannot be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{option} {path!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        parser.error(f"{option} {path!r} is not writable")
+
+
+def _check_run_args(parser, args) -> None:
+    """Checks shared by compare and trace, before any process starts."""
+    if args.global_batch_size % args.world_size:
+        parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
+                     f"--world-size {args.world_size} ranks")
+    if args.backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < args.world_size:
+            parser.error(f"--backend nccl needs one GPU per rank: --world-size {args.world_size} but "
+                         f"{gpus} CUDA GPU(s) are visible; use --backend gloo")
+
+
+def _model_kwargs(args) -> dict:
+    """--width/--depth in each model's own terms (MLP: width, depth; TinyGPT: dim, layers)."""
+    out = {}
+    if args.model == "mlp":
+        if args.width:
+            out["width"] = args.width
+        if args.depth:
+            out["depth"] = args.depth
+    else:
+        if args.width:
+            out["dim"] = args.width
+        if args.depth:
+            out["layers"] = args.depth
+    return out
+
+
+def _add_run_args(p, steps: int) -> None:
+    p.add_argument("--world-size", type=_positive_int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="model (default mlp)")
+    p.add_argument("--width", type=_positive_int, default=None,
+                   help="MLP width / TinyGPT dim (default: the model's)")
+    p.add_argument("--depth", type=_positive_int, default=None,
+                   help="MLP depth / TinyGPT layers (default: the model's)")
+    p.add_argument("--steps", type=_positive_int, default=steps, help=f"timed steps per run (default {steps})")
+    p.add_argument("--global-batch-size", type=_positive_int, default=32,
+                   help="samples per step over all ranks (default 32)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0, help="bucket size cap in MiB (default 25)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: nccl with one GPU per rank, else gloo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict}")
+
+    p = sub.add_parser("compare", help="time every strategy on the same model, data and optimizer")
+    _add_run_args(p, steps=10)
+    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES),
+                   help=f"comma-separated, from: {','.join(STRATEGIES)} (default all)")
+    p.add_argument("--rounds", type=_positive_int, default=3,
+                   help="repeat the whole set this many times, interleaved (default 3)")
+    p.add_argument("--json", metavar="PATH", help="write one record per strategy here")
+    p.add_argument("--plot", metavar="PATH", help="write a bar chart (PNG) here")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("trace", help="record one strategy and write a Chrome trace (open in Perfetto)")
+    _add_run_args(p, steps=3)
+    p.add_argument("--strategy", choices=STRATEGIES, required=True)
+    p.add_argument("--out", metavar="PATH", required=True, help="the trace file (.json)")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
+    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES))
+    p.add_argument("--world-sizes", type=_int_list, default=[2, 4, 8], help="comma-separated (default 2,4,8)")
+    p.add_argument("--network", default="loopback",
+                   help="a preset (loopback, 100GbE, nvlink) or ALPHA_US,GBYTES_PER_S, e.g. 20,10")
+    p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0)
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--width", type=_positive_int, default=None)
+    p.add_argument("--depth", type=_positive_int, default=None)
+    p.add_argument("--global-batch-size", type=_positive_int, default=32,
+                   help="split over each world size to profile one rank's compute (default 32)")
+    p.add_argument("--batch-per-rank", type=_positive_int, default=None,
+                   help="weak scaling: this many samples per rank at every size (overrides the global batch)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--fit", action="store_true",
+                   help="first fit alpha and beta on this machine (all_reduce timings on --fit-ranks ranks)")
+    p.add_argument("--fit-ranks", type=_positive_int, default=2)
+    p.add_argument("--plot", metavar="PATH", help="write the predicted scaling to 256 ranks (PNG) here")
+    p.set_defaults(func=cmd_predict)
+    return parser
+
+
+# --------------------------------------------------------------------------- progress
+class _Progress:
+    """A one-line progress bar on stderr, fed by the cluster's progress events from rank 0."""
+
+    def __init__(self, total_runs: int, stream=sys.stderr):
+        self.total_runs, self.stream = total_runs, stream
+        self.run, self.label = 0, ""
+        self.tty = stream.isatty()
+
+    def start(self, label: str) -> None:
+        self.run += 1
+        self.label = label
+        self.show(0, 1)
+
+    def show(self, done: int, total: int) -> None:
+        width = 24
+        fill = int(width * done / max(total, 1))
+        line = (f"[{'#' * fill}{'.' * (width - fill)}] run {self.run}/{self.total_runs} "
+                f"{self.label}: step {done}/{total}")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(79))
+        elif done in (0, total):  # not a terminal (a log): one line per start and end of a run
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def __call__(self, kind, rank, **fields) -> None:
+        if kind == "progress" and rank == 0:
+            self.show(fields["done"], fields["total"])
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
+    """Run a job; a failing strategy (e.g. not written yet) is reported and skipped, not fatal."""
+    import ddpkit
+
+    try:
+        return cluster.run(fn, *args, **kwargs), None
+    except ddpkit.RankError as exc:
+        last = next(iter(exc.failures.values())).strip().splitlines()[-1]
+        if any(r.status == "dead" for r in cluster.ranks):
+            cluster.restart()
+        return None, f"{label} failed: {last}"
+
+
+# --------------------------------------------------------------------------- compare
+def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
+            global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
+            progress=None) -> list[dict]:
+    """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
+    order rotates each round, so slow spells hit every strategy alike), then one short recorded
+    run each for bytes, overlap, memory and equality with one process. One dict per strategy."""
+    from ddpkit.experiment import run_strategy, train_single_process
+
+    n = cluster.world_size
+    common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
+                  optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+    per_round: dict = {s: [] for s in strategies}
+    errors: dict = {}
+    for r in range(rounds):
+        order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+        for s in order:
+            if s in errors:
+                continue
+            if progress:
+                progress.start(f"{s} (round {r + 1}, timing)")
+            results, err = _run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
+            if err:
+                errors[s] = err
+                continue
+            # a step is as slow as its slowest rank
+            per_round[s].append(max(res["ms_per_step"] for res in results))
+
+    warmup = 1
+    reference = train_single_process(model, optimizer, steps=warmup + record_steps,
+                                     global_batch_size=global_batch_size, **(model_kwargs or {}))
+    records = []
+    for s in strategies:
+        if s in errors:
+            records.append(dict(strategy=s, world_size=n, error=errors[s]))
+            continue
+        if progress:
+            progress.start(f"{s} (recorded)")
+        results, err = _run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
+                                    record=True, reference=reference, **common)
+        if err:
+            records.append(dict(strategy=s, world_size=n, error=err))
+            continue
+        r0 = results[0]
+        records.append(dict(
+            strategy=s, world_size=n, model=model, steps=steps, rounds=len(per_round[s]),
+            ms_per_step=statistics.median(per_round[s]),
+            ms_per_step_rounds=per_round[s],
+            comm_bytes_per_step=r0["comm_bytes_per_step"],
+            collectives_per_step=r0["collectives_per_step"],
+            model_state_bytes=max(res["model_state_bytes"] for res in results),
+            peak_bytes=max(res["peak_bytes"] for res in results),
+            overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results),
+            max_param_diff=max(res["max_param_diff"] for res in results),
+        ))
+    _add_ratios(records)
+    return records
+
+
+def _add_ratios(records: list[dict]) -> None:
+    """ms_per_step relative to torch's own wrappers, where they ran (1.2 = 20% slower)."""
+    ok = {r["strategy"]: r for r in records if "error" not in r}
+    for ref in ("torch_ddp", "torch_fsdp"):
+        if ref in ok and ok[ref]["ms_per_step"] > 0:
+            for r in ok.values():
+                r[f"vs_{ref}"] = r["ms_per_step"] / ok[ref]["ms_per_step"]
+
+
+def format_table(records: list[dict]) -> str:
+    cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch_ddp", "{:.2f}x"),
+            ("vs_torch_fsdp", "{:.2f}x"), ("comm_bytes_per_step", "MB"), ("model_state_bytes", "MB"),
+            ("peak_bytes", "MB"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
+    heads = ["strategy", "ms/step", "vs torch_ddp", "vs torch_fsdp", "comm MB/step", "state MB",
+             "peak MB", "overlap", "max |diff|"]
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["strategy"], r["error"]])
+            continue
+        row = []
+        for key, fmt in cols:
+            v = r.get(key)
+            row.append("-" if v is None else f"{v / 1e6:.2f}" if fmt == "MB" else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows if len(row) == len(heads))) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]
+    for row in rows:
+        if len(row) == len(heads):
+            lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        else:
+            lines.append(f"{row[0].rjust(widths[0])}  {row[1]}")
+    return "\n".join(lines)
+
+
+def plot_compare(records: list[dict]):
+    """Bar charts of ms/step, comm bytes/step and model state per strategy (a matplotlib Figure)."""
+    from matplotlib.figure import Figure
+
+    ok = [r for r in records if "error" not in r]
+    fig = Figure(figsize=(9, 3.2), layout="constrained")
+    axes = fig.subplots(1, 3)
+    names = [r["strategy"] for r in ok]
+    for ax, key, label, scale in ((axes[0], "ms_per_step", "ms per step (median)", 1),
+                                  (axes[1], "comm_bytes_per_step", "MB sent per rank per step", 1e6),
+                                  (axes[2], "model_state_bytes", "model state MB per rank", 1e6)):
+        ax.bar(names, [r[key] / scale for r in ok], color="tab:blue")
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelrotation=45)
+    ws = ok[0]["world_size"] if ok else "?"
+    fig.suptitle(f"ddpkit compare: {ws} ranks, model {ok[0]['model'] if ok else '?'}")
+    return fig
+
+
+def cmd_compare(args, parser) -> int:
+    _check_run_args(parser, args)
+    _check_writable(parser, "--json", args.json)
+    _check_writable(parser, "--plot", args.plot)
+    import ddpkit
+
+    progress = _Progress(total_runs=len(args.strategies) * (args.rounds + 1))
+    t0 = time.perf_counter()
+    with ddpkit.Cluster(args.world_size, backend=args.backend) as cluster:
+        cluster.subscribe(progress)
+        records = compare(cluster, args.strategies, model=args.model, model_kwargs=_model_kwargs(args),
+                          steps=args.steps, rounds=args.rounds, global_batch_size=args.global_batch_size,
+                          optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+    progress.close()
+    print(f"{args.world_size} ranks ({cluster.backend}), model {args.model}, {args.steps} steps x "
+          f"{args.rounds} rounds, global batch {args.global_batch_size}, {args.optimizer}; "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_compare(records).savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+    return 1 if all("error" in r for r in records) else 0
+
+
+# --------------------------------------------------------------------------- trace
+def _trace_job(strategy: str, **kwargs) -> dict:
+    """run_strategy with recording on and the records returned (a Cluster job)."""
+    from ddpkit.experiment import run_strategy
+
+    return run_strategy(strategy, record=True, return_records=True, **kwargs)
+
+
+def cmd_trace(args, parser) -> int:
+    _check_run_args(parser, args)
+    _check_writable(parser, "--out", args.out)
+    import ddpkit
+    from ddpkit.trace import to_chrome_trace
+
+    progress = _Progress(total_runs=1)
+    with ddpkit.Cluster(args.world_size, backend=args.backend) as cluster:
+        cluster.subscribe(progress)
+        progress.start(args.strategy)
+        results = cluster.run(_trace_job, args.strategy, model=args.model, model_kwargs=_model_kwargs(args),
+                              steps=args.steps, global_batch_size=args.global_batch_size,
+                              optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb)
+    progress.close()
+    to_chrome_trace([r["records"] for r in results], path=args.out)
+    r0 = results[0]
+    print(f"wrote {args.out}: {args.strategy} on {args.world_size} ranks, {1 + args.steps} steps; "
+          f"{r0['comm_bytes_per_step'] / 1e6:.2f} MB sent per rank per step, overlap "
+          f"{r0['overlap_fraction']:.0%}. Open it at https://ui.perfetto.dev")
+    return 0
+
+
+# --------------------------------------------------------------------------- predict
+def _network(parser, text: str):
+    from ddpkit import costmodel
+
+    if text in costmodel.NETWORKS:
+        return costmodel.NETWORKS[text]
+    try:
+        alpha_us, gbps = (float(t) for t in text.split(","))
+        if alpha_us < 0 or gbps <= 0:
+            raise ValueError
+        return costmodel.Network(f"alpha {alpha_us:g} us, {gbps:g} GB/s", alpha_us * 1e-6, 1 / (gbps * 1e9))
+    except ValueError:
+        parser.error(f"--network {text!r}: valid presets: {', '.join(costmodel.NETWORKS)}, "
+                     "or ALPHA_US,GBYTES_PER_S with both > 0 (e.g. 20,10)")
+
+
+def cmd_predict(args, parser) -> int:
+    from ddpkit import costmodel
+    from ddpkit.experiment import local_batch
+    from ddpkit.models import build_model
+
+    network = None if args.fit else _network(parser, args.network)
+    _check_writable(parser, "--plot", args.plot)
+    if args.batch_per_rank is None:
+        bad = [n for n in args.world_sizes if args.global_batch_size % n]
+        if bad:
+            parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
+                         f"{bad} ranks; use --batch-per-rank for weak scaling")
+    if args.fit:
+        import ddpkit
+
+        with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
+            samples = cluster.run(costmodel.measure_all_reduce)
+        worst = [max(col, key=lambda st: st[1]) for col in zip(*samples)]  # slowest rank per size
+        network = costmodel.fit_network(worst, args.fit_ranks, name="fitted here")
+        print(f"fitted on {args.fit_ranks} ranks: alpha {network.alpha * 1e6:.1f} us, "
+              f"beta {network.beta * 1e9:.3f} ns/byte ({network.gbytes_per_s:.2f} GB/s)")
+        for size, sec in worst:
+            fit = costmodel.collective_time("all_reduce", size, args.fit_ranks, network)
+            print(f"  all_reduce {size / 1024:9.0f} KiB  measured {sec * 1e3:8.3f} ms  fitted {fit * 1e3:8.3f} ms")
+
+    kwargs = _model_kwargs(args)
+    print(f"network {network.name}: alpha {network.alpha * 1e6:.1f} us, {network.gbytes_per_s:.2f} GB/s; "
+          f"bucket cap {args.bucket_cap_mb:g} MiB; model {args.model} {kwargs or ''}")
+    heads = f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  {'MB/step':>8}"
+    print(heads)
+    profiles: dict = {}
+    for n in args.world_sizes:
+        batch = args.batch_per_rank or args.global_batch_size // n
+        if batch not in profiles:  # one rank's compute at this per-rank batch, measured here
+            module = build_model(args.model, **kwargs)
+            x, y = local_batch(module, batch, 0, 0, 1)
+            profiles[batch] = costmodel.profile_model(module, x, y, optimizer=args.optimizer)
+        for s in args.strategies:
+            p = costmodel.simulate(s, profiles[batch], n, network, args.bucket_cap_mb)
+            print(f"{n:>5}  {s:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  {p.exposed_comm_ms:12.2f}  "
+                  f"{p.comm_bytes_per_step / 1e6:8.2f}")
+    if args.plot:
+        batch = args.batch_per_rank or args.global_batch_size // max(args.world_sizes)
+        profile = profiles.get(batch) or next(iter(profiles.values()))
+        nets = {net.name: net for net in (network, costmodel.NETWORKS["100GbE"], costmodel.NETWORKS["nvlink"])}
+        fig = costmodel.plot_scaling(profile, strategies=args.strategies, networks=list(nets.values()))
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
