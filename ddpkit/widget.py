@@ -56,23 +56,23 @@ def _snapshot(lines) -> list[str]:
     return []
 
 
-def traces_in(results) -> list | None:
-    """The per-rank traces in a run's results, or None when the results are not traces.
+def trace_of(results):
+    """The run's merged ``ddpkit.trace.Trace`` if ``results`` are traces, else None.
 
-    A run is traced when every rank returned a ``ddpkit.trace.Recorder`` (it has ``.records``) or
-    a list of its records; we hand the viz functions one list of records per rank.
+    A run is traced when every rank returned a ``Trace`` (``recorder.trace()``), a ``Recorder``,
+    or a list of ``Record``; the ranks' records are merged into one Trace for the plots.
     """
+    from ddpkit.trace import Record, Recorder, Trace
+
     if not isinstance(results, (list, tuple)) or not results:
         return None
-    traces = []
-    for r in results:
-        records = getattr(r, "records", r)
-        if not isinstance(records, (list, tuple)):
+    for part in results:
+        if isinstance(part, (Trace, Recorder)):
+            continue
+        if not (isinstance(part, (list, tuple)) and all(isinstance(r, Record) for r in part)):
             return None
-        if records and not all(hasattr(e, "rank") for e in records):
-            return None
-        traces.append(records)
-    return traces if any(traces) else None
+    trace = Trace.merge(results)
+    return trace if trace.records else None
 
 
 class ClusterWidget(widgets.VBox):
@@ -86,9 +86,8 @@ class ClusterWidget(widgets.VBox):
         self.restart_button = widgets.Button(description="restart", icon="refresh",
                                              tooltip="stop every rank and start fresh ones")
         self.stop_button = widgets.Button(description="stop", icon="stop", tooltip="stop every rank")
-        for button, action in ((self.start_button, cluster.start),
-                               (self.restart_button, cluster.restart),
-                               (self.stop_button, cluster.shutdown)):
+        for button, action in ((self.start_button, "start"), (self.restart_button, "restart"),
+                               (self.stop_button, "shutdown")):
             button.on_click(lambda _b, action=action: self._act(action))
             button.layout.width = "auto"
         self.message = widgets.HTML()  # why the last button press failed, if it did
@@ -109,6 +108,7 @@ class ClusterWidget(widgets.VBox):
         self._log_timer: threading.Timer | None = None
         self._last_log_flush = 0.0
         self._plot_generation = 0
+        self._closed = False
         super().__init__([
             self.header,
             widgets.HBox([self.start_button, self.restart_button, self.stop_button, self.message]),
@@ -119,23 +119,33 @@ class ClusterWidget(widgets.VBox):
         cluster.subscribe(self._on_event)
 
     # ------------------------------------------------------------------ buttons
-    def _act(self, action) -> None:
-        """Run a button's action; a failure is shown in the widget (a click has no cell to raise in)."""
+    def _act(self, action: str) -> None:
+        """Call ``cluster.<action>()`` for a button; a failure is shown here (a click has no cell to raise in)."""
         for b in (self.start_button, self.restart_button, self.stop_button):
             b.disabled = True
         self.message.value = ""
         try:
-            action()
+            getattr(self.cluster, action)()
         except Exception as exc:
-            log.exception("cluster widget: %s failed", getattr(action, "__name__", action))
+            log.exception("cluster widget: %s failed", action)
             self.message.value = (f"<span style='color:{STATUS_COLOURS['error']}'>"
                                   f"{html.escape(type(exc).__name__)}: {html.escape(str(exc))}</span>")
         finally:
             self.refresh()
 
     # ------------------------------------------------------------------ events from the cluster
+    def close(self) -> None:
+        """Close the widget and stop following the cluster."""
+        self._closed = True
+        unsubscribe = getattr(getattr(self, "cluster", None), "unsubscribe", None)
+        if unsubscribe is not None:
+            unsubscribe(self._on_event)
+        super().close()
+
     def _on_event(self, kind: str, rank, **fields) -> None:
         """The cluster's observer: cheap, sets traits only (called from the cluster's threads)."""
+        if self._closed:
+            return
         if kind == "status":
             if rank is None and any(r.status == "starting" for r in self.cluster.ranks):
                 self._steps.clear()  # fresh ranks: nothing of the old ones' run applies
@@ -243,26 +253,25 @@ class ClusterWidget(widgets.VBox):
     # ------------------------------------------------------------------ plots of the last run
     def show_results(self, results) -> None:
         """If ``results`` are traces, draw their plots into tabs (in a background thread)."""
-        traces = traces_in(results)
+        trace = trace_of(results)
         self._plot_generation += 1
-        if traces is None:
+        if trace is None:
             self.plots_done.set()
             return
         self.plots_done.clear()
-        threading.Thread(target=self._draw_plots, args=(traces, self._plot_generation),
+        threading.Thread(target=self._draw_plots, args=(trace, self._plot_generation),
                          daemon=True, name="ddpkit-widget-plots").start()
 
-    def _draw_plots(self, traces: list, generation: int) -> None:
+    def _draw_plots(self, trace, generation: int) -> None:
         try:
             from ddpkit import viz
 
-            records = [e for per_rank in traces for e in per_rank]
             tabs = []
             for title, draw in (("bucket fill", viz.plot_bucket_fill),
                                 ("timeline", viz.plot_timeline),
                                 ("memory", viz.plot_memory)):
                 try:
-                    image = widgets.Image(value=_png(draw(records)), format="png")
+                    image = widgets.Image(value=_png(draw(trace)), format="png")
                     image.add_class("ddpkit-plot")
                     tabs.append((title, image))
                 except Exception as exc:  # e.g. a run with no memory samples has no memory plot
