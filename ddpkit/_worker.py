@@ -1,38 +1,100 @@
-"""The rank side of a Cluster: ``python -m ddpkit._worker``, one fresh interpreter per rank.
+"""The rank side of a Cluster: ``main()``, run in one fresh interpreter per rank.
 
 Start-up, in order:
 1. read one JSON line of configuration from stdin (rank, world size, backend, the parent's
-   job address and its random key, the TCPStore port, the parent's sys.path and cwd);
+   job address and its random key, the TCPStore port, the parent's sys.path);
 2. keep reading stdin in a thread: the parent holds the other end, so end-of-file means the
    parent is gone (even after SIGKILL) and the worker exits at once (no orphans);
-3. connect back to the parent over loopback, proving it knows the key (HMAC challenge by
-   ``multiprocessing.connection``), and say hello;
+3. connect back to the parent over loopback and prove, both ways, that each side knows the
+   cluster's random key (HMAC challenges, see ``handshake``), then say hello;
 4. join the process group through the parent's TCPStore, then report ready.
 Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
 the pickled result or the formatted traceback.
 
+Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
+stop button is pressed, or when another rank failed and this one may be stuck). Between jobs
+a stray SIGINT is ignored, so it cannot kill an idle rank.
+
 A worker is a whole process, so it holds a little process-wide state (``_context``): the
-connection to the parent, which ``ddpkit.progress()`` uses to report from inside a job.
+connection to the parent, which ``ddpkit.progress()`` uses to report from inside a job, and
+the namespace ``%%ranks`` cells run in.
 """
 from __future__ import annotations
 
+import ast
+import faulthandler
+import hashlib
+import hmac
 import io
 import json
+import linecache
 import os
+import signal
+import socket
 import sys
 import threading
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import Client
+from multiprocessing.connection import Connection
+
+# ---------------------------------------------------------------------- the handshake
+# Both ends of the job channel run this. Nothing is unpickled before it succeeds, so a
+# process that does not know the key can connect but never get anything executed.
+_NONCE = 32           # bytes of random challenge
+_DIGEST = 32          # bytes of HMAC-SHA256
+HANDSHAKE_TIMEOUT = 5.0  # seconds a peer gets to answer; a silent client cannot stall anyone
 
 
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection during the handshake")
+        buf += chunk
+    return buf
+
+
+def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, role + nonce, hashlib.sha256).digest()
+
+
+def handshake(sock: socket.socket, key: bytes, server: bool) -> Connection:
+    """Mutual HMAC challenge over a fresh socket; returns it as a multiprocessing Connection.
+
+    The server (parent) sends a nonce; the client answers HMAC(key, b"client"+nonce) and its
+    own nonce; the server checks, then answers HMAC(key, b"server"+client_nonce). The role
+    prefix stops a peer from reflecting one side's challenge back at it. Raises
+    ``PermissionError`` on a wrong answer, ``OSError``/``ConnectionError`` on silence.
+    """
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    if server:
+        nonce = os.urandom(_NONCE)
+        sock.sendall(nonce)
+        answer, their_nonce = _recv_exact(sock, _DIGEST), _recv_exact(sock, _NONCE)
+        if not hmac.compare_digest(answer, _mac(key, b"client", nonce)):
+            raise PermissionError("wrong key")
+        sock.sendall(_mac(key, b"server", their_nonce))
+    else:
+        nonce = _recv_exact(sock, _NONCE)
+        mine = os.urandom(_NONCE)
+        sock.sendall(_mac(key, b"client", nonce) + mine)
+        if not hmac.compare_digest(_recv_exact(sock, _DIGEST), _mac(key, b"server", mine)):
+            raise PermissionError("the parent did not prove it knows the key")
+    sock.settimeout(None)  # from here on: blocking reads of length-prefixed pickles
+    return Connection(sock.detach())
+
+
+# ---------------------------------------------------------------------- the rank's context
 class _Context:
     """What a running job may need from its worker: the channel back to the parent."""
 
     def __init__(self, conn, rank: int):
         self.conn, self.rank = conn, rank
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # job thread and helper threads may both print
         self.namespace: dict = {"__name__": "__ranks__"}  # %%ranks cells share this per rank
+        self.running = False          # SIGINT raises KeyboardInterrupt only while True
+        self.cells = 0
 
     def send(self, msg) -> None:
         with self.lock:
@@ -52,8 +114,8 @@ class _ChannelWriter(io.TextIOBase):
     """sys.stdout/sys.stderr of a worker: each line goes to the parent over the job channel.
 
     Sharing the channel with results keeps order: everything a job printed reaches the parent
-    before the job's result does. Output written below Python (C++ warnings to fd 1/2) still
-    goes to the process's pipes, which the parent also reads.
+    before the job's result does. Output written below Python (C++ warnings to fd 1/2, a
+    segfault's dump) still goes to the process's pipes, which the parent also reads.
     """
 
     def __init__(self, stream: str):
@@ -76,10 +138,55 @@ class _ChannelWriter(io.TextIOBase):
             _context.send(("out", self.stream, line))
 
 
+def _on_sigint(signum, frame) -> None:
+    # The parent interrupts a job with SIGINT; an idle rank ignores it (a stray Ctrl-C, or an
+    # interrupt that arrived just after the job ended). A rank blocked inside a C++
+    # collective only sees this when the call returns; the parent kills it if that is too late.
+    if _context is not None and _context.running:
+        raise KeyboardInterrupt
+
+
 def _exit_when_parent_dies(stdin) -> None:
     while stdin.read(65536):
         pass
     os._exit(0)
+
+
+def _is_distributed_failure(exc: BaseException) -> bool:
+    """Did the error come out of torch.distributed (a timed-out or broken collective)?
+
+    Then the process group is suspect and the parent restarts the ranks. gloo reports a
+    timeout as a plain RuntimeError, so besides ``DistError`` look at where it was raised.
+    """
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and "torch" + os.sep + "distributed" in last.tb_frame.f_code.co_filename
+
+
+def run_cell(source: str):
+    """Run a ``%%ranks`` cell in this rank's persistent namespace; repr of a trailing expression.
+
+    Like IPython: the statements run in order, and if the last one is an expression its
+    value comes back (as text, so any object can be shown, picklable or not).
+    """
+    _context.cells += 1
+    filename = f"<%%ranks cell {_context.cells}>"
+    # linecache lets tracebacks show the cell's lines, as they do for files.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename, "exec")
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    ns = _context.namespace
+    exec(compile(tree, filename, "exec"), ns)
+    if last is None:
+        return None
+    value = eval(compile(ast.Expression(last.value), filename, "eval"), ns)
+    return None if value is None else repr(value)
 
 
 def _pickle(obj) -> bytes:
@@ -93,12 +200,15 @@ def main() -> None:
     stdin = sys.stdin.buffer
     cfg = json.loads(stdin.readline())
     threading.Thread(target=_exit_when_parent_dies, args=(stdin,), daemon=True).start()
+    signal.signal(signal.SIGINT, _on_sigint)
+    faulthandler.enable(file=sys.__stderr__)  # a segfault's Python stack goes to the stderr pipe
     for path in reversed(cfg["sys_path"]):
         if path not in sys.path:
             sys.path.insert(0, path)
     rank, world_size = cfg["rank"], cfg["world_size"]
 
-    conn = Client(tuple(cfg["address"]), authkey=bytes.fromhex(cfg["authkey"]))
+    sock = socket.create_connection(tuple(cfg["address"]), timeout=HANDSHAKE_TIMEOUT)
+    conn = handshake(sock, bytes.fromhex(cfg["authkey"]), server=False)
     conn.send(("hello", rank, cfg["generation"], os.getpid()))
     _context = _Context(conn, rank)
     sys.stdout, sys.stderr = _ChannelWriter("stdout"), _ChannelWriter("stderr")
@@ -109,8 +219,10 @@ def main() -> None:
     try:
         if cfg["backend"] == "nccl":
             torch.cuda.set_device(rank)
+        # The store waits longer than a collective does: ranks that import torch at
+        # different speeds on a loaded machine must still meet.
         store = dist.TCPStore(cfg["store_host"], cfg["store_port"], is_master=False,
-                              timeout=timedelta(seconds=cfg["timeout"]))
+                              timeout=timedelta(seconds=max(cfg["timeout"], 60.0)))
         dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["timeout"]))
         device = f"cuda:{rank}" if cfg["backend"] == "nccl" else "cpu"
@@ -131,17 +243,22 @@ def main() -> None:
         if msg[0] != "run":
             continue
         try:
+            _context.running = True
             fn, args, kwargs = cloudpickle.loads(msg[1])
             result = fn(*args, **kwargs)
+            _context.running = False
         except BaseException as exc:  # KeyboardInterrupt too: the parent asked us to stop
+            _context.running = False
             sys.stdout.flush(); sys.stderr.flush()
-            conn_msg = ("error", traceback.format_exc(), type(exc).__name__)
+            conn_msg = ("error", traceback.format_exc(), type(exc).__name__,
+                        _is_distributed_failure(exc))
         else:
             try:
                 conn_msg = ("result", _pickle(result))
             except Exception as exc:
-                conn_msg = ("error", f"the result of rank {rank} ({type(result).__name__}) cannot be "
-                            f"pickled to send back: {exc}", "PicklingError")
+                conn_msg = ("error", f"the result of rank {rank} (a {type(result).__name__}) "
+                            f"cannot be pickled to send back: {type(exc).__name__}: {exc}",
+                            "PicklingError", False)
         sys.stdout.flush(); sys.stderr.flush()
         _context.send(conn_msg)
 
@@ -152,4 +269,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # The Cluster starts workers with ``-c "from ddpkit._worker import main; main()"``; under
+    # ``python -m`` this file would be ``__main__``, a second copy of the module, so run the
+    # importable copy's main(), whose ``_context`` ``ddpkit.progress()`` and ``%%ranks`` see.
+    from ddpkit._worker import main as _main
+
+    _main()

@@ -3,19 +3,32 @@
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
 
-Each rank is a fresh interpreter (``python -m ddpkit._worker``), not a multiprocessing child:
+Each rank is a fresh interpreter (``python -c WORKER_MAIN``), not a multiprocessing child:
 spawn would re-import the caller's ``__main__``, which breaks plain scripts without an
 ``if __name__ == "__main__"`` guard. Workers stay alive between jobs, so a notebook pays the
 start-up (importing torch, joining the group) once, not per experiment.
 
 Channels, all local:
-- the job channel: a ``multiprocessing.connection`` over loopback, authenticated with a
-  random key per cluster (HMAC challenge), carrying jobs, results, tracebacks, printed lines
-  and progress events. A connection that fails the challenge is refused and logged.
+- the job channel: a socket on loopback (127.0.0.1, port chosen by the OS). Each connection
+  must first pass a mutual HMAC challenge with a random key made per cluster start
+  (``_worker.handshake``), in its own thread with a time limit, so a stranger that connects
+  and says nothing cannot stall the others. Only then is anything unpickled. A connection
+  that fails is refused and logged (logger ``ddpkit.cluster``). It carries jobs, results,
+  tracebacks, printed lines and progress events.
 - the process group's rendezvous: a ``TCPStore`` hosted here in the parent on a port the OS
   picks (port 0), so there is no race for a "free port".
 - each worker's stdin: held open by the parent; when it closes (the parent died, even by
   SIGKILL) the worker exits.
+
+Faults. A job that raises on some ranks gives ``RankError`` with each rank's traceback. If
+other ranks are still running a second after the first failure they are probably stuck in a
+collective waiting for the failed rank: they get SIGINT, and are killed if that does not stop
+them within two seconds (a rank blocked inside a C++ collective cannot run Python's signal
+handler). Whenever the process group cannot be trusted any more (a rank died or was killed,
+or an error came out of torch.distributed, e.g. a collective that timed out after
+``timeout`` seconds), the cluster restarts its ranks before raising, and says so in the error:
+the next ``run()`` works, but what the ranks held is gone. Plain Python errors leave the ranks
+as they were.
 """
 from __future__ import annotations
 
@@ -25,32 +38,62 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import wait
 
 import cloudpickle
+
+from ddpkit._worker import HANDSHAKE_TIMEOUT, handshake
 
 log = logging.getLogger("ddpkit.cluster")
 
 BACKENDS = ("auto", "gloo", "nccl")
 STATUSES = ("starting", "idle", "running", "error", "dead", "stopped")
+GRACE_S = 1.0        # after a rank fails, how long the others may keep running before SIGINT
+KILL_AFTER_S = 2.0
+# Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
+# beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
+WORKER_MAIN = "from ddpkit._worker import main; main()"   # after SIGINT, how long before a rank that did not stop is killed
+
+RESTARTED = ("the process group could not be trusted after this (a rank died or was stopped, or "
+             "a collective failed or timed out), so the cluster restarted its ranks: the next "
+             "run() gets a fresh process group, and anything the ranks held (%%ranks variables, "
+             "models) is gone")
+UNCHANGED = "the other ranks are unaffected; the cluster is ready for the next run()"
 
 
 class RankError(RuntimeError):
-    """One or more ranks failed; ``.failures`` maps each failed rank to its traceback text."""
+    """One or more ranks failed; ``.failures`` maps each failed rank to its traceback text.
 
-    def __init__(self, failures: dict[int, str], note: str = ""):
+    ``.stopped`` maps the ranks the cluster had to interrupt or kill *because* of those
+    failures (usually stuck in a collective) to what they were doing; ``.note`` says what
+    happened to the cluster afterwards.
+    """
+
+    def __init__(self, failures: dict[int, str], note: str = "", stopped: dict[int, str] | None = None):
         self.failures = dict(sorted(failures.items()))
+        self.stopped = dict(sorted((stopped or {}).items()))
         self.ranks = list(self.failures)
-        head = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))} failed"
-        parts = [head + (f" ({note})" if note else "")]
+        self.note = note
+        s = "s" if len(self.ranks) > 1 else ""
+        head = f"rank{s} {', '.join(map(str, self.ranks))} failed"
+        if self.stopped:
+            head += f"; stopped rank(s) {', '.join(map(str, self.stopped))} that were still running"
+        parts = [head]
         for r, tb in self.failures.items():
             parts.append(f"--- rank {r} ---\n{tb.rstrip()}")
+        for r, tb in self.stopped.items():
+            parts.append(f"--- rank {r} (stopped after rank{s} {', '.join(map(str, self.ranks))} "
+                         f"failed) ---\n{tb.rstrip()}")
+        if note:
+            parts.append(f"[ddpkit] {note}")
         super().__init__("\n".join(parts))
 
 
@@ -64,6 +107,19 @@ class RankState:
     device: str = ""
     log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))
     progress: tuple[int, int] | None = None
+
+
+@dataclass
+class _Job:
+    """One run() in flight: which ranks are still running, and what came back so far."""
+
+    pending: dict                                 # rank -> connection, ranks still running
+    results: dict = field(default_factory=dict)   # rank -> result
+    failures: dict = field(default_factory=dict)  # rank -> traceback: the job failed there
+    stopped: dict = field(default_factory=dict)   # rank -> text: we interrupted or killed it
+    broken: bool = False                          # the process group is suspect: restart
+    first_failure: float | None = None
+    interrupted_at: float | None = None
 
 
 def _resolve_backend(backend: str, world_size: int) -> str:
@@ -82,26 +138,60 @@ def _resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "it is still running"
+    if code < 0:
+        try:
+            return f"it was killed by signal {signal.Signals(-code).name} ({signal.strsignal(-code)})"
+        except ValueError:
+            return f"it was killed by signal {-code}"
+    return f"it exited with code {code}"
+
+
+def _is_learner_module(name: str, module, root: str, installed: tuple[str, ...]) -> bool:
+    """Is ``module`` the learner's own code (a .py file under ``root``, not installed, not ddpkit)?"""
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py") or name.split(".")[0] in ("ddpkit", "__main__"):
+        return False
+    path = os.path.realpath(path)
+    if not path.startswith(root) or path.startswith(installed):
+        return False
+    return not {"site-packages", "dist-packages"} & set(path.split(os.sep))
+
+
+def _picklable(obj) -> bool:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
 class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.world_size = world_size
         self.backend = _resolve_backend(backend, world_size)
         self.timeout = float(timeout)
         self.ranks: list[RankState] = []
         self.last_results: list | None = None
+        self._created = time.monotonic_ns()  # %%ranks picks the newest live cluster
         self._observers: list = []
         self._procs: list[subprocess.Popen] = []
+        self._readers: list[list[threading.Thread]] = []
+        self._stderr_tail: list[collections.deque] = []  # fd-level stderr: a crash's last words
         self._conns: dict = {}
         self._generation = 0
         self._lines: queue.Queue = queue.Queue()
-        self._listener = None
-        self._lock = threading.Lock()
+        self._listen_sock: socket.socket | None = None
+        self._stop_accepting = threading.Event()
+        self._module_verdicts: tuple[str, dict] = ("", {})
         self.start()
 
     # ------------------------------------------------------------------ life cycle
@@ -109,72 +199,123 @@ class Cluster:
     def devices(self) -> list[str]:
         return [r.device for r in self.ranks]
 
+    def _alive(self) -> bool:
+        return bool(self._procs)
+
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         import torch.distributed as dist
 
+        import ddpkit
+
         if self._procs:
             raise RuntimeError("the cluster is already running; use restart()")
         self._generation += 1
-        self._authkey = os.urandom(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        authkey = os.urandom(32)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # loopback only: nothing off this machine can reach it
+        sock.listen(64)
+        self._listen_sock, self._stop_accepting = sock, threading.Event()
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.timeout))
+                                    timeout=timedelta(seconds=max(self.timeout, 60.0)))
         self.ranks = [RankState(r) for r in range(self.world_size)]
         self._notify("status", None)
         hello: queue.Queue = queue.Queue()
-        threading.Thread(target=self._accept_loop, args=(self._listener, hello, self._generation),
+        threading.Thread(target=self._accept_loop,
+                         args=(sock, authkey, hello, self._generation, self._stop_accepting),
                          daemon=True, name="ddpkit-accept").start()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # The workers run the same ddpkit as this process, wherever it was imported from.
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(ddpkit.__file__)))
+        pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
+        self._readers, self._stderr_tail = [], []
         for r in range(self.world_size):
-            proc = subprocess.Popen([sys.executable, "-m", "ddpkit._worker"], stdin=subprocess.PIPE,
+            # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
+            # parent decides which ranks to interrupt.
+            proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                     cwd=os.getcwd(), start_new_session=True)
             cfg = dict(rank=r, world_size=self.world_size, backend=self.backend,
-                       address=list(self._listener.address), authkey=self._authkey.hex(),
+                       address=list(sock.getsockname()), authkey=authkey.hex(),
                        generation=self._generation, store_host="127.0.0.1",
                        store_port=self._store.port, timeout=self.timeout, sys_path=sys.path)
             proc.stdin.write((json.dumps(cfg) + "\n").encode())
             proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
             self._procs.append(proc)
             self.ranks[r].pid = proc.pid
-            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-                threading.Thread(target=self._read_pipe, args=(r, name, pipe), daemon=True,
-                                 name=f"ddpkit-rank{r}-{name}").start()
+            self._stderr_tail.append(collections.deque(maxlen=40))
+            readers = [threading.Thread(target=self._read_pipe, args=(r, name, pipe, self._generation),
+                                        daemon=True, name=f"ddpkit-rank{r}-{name}")
+                       for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+            for t in readers:
+                t.start()
+            self._readers.append(readers)
         try:
             self._wait_ready(hello)
         except BaseException:
             self._kill_all()
+            for r in self.ranks:
+                r.status = "dead"
+            self._notify("status", None)
             raise
 
-    def _accept_loop(self, listener, hello: queue.Queue, generation: int) -> None:
-        while True:
+    def _accept_loop(self, sock, authkey: bytes, hello: queue.Queue, generation: int,
+                     stop: threading.Event) -> None:
+        # accept() with a short timeout so that shutdown() ends this thread (closing a socket
+        # does not wake a thread blocked in accept() on every platform).
+        sock.settimeout(0.25)
+        while not stop.is_set():
             try:
-                conn = listener.accept()
+                peer, addr = sock.accept()
+            except socket.timeout:
+                continue
             except OSError:
-                return  # listener closed: shutdown()
-            except Exception as exc:  # AuthenticationError and friends: not one of ours
-                log.warning("refused a connection to the cluster's job channel: %s", exc)
-                continue
-            try:
-                kind, rank, gen, pid = conn.recv()
-                if kind != "hello" or gen != generation or not 0 <= rank < self.world_size:
-                    raise ValueError("unexpected hello")
-            except Exception as exc:
-                log.warning("refused a connection with a bad hello: %s", exc)
-                conn.close()
-                continue
-            hello.put((rank, conn))
+                return  # the socket was closed: shutdown()
+            # One thread per connection: a client that connects and says nothing only
+            # stalls its own thread, for at most HANDSHAKE_TIMEOUT seconds.
+            threading.Thread(target=self._admit, args=(peer, addr, authkey, hello, generation),
+                             daemon=True, name="ddpkit-handshake").start()
+
+    def _admit(self, peer, addr, authkey: bytes, hello: queue.Queue, generation: int) -> None:
+        where = f"{addr[0]}:{addr[1]}"
+        try:
+            conn = handshake(peer, authkey, server=True)
+        except PermissionError:
+            log.warning("refused a connection to the cluster's job channel from %s: "
+                        "it does not know the cluster's key", where)
+            peer.close()
+            return
+        except OSError as exc:  # includes a silent client's timeout and a closed connection
+            log.warning("refused a connection to the cluster's job channel from %s: no valid "
+                        "handshake within %.0f s (%s)", where, HANDSHAKE_TIMEOUT, exc)
+            peer.close()
+            return
+        try:  # authenticated: one of our workers, which now says who it is
+            if not conn.poll(HANDSHAKE_TIMEOUT):
+                raise TimeoutError("no hello")
+            kind, rank, gen, pid = conn.recv()
+            if kind != "hello" or gen != generation or not 0 <= rank < self.world_size:
+                raise ValueError(f"unexpected hello {(kind, rank, gen)!r}")
+        except Exception as exc:
+            log.warning("refused a connection from %s with a bad hello: %s", where, exc)
+            conn.close()
+            return
+        hello.put((rank, pid, conn))
 
     def _wait_ready(self, hello: queue.Queue) -> None:
-        deadline = time.monotonic() + max(self.timeout, 30.0)
+        deadline = time.monotonic() + max(self.timeout, 60.0)
         while len(self._conns) < self.world_size:
             self._check_startup_alive()
             try:
-                rank, conn = hello.get(timeout=0.05)
+                rank, pid, conn = hello.get(timeout=0.05)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not connect within {deadline:.0f} s")
+                    raise TimeoutError(f"ranks did not connect within {max(self.timeout, 60.0):.0f} s")
+                continue
+            if pid != self._procs[rank].pid or rank in self._conns.values():
+                log.warning("refused a hello claiming rank %d from pid %d (rank %d is pid %d)",
+                            rank, pid, rank, self._procs[rank].pid)
+                conn.close()
                 continue
             self._conns[conn] = rank
         pending = set(self._conns)
@@ -182,7 +323,10 @@ class Cluster:
             self._check_startup_alive()
             for conn in wait(list(pending), timeout=0.05):
                 rank = self._conns[conn]
-                msg = conn.recv()
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    continue  # it died: _check_startup_alive reports it with its output
                 if msg[0] == "out":
                     self._line(rank, msg[1], msg[2])
                     continue
@@ -191,17 +335,20 @@ class Cluster:
                 self.ranks[rank].device = msg[2]["device"]
                 self.ranks[rank].status = "idle"
                 pending.discard(conn)
+            self._flush_lines()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not join the process group within {deadline:.0f} s")
+                raise TimeoutError(f"ranks did not join the process group within "
+                                   f"{max(self.timeout, 60.0):.0f} s")
         self._notify("status", None)
 
     def _check_startup_alive(self) -> None:
         for r, p in enumerate(self._procs):
             if p.poll() is not None:
-                time.sleep(0.2)  # let the pipe readers catch the last lines
+                for t in self._readers[r]:
+                    t.join(timeout=1.0)  # let the pipe readers catch the last lines
                 tail = "\n".join(self.ranks[r].log) or "(no output)"
-                raise RankError({r: f"the worker exited with code {p.returncode} while starting:\n{tail}"},
-                                "while starting")
+                raise RankError({r: f"the worker exited while starting: {_how_it_ended(p.returncode)}"
+                                    f"\n{tail}"}, "while starting")
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -217,6 +364,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
         self._kill_all()
+        self._flush_lines()
         for r in self.ranks:
             r.status = "stopped"
         self._notify("status", None)
@@ -226,6 +374,10 @@ class Cluster:
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for readers in self._readers:
+            for t in readers:
+                t.join(timeout=1.0)  # the pipes reach end-of-file once the process is gone
+        for p in self._procs:
             for f in (p.stdin, p.stdout, p.stderr):
                 try:
                     f.close()
@@ -233,10 +385,11 @@ class Cluster:
                     pass
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], {}
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._procs, self._conns, self._readers = [], {}, []
+        self._stop_accepting.set()
+        if self._listen_sock is not None:
+            self._listen_sock.close()
+            self._listen_sock = None
         self._store = None
 
     def restart(self) -> None:
@@ -258,7 +411,8 @@ class Cluster:
 
     def __repr__(self) -> str:
         states = ", ".join(r.status for r in self.ranks)
-        return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, ranks=[{states}])"
+        return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
+                f"devices={self.devices}, ranks=[{states}])")
 
     # ------------------------------------------------------------------ jobs
     def run(self, fn, *args, **kwargs) -> list:
@@ -267,102 +421,202 @@ class Cluster:
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         if not self._procs:
             raise RuntimeError("the cluster is shut down; call cluster.start() or cluster.restart()")
+        for r, p in enumerate(self._procs):
+            if p.poll() is not None and self.ranks[r].status != "dead":
+                self._set_status(r, "dead")
+                log.warning("rank %d died while idle: %s", r, _how_it_ended(p.returncode))
         dead = [r.rank for r in self.ranks if r.status == "dead"]
         if dead:
-            raise RuntimeError(f"rank(s) {dead} are dead; call cluster.restart() first")
+            raise RuntimeError(f"rank(s) {dead} are dead (they died between jobs); "
+                               "call cluster.restart() first")
+        payload = self._pickle_job(fn, args, kwargs)
+        self._flush_lines()
+        job = _Job(pending={})
         try:
-            payload = cloudpickle.dumps((fn, args, kwargs))
-        except Exception as exc:
-            raise TypeError(
-                f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
-                f"cloudpickle could not pickle them ({type(exc).__name__}: {exc}). Jobs cannot "
-                "capture open files, locks, sockets, generators or the Cluster itself."
-            ) from exc
-        self._flush_lines()
-        by_rank = {rank: conn for conn, rank in self._conns.items()}
-        for rank, conn in by_rank.items():
-            conn.send(("run", payload))
-            self._set_status(rank, "running")
-        results, failures = self._collect(by_rank)
-        self._flush_lines()
-        if failures:
-            raise RankError(failures)
-        self.last_results = [results[r] for r in range(self.world_size)]
+            for conn, rank in self._conns.items():
+                self._stderr_tail[rank].clear()
+                conn.send(("run", payload))
+                job.pending[rank] = conn
+                self._set_status(rank, "running")
+            self._collect(job)
+        except KeyboardInterrupt:
+            self._on_keyboard_interrupt(job)
+            raise
+        finally:
+            self._flush_lines()
+        if job.failures:
+            note = UNCHANGED
+            if job.broken:
+                note = RESTARTED
+                try:
+                    self.restart()
+                except Exception as exc:
+                    note = (f"the process group could not be trusted after this, and restarting "
+                            f"the ranks failed too ({type(exc).__name__}: {exc}); call cluster.restart()")
+            raise RankError(job.failures, note, job.stopped)
+        self.last_results = [job.results[r] for r in range(self.world_size)]
         self._notify("results", None)
         return self.last_results
 
-    def _collect(self, by_rank: dict) -> tuple[dict, dict]:
-        pending = dict(by_rank)
-        results, failures = {}, {}
-        first_failure = None
-        interrupted_at = None
-        grace = min(self.timeout, 10.0)
-        while pending:
-            try:
-                ready = wait(list(pending.values()), timeout=0.05)
-            except KeyboardInterrupt:
-                self._interrupt(pending, failures, "interrupted (KeyboardInterrupt)")
-                raise
-            self._flush_lines()
-            for conn in ready:
-                rank = self._conns[conn]
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    code = self._procs[rank].wait()
-                    failures[rank] = f"rank {rank} died (exit code {code}) while running the job"
-                    self._set_status(rank, "dead")
-                    pending.pop(rank)
-                    continue
-                kind = msg[0]
-                if kind == "out":
-                    self._line(rank, msg[1], msg[2])
-                elif kind == "event":
-                    self._event(rank, msg[1], msg[2])
-                elif kind == "result":
-                    results[rank] = cloudpickle.loads(msg[1])
-                    self._set_status(rank, "idle")
-                    pending.pop(rank)
-                elif kind == "error":
-                    failures[rank] = msg[1]
-                    self._set_status(rank, "error")
-                    pending.pop(rank)
-            if failures and pending:
-                # Some rank failed; the others may be stuck in a collective waiting for it.
-                now = time.monotonic()
-                first_failure = first_failure or now
-                if interrupted_at is None and now - first_failure > grace:
-                    for rank in pending:
-                        self._signal(rank, signal.SIGINT)
-                    interrupted_at = now
-                elif interrupted_at is not None and now - interrupted_at > 3.0:
-                    for rank in list(pending):
-                        self._procs[rank].kill()
-                        failures[rank] = (f"rank {rank} was still running {grace:.0f} s after rank(s) "
-                                          f"{sorted(set(failures) - set(pending))} failed, and was stopped")
-                        self._set_status(rank, "dead")
-                        pending.pop(rank)
-        return results, failures
+    def _pickle_job(self, fn, args, kwargs) -> bytes:
+        """cloudpickle the job, the learner's own modules by value (see ``_learner_modules``)."""
+        ours = [m for m in self._learner_modules()
+                if m.__name__ not in cloudpickle.list_registry_pickle_by_value()]
+        for m in ours:
+            cloudpickle.register_pickle_by_value(m)
+        try:
+            return cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            parts = [(f"the function {name!r}", fn)]
+            parts += [(f"argument {i} (a {type(a).__name__})", a) for i, a in enumerate(args)]
+            parts += [(f"keyword argument {k!r} (a {type(v).__name__})", v) for k, v in kwargs.items()]
+            what = next((label for label, obj in parts if not _picklable(obj)),
+                        f"the function {name!r} with its arguments")
+            raise TypeError(
+                f"cannot send {what} to the ranks: cloudpickle could not pickle it "
+                f"({type(exc).__name__}: {exc}). A job and its arguments cannot capture open files, "
+                "locks, sockets, generators or the Cluster itself; create those inside the job."
+            ) from exc
+        finally:
+            for m in ours:
+                cloudpickle.unregister_pickle_by_value(m)
 
-    def _interrupt(self, pending: dict, failures: dict, why: str) -> None:
-        """Send SIGINT to the running ranks, give them a moment, kill what does not stop."""
-        for rank in pending:
-            self._signal(rank, signal.SIGINT)
-        deadline = time.monotonic() + 5.0
-        while pending and time.monotonic() < deadline:
-            for conn in wait(list(pending.values()), timeout=0.05):
-                rank = self._conns[conn]
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    msg = ("error", "died")
-                if msg[0] in ("result", "error"):
-                    self._set_status(rank, "idle")
-                    pending.pop(rank)
-        for rank in pending:
-            self._procs[rank].kill()
-            self._set_status(rank, "dead")
-        self._flush_lines()
+    def _learner_modules(self) -> list:
+        """Imported modules that are the learner's own files, to be pickled by value.
+
+        Workers persist, so a module they imported once stays as it was: after the learner
+        edits ``exercises/foo.py`` and reloads it here, a by-reference job would still run
+        the old code on the ranks. Shipping modules that live under the working directory
+        (not installed packages, not ddpkit) by value makes the ranks run exactly the code
+        this process has now.
+        """
+        root = os.path.join(os.path.realpath(os.getcwd()), "")
+        if self._module_verdicts[0] != root:  # verdicts are cached per working directory
+            self._module_verdicts = (root, {})
+        verdicts = self._module_verdicts[1]
+        paths = sysconfig.get_paths()
+        installed = tuple(os.path.join(os.path.realpath(p), "") for p in
+                          {sys.prefix, sys.base_prefix, sys.exec_prefix, paths["stdlib"], paths["purelib"]})
+        out = []
+        for name, module in list(sys.modules.items()):
+            if name not in verdicts:
+                verdicts[name] = _is_learner_module(name, module, root, installed)
+            if verdicts[name]:
+                out.append(module)
+        return out
+
+    def _collect(self, job: _Job) -> None:
+        """Wait for every rank's result or error; stop stragglers once a rank has failed."""
+        while job.pending:
+            for conn in wait(list(job.pending.values()), timeout=0.05):
+                self._receive(job, self._conns[conn], conn)
+            self._flush_lines()
+            if not (job.failures and job.pending):
+                continue
+            # Some rank failed; the others may be stuck in a collective waiting for it.
+            now = time.monotonic()
+            job.first_failure = job.first_failure or now
+            if job.interrupted_at is None and now - job.first_failure > GRACE_S:
+                for rank in job.pending:
+                    self._signal(rank, signal.SIGINT)
+                job.interrupted_at = now
+            elif job.interrupted_at is not None and now - job.interrupted_at > KILL_AFTER_S:
+                for rank in list(job.pending):
+                    self._kill_rank(job, rank, f"rank {rank} did not stop within {KILL_AFTER_S:.0f} s "
+                                    "of SIGINT (probably blocked in a collective waiting for the "
+                                    "failed rank), so it was killed")
+
+    def _receive(self, job: _Job, rank: int, conn) -> None:
+        """Handle one message from a running rank."""
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the rank's process is gone
+            job.failures[rank] = self._death_note(rank)
+            job.broken = True
+            job.pending.pop(rank)
+            self._set_status(rank, "dead", traceback=job.failures[rank])
+            return
+        kind = msg[0]
+        if kind == "out":
+            self._line(rank, msg[1], msg[2])
+        elif kind == "event":
+            self._event(rank, msg[1], msg[2])
+        elif kind == "result":
+            job.pending.pop(rank)
+            try:
+                job.results[rank] = cloudpickle.loads(msg[1])
+            except Exception as exc:
+                job.failures[rank] = (f"the result of rank {rank} arrived but cannot be unpickled "
+                                      f"here: {type(exc).__name__}: {exc}")
+                self._set_status(rank, "error", traceback=job.failures[rank])
+            else:
+                self._set_status(rank, "idle")
+        elif kind == "error":
+            job.pending.pop(rank)
+            tb, exc_type, from_distributed = msg[1], msg[2], msg[3]
+            job.broken |= from_distributed
+            if job.interrupted_at is not None and exc_type == "KeyboardInterrupt":
+                job.stopped[rank] = f"interrupted (SIGINT) while it was still running:\n{tb}"
+                self._set_status(rank, "idle")
+            else:
+                job.failures[rank] = tb
+                self._set_status(rank, "error", traceback=tb)
+
+    def _kill_rank(self, job: _Job, rank: int, why: str) -> None:
+        self._procs[rank].kill()
+        self._procs[rank].wait()
+        job.stopped[rank] = why
+        job.broken = True
+        job.pending.pop(rank)
+        self._set_status(rank, "dead")
+
+    def _death_note(self, rank: int) -> str:
+        """What we know of a rank that vanished mid-job: how it ended, its last stderr lines."""
+        p = self._procs[rank]
+        try:
+            p.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # the channel broke but the process lives: end it
+            p.kill()
+            p.wait()
+        for t in self._readers[rank]:
+            t.join(timeout=1.0)  # a segfault's dump arrives through the stderr pipe
+        text = f"rank {rank} died while running the job: {_how_it_ended(p.returncode)}"
+        tail = list(self._stderr_tail[rank])
+        if tail:
+            text += "\nits last lines on stderr:\n" + "\n".join(tail)
+        return text
+
+    def _on_keyboard_interrupt(self, job: _Job) -> None:
+        """The caller pressed stop: interrupt the ranks, kill what will not stop, restart if needed.
+
+        A second KeyboardInterrupt while this runs kills every rank; then call restart().
+        """
+        try:
+            job.interrupted_at = time.monotonic()
+            for rank in job.pending:
+                self._signal(rank, signal.SIGINT)
+            deadline = time.monotonic() + KILL_AFTER_S
+            while job.pending and time.monotonic() < deadline:
+                for conn in wait(list(job.pending.values()), timeout=0.05):
+                    self._receive(job, self._conns[conn], conn)
+            for rank in list(job.pending):
+                self._kill_rank(job, rank, "did not stop after SIGINT")
+            self._flush_lines()
+            if job.broken:
+                print("[ddpkit] interrupted: some ranks did not stop cleanly, restarting them "
+                      "(a fresh process group)", file=sys.stderr)
+                self.restart()
+            else:
+                print("[ddpkit] interrupted: every rank stopped its job; the cluster is ready",
+                      file=sys.stderr)
+        except KeyboardInterrupt:
+            self._kill_all()
+            for r in self.ranks:
+                r.status = "dead"
+            self._notify("status", None)
+            print("[ddpkit] interrupted again: every rank was killed; call cluster.restart()",
+                  file=sys.stderr)
 
     def _signal(self, rank: int, sig) -> None:
         try:
@@ -371,9 +625,18 @@ class Cluster:
             pass
 
     # ------------------------------------------------------------------ output and events
-    def _read_pipe(self, rank: int, stream: str, pipe) -> None:
-        for raw in iter(pipe.readline, b""):
-            self._line(rank, stream, raw.decode(errors="replace").rstrip("\n"))
+    def _read_pipe(self, rank: int, stream: str, pipe, generation: int) -> None:
+        """Lines a rank wrote below Python (fd 1/2): C++ warnings, a crash's dump."""
+        tail = self._stderr_tail[rank]
+        try:
+            for raw in iter(pipe.readline, b""):
+                text = raw.decode(errors="replace").rstrip("\n")
+                if stream == "stderr":
+                    tail.append(text)
+                if generation == self._generation:
+                    self._line(rank, stream, text)
+        except (OSError, ValueError):  # the pipe was closed under us by _kill_all
+            pass
 
     def _line(self, rank: int, stream: str, text: str) -> None:
         """A line a rank printed: keep it in the rank's log and queue it for the caller."""
@@ -400,9 +663,9 @@ class Cluster:
             self.ranks[rank].progress = (payload["done"], payload["total"])
         self._notify(kind, rank, **payload)
 
-    def _set_status(self, rank: int, status: str) -> None:
+    def _set_status(self, rank: int, status: str, **fields) -> None:
         self.ranks[rank].status = status
-        self._notify("status", rank)
+        self._notify("status", rank, **fields)
 
     def subscribe(self, callback) -> None:
         """Call ``callback(kind, rank, **fields)`` on status, log, progress and results events."""
