@@ -19,6 +19,10 @@ attribute lookup and an empty ``with``. ``ddpkit.trace.Recorder`` implements the
 and keeps plain records. Strategies check ``recorder.enabled`` before doing extra work that
 only recording needs (e.g. registering hooks just to time gradient readiness).
 
+``DDPModule`` at the bottom is what the three DDP wrappers (naive, bucketed, overlapped) share:
+construction, ``forward``, ``no_sync()`` and the "does this backward need a sync?" flag. Each
+strategy file only adds how it reduces gradients.
+
 This module sits in the strategy layer and imports nothing from later layers
 (trace, memory, viz, widget): data flows cluster -> strategy -> recorder -> plots.
 """
@@ -120,3 +124,64 @@ def prepare_module(strategy: str, module: nn.Module, group=None) -> None:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's elements (numel x element size)."""
     return t.numel() * t.element_size()
+
+
+class DDPModule(nn.Module):
+    """What every DDP-style wrapper shares: construction, forward, no_sync, full_state_dict.
+
+    A subclass implements ``_sync_gradients()`` (average every gradient across ranks).
+
+    When does a backward need a sync? As in torch DDP (``require_backward_grad_sync``), the
+    *forward* decides: a forward run with gradients enabled outside ``no_sync()`` marks a sync
+    as pending; ``finish_gradient_synchronization()`` does it once and clears the mark, so a
+    second call is a no-op. A forward inside ``no_sync()`` leaves gradients to accumulate
+    locally; the next forward outside it syncs the sum. So: run the forward through the
+    wrapper (``model(x)``, not ``model.module(x)``), one backward per forward.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, recorder=None):
+        super().__init__()
+        prepare_module(type(self).__name__, module, process_group)
+        self.module = module
+        self.process_group = process_group
+        self.recorder = NULL_RECORDER if recorder is None else recorder
+        self.world_size = dist.get_world_size(process_group)
+        # The gradients to reduce: trainable parameters, tied ones once, in registration order.
+        self.named_grads = list(unique_named_parameters(module))
+        self._require_sync = True   # False inside no_sync()
+        self._sync_pending = False  # set by a forward that needs a sync, cleared when done
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
+            self._start_step(sync=self._require_sync)
+        return self.module(*args, **kwargs)
+
+    def _start_step(self, sync: bool) -> None:
+        """Called by each training forward; subclasses reset per-step state here."""
+        self._sync_pending = sync
+
+    def finish_gradient_synchronization(self) -> None:
+        """Block until every gradient is averaged across ranks; a no-op if already done."""
+        if self._sync_pending:
+            self._sync_gradients()
+            self._sync_pending = False
+
+    def _sync_gradients(self) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients of forwards run inside accumulate locally; the next step outside syncs."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def full_state_dict(self) -> dict:
+        """{parameter name: tensor}: every rank holds the full model, so just detached clones."""
+        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+
+    def comm_buffer_bytes(self) -> int:
+        """Bytes of communication buffers this wrapper holds (none unless it has buckets)."""
+        return 0

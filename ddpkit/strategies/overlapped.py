@@ -1,7 +1,110 @@
-"""OverlappedDDP: placeholder until the strategies issue lands."""
+"""OverlappedDDP: launch each bucket's all-reduce from autograd hooks, during backward.
+
+One idea more than ``BucketedDDP`` (same buckets, same copies): don't wait for the end of
+backward. Backward produces gradients from the last layer to the first, and buckets were
+assigned in that order, so bucket 0 fills first. A hook on every parameter
+(``register_post_accumulate_grad_hook``, run right after the gradient lands in ``.grad``)
+copies the gradient into its bucket slot; when the last gradient of a bucket arrives, the
+bucket's async all-reduce is launched at once, and the network works while autograd keeps
+computing the earlier layers' gradients. This is Li et al. (VLDB 2020), section 3.2.3.
+
+Rules that keep every rank issuing identical collectives in identical order:
+- buckets are launched strictly in bucket order: a bucket that is complete before an earlier
+  one waits, and is launched right after that one;
+- the end of backward (a callback queued on the autograd engine) launches what is left and
+  waits for every bucket, so when ``loss.backward()`` returns all gradients are averaged and
+  ``finish_gradient_synchronization()`` is a harmless no-op;
+- a parameter that got no gradient in this backward (unused in the forward on this rank)
+  never fires its hook. At the end of backward it is treated as ready: it contributes its
+  locally accumulated ``.grad`` (from ``no_sync()`` steps) or zeros, and its ``.grad`` becomes
+  the ranks' average (zeros if no rank used it). This costs nothing when every parameter is
+  used, but such a bucket can only launch at the end of backward, losing its overlap.
+
+Inside ``no_sync()`` the hooks return at once: gradients accumulate in ``.grad`` and the
+first backward after it syncs the sum.
+
+Gradients are *copied* into the buckets (as in BucketedDDP): one extra copy of the
+gradients in memory (``comm_buffer_bytes()``), a copy in (in the hook) and a copy out (at the
+end of backward) in time.
+"""
+from __future__ import annotations
+
+import torch
 from torch import nn
 
+from ddpkit.strategies.bucketed import BucketedDDP
 
-class OverlappedDDP(nn.Module):
-    def __init__(self, module, *a, **k):
-        raise NotImplementedError("OverlappedDDP is not written yet")
+
+def _queue_end_of_backward(callback) -> None:
+    """Run ``callback`` once the backward pass that is running now has finished.
+
+    A private torch API, isolated here: ``Variable._execution_engine.queue_callback`` is what
+    torch's own DDP (in C++) and FSDP use to run code at the end of backward. It may only be
+    called while a backward runs (from a hook), and runs the callback once, after every hook.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class OverlappedDDP(BucketedDDP):
+    """Bucketed all-reduce launched from per-parameter gradient hooks, overlapping backward."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+                 recorder=None):
+        super().__init__(module, bucket_cap_mb, process_group, recorder)  # buckets, our hooks
+        self._start_step(sync=False)
+
+    def _register_hooks(self) -> None:
+        # Called by BucketedDDP.__init__ once the buckets exist: one hook per gradient.
+        for i, bucket in enumerate(self.buckets):
+            for j, (name, (p, slot)) in enumerate(zip(bucket.names, self._slots[i])):
+                p.register_post_accumulate_grad_hook(self._grad_ready_hook(name, i, j, slot))
+
+    def _start_step(self, sync: bool) -> None:
+        # Each training forward resets the per-step state the hooks update.
+        super()._start_step(sync)
+        self._waiting = [len(slots) for slots in self._slots]  # bucket i: gradients not ready yet
+        self._ready = [[False] * len(slots) for slots in self._slots]
+        self._works = [None] * len(self._slots)  # bucket i's all-reduce handle, once launched
+        self._next_bucket = 0                    # the next bucket to launch, in bucket order
+        self._end_queued = False
+
+    def _grad_ready_hook(self, name: str, i: int, j: int, slot: torch.Tensor):
+        """The hook for gradient j of bucket i: copy it in; launch the buckets now complete."""
+
+        @torch.no_grad()
+        def hook(p: nn.Parameter) -> None:
+            if self.recorder.enabled:
+                self.recorder.grad_ready(name, bucket=i)
+            if not self._sync_pending:  # inside no_sync() (or a forward not through us)
+                return
+            if self._ready[i][j]:
+                raise RuntimeError(
+                    f"OverlappedDDP: the gradient of {name!r} became ready twice in one step "
+                    "(is the parameter used in two reentrant-checkpointed regions?); each "
+                    "gradient must arrive once per backward")
+            if not self._end_queued:
+                _queue_end_of_backward(self.finish_gradient_synchronization)
+                self._end_queued = True
+            self._copy_into_bucket(p, slot)  # .grad / world_size into the flat bucket
+            self._ready[i][j] = True
+            self._waiting[i] -= 1
+            # Launch every complete bucket in bucket order, starting from the next one due.
+            while self._next_bucket < len(self._works) and self._waiting[self._next_bucket] == 0:
+                self._works[self._next_bucket] = self._launch(self._next_bucket)
+                self._next_bucket += 1
+
+        return hook
+
+    @torch.no_grad()
+    def _sync_gradients(self) -> None:
+        # Runs at the end of backward (queued by the first hook), or from an explicit
+        # finish_gradient_synchronization() when no hook fired at all.
+        for i in range(self._next_bucket, len(self._works)):
+            for j, (p, slot) in enumerate(self._slots[i]):
+                if not self._ready[i][j]:  # no gradient in this backward: see the docstring
+                    self._copy_into_bucket(p, slot)
+            self._works[i] = self._launch(i)
+        self._next_bucket = len(self._works)
+        for i, work in enumerate(self._works):
+            work.wait()
+            self._copy_out_of_bucket(i)
