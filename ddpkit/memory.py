@@ -15,6 +15,8 @@ On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocate
         train_step(model, opt, x, y)
     recorder.memory(**memory_by_category(model, opt, activations=act))
 
+or, to catch gradients before ``zero_grad`` frees them, ``step_memory(model, opt, x, y, loss_fn)``.
+
 ``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run.
 """
 from __future__ import annotations
@@ -82,6 +84,24 @@ def record_memory(recorder, model, optimizer=None, activations=None) -> dict[str
     """Measure ``memory_by_category`` and send it to ``recorder.memory``; returns it."""
     sample = memory_by_category(model, optimizer, activations)
     recorder.memory(**sample)
+    return sample
+
+
+def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> dict[str, int]:
+    """Run one training step (as ``ddpkit.experiment.train_step`` does) and measure memory at
+    its peak for model states: after ``optimizer.step()``, before ``zero_grad``, when the
+    parameters, gradients and optimizer state all exist. Activations: bytes saved in forward.
+    Sends the sample to ``recorder.memory`` too when a recorder is given; returns it.
+    """
+    with ActivationMeter(model) as act:
+        loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+    sample = memory_by_category(model, optimizer, activations=act)
+    optimizer.zero_grad(set_to_none=True)
+    if recorder is not None:
+        recorder.memory(**sample)
     return sample
 
 
@@ -196,5 +216,5 @@ def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes
 
 __all__ = [
     "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
-    "ActivationMeter", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
+    "step_memory", "ActivationMeter", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
 ]

@@ -522,10 +522,23 @@ def _intersect(xs, ys) -> list[tuple[int, int]]:
 
 
 def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
-    """(comm union, ``compute`` union, their intersection) for one rank and step, in ns."""
-    mine = [r for r in records if r.rank == rank and r.step == step and r.kind == "span"]
-    comm = _union((r.start_ns, r.end_ns) for r in mine if r.cat == "comm" and r.end_ns is not None)
-    busy = _union((r.start_ns, r.end_ns) for r in mine if r.cat == "compute" and r.name == compute)
+    """(comm union, ``compute`` union, their intersection) for one rank and step, in ns.
+
+    A backward span ends when ``loss.backward()`` returns, which for OverlappedDDP includes
+    waiting for the last buckets (the wait runs in an end-of-backward callback). Waiting is
+    not compute, so a backward span is cut at the last gradient that became ready inside it
+    (the last ``grad_ready`` instant) when there are any: that is where autograd's work ended.
+    """
+    mine = [r for r in records if r.rank == rank and r.step == step]
+    comm = _union((r.start_ns, r.end_ns) for r in mine
+                  if r.kind == "span" and r.cat == "comm" and r.end_ns is not None)
+    ready = [r.start_ns for r in mine if r.kind == "instant" and r.cat == "grad_ready"]
+    busy = []
+    for r in mine:
+        if r.kind == "span" and r.cat == "compute" and r.name == compute and r.end_ns is not None:
+            inside = [t for t in ready if r.start_ns <= t <= r.end_ns]
+            busy.append((r.start_ns, max(inside) if inside and compute == "backward" else r.end_ns))
+    busy = _union(busy)
     return comm, busy, _intersect(comm, busy)
 
 
@@ -534,8 +547,8 @@ def overlap_fraction(trace, rank: int | None = None, step: int | None = None,
     """Share of communication time hidden under backward compute (0 = none, 1 = all).
 
     Communication time is the union of every collective's launch -> completion interval
-    (several may be in flight at once); hidden time is the part of it inside a backward
-    span. Over all ranks and training steps (not setup) unless given.
+    (several may be in flight at once); hidden time is the part of it inside backward's
+    compute (see ``overlap_intervals``). Over all ranks and training steps unless given.
     """
     trace = as_trace(trace)
     ranks = trace.ranks if rank is None else [rank]

@@ -1,0 +1,17 @@
+"""Plots of recorded runs; each function takes records (a Trace) and returns a Figure.
+
+    from ddpkit.viz import plot_bucket_fill, plot_timeline, plot_memory
+    plot_bucket_fill(trace)          # which gradient was ready when, coloured by bucket
+    plot_timeline(trace)             # per rank: compute and comm lanes, the overlap shaded
+    plot_memory({"naive": [...], "zero1": [...], "fsdp": [...]}, predicted=...)
+
+matplotlib is imported inside the functions, never at import time, so ranks that only
+record never load it. Figures are built with the object API (no pyplot state), so they can
+be drawn from a thread (the widget does) and saved with ``fig.savefig(path)``; in a notebook
+the returned figure displays itself as a PNG.
+"""
+from ddpkit.viz.buckets import plot_bucket_fill
+from ddpkit.viz.memory import plot_memory
+from ddpkit.viz.timeline import plot_timeline
+
+__all__ = ["plot_bucket_fill", "plot_timeline", "plot_memory"]

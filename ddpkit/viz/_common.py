@@ -1,0 +1,61 @@
+"""What the plots share: a notebook-friendly Figure, colours, and byte/time units."""
+from __future__ import annotations
+
+import functools
+import io
+
+WIDTH_IN = 9.0  # readable at notebook width
+
+# Compute spans and collectives get fixed colours, so every plot reads the same way.
+SPAN_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "step": "#55a868"}
+COMM_COLOURS = {"all_reduce": "#8172b3", "broadcast": "#937860", "all_gather": "#da8bc3",
+                "reduce_scatter": "#8c8c8c"}
+OVERLAP_COLOUR = "#2ca02c"
+
+
+@functools.lru_cache(maxsize=None)
+def _figure_class():
+    from matplotlib.figure import Figure
+
+    class NotebookFigure(Figure):
+        """A Figure that Jupyter shows as a PNG even when pyplot was never imported."""
+
+        def _repr_png_(self):
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+            return buf.getvalue()
+
+    return NotebookFigure
+
+
+def new_figure(height_in: float, width_in: float = WIDTH_IN):
+    """A matplotlib Figure (object API, Agg canvas: safe off the main thread, no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = _figure_class()(figsize=(width_in, height_in), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def bucket_colour(bucket):
+    """A colour per bucket index (tab20 cycles after 20 buckets; None -> grey)."""
+    from matplotlib import colormaps
+
+    if bucket is None:
+        return "#7f7f7f"
+    return colormaps["tab20"](int(bucket) % 20)
+
+
+def byte_unit(max_bytes: float) -> tuple[str, float]:
+    """('MiB', 2**20) etc., the largest unit that keeps the biggest value >= 1."""
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if max_bytes >= size:
+            return name, size
+    return "bytes", 1
+
+
+def no_data(ax, message: str) -> None:
+    """Say why a panel is empty instead of drawing a blank axis."""
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
