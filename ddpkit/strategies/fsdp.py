@@ -1,7 +1,463 @@
-"""FSDP: placeholder until the strategies issue lands."""
+"""FSDP: ZeRO-3, every parameter sharded 1/N per rank and gathered just in time.
+
+DDP keeps the whole model (parameters, gradients, optimizer state) on every rank. FSDP
+(Zhao et al., 2023; the idea is ZeRO stage 3) keeps only 1/N of each on a rank:
+
+1. The module is cut into *units* (submodules). Each unit's parameters are flattened into one
+   *flat parameter* of T elements, padded to a multiple of N (at most N-1 zeros), and split in
+   N equal *shards* of ceil(T/N) elements. Rank r keeps shard r; ``fsdp.parameters()`` are the
+   shards, so the optimizer (and its state) only ever sees 1/N of the model.
+2. Forward: before a unit runs, *unshard* it: all-gather the shards into the full flat
+   parameter (N * shard elements) and point the unit's original parameters at views into it.
+   After the unit ran, *reshard*: free the full flat parameter (``reshard_after_forward``).
+3. Backward: when the gradient reaches the unit's output, unshard it again (the backward of a
+   Linear needs its weight), and prefetch the all-gather of the unit that comes next in
+   backward. When the unit's parameter gradients are ready, pack them into one flat gradient,
+   divide by N, and *reduce-scatter* it: rank r receives the sum of everyone's shard r, which
+   is exactly the gradient of its shard. Then reshard.
+
+Communication per step, S = bytes of the flat parameters, per rank: all-gather (N-1)/N * S
+twice (forward, backward) plus reduce-scatter (N-1)/N * S, i.e. 3(N-1)/N * S = 1.5x DDP's
+all-reduce (2(N-1)/N * S). With ``reshard_after_forward=False`` the backward all-gather goes
+away (ZeRO-2-like: parameters stay gathered from forward to backward, 1x DDP's volume).
+
+Peak parameter memory is the shards (sum of T_i / N) plus the largest gathered units.
+
+Rules worth knowing:
+- The root (the wrapped module itself) keeps the parameters that are in no unit. It is
+  gathered at the start of forward and stays gathered until the end of backward (its
+  backward is the last to finish; the FSDP paper does the same).
+- Tied parameters (one tensor reachable under several names, e.g. TinyGPT's head.weight is
+  tok.weight) go to the innermost unit that contains *every* use, or the root: a unit
+  containing only one use would reshard it while another unit still needs it.
+- Frozen parameters (requires_grad=False) are not flattened: they stay whole, ordinary
+  parameters on every rank (broadcast from rank 0 at construction, never reduced).
+- Buffers are broadcast from rank 0 at construction and otherwise left alone.
+- Between steps the original parameters do not exist as attributes (they are views into a
+  freed buffer): use ``full_state_dict()`` to read them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from ddpkit.strategies._common import NULL_RECORDER, nbytes, prepare_module
+from ddpkit.strategies.zero1 import all_gather_flat, reduce_scatter_flat
 
+
+# ---------------------------------------------------------------------------- torch internals
+# The one private torch API used here: queue a function to run when the current backward pass
+# finishes (after every gradient is computed). torch's own FSDP does the same; it lets
+# backward() itself wait for the last reduce-scatters, so finish_gradient_synchronization()
+# has nothing left to do. Without it (a future torch) train_step's explicit call still works.
+def _at_end_of_backward(fn) -> bool:
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):
+        return False
+    engine.queue_callback(fn)
+    return True
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    """Release a tensor's memory but keep the tensor (and every view of it) alive."""
+    t.untyped_storage().resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def _tensors(obj):
+    """Every tensor inside a (nested) tuple/list/dict output."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _cast_floats(obj, dtype):
+    """Floating-point tensors in args/kwargs cast to the compute dtype (mixed precision)."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+# ---------------------------------------------------------------------------- one unit
+class FlatParamUnit:
+    """One unit: its flat parameter's layout, the local shard, and the gathered buffer."""
+
+    def __init__(self, name: str, module: nn.Module, params: list, rank: int, world_size: int,
+                 param_dtype, reduce_dtype):
+        self.name, self.module = name or "(root)", module
+        self.world_size, self.rank = world_size, rank
+        # params: [(canonical name, parameter, [(submodule, attribute)] every place it is used)]
+        dtypes = {p.dtype for _, p, _ in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"unit {self.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "FSDP flattens a unit into one tensor of one dtype")
+        self.names = [n for n, _, _ in params]
+        self.shapes = [p.shape for _, p, _ in params]
+        self.numels = [p.numel() for _, p, _ in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.aliases = [a for _, _, a in params]
+        self.numel = sum(self.numels)                       # T
+        self.shard_numel = -(-self.numel // world_size)     # ceil(T / N)
+        self.padded_numel = self.shard_numel * world_size   # N * ceil(T / N), padding <= N-1
+        device = params[0][1].device
+        with torch.no_grad():
+            flat = torch.zeros(self.padded_numel, dtype=params[0][1].dtype, device=device)
+            for (_, p, _), off, n in zip(params, self.offsets, self.numels):
+                flat[off:off + n].copy_(p.reshape(-1))
+            own = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+        self.shard = nn.Parameter(own.clone())  # fp32 (the original dtype), what the optimizer steps
+        self.param_dtype = param_dtype or self.shard.dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
+        # tensor object lives on, so views saved by autograd in forward see the data again
+        # once the backward all-gather refills the same storage.
+        self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+        _free_storage(self.gathered)
+        self.unsharded = False
+        self.pending = None        # an all-gather launched early (prefetch), not waited yet
+        self.no_sync_grad = None   # fp32 padded full gradient accumulated under no_sync()
+        self.views_set = False
+        self.forward_index = -1
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.padded_numel * self.gathered.element_size()
+
+    def make_views(self) -> list[torch.Tensor]:
+        # .data: a tensor on the same storage with its *own* version counter, so the all-gather
+        # writing into self.gathered before backward does not look like an in-place change of
+        # the tensors autograd saved in forward.
+        base = self.gathered.data
+        return [base[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def set_views(self, views) -> None:
+        for view, places in zip(views, self.aliases):
+            for mod, attr in places:
+                setattr(mod, attr, view)
+        self.views_set = True
+
+    def clear_views(self) -> None:
+        if self.views_set:
+            for places in self.aliases:
+                for mod, attr in places:
+                    delattr(mod, attr)
+            self.views_set = False
+
+
+class _Unshard(torch.autograd.Function):
+    """Shard -> the unit's full parameters in forward; in backward, their gradients -> FSDP.
+
+    The all-gather's gradient is a reduce-scatter; it is launched asynchronously from
+    backward() below, so autograd gets None and FSDP writes the shard's .grad itself when the
+    reduce-scatter is done.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, unit):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient arrives as None
+        return tuple(unit.make_views())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fsdp._post_backward(ctx.unit, grads)
+        return None, None, None
+
+
+# ---------------------------------------------------------------------------- the wrapper
 class FSDP(nn.Module):
-    def __init__(self, module, *a, **k):
-        raise NotImplementedError("FSDP is not written yet")
+    """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time."""
+
+    def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 process_group=None, recorder=None):
+        super().__init__()
+        prepare_module("FSDP", module, process_group)  # checks, then rank 0's values everywhere
+        self.module = module
+        self.process_group = process_group
+        self.recorder = recorder or NULL_RECORDER
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.param_dtype = param_dtype
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+
+        # --- which unit owns which parameter ------------------------------------------------
+        module_names = {id(m): name for name, m in module.named_modules()}
+        if units is None:  # default: every child with trainable parameters
+            units = [m for m in module.children() if any(p.requires_grad for p in m.parameters())]
+        unit_names: dict[str, nn.Module] = {}
+        for u in units:
+            if not isinstance(u, nn.Module):
+                raise TypeError(f"FSDP units must be nn.Modules, got {type(u).__name__}")
+            if id(u) not in module_names:
+                raise ValueError(f"FSDP unit {type(u).__name__} is not a submodule of the wrapped "
+                                 f"{type(module).__name__}: units must be modules inside it")
+            unit_names[module_names[id(u)]] = u
+        unit_names[""] = module  # the root, keeps whatever no unit claims
+
+        # every name each parameter is reachable under (tied parameters have several)
+        places: dict[int, list] = {}
+        for full_name, p in module.named_parameters(remove_duplicate=False):
+            places.setdefault(id(p), [p, []])[1].append(full_name)
+        owned: dict[str, list] = {name: [] for name in unit_names}
+        self._frozen: dict[str, nn.Parameter] = {}
+        self._names: list[str] = []  # canonical names, in module.named_parameters() order
+        by_depth = sorted(unit_names, key=len, reverse=True)
+        for p, names in places.values():
+            self._names.append(names[0])
+            if not p.requires_grad:
+                self._frozen[names[0]] = p
+                continue
+            # the innermost unit whose subtree contains every use of p
+            owner = next(u for u in by_depth if all(n.startswith(u + ".") or u == "" for n in names))
+            aliases = []
+            for n in names:
+                mod_name, _, attr = n.rpartition(".")
+                aliases.append((module.get_submodule(mod_name), attr))
+            owned[owner].append((names[0], p, aliases))
+
+        # --- flatten, shard, and take the original parameters out of the module -------------
+        self.units: list[FlatParamUnit] = []
+        self.root_unit: FlatParamUnit | None = None
+        for name, params in owned.items():
+            if not params:
+                continue
+            unit = FlatParamUnit(name, unit_names[name], params, self.rank, self.world_size,
+                                 param_dtype, reduce_dtype)
+            for _, _, aliases in params:
+                for mod, attr in aliases:
+                    if attr in mod._parameters:
+                        del mod._parameters[attr]
+            if name == "":
+                self.root_unit = unit
+            else:
+                unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                unit.module.register_forward_hook(self._make_post_forward(unit))
+            self.units.append(unit)
+        self._where = {n: u for u in self.units for n in u.names}
+        # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
+        self.flat_params = nn.ParameterList([u.shard for u in self.units])
+
+        self._sync = True
+        self._in_backward = False
+        self._forward_order: list[FlatParamUnit] = []
+        self._pending_reduce: list = []  # (unit, work, output shard, input buffer)
+        self._unsharded_bytes = 0
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def _unshard(self, unit: FlatParamUnit, async_op: bool = False) -> None:
+        if unit.pending is not None and not async_op:
+            unit.pending.wait()
+            unit.pending = None
+        if unit.unsharded:
+            return
+        _alloc_storage(unit.gathered)
+        s = unit.shard_numel
+        if unit.param_dtype == unit.shard.dtype:
+            send = unit.shard.detach()
+        else:  # cast our shard into our own slot of the output (an in-place all-gather)
+            send = unit.gathered[self.rank * s:(self.rank + 1) * s]
+            send.copy_(unit.shard.detach())
+        work = all_gather_flat(unit.gathered, send, group=self.process_group, async_op=True)
+        self.recorder.collective("all_gather", work, nbytes=unit.gathered_bytes, unit=unit.name)
+        unit.unsharded = True
+        self._unsharded_bytes += unit.gathered_bytes
+        if self.recorder.enabled:
+            self.recorder.memory(unsharded_parameters=self._unsharded_bytes)
+        if async_op:
+            unit.pending = work
+        else:
+            work.wait()
+
+    def _reshard(self, unit: FlatParamUnit) -> None:
+        if unit.pending is not None:  # prefetched but never used: finish it before freeing
+            unit.pending.wait()
+            unit.pending = None
+        if not unit.unsharded:
+            return
+        unit.clear_views()
+        _free_storage(unit.gathered)
+        unit.unsharded = False
+        self._unsharded_bytes -= unit.gathered_bytes
+        if self.recorder.enabled:
+            self.recorder.memory(unsharded_parameters=self._unsharded_bytes)
+
+    def _use_full_params(self, unit: FlatParamUnit) -> None:
+        """Unshard and point the original parameter names at views of the full flat parameter."""
+        self._unshard(unit)
+        if torch.is_grad_enabled():
+            unit.set_views(_Unshard.apply(unit.shard, self, unit))
+        else:
+            unit.set_views(unit.make_views())
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        self._forward_order = []
+        if self.param_dtype is not None:
+            args, kwargs = _cast_floats(args, self.param_dtype), _cast_floats(kwargs, self.param_dtype)
+        if self.root_unit is not None:
+            self._use_full_params(self.root_unit)  # stays gathered until the end of backward
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            # the first hook to fire in backward: arrange for the end-of-backward work
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._root_pre_backward)
+        elif self.root_unit is not None:
+            self._reshard(self.root_unit)
+        return out
+
+    def _make_pre_forward(self, unit: FlatParamUnit):
+        def pre_forward(module, args):
+            unit.forward_index = len(self._forward_order)
+            self._forward_order.append(unit)
+            self._use_full_params(unit)  # all-gather (waits for it)
+        return pre_forward
+
+    def _make_post_forward(self, unit: FlatParamUnit):
+        def post_forward(module, args, output):
+            if not torch.is_grad_enabled():
+                self._reshard(unit)  # no backward will come
+                return None
+            if self.reshard_after_forward:
+                self._reshard(unit)  # free now, all-gather again before this unit's backward
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+            return None
+        return post_forward
+
+    # ------------------------------------------------------------------ backward
+    def _root_pre_backward(self, grad):
+        if not self._in_backward:
+            self._in_backward = True
+            _at_end_of_backward(self.finish_gradient_synchronization)
+        return None
+
+    def _pre_backward(self, unit: FlatParamUnit) -> None:
+        """The gradient reached this unit's output: gather it (again) and prefetch the next."""
+        self._root_pre_backward(None)
+        self._unshard(unit)
+        if self.prefetch and unit.forward_index > 0:
+            # backward runs the units in reverse forward order: launch the next one's
+            # all-gather now, so it travels while this unit's backward computes
+            nxt = self._forward_order[unit.forward_index - 1]
+            if not nxt.unsharded:
+                self._unshard(nxt, async_op=True)
+
+    @torch.no_grad()
+    def _post_backward(self, unit: FlatParamUnit, grads) -> None:
+        """This unit's parameter gradients are ready: reduce-scatter them (or keep them, no_sync)."""
+        if not self._sync:
+            # no_sync(): accumulate the full unsharded gradient locally (T fp32 elements per
+            # unit, the whole model's gradient over all units, as much memory as DDP's grads)
+            if unit.no_sync_grad is None:
+                unit.no_sync_grad = torch.zeros(unit.padded_numel, dtype=unit.shard.dtype,
+                                                device=unit.shard.device)
+            for g, off, n in zip(grads, unit.offsets, unit.numels):
+                if g is not None:
+                    unit.no_sync_grad[off:off + n].add_(g.reshape(-1))
+            self._reshard(unit)
+            return
+        # pack the gradients into one padded flat buffer (N * ceil(T/N) elements, reduce_dtype)
+        flat = torch.empty(unit.padded_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
+        for g, off, n in zip(grads, unit.offsets, unit.numels):
+            if g is None:
+                flat[off:off + n].zero_()
+            else:
+                flat[off:off + n].copy_(g.reshape(-1))
+        flat[unit.numel:].zero_()
+        if unit.no_sync_grad is not None:
+            flat.add_(unit.no_sync_grad)
+            unit.no_sync_grad = None
+        # divide by N before the SUM (ReduceOp.AVG is not on every backend, and dividing first
+        # keeps a low-precision sum from overflowing)
+        if self.world_size > 1:
+            flat.div_(self.world_size)
+        out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
+        work = reduce_scatter_flat(out, flat, group=self.process_group, async_op=True)
+        self.recorder.collective("reduce_scatter", work, nbytes=nbytes(flat), unit=unit.name)
+        self._pending_reduce.append((unit, work, out, flat))
+        self._reshard(unit)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the last reduce-scatters, write the shards' .grad, reshard everything."""
+        pending, self._pending_reduce = self._pending_reduce, []
+        for unit, work, out, _ in pending:
+            work.wait()
+            grad = out if out.dtype == unit.shard.dtype else out.to(unit.shard.dtype)
+            if unit.shard.grad is None:
+                unit.shard.grad = grad
+            else:
+                unit.shard.grad += grad
+        for unit in self.units:
+            self._reshard(unit)
+        self._in_backward = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full (unsharded) gradients locally; the next backward outside syncs them."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ------------------------------------------------------------------ state and sizes
+    def comm_buffer_bytes(self) -> int:
+        """Bytes held now in gathered flat parameters, pending reduce buffers and no_sync grads."""
+        total = sum(u.gathered.untyped_storage().nbytes() for u in self.units)
+        total += sum(nbytes(out) + nbytes(flat) for _, _, out, flat in self._pending_reduce)
+        return total + sum(nbytes(u.no_sync_grad) for u in self.units if u.no_sync_grad is not None)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{original parameter name: full tensor}, on every rank (one all-gather per unit)."""
+        full = {}
+        for unit in self.units:
+            flat = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
+            work = all_gather_flat(flat, unit.shard.detach(), group=self.process_group, async_op=True)
+            self.recorder.collective("all_gather", work, nbytes=nbytes(flat), unit=unit.name)
+            work.wait()
+            for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes):
+                full[name] = flat[off:off + n].view(shape).clone()
+        for name, p in self._frozen.items():
+            full[name] = p.detach().clone()
+        return {name: full[name] for name in self._names}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Inverse of full_state_dict(): every rank passes the same full tensors, keeps its shard."""
+        if set(state_dict) != set(self._names):
+            missing, extra = set(self._names) - set(state_dict), set(state_dict) - set(self._names)
+            raise ValueError(f"state dict does not match the model: missing {sorted(missing)}, "
+                             f"unexpected {sorted(extra)}")
+        for unit in self.units:
+            flat = torch.zeros(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
+            for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes):
+                if tuple(state_dict[name].shape) != tuple(shape):
+                    raise ValueError(f"{name}: shape {list(state_dict[name].shape)} in the state "
+                                     f"dict, {list(shape)} in the model")
+                flat[off:off + n].copy_(state_dict[name].reshape(-1))
+            s = unit.shard_numel
+            unit.shard.copy_(flat[self.rank * s:(self.rank + 1) * s])
+        for name, p in self._frozen.items():
+            p.copy_(state_dict[name])
