@@ -1,0 +1,70 @@
+"""The course's exercises: each is a function that raises ``NotImplementedError`` until you write it.
+
+Each module matches a notebook; every function's docstring states the task, the shapes and how
+it is checked. The reference answers are in ``solutions/`` (same names): try first.
+
+Check your work with the grader, from the repository root::
+
+    DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k collectives
+
+An exercise you have not written yet is reported as *skipped: not done yet*, not as a failure.
+
+In the notebooks, ``exercises.use("collectives", "ring_all_reduce")`` gives your function once
+you have written it, and the reference solution (with a note saying so) while it is still a
+stub, so every notebook runs from the first day. It re-reads your file each time, so an edit
+is picked up without restarting the kernel or the cluster.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import textwrap
+
+TOPICS = ("collectives", "averaging", "buckets", "overlap", "sharding", "zero", "costs")
+
+
+def is_stub(fn) -> bool:
+    """True while ``fn``'s body is only its docstring and ``raise NotImplementedError(...)``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError):  # no source (a builtin, a lambda made at run time): not a stub
+        return False
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]  # the docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc
+    name = exc.func if isinstance(exc, ast.Call) else exc
+    return isinstance(name, ast.Name) and name.id == "NotImplementedError"
+
+
+def exercise_functions(module) -> dict:
+    """``{name: function}`` of the exercises defined in ``module`` (public functions, in file order)."""
+    return {n: f for n, f in vars(module).items()
+            if inspect.isfunction(f) and not n.startswith("_") and f.__module__ == module.__name__}
+
+
+def use(topic: str, name: str, quiet: bool = False):
+    """Your ``exercises.<topic>.<name>`` if you have written it, else the reference solution.
+
+    The module is reloaded from its file first and registered to be pickled *by value*, so a
+    ``Cluster`` job that calls the function runs the code as it is in the file now, not an old
+    copy a rank imported earlier.
+    """
+    import cloudpickle
+
+    if topic not in TOPICS:
+        raise ValueError(f"unknown exercise topic {topic!r}; valid: {', '.join(TOPICS)}")
+    mine = importlib.reload(importlib.import_module(f"exercises.{topic}"))
+    fn = getattr(mine, name)
+    if is_stub(fn):
+        ref = importlib.reload(importlib.import_module(f"solutions.{topic}"))
+        if not quiet:
+            print(f"exercise {topic}.{name} not done yet — using the reference solution; write it in "
+                  f"exercises/{topic}.py and check it with: "
+                  f"DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k {name}")
+        fn, mine = getattr(ref, name), ref
+    cloudpickle.register_pickle_by_value(mine)
+    return fn

@@ -1,0 +1,37 @@
+"""ZeRO-1: each rank keeps and updates the optimizer state of only 1/N of the parameters.
+
+Adam keeps two fp32 numbers per parameter (8 bytes, more than the 4-byte parameter itself).
+ZeRO stage 1 (Rajbhandari et al. 2020, section 5.1) partitions the optimizer state: each
+parameter gets an *owner* rank; only the owner holds its optimizer state and steps it, then
+the owner broadcasts the updated parameter so every rank has the whole model again. The
+gradients are still averaged over all ranks first (as in DDP); the communication per step
+stays the same, the optimizer memory drops to 1/N.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def partition_parameters(numels: list[int], world_size: int) -> list[int]:
+    """The owner rank of each parameter, balancing the number of elements per rank.
+
+    Go through the parameters in order and give each one to the rank that owns the fewest
+    elements so far (the lowest rank on a tie). Returns ``owners`` with ``owners[i]`` in
+    ``range(world_size)``. Check: the busiest and the idlest rank differ by at most the largest
+    parameter, and the result depends only on the arguments (every rank computes the same).
+    """
+    raise NotImplementedError("exercise: zero.partition_parameters (see the docstring)")
+
+
+@torch.no_grad()
+def sharded_step(params: list[torch.Tensor], owners: list[int], optimizer, group=None) -> None:
+    """One ZeRO-1 step: step the parameters this rank owns, then broadcast each from its owner.
+
+    The gradients are already averaged over the ranks. ``optimizer`` was built over only the
+    parameters with ``owners[i] == dist.get_rank(group)``, so ``optimizer.step()`` updates just
+    those. Then broadcast every parameter from its owner (``src`` is a *global* rank:
+    ``dist.get_global_rank(group, owner)`` when a group is given). Check: training with it
+    equals single-process training, and every rank ends with the same parameters.
+    """
+    raise NotImplementedError("exercise: zero.sharded_step (see the docstring)")

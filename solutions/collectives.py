@@ -1,0 +1,64 @@
+"""Collectives by hand: a ring all-reduce built from point-to-point sends and receives.
+
+The ring (Patarasuk & Yuan's bandwidth-optimal all-reduce; the cost is in PAPERS.md): N ranks
+stand in a circle, each sends only to its right neighbour (rank + 1) and receives only from its
+left one (rank - 1). The flat tensor of S bytes is cut into N chunks of about S/N bytes.
+
+Phase 1, reduce-scatter (N-1 steps): at step s, rank r sends chunk (r - s) mod N and adds the
+chunk (r - s - 1) mod N that arrives into its own copy. A chunk travels once round the ring,
+picking up one more rank's contribution per hop, so afterwards rank r holds the complete sum of
+chunk (r + 1) mod N.
+Phase 2, all-gather (N-1 steps): at step s, rank r sends chunk (r + 1 - s) mod N (complete) and
+overwrites chunk (r - s) mod N with the complete one that arrives.
+
+Each rank sends 2(N-1) chunks of S/N bytes, i.e. 2(N-1)/N * S: almost 2S however many ranks
+there are. That is why all-reduce bandwidth cost does not grow with N.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (send/recv address global ranks)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a 1-D ``tensor`` over the ranks of ``group`` in place, by a ring of sends; return it.
+
+    Use only point-to-point calls (``dist.isend``/``dist.irecv``/``dist.send``/``dist.recv``),
+    no collective. Split with ``torch.tensor_split(tensor, N)`` (chunks may differ by one
+    element, and are empty when ``tensor.numel() < N``: skip empty chunks on both sides).
+    Phase 1 reduce-scatter, phase 2 all-gather, N-1 steps each (see the module docstring).
+    Sending with ``isend`` and then receiving avoids the deadlock of every rank blocking in
+    ``send`` at once. Check: equals ``dist.all_reduce`` (SUM) for any length and 2-4 ranks.
+    """
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    if n == 1:
+        return tensor
+    right, left = _global_rank(group, (me + 1) % n), _global_rank(group, (me - 1) % n)
+    chunks = torch.tensor_split(tensor, n)  # views: writing into them writes into tensor
+    incoming = torch.empty_like(chunks[0])  # the largest chunk is chunk 0
+
+    def exchange(send_idx: int, recv_idx: int):
+        """Send chunk send_idx right, receive chunk recv_idx from the left; the received data."""
+        out, into = chunks[send_idx], incoming[: chunks[recv_idx].numel()]
+        # Empty chunks are skipped by both ends alike: the sender's chunk (r - s) is the very
+        # chunk index its right neighbour expects, so both agree on the size.
+        pending = dist.isend(out, right, group=group) if out.numel() else None
+        if into.numel():
+            dist.recv(into, left, group=group)
+        if pending is not None:
+            pending.wait()
+        return into
+
+    for s in range(n - 1):  # phase 1: reduce-scatter
+        recv_idx = (me - s - 1) % n
+        chunks[recv_idx].add_(exchange((me - s) % n, recv_idx))
+    for s in range(n - 1):  # phase 2: all-gather
+        recv_idx = (me - s) % n
+        chunks[recv_idx].copy_(exchange((me + 1 - s) % n, recv_idx))
+    return tensor

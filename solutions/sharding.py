@@ -1,0 +1,72 @@
+"""Sharding a flat parameter: the data movement under ZeRO-3 and FSDP.
+
+FSDP (Zhao et al. 2023, section 3.2) flattens a unit's parameters into one flat parameter of
+``numel`` elements, pads it to a multiple of the world size N (at most N-1 elements) and keeps
+one chunk of ``ceil(numel / N)`` elements per rank: the *shard*. Before the unit computes, an
+all-gather rebuilds the full flat parameter (*unshard*); afterwards it is freed (*reshard*).
+Gradients go the other way: a reduce-scatter sums the full gradients and leaves each rank only
+the sum over its own chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives (all_gather_into_tensor ->
+# all_gather_single, reduce_scatter_tensor -> reduce_scatter_single); older torch has only the
+# old names. Looked up at each call, so a test can watch the calls.
+def _all_gather_single(output, input, group=None, async_op=False):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def shard_flat(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the 1-D ``flat``: ``ceil(numel / world_size)`` elements, a copy.
+
+    Pad ``flat`` with zeros at the end to a multiple of ``world_size``, cut it into
+    ``world_size`` equal chunks, and return chunk ``rank`` as a new tensor (not a view, so the
+    full tensor can be freed). Check: concatenating every rank's shard gives ``flat`` plus at
+    most ``world_size - 1`` zeros.
+    """
+    per_rank = -(-flat.numel() // world_size)  # ceil division
+    padded = flat.new_zeros(per_rank * world_size)
+    padded[: flat.numel()] = flat
+    return padded[rank * per_rank: (rank + 1) * per_rank].clone()
+
+
+def unshard_flat(shard: torch.Tensor, numel: int, group=None) -> torch.Tensor:
+    """All-gather every rank's ``shard`` into the full flat tensor of ``numel`` elements.
+
+    The output of the all-gather holds N * shard.numel() elements in rank order (use
+    ``dist.all_gather_into_tensor``, named ``all_gather_single`` in newer torch); drop the
+    padding at the end. Check: ``unshard_flat(shard_flat(x, r, N), x.numel())`` is ``x`` on
+    every rank.
+    """
+    n = dist.get_world_size(group)
+    full = shard.new_empty(n * shard.numel())
+    _all_gather_single(full, shard, group=group)
+    return full[:numel]
+
+
+def reduce_scatter_grad(flat_grad: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's shard of the gradient averaged over ranks, by ONE reduce-scatter.
+
+    ``flat_grad`` is this rank's full 1-D gradient (numel elements). Pad it with zeros to a
+    multiple of N, divide by N (before the SUM, as in DDP), reduce-scatter (SUM) into a shard of
+    ``ceil(numel / N)`` elements (``dist.reduce_scatter_tensor``, named
+    ``reduce_scatter_single`` in newer torch). Check: it equals
+    ``shard_flat(mean of every rank's flat_grad, rank, N)``.
+    """
+    n = dist.get_world_size(group)
+    per_rank = -(-flat_grad.numel() // n)
+    padded = flat_grad.new_zeros(per_rank * n)
+    padded[: flat_grad.numel()] = flat_grad / n  # divide first: portable and no overflow
+    shard = flat_grad.new_empty(per_rank)
+    _reduce_scatter_single(shard, padded, op=dist.ReduceOp.SUM, group=group)
+    return shard
