@@ -152,7 +152,9 @@ def _how_it_ended(code: int | None) -> str:
 def _is_learner_module(name: str, module, root: str, installed: tuple[str, ...]) -> bool:
     """Is ``module`` the learner's own code (a .py file under ``root``, not installed, not ddpkit)?"""
     path = getattr(module, "__file__", None)
-    if not path or not path.endswith(".py") or name.split(".")[0] in ("ddpkit", "__main__"):
+    if not isinstance(path, str) or not path.endswith(".py") or not os.path.isabs(path):
+        return False  # built in, an extension, or a pseudo-module such as torch.ops ("_ops.py")
+    if name.split(".")[0] in ("ddpkit", "__main__"):
         return False
     path = os.path.realpath(path)
     if not path.startswith(root) or path.startswith(installed):

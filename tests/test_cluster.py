@@ -1,0 +1,248 @@
+"""The Cluster: jobs, results, errors, output, life cycle, bad input, stale imports, %%ranks."""
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import ddpkit
+from ddpkit import magic
+from ddpkit.cluster import Cluster, RankError
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+# ---------------------------------------------------------------------- jobs and results
+def test_results_in_rank_order_with_closures_lambdas_and_kwargs(cluster_of):
+    c = cluster_of(2)
+    offset = 100  # captured by the closure below, shipped by value
+
+    def job(scale, *, extra=0):
+        return (ddpkit.rank(), ddpkit.rank() * scale + offset + extra)
+
+    assert c.run(job, 10, extra=5) == [(0, 105), (1, 115)]
+    assert c.run(lambda: ddpkit.world_size()) == [2, 2]
+    assert c.last_results == [2, 2]
+    assert c.backend == "gloo" and c.devices == ["cpu", "cpu"]
+    assert c.run(lambda: str(ddpkit.device())) == ["cpu", "cpu"]
+
+
+def test_process_group_is_usable_in_a_job(cluster_of):
+    def job():
+        t = torch.tensor([float(ddpkit.rank() + 1)])
+        torch.distributed.all_reduce(t)
+        out = [None, None]
+        torch.distributed.all_gather_object(out, ddpkit.rank() * 10)
+        return t.item(), out
+
+    assert cluster_of(2).run(job) == [(3.0, [0, 10])] * 2
+
+
+def test_rank_error_names_the_rank_carries_the_remote_traceback_and_the_cluster_recovers(cluster_of):
+    c = cluster_of(2)
+    pids = [r.pid for r in c.ranks]
+
+    def fails_on_rank_1():
+        if ddpkit.rank() == 1:
+            raise ValueError("boom on one")
+        return "fine"
+
+    with pytest.raises(RankError) as info:
+        c.run(fails_on_rank_1)
+    err = info.value
+    assert err.ranks == [1] and list(err.failures) == [1]
+    assert "ValueError: boom on one" in err.failures[1]
+    assert "fails_on_rank_1" in err.failures[1]  # the remote frame, not just the message
+    assert "rank 1 failed" in str(err) and "unaffected" in str(err)
+    assert c.run(lambda: ddpkit.rank()) == [0, 1]
+    assert [r.pid for r in c.ranks] == pids  # a plain Python error needs no restart
+
+
+def test_output_reaches_the_caller_prefixed_with_the_rank(cluster_of, capsys):
+    def job():
+        print("hello from", ddpkit.rank())
+        print("to stderr", file=sys.stderr)
+
+    cluster_of(2).run(job)
+    out, err = capsys.readouterr()
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert "[rank 0] to stderr" in err and "[rank 1] to stderr" in err
+
+
+def test_progress_and_results_reach_subscribers(cluster_of):
+    c = cluster_of(2)
+    events = []
+    c.subscribe(lambda kind, rank, **f: events.append((kind, rank, f)))
+
+    def job():
+        for i in range(3):
+            ddpkit.progress(i + 1, 3)
+
+    c.run(job)
+    progress = [(r, f["done"]) for k, r, f in events if k == "progress"]
+    assert sorted(progress) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert [r.progress for r in c.ranks] == [(3, 3), (3, 3)]
+    assert any(k == "results" for k, _, _ in events)
+    assert [k for k, _, _ in events].count("status") >= 4  # running and idle, per rank
+    c._observers.clear()
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(world_size=0), "world_size"), (dict(world_size=-2), "world_size"),
+    (dict(world_size=1.5), "world_size"), (dict(world_size=True), "world_size"),
+    (dict(backend="mpi"), "unknown backend"), (dict(timeout=0), "timeout"),
+])
+def test_bad_arguments_fail_before_anything_starts(kwargs, words):
+    before = _children()
+    with pytest.raises(ValueError, match=words):
+        Cluster(**kwargs)
+    assert _children() == before
+
+
+def test_nccl_without_one_gpu_per_rank_is_refused():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    before = _children()
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        Cluster(world_size=gpus + 1, backend="nccl")
+    assert _children() == before
+
+
+def test_a_job_that_cannot_be_pickled_says_why_and_runs_nothing(cluster_of):
+    c = cluster_of(2)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"the function .*uses_a_lock.*lock"):
+        c.run(_make_lock_user(lock))
+    with pytest.raises(TypeError, match=r"argument 1 \(a lock\)"):
+        c.run(lambda a, b: a, 1, lock)
+    with pytest.raises(TypeError, match=r"keyword argument 'gen' \(a generator\)"):
+        c.run(lambda gen=None: 1, gen=(i for i in range(3)))
+    assert all(r.status in ("idle", "error") for r in c.ranks)
+    assert c.run(lambda: 7) == [7, 7]
+
+
+def _make_lock_user(lock):
+    def uses_a_lock():
+        return lock.locked()
+    return uses_a_lock
+
+
+def test_a_result_that_cannot_be_pickled_is_a_clear_error_and_the_cluster_is_fine(cluster_of):
+    c = cluster_of(2)
+
+    def returns_a_lock():
+        import threading
+        return threading.Lock() if ddpkit.rank() == 0 else "ok"
+
+    with pytest.raises(RankError) as info:
+        c.run(returns_a_lock)
+    assert info.value.ranks == [0]
+    assert "cannot be pickled" in info.value.failures[0] and "lock" in info.value.failures[0]
+    assert c.run(lambda: "next") == ["next", "next"]
+
+
+# ---------------------------------------------------------------------- life cycle
+def test_restart_shutdown_and_context_manager():
+    before = _children()
+    with Cluster(world_size=1, backend="gloo", timeout=20.0) as c:
+        first = c.ranks[0].pid
+        assert c.run(lambda: ddpkit.rank()) == [0]
+        c.restart()
+        assert c.ranks[0].pid != first and not psutil.pid_exists(first)
+        assert [r.status for r in c.ranks] == ["idle"]
+        assert c.run(lambda: ddpkit.world_size()) == [1]
+        second = c.ranks[0].pid
+    assert [r.status for r in c.ranks] == ["stopped"]
+    assert not psutil.pid_exists(second) and _children() == before
+    with pytest.raises(RuntimeError, match="shut down"):
+        c.run(lambda: 1)
+    c.start()  # a stopped cluster starts again
+    try:
+        assert c.run(lambda: 2) == [2]
+    finally:
+        c.shutdown()
+
+
+# ---------------------------------------------------------------------- stale imports
+def test_the_learners_own_modules_ship_by_value_so_edits_reach_the_ranks(cluster_of, tmp_path,
+                                                                          monkeypatch):
+    # A module under the working directory, which the ranks (started elsewhere, with
+    # another sys.path) could not even import: it must travel by value.
+    name = f"learner_mod_{time.monotonic_ns()}"
+    src = tmp_path / f"{name}.py"
+    src.write_text("def answer():\n    return 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module(name)
+    c = cluster_of(2)
+    assert c.run(mod.answer) == [1, 1]
+    assert c.run(lambda: mod.answer() + 10) == [11, 11]  # through a module reference too
+
+    src.write_text("def answer():\n    return 2 + 0  # edited\n")  # another size: the .pyc is stale
+    importlib.reload(mod)  # what %autoreload or exercises.use() does in the notebook
+    assert c.run(mod.answer) == [2, 2]
+    assert c.run(lambda: mod.answer() + 10) == [12, 12]
+
+    shipped = {m.__name__ for m in c._learner_modules()}
+    assert name in shipped
+    assert not any(n.split(".")[0] in ("ddpkit", "torch", "pytest", "os") for n in shipped)
+    import cloudpickle
+    assert name not in cloudpickle.list_registry_pickle_by_value()  # registered only per job
+    sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------------- %%ranks
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "ddpkit")  # ddpkit.load_ipython_extension -> magic.register
+    saved = dict(ip.user_ns)
+    yield ip
+    ip.user_ns.clear()
+    ip.user_ns.update(saved)
+
+
+def test_ranks_magic_runs_the_cell_on_every_rank_and_names_persist(cluster_of, shell, capsys):
+    c = cluster_of(2)
+    shell.user_ns["cl"] = c
+    shell.run_cell_magic("ranks", "", "import ddpkit\nx = ddpkit.rank() * 10\nprint('x is', x)\n")
+    out = capsys.readouterr().out
+    assert "[rank 0] x is 0" in out and "[rank 1] x is 10" in out
+    shell.run_cell_magic("ranks", "cl", "y = x + 1\ny * 2")  # x persisted on each rank
+    out = capsys.readouterr().out
+    assert "Out[rank 0]: 2" in out and "Out[rank 1]: 22" in out
+    assert c.last_results == ["2", "22"]
+    shell.run_cell_magic("ranks", "", "z = 5")  # no trailing expression: nothing shown
+    assert "Out[" not in capsys.readouterr().out
+    with pytest.raises(RankError) as info:
+        shell.run_cell_magic("ranks", "", "if ddpkit.rank() == 1:\n    undefined_name\n")
+    assert info.value.ranks == [1] and "NameError" in info.value.failures[1]
+    assert "undefined_name" in info.value.failures[1]  # the cell's line, via linecache
+
+
+def test_ranks_magic_picks_the_named_or_the_newest_running_cluster():
+    from IPython.core.error import UsageError
+
+    def fake(created, alive=True):
+        c = Cluster.__new__(Cluster)  # not started: only what find_cluster looks at
+        c._created, c._procs = created, [object()] if alive else []
+        return c
+
+    old, new, stopped = fake(1), fake(2), fake(3, alive=False)
+    assert magic.find_cluster({"a": old, "b": new, "c": stopped}) is new
+    assert magic.find_cluster({"a": old, "b": new}, "a") is old
+    with pytest.raises(UsageError, match="no running"):
+        magic.find_cluster({"c": stopped, "n": 3})
+    with pytest.raises(UsageError, match="not a ddpkit.Cluster"):
+        magic.find_cluster({"n": 3}, "n")
+    with pytest.raises(UsageError, match="no variable"):
+        magic.find_cluster({}, "nope")
