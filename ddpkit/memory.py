@@ -48,8 +48,9 @@ def _tensor_bytes(tensors) -> int:
 def _optimizer_state_tensors(optimizer):
     """Per-element state tensors of an optimizer (or of the optimizer a wrapper holds)."""
     state = getattr(optimizer, "state", None)
-    if not state and hasattr(optimizer, "optimizer"):  # e.g. a ZeRO-1 wrapper around AdamW
-        state = optimizer.optimizer.state
+    for inner in ("local_optimizer", "optimizer"):  # a wrapper (ZeRO-1's ShardedOptimizer)
+        if not state and hasattr(optimizer, inner):  # keeps its state in the inner optimizer
+            state = getattr(optimizer, inner).state
     for per_param in (state or {}).values():
         for v in per_param.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:  # skip 0-dim "step" counters

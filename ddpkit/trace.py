@@ -237,7 +237,10 @@ class Recorder:
                 _, step, t, values = raw
                 out.append(Record("counter", "memory", "memory", rank, step, t - off,
                                   args=dict(values)))
-        self._resolved, self._resolved_len = out, len(self._raw)
+        # Keep the result only if no collective is still waiting for its completion callback
+        # (gloo runs it on its own thread, a moment after work.wait() may have returned).
+        if all(r.end_ns is not None for r in out if r.kind == "span"):
+            self._resolved, self._resolved_len = out, len(self._raw)
         return out
 
     def trace(self) -> "Trace":
