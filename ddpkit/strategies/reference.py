@@ -1,0 +1,124 @@
+"""torch's own implementations behind ddpkit's small interface, for side-by-side comparison.
+
+    TorchDDP(module, bucket_cap_mb=25.0)   torch.nn.parallel.DistributedDataParallel
+    TorchFSDP(module, units=None)          torch.distributed.fsdp.fully_shard (FSDP2)
+
+Both have ``.module``, ``no_sync()``, ``finish_gradient_synchronization()`` (a no-op: torch
+finishes the reduction when ``backward()`` returns), ``full_state_dict()`` and
+``comm_buffer_bytes()``. torch's collectives happen inside C++ (DDP's reducer) or inside
+``fully_shard``'s hooks, so the recorder only sees the spans that ``train_step`` records
+around forward/backward/step; there are no per-collective records for these two.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.strategies._common import NULL_RECORDER, nbytes, prepare_module, require_process_group
+
+
+class TorchDDP(nn.Module):
+    """torch.nn.parallel.DistributedDataParallel with ddpkit's interface."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+                 recorder=None, **ddp_kwargs):
+        super().__init__()
+        require_process_group("TorchDDP", process_group)
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        self.recorder = recorder or NULL_RECORDER
+        self.process_group = process_group
+        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do.
+        self.ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group,
+                                                       bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp.module
+
+    def forward(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing to do: torch DDP's reducer has averaged every gradient when backward returns."""
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def full_state_dict(self) -> dict:
+        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+
+    def comm_buffer_bytes(self) -> int:
+        """About the bytes of DDP's buckets: its reducer keeps one flat bucket per group of
+        gradients, covering every trainable parameter once (torch does not expose the exact
+        figure publicly)."""
+        seen, total = set(), 0
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                total += nbytes(p)
+        return total
+
+
+def _fully_shard():
+    """fully_shard's public home moved in torch 2.6; older releases keep it in _composable."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4-2.5
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+class TorchFSDP(nn.Module):
+    """torch's FSDP2 (``fully_shard``) on each unit, then on the root, with ddpkit's interface."""
+
+    def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
+                 reshard_after_forward: bool = True, process_group=None, recorder=None):
+        super().__init__()
+        # fully_shard shards whatever each rank holds: make ranks start equal first (as ours do)
+        prepare_module("TorchFSDP", module, process_group)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.recorder = recorder or NULL_RECORDER
+        self.process_group = process_group
+        device = next(module.parameters()).device
+        # A 1-D mesh over the ranks of the group (on CPU: a "cpu" mesh, gloo underneath).
+        mesh = DeviceMesh.from_group(process_group or dist.group.WORLD, device.type)
+        inside = {id(m) for m in module.modules()}
+        if units is None:
+            units = [m for m in module.children() if any(True for _ in m.parameters())]
+        fully_shard = _fully_shard()
+        for unit in units:
+            if id(unit) not in inside:
+                raise ValueError(f"TorchFSDP unit {type(unit).__name__} is not a submodule of the "
+                                 f"wrapped {type(module).__name__}")
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.module = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing to do: fully_shard waits for its reduce-scatters at the end of backward."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """{name: full tensor} on every rank (each DTensor shard all-gathered)."""
+        return {name: p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                for name, p in self.module.named_parameters()}
+
+    def comm_buffer_bytes(self) -> int:
+        """0: fully_shard allocates and frees its all-gather buffers internally, out of view."""
+        return 0
