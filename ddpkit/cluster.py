@@ -72,25 +72,26 @@ UNCHANGED = "the other ranks are unaffected; the cluster is ready for the next r
 class RankError(RuntimeError):
     """One or more ranks failed; ``.failures`` maps each failed rank to its traceback text.
 
-    ``.stopped`` maps the ranks the cluster had to interrupt or kill *because* of those
-    failures (usually stuck in a collective) to what they were doing; ``.note`` says what
-    happened to the cluster afterwards.
+    ``.affected`` maps the ranks that went down *because* of those failures to what happened
+    to them: interrupted or killed by the cluster while still running (usually stuck in a
+    collective waiting for a failed rank), or thrown out of a collective by torch.distributed
+    when a peer died. ``.note`` says what happened to the cluster afterwards.
     """
 
-    def __init__(self, failures: dict[int, str], note: str = "", stopped: dict[int, str] | None = None):
+    def __init__(self, failures: dict[int, str], note: str = "", affected: dict[int, str] | None = None):
         self.failures = dict(sorted(failures.items()))
-        self.stopped = dict(sorted((stopped or {}).items()))
+        self.affected = dict(sorted((affected or {}).items()))
         self.ranks = list(self.failures)
         self.note = note
         s = "s" if len(self.ranks) > 1 else ""
         head = f"rank{s} {', '.join(map(str, self.ranks))} failed"
-        if self.stopped:
-            head += f"; stopped rank(s) {', '.join(map(str, self.stopped))} that were still running"
+        if self.affected:
+            head += f"; rank(s) {', '.join(map(str, self.affected))} went down with it"
         parts = [head]
         for r, tb in self.failures.items():
             parts.append(f"--- rank {r} ---\n{tb.rstrip()}")
-        for r, tb in self.stopped.items():
-            parts.append(f"--- rank {r} (stopped after rank{s} {', '.join(map(str, self.ranks))} "
+        for r, tb in self.affected.items():
+            parts.append(f"--- rank {r} (went down after rank{s} {', '.join(map(str, self.ranks))} "
                          f"failed) ---\n{tb.rstrip()}")
         if note:
             parts.append(f"[ddpkit] {note}")
@@ -116,7 +117,8 @@ class _Job:
     pending: dict                                 # rank -> connection, ranks still running
     results: dict = field(default_factory=dict)   # rank -> result
     failures: dict = field(default_factory=dict)  # rank -> traceback: the job failed there
-    stopped: dict = field(default_factory=dict)   # rank -> text: we interrupted or killed it
+    affected: dict = field(default_factory=dict)  # rank -> text: went down because of a failure
+    distributed: set = field(default_factory=set)  # ranks whose error came out of torch.distributed
     broken: bool = False                          # the process group is suspect: restart
     first_failure: float | None = None
     interrupted_at: float | None = None
@@ -447,6 +449,12 @@ class Cluster:
         finally:
             self._flush_lines()
         if job.failures:
+            if job.failures.keys() - job.distributed:
+                # A rank raised or died; collectives that then broke on other ranks are a
+                # consequence, not a second cause.
+                for rank in job.distributed & job.failures.keys():
+                    job.affected[rank] = ("its collective failed after another rank failed:\n"
+                                          + job.failures.pop(rank))
             note = UNCHANGED
             if job.broken:
                 note = RESTARTED
@@ -455,7 +463,7 @@ class Cluster:
                 except Exception as exc:
                     note = (f"the process group could not be trusted after this, and restarting "
                             f"the ranks failed too ({type(exc).__name__}: {exc}); call cluster.restart()")
-            raise RankError(job.failures, note, job.stopped)
+            raise RankError(job.failures, note, job.affected)
         self.last_results = [job.results[r] for r in range(self.world_size)]
         self._notify("results", None)
         return self.last_results
@@ -557,9 +565,11 @@ class Cluster:
         elif kind == "error":
             job.pending.pop(rank)
             tb, exc_type, from_distributed = msg[1], msg[2], msg[3]
-            job.broken |= from_distributed
+            if from_distributed:
+                job.broken = True
+                job.distributed.add(rank)
             if job.interrupted_at is not None and exc_type == "KeyboardInterrupt":
-                job.stopped[rank] = f"interrupted (SIGINT) while it was still running:\n{tb}"
+                job.affected[rank] = f"interrupted (SIGINT) while it was still running:\n{tb}"
                 self._set_status(rank, "idle")
             else:
                 job.failures[rank] = tb
@@ -568,7 +578,7 @@ class Cluster:
     def _kill_rank(self, job: _Job, rank: int, why: str) -> None:
         self._procs[rank].kill()
         self._procs[rank].wait()
-        job.stopped[rank] = why
+        job.affected[rank] = why
         job.broken = True
         job.pending.pop(rank)
         self._set_status(rank, "dead")
