@@ -196,7 +196,7 @@ class ClusterWidget(widgets.VBox):
         self.stop_button.disabled = stopped or busy
         for r in ranks:
             colour = STATUS_COLOURS.get(r.status, "black")
-            where = f" &middot; pid {r.pid}" if r.pid else ""
+            where = f" &middot; pid {r.pid}" if r.pid and r.status != "stopped" else ""
             where += f" &middot; {html.escape(r.device)}" if r.device else ""
             self.rank_status[r.rank].value = (
                 f"<b>rank {r.rank}</b> <span class='ddpkit-status' style='color:{colour};"
@@ -273,6 +273,7 @@ class ClusterWidget(widgets.VBox):
                 try:
                     image = widgets.Image(value=_png(draw(trace)), format="png")
                     image.add_class("ddpkit-plot")
+                    image.layout.max_width = "100%"  # shrinks with a narrow notebook
                     tabs.append((title, image))
                 except Exception as exc:  # e.g. a run with no memory samples has no memory plot
                     tabs.append((title, widgets.HTML(f"<i>no {title} plot: {html.escape(str(exc))}</i>")))

@@ -46,7 +46,8 @@ LAB_SETTINGS = {
 }
 
 # The cell the test adds after the notebook's own: find the notebook's cluster, print from the
-# ranks, run a traced training job and draw its timeline (inline; the widget draws its tabs).
+# ranks, run a traced training job that reports progress, and draw its timeline (inline; the
+# widget draws its own tabs).
 EXTRA_CELL = '''\
 import ddpkit, torch
 from ddpkit.trace import Recorder, Trace
@@ -58,13 +59,14 @@ def traced_job():
     from ddpkit.models import build_model
     print("hello from the browser test")
     rec = Recorder()
-    module = build_model("mlp", seed=0)
-    model = ddpkit.OverlappedDDP(module, bucket_cap_mb=0.001, recorder=rec)
+    module = build_model("mlp", seed=0, width=64, depth=6)
+    model = ddpkit.OverlappedDDP(module, bucket_cap_mb=0.02, recorder=rec)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(3):
         rec.next_step()
         x, y = local_batch(module, 8, step, ddpkit.rank(), ddpkit.world_size())
         train_step(model, opt, x, y, recorder=rec)
+        ddpkit.progress(step + 1, 3)
     return rec.trace()
 
 trace = Trace.merge(cluster.run(traced_job))
@@ -267,6 +269,8 @@ def _run_and_check(page, screenshots: Path | None):
     inline_plot = last.locator(".jp-OutputArea img")
     inline_plot.first.wait_for(state="visible", timeout=30_000)
     assert inline_plot.first.evaluate("img => img.naturalWidth") > 100
+
+    wait_until(lambda: "3 / 3 steps" in widget.inner_text(), 10, "the progress bar to show 3 / 3 steps")
 
     tab_plot = widget.locator(".ddpkit-plot").first  # the widget's plot tabs (bucket fill first)
     tab_plot.wait_for(state="visible", timeout=60_000)
