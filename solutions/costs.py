@@ -32,18 +32,24 @@ def ring_all_gather_time(nbytes: float, world_size: int, alpha: float, beta: flo
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
-    """Least-squares fit of ``time = alpha + beta * size``; returns ``(alpha, beta)``.
+    """Fit ``time = alpha + beta * size`` by least *relative* error; returns ``(alpha, beta)``.
 
-    Plain Python (no numpy needed): beta = cov(size, time) / var(size), alpha = mean(time) -
-    beta * mean(size). Needs at least two different sizes (else ``ValueError``).
+    Sizes usually span several powers of two; a plain least-squares line would fit the largest
+    messages and ignore the latency of the small ones. So minimise the sum of
+    ``((alpha + beta * s - t) / t) ** 2``: weighted least squares with weights ``w = 1 / t**2``,
+    beta = sum w (s - ms)(t - mt) / sum w (s - ms)**2 and alpha = mt - beta * ms, where ms and mt
+    are the w-weighted means. Plain Python, no numpy. Needs at least two different sizes and
+    positive times (else ``ValueError``).
     Check: recovers alpha and beta from times made with them, also with a little noise.
     """
-    if len(sizes) != len(times) or len(set(sizes)) < 2:
-        raise ValueError("need as many times as sizes, and at least two different sizes")
-    k = len(sizes)
-    ms, mt = sum(sizes) / k, sum(times) / k
-    var = sum((s - ms) ** 2 for s in sizes)
-    cov = sum((s - ms) * (t - mt) for s, t in zip(sizes, times))
+    if len(sizes) != len(times) or len(set(sizes)) < 2 or min(times) <= 0:
+        raise ValueError("need as many positive times as sizes, and at least two different sizes")
+    w = [1.0 / t ** 2 for t in times]  # relative error: each point counts alike
+    total = sum(w)
+    ms = sum(wi * s for wi, s in zip(w, sizes)) / total
+    mt = sum(wi * t for wi, t in zip(w, times)) / total
+    var = sum(wi * (s - ms) ** 2 for wi, s in zip(w, sizes))
+    cov = sum(wi * (s - ms) * (t - mt) for wi, s, t in zip(w, sizes, times))
     beta = cov / var
     return mt - beta * ms, beta
 

@@ -607,8 +607,12 @@ def test_fit_alpha_beta_recovers_the_line():
         noisy = [t * (1 + rng.uniform(-0.01, 0.01)) for t in times]
         a, b = call(fn, sizes, noisy)
         assert b == pytest.approx(beta, rel=0.05)
+        if alpha:  # the latency is seen too: the small messages count, not only the big ones
+            assert a == pytest.approx(alpha, rel=0.1)
     with pytest.raises(ValueError):
         call(fn, [1024, 1024], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        call(fn, [1024, 2048], [0.0, 2.0])
 
 
 def test_zero_model_state_bytes_matches_the_paper():
