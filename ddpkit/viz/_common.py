@@ -55,7 +55,7 @@ def byte_unit(max_bytes: float) -> tuple[str, float]:
 
 
 def no_data(ax, message: str) -> None:
-    """Say why a panel is empty instead of drawing a blank axis."""
+    """Say why a panel is empty instead of drawing a blank axis (shared x ticks are kept)."""
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, wrap=True)
-    ax.set_xticks([])
     ax.set_yticks([])
+    ax.tick_params(axis="x", labelbottom=False)

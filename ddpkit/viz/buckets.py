@@ -44,8 +44,8 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
         top.set_ylim(len(names) - 0.5, -0.5)  # the first gradient ready at the top
         top.set_ylabel("gradient (ready order)")
     else:
-        no_data(top, "no grad_ready records: this strategy does not time gradient readiness\n"
-                     "(OverlappedDDP and FSDP do; NaiveDDP and BucketedDDP reduce after backward)")
+        no_data(top, "no grad_ready records in this step: only a strategy that launches\n"
+                     "collectives from gradient hooks (OverlappedDDP) records when each gradient is ready")
     top.set_title(f"Bucket fill order: rank {rank}, step {s}  "
                   f"(shaded: backward; colour: bucket)")
     top.grid(axis="x", alpha=0.3)
@@ -53,12 +53,17 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
     # --- bottom: each bucket's (or FSDP unit's) collective, launch -> completion ------
     if comm:
         labels = []
+        units = {}  # FSDP collectives have a unit, not a bucket: one colour per unit
+        for r in comm:
+            if r.bucket is None:
+                units.setdefault(r.unit, len(units))
         for row, r in enumerate(comm):
             label = f"bucket {r.bucket}" if r.bucket is not None else f"{r.unit}"
             labels.append(f"{label} ({r.name})")
             end = r.end_ns if r.end_ns is not None else r.start_ns
             bottom.barh(row, max(ms(end) - ms(r.start_ns), 1e-3), left=ms(r.start_ns), height=0.6,
-                        color=bucket_colour(r.bucket), edgecolor="black", lw=0.5)
+                        color=bucket_colour(r.bucket if r.bucket is not None else units[r.unit]),
+                        edgecolor="black", lw=0.5)
             bottom.plot(ms(r.start_ns), row, marker="|", color="black", ms=10)
         every = max(1, -(-len(labels) // 12))
         bottom.set_yticks(range(0, len(labels), every), labels[::every], fontsize=7)

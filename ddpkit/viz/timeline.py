@@ -40,7 +40,7 @@ def plot_timeline(trace, steps=None, ranks=None):
     t0 = min(r.start_ns for r in records)
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731
 
-    yticks, ylabels, seen = [], [], set()
+    yticks, ylabels, seen = [], [], {}  # seen: legend entry -> (colour, alpha)
     for i, rank in enumerate(ranks):
         base = 3 * (len(ranks) - 1 - i)  # rank 0 at the top; lanes: comm at base, compute at base+1
         comp_y, comm_y = base + 1.2, base
@@ -59,28 +59,34 @@ def plot_timeline(trace, steps=None, ranks=None):
             else:
                 colour, y, h = SPAN_COLOURS.get(r.name, "#bbbbbb"), comp_y - 0.35, 0.7
                 key = r.name
-            label = None if key in seen else key
-            seen.add(key)
+            seen[key] = (colour, 0.75 if r.cat == "comm" else 0.95)
             # translucent with an edge: collectives in flight together stay distinguishable
             ax.broken_barh([(ms(r.start_ns), max((end - r.start_ns) / 1e6, 1e-4))], (y, h),
                            facecolors=colour, edgecolors="black", linewidth=0.3,
-                           alpha=0.75 if r.cat == "comm" else 0.95, label=label, zorder=2)
+                           alpha=seen[key][1], zorder=2)
         yticks += [comp_y, comm_y]
         ylabels += [f"rank {rank} compute", f"rank {rank} comm"]
 
+    span = max(ms(r.start_ns if r.end_ns is None else r.end_ns) for r in records) or 1.0
+    last_label = None
     for s in chosen:  # a dashed line where each step starts (earliest record on any rank)
         start = min((r.start_ns for r in records if r.step == s), default=None)
-        if start is not None:
-            ax.axvline(ms(start), color="black", ls="--", lw=0.8, alpha=0.6, zorder=0)
+        if start is None:
+            continue
+        ax.axvline(ms(start), color="black", ls="--", lw=0.8, alpha=0.6, zorder=0)
+        if last_label is None or ms(start) - last_label > 0.06 * span:  # labels must not collide
             ax.annotate(f"step {s}", (ms(start), 1.0), xycoords=("data", "axes fraction"),
                         xytext=(2, -10), textcoords="offset points", fontsize=8)
+            last_label = ms(start)
 
     from matplotlib.patches import Patch
 
-    handles, labels = ax.get_legend_handles_labels()
+    # legend: compute spans in step order, then collectives, then the overlap
+    order = [k for k in SPAN_COLOURS if k in seen] + sorted(k for k in seen if k not in SPAN_COLOURS)
+    handles = [Patch(facecolor=seen[k][0], alpha=seen[k][1], edgecolor="black", lw=0.3) for k in order]
     handles.append(Patch(color=OVERLAP_COLOUR, alpha=0.25))
-    labels.append("comm hidden under backward")
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(handles, order + ["comm hidden under backward"], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_ylim(-0.7, 3 * len(ranks) - 0.9)
     ax.set_xlabel("time (ms)" + ("" if trace.records[0].clock == "host" else ", GPU time from CUDA events"))
