@@ -100,7 +100,8 @@ class ClusterWidget(widgets.VBox):
         self.progress_box = widgets.HBox([self.progress, self.progress_label],
                                          layout=widgets.Layout(display="none"))
         self.plots = widgets.Tab(layout=widgets.Layout(display="none"))
-        self.plots_done = threading.Event()  # set when the plots of the last run are drawn
+        self.plots_done = threading.Event()  # set when no plots are being drawn
+        self.plots_done.set()
         self._steps: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in the current run
         self._errors: dict[int, str] = {}  # rank -> traceback, when the cluster sends one
         self._log_lock = threading.Lock()
@@ -127,7 +128,7 @@ class ClusterWidget(widgets.VBox):
         try:
             getattr(self.cluster, action)()
         except Exception as exc:
-            log.exception("cluster widget: %s failed", action)
+            log.debug("cluster widget: %s failed", action, exc_info=True)
             self.message.value = (f"<span style='color:{STATUS_COLOURS['error']}'>"
                                   f"{html.escape(type(exc).__name__)}: {html.escape(str(exc))}</span>")
         finally:
@@ -188,12 +189,13 @@ class ClusterWidget(widgets.VBox):
         devices = ", ".join(d for d in c.devices if d) or "none (stopped)"
         self.header.value = (f"<b>ddpkit cluster</b> &middot; world size {c.world_size} &middot; "
                              f"backend {html.escape(c.backend)} &middot; devices {html.escape(devices)}")
-        statuses = [r.status for r in ranks]
-        stopped = not statuses or all(s == "stopped" for s in statuses)
-        busy = any(s in ("starting", "running") for s in statuses)
+        # start only from stopped (start() refuses otherwise); restart is always offered: it is
+        # the way out of a dead or wedged rank (a click waits while a cell runs, so it cannot
+        # land in the middle of cluster.run)
+        stopped = all(r.status == "stopped" for r in ranks)
         self.start_button.disabled = not stopped
-        self.restart_button.disabled = busy
-        self.stop_button.disabled = stopped or busy
+        self.restart_button.disabled = False
+        self.stop_button.disabled = stopped
         for r in ranks:
             colour = STATUS_COLOURS.get(r.status, "black")
             where = f" &middot; pid {r.pid}" if r.pid and r.status != "stopped" else ""
@@ -232,8 +234,9 @@ class ClusterWidget(widgets.VBox):
                 continue
             lines = _snapshot(state.log)[-self.log_lines:]
             text = html.escape("\n".join(lines))
-            if rank in self._errors:
-                tb = html.escape(self._errors[rank].rstrip())
+            error = self._errors.get(rank)  # .get: the main thread may clear it meanwhile
+            if error:
+                tb = html.escape(error.rstrip())
                 text += f"\n<span style='color:{STATUS_COLOURS['error']}'>{tb}</span>"
             self.rank_logs[rank].value = f"<div style='{_LOG_STYLE}'><div>{text}</div></div>" if text else ""
 
@@ -254,10 +257,9 @@ class ClusterWidget(widgets.VBox):
     def show_results(self, results) -> None:
         """If ``results`` are traces, draw their plots into tabs (in a background thread)."""
         trace = trace_of(results)
-        self._plot_generation += 1
         if trace is None:
-            self.plots_done.set()
-            return
+            return  # not a traced run: the last traced run's plots stay
+        self._plot_generation += 1
         self.plots_done.clear()
         threading.Thread(target=self._draw_plots, args=(trace, self._plot_generation),
                          daemon=True, name="ddpkit-widget-plots").start()
@@ -283,8 +285,14 @@ class ClusterWidget(widgets.VBox):
             self.plots.titles = tuple(t for t, _ in tabs)
             self.plots.selected_index = 0
             self.plots.layout.display = "flex"
-        except Exception:
-            log.exception("cluster widget: drawing the run's plots failed")
+        except Exception as exc:  # shown where the plots would be: a thread has no cell to print in
+            log.debug("cluster widget: drawing the run's plots failed", exc_info=True)
+            if generation == self._plot_generation:
+                self.plots.children = [widgets.HTML(
+                    f"<i>could not draw this run's plots: {html.escape(type(exc).__name__)}: "
+                    f"{html.escape(str(exc))}</i>")]
+                self.plots.titles = ("plots",)
+                self.plots.layout.display = "flex"
         finally:
             if generation == self._plot_generation:
                 self.plots_done.set()

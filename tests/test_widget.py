@@ -66,6 +66,7 @@ def test_buttons_restart_stop_start(widget):
     assert statuses(widget) == ["stopped", "stopped"]
     assert [r.status for r in c.ranks] == ["stopped", "stopped"]
     assert not widget.start_button.disabled and widget.stop_button.disabled
+    assert not widget.restart_button.disabled  # restart also starts stopped ranks
 
     widget.start_button.click()
     assert statuses(widget) == ["idle", "idle"]
