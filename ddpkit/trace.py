@@ -95,6 +95,7 @@ class Recorder:
             device = "cuda" if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.clock_offset_ns = 0   # this rank's clock minus rank 0's (align_clocks sets it)
+        self.clock_rtt_ns = 0      # the bound on that estimate's error
         self._clock = clock
         self._step = None  # None until next_step(): construction broadcasts etc. ("setup")
         self._raw: list[tuple] = []
@@ -141,7 +142,10 @@ class Recorder:
         self._raw.append(("comm", name, self._step, t0, done, int(nbytes), fields, ev0))
 
     def grad_ready(self, param_name: str, **fields) -> None:
-        self._raw.append(("ready", param_name, self._step, self._clock(), fields))
+        # On CUDA the hook runs when autograd *queued* the gradient's kernels; an event on
+        # the current stream marks when the GPU actually produced it.
+        ev = self._cuda_event() if self._cuda else None
+        self._raw.append(("ready", param_name, self._step, self._clock(), fields, ev))
 
     def memory(self, **bytes_by_category: int) -> None:
         self._raw.append(("mem", self._step, self._clock(), bytes_by_category))
@@ -161,9 +165,11 @@ class Recorder:
 
         Each round: a barrier, then every rank reads its clock (t_a), joins an all-gather,
         and reads it again (t_b). The all-gather ends on every rank at about the same real
-        time, so the midpoints (t_a + t_b) / 2 are readings of one instant, off by at most
-        half the round trip. We keep the round whose slowest rank had the smallest round
-        trip and take offset = my midpoint - rank 0's midpoint. Collective: every rank calls it.
+        time: every rank's window [t_a, t_b] contains the moment the last rank entered (no
+        one can leave before that). So the midpoints (t_a + t_b) / 2 are readings of one
+        instant, each off by at most half its round trip. We keep the round whose slowest
+        rank had the smallest round trip and take offset = my midpoint - rank 0's midpoint;
+        its error is at most that round trip (``clock_rtt_ns``). Every rank must call it.
         """
         import torch
         import torch.distributed as dist
@@ -195,10 +201,12 @@ class Recorder:
 
     # --- reading back ----------------------------------------------------------------
     def _cuda_event(self):
+        """A timing event on this rank's device's current stream (also right from a callback
+        thread whose current device is another GPU)."""
         import torch
 
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     @property
@@ -230,9 +238,12 @@ class Recorder:
                                   None if t1 is None else t1 - off, nbytes=nbytes,
                                   clock=clock, **_split_fields(fields)))
             elif kind == "ready":
-                _, name, step, t, fields = raw
+                _, name, step, t, fields, ev = raw
+                clock = "host"
+                if gpu:
+                    t, clock = self._cuda_anchor.to_host_ns(ev), "cuda"
                 out.append(Record("instant", "grad_ready", name, rank, step, t - off,
-                                  **_split_fields(fields)))
+                                  clock=clock, **_split_fields(fields)))
             else:
                 _, step, t, values = raw
                 out.append(Record("counter", "memory", "memory", rank, step, t - off,
