@@ -89,12 +89,21 @@ def test_records_are_picklable_and_merge_into_one_trace():
     assert Trace.merge([p.records for p in parts]).ranks == [0, 1]
 
 
-def test_recording_off_has_no_cost_beyond_the_null_recorder():
-    from ddpkit.strategies._common import NULL_RECORDER
-
-    assert NULL_RECORDER.enabled is False
-    with NULL_RECORDER.span("forward"):
+def test_steps_and_setup_records():
+    rec = Recorder(rank=0, world_size=1)
+    with rec.span("construct"):
         pass
+    for _ in range(3):
+        rec.next_step()
+        with rec.span("forward"):
+            pass
+    trace = rec.trace()
+    assert trace.steps == [0, 1, 2] and rec.step == 2
+    assert [r.name for r in trace.select(step="setup")] == ["construct"]
+    assert [r.step for r in trace.select(step=-1)] == [2]   # -1: the last step
+    assert [r.step for r in trace.select(step=-3)] == [0]
+    with pytest.raises(IndexError):
+        trace.select(step=-4)
 
 
 def test_align_clocks_finds_a_skewed_clock(cluster_of):
