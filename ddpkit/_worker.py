@@ -200,6 +200,7 @@ def main() -> None:
     stdin = sys.stdin.buffer
     cfg = json.loads(stdin.readline())
     threading.Thread(target=_exit_when_parent_dies, args=(stdin,), daemon=True).start()
+    sys.stdin = open(os.devnull)  # input() in a job gets end-of-file, not the parent's pipe
     signal.signal(signal.SIGINT, _on_sigint)
     faulthandler.enable(file=sys.__stderr__)  # a segfault's Python stack goes to the stderr pipe
     for path in reversed(cfg["sys_path"]):

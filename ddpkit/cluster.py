@@ -196,6 +196,7 @@ class Cluster:
         self._listen_sock: socket.socket | None = None
         self._stop_accepting = threading.Event()
         self._module_verdicts: tuple[str, dict] = ("", {})
+        self._job_lock = threading.Lock()  # one run() at a time (a notebook, a widget button)
         self.start()
 
     # ------------------------------------------------------------------ life cycle
@@ -401,6 +402,12 @@ class Cluster:
         self.shutdown()
         self.start()
 
+    def _restart_after_fault(self) -> None:
+        """Kill every rank at once (no polite stop: their process group is suspect) and start anew."""
+        self._kill_all()
+        self._flush_lines()
+        self.start()
+
     def __enter__(self):
         return self
 
@@ -434,12 +441,26 @@ class Cluster:
             raise RuntimeError(f"rank(s) {dead} are dead (they died between jobs); "
                                "call cluster.restart() first")
         payload = self._pickle_job(fn, args, kwargs)
+        if not self._job_lock.acquire(blocking=False):
+            raise RuntimeError("another run() is still going on this cluster; wait for it to finish")
+        try:
+            return self._run_locked(payload)
+        finally:
+            self._job_lock.release()
+
+    def _run_locked(self, payload: bytes) -> list:
         self._flush_lines()
         job = _Job(pending={})
         try:
             for conn, rank in self._conns.items():
                 self._stderr_tail[rank].clear()
-                conn.send(("run", payload))
+                try:
+                    conn.send(("run", payload))
+                except OSError:  # it died just now, between jobs
+                    job.failures[rank] = self._death_note(rank)
+                    job.broken = True
+                    self._set_status(rank, "dead", traceback=job.failures[rank])
+                    continue
                 job.pending[rank] = conn
                 self._set_status(rank, "running")
             self._collect(job)
@@ -459,7 +480,7 @@ class Cluster:
             if job.broken:
                 note = RESTARTED
                 try:
-                    self.restart()
+                    self._restart_after_fault()
                 except Exception as exc:
                     note = (f"the process group could not be trusted after this, and restarting "
                             f"the ranks failed too ({type(exc).__name__}: {exc}); call cluster.restart()")
@@ -618,7 +639,7 @@ class Cluster:
             if job.broken:
                 print("[ddpkit] interrupted: some ranks did not stop cleanly, restarting them "
                       "(a fresh process group)", file=sys.stderr)
-                self.restart()
+                self._restart_after_fault()
             else:
                 print("[ddpkit] interrupted: every rank stopped its job; the cluster is ready",
                       file=sys.stderr)
