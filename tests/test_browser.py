@@ -242,6 +242,8 @@ def _run_and_check(page, screenshots: Path | None):
                       f"{world_size} rank rows")
     for r, row in enumerate(rows):
         assert row.startswith(f"rank {r}") and any(s in row for s in STATUSES), row
+    printed = [r for r in range(world_size) if f"[rank {r}] " in text]
+    assert printed, "no '[rank N] ...' line of the notebook's ranks reached the page"
 
     # 3. the restart button starts fresh ranks: new pids, all idle
     old = pids(rows)
@@ -266,6 +268,9 @@ def _run_and_check(page, screenshots: Path | None):
     out = last.locator(".jp-OutputArea").inner_text()
     for r in range(world_size):
         assert f"[rank {r}] hello from the browser test" in out, out
+    logs = widget.locator(".ddpkit-rank-log")
+    wait_until(lambda: all("hello from the browser test" in t for t in logs.all_inner_texts()), 10,
+               "every rank's log box in the widget to show its line")
     inline_plot = last.locator(".jp-OutputArea img")
     inline_plot.first.wait_for(state="visible", timeout=30_000)
     assert inline_plot.first.evaluate("img => img.naturalWidth") > 100
