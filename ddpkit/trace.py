@@ -397,7 +397,9 @@ def to_chrome_trace(trace, path=None) -> dict:
         events.append(dict(ph="M", name="process_sort_index", pid=rank, tid=0, args={"sort_index": rank}))
         for lane, tid in LANES.items():
             events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": lane}))
-            events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": tid}))
+            # the buckets lane goes last, so extra comm lanes ("comm 2", ...) sit under "comm"
+            order = 100 if lane == "buckets" else tid
+            events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": order}))
         comm_lane_ends: list[int] = []  # end time of the last collective on each comm lane
         for r in sorted(trace.select(rank=rank), key=lambda r: r.start_ns):
             args = {"step": r.step, **_json_safe(r.args)}
@@ -445,7 +447,7 @@ def _comm_tid(lane_ends: list, r: Record, events: list, rank: int) -> int:
         return LANES["comm"]
     tid = _COMM_EXTRA_TID + i
     events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": f"comm {i + 1}"}))
-    events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": tid}))
+    events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": 1 + i}))
     return tid
 
 
