@@ -152,9 +152,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.copy_(gathered[base + off:base + off + p.numel()].view_as(p))
 
     def local_state_bytes(self) -> int:
-        """Bytes of optimizer state held on this rank (1/N of the full optimizer's)."""
+        """Bytes of per-element optimizer state on this rank (about 1/N of the full optimizer's)."""
         return sum(nbytes(v) for s in self.local_optimizer.state.values()
-                   for v in s.values() if torch.is_tensor(v))
+                   for v in s.values() if torch.is_tensor(v) and v.dim() > 0)  # not 0-dim "step"
 
     # ------------------------------------------------------------------ checkpoints
     def consolidate_state_dict(self, to: int = 0) -> None:

@@ -1,0 +1,247 @@
+"""ShardedOptimizer (ZeRO-1): equal to one process on top of every DDP wrapper, state 1/N per rank,
+param groups and LR schedulers, consolidated state dicts loadable by a plain optimizer and back."""
+from __future__ import annotations
+
+import functools
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.experiment import (local_batch, make_optimizer, max_abs_diff, optimizer_class,
+                               train_single_process, train_step)
+from ddpkit.models import build_model, loss_fn, make_batch
+from ddpkit.strategies._common import NullRecorder
+from ddpkit.strategies.zero1 import partition_by_size
+
+SMALL_MLP = dict(width=16, depth=4)
+SMALL_GPT = dict(vocab=16, dim=16, layers=1, heads=2, seq=8)
+BATCH = 24
+TOL = 1e-5
+
+
+def _wrap(ddp, module):
+    if ddp == "naive":
+        return ddpkit.NaiveDDP(module)
+    cls = ddpkit.BucketedDDP if ddp == "bucketed" else ddpkit.OverlappedDDP
+    return cls(module, bucket_cap_mb=0.001)  # several buckets on the small MLP
+
+
+class CountingRecorder(NullRecorder):
+    enabled = True
+
+    def __init__(self):
+        self.events = []
+
+    def collective(self, name, work, nbytes, **fields):
+        self.events.append((name, nbytes))
+
+
+def _train(ddp, model_name, optimizer, model_kwargs, steps=5):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(model_name, seed=rank, **model_kwargs)  # ranks start different
+    model = _wrap(ddp, module)
+    cls, defaults = optimizer_class(optimizer)
+    rec = CountingRecorder()
+    opt = ddpkit.ShardedOptimizer(model.parameters(), cls, recorder=rec, **defaults)
+    for step in range(steps):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    owned = [i for i, r in enumerate(opt.owner) if r == rank]
+    return model.full_state_dict(), owned, opt.local_state_bytes(), len(opt.local_optimizer.state), rec.events
+
+
+def _train_all(cases):
+    return [_train(*case) for case in cases]
+
+
+ALL_CASES = [(d, "mlp", o, SMALL_MLP) for d in ("naive", "bucketed", "overlapped") for o in ("sgd", "adamw")] \
+    + [(d, "gpt", "sgd", SMALL_GPT) for d in ("naive", "overlapped")]
+CASES = {1: ALL_CASES[:2], 2: ALL_CASES, 3: [ALL_CASES[i] for i in (1, 3, 7)], 4: [ALL_CASES[i] for i in (2, 5, 6)]}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_name, optimizer, kwargs_items, steps=5):
+    return train_single_process(model_name, optimizer, steps=steps, global_batch_size=BATCH, **dict(kwargs_items))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_equal_to_single_process_on_every_ddp_wrapper(cluster_of, world_size):
+    cases = CASES[world_size]
+    per_rank = cluster_of(world_size).run(_train_all, cases)
+    for i, (ddp, model_name, optimizer, kwargs) in enumerate(cases):
+        reference = _reference(model_name, optimizer, tuple(kwargs.items()))
+        n_params = len(reference)
+        owned_all = []
+        for rank, results in enumerate(per_rank):
+            full, owned, state_bytes, n_state, events = results[i]
+            diff = max_abs_diff(full, reference)
+            assert diff < TOL, f"{ddp} {model_name} {optimizer}: rank {rank} off by {diff}"
+            owned_all += owned
+            assert n_state == len(owned)  # optimizer state exists only for this rank's parameters
+            ags = [e for e in events if e[0] == "all_gather"]
+            assert len(ags) == 5  # one all-gather per step (one dtype)
+        assert sorted(owned_all) == list(range(n_params))  # every parameter owned exactly once
+        if optimizer == "adamw":  # exp_avg + exp_avg_sq, 8 bytes per parameter, split over ranks
+            total = sum(results[i][2] for results in per_rank)
+            numel = sum(t.numel() for t in reference.values())
+            assert total == 8 * numel
+
+
+def test_partition_is_greedy_largest_first_and_deterministic():
+    assert partition_by_size([5, 4, 3, 3, 1], 2) == [0, 1, 1, 0, 1]  # loads 8 and 8
+    sizes = [p.numel() for p in build_model("mlp").parameters()]
+    owner = partition_by_size(sizes, 3)
+    assert owner == partition_by_size(sizes, 3)
+    loads = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert partition_by_size([7], 4) == [0]  # ranks may own nothing
+
+
+def _groups_and_scheduler(steps=5):
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def groups(module):
+        weights = [p for n, p in module.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in module.named_parameters() if n.endswith("bias")]
+        return [{"params": weights}, {"params": biases, "lr": 0.1}]
+
+    reference = build_model("mlp", seed=0, **SMALL_MLP)
+    ref_opt = torch.optim.SGD(groups(reference), lr=0.05, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    module = build_model("mlp", seed=rank, **SMALL_MLP)
+    model = ddpkit.BucketedDDP(module)
+    opt = ddpkit.ShardedOptimizer(groups(model), torch.optim.SGD, lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(steps):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+        sched.step()
+        x, y = make_batch(reference, BATCH, step)
+        loss_fn(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_sched.step()
+    ref = {n: p.detach() for n, p in reference.named_parameters()}
+    lrs = [g["lr"] for g in opt.local_optimizer.param_groups]
+    grads_none = all(p.grad is None for p in module.parameters())
+    return max_abs_diff(model.full_state_dict(), ref), lrs, grads_none
+
+
+def test_param_groups_and_lr_scheduler(cluster_of):
+    for diff, lrs, grads_none in cluster_of(3).run(_groups_and_scheduler):
+        assert diff < TOL
+        assert lrs == pytest.approx([0.05 / 4, 0.1 / 4])  # the scheduler reached the local optimizer
+        assert grads_none  # zero_grad(set_to_none=True) over all parameters, not just owned ones
+
+
+def _state_dicts(k, m, to):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=rank, **SMALL_MLP)
+    model = ddpkit.OverlappedDDP(module)
+    opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    for step in range(k):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    try:
+        opt.state_dict()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    opt.consolidate_state_dict(to=to)
+    full = None
+    plain_ok = None
+    if rank == to:
+        full = opt.state_dict()
+        # a plain optimizer takes it, and gives back the same
+        plain = torch.optim.AdamW(build_model("mlp", **SMALL_MLP).parameters(), lr=1e-3)
+        plain.load_state_dict(full)
+        plain_ok = plain.state_dict()
+    # checkpoint = full params + full optimizer state, written by rank `to`, read by everyone
+    buf = [None]
+    if rank == to:
+        b = io.BytesIO()
+        torch.save({"model": model.full_state_dict(), "optim": plain_ok}, b)
+        buf[0] = b.getvalue()
+    dist.broadcast_object_list(buf, src=to)
+    ckpt = torch.load(io.BytesIO(buf[0]))
+    module = build_model("mlp", seed=50 + rank, **SMALL_MLP)
+    module.load_state_dict(ckpt["model"])
+    model = ddpkit.OverlappedDDP(module)
+    opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    opt.load_state_dict(ckpt["optim"])
+    for step in range(k, k + m):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    return error, full, model.full_state_dict()
+
+
+def _plain_state_after(k):
+    model = build_model("mlp", seed=0, **SMALL_MLP)
+    opt = make_optimizer(model.parameters(), "adamw")
+    for step in range(k):
+        x, y = make_batch(model, BATCH, step)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt.state_dict()
+
+
+def test_consolidated_state_dict_is_torch_format_and_resumes(cluster_of):
+    per_rank = cluster_of(3).run(_state_dicts, 3, 2, 1)
+    expected = _plain_state_after(3)
+    for rank, (error, full, after) in enumerate(per_rank):
+        assert "consolidate_state_dict" in error
+        assert max_abs_diff(after, _reference("mlp", "adamw", tuple(SMALL_MLP.items()))) < TOL  # k + m
+        if rank != 1:
+            assert full is None
+            continue
+        assert full["param_groups"] == expected["param_groups"]
+        assert full["state"].keys() == expected["state"].keys()
+        for i, s in expected["state"].items():
+            assert full["state"][i].keys() == s.keys()
+            for key, v in s.items():
+                assert torch.allclose(full["state"][i][key].float(), v.float(), atol=TOL), (i, key)
+
+
+def _owns_nothing():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    module = nn.Linear(3, 2)  # 2 parameters over 4 ranks: two ranks own nothing
+    model = ddpkit.NaiveDDP(module)
+    opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(x[2 * rank:2 * rank + 2]).square().mean().backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for _ in range(3):
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max_abs_diff(model.full_state_dict(), {n: p.detach() for n, p in ref.named_parameters()}), \
+        len(opt.local_optimizer.state)
+
+
+def test_ranks_that_own_nothing(cluster_of):
+    per_rank = cluster_of(4).run(_owns_nothing)
+    assert sorted(n for _, n in per_rank) == [0, 0, 1, 1]
+    for diff, _ in per_rank:
+        assert diff < TOL
+
+
+def _empty():
+    try:
+        ddpkit.ShardedOptimizer([], torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        return str(e)
+
+
+def test_bad_input(cluster_of):
+    assert "empty" in cluster_of(2).run(_empty)[0]
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        ddpkit.ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
