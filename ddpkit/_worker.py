@@ -156,17 +156,20 @@ def _is_distributed_failure(exc: BaseException) -> bool:
     """Did the error come out of torch.distributed (a timed-out or broken collective)?
 
     Then the process group is suspect and the parent restarts the ranks. gloo reports a
-    timeout as a plain RuntimeError, so besides ``DistError`` look at where it was raised.
+    timeout as a plain RuntimeError, so besides ``DistError`` look at where it was raised:
+    any frame of the traceback inside torch/distributed (an interrupt that landed there too).
     """
     import torch.distributed as dist
 
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
+    marker = os.sep + os.path.join("torch", "distributed") + os.sep
     tb = exc.__traceback__
-    last = None
     while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and "torch" + os.sep + "distributed" in last.tb_frame.f_code.co_filename
+        if marker in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def run_cell(source: str):

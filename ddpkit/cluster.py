@@ -57,10 +57,12 @@ log = logging.getLogger("ddpkit.cluster")
 BACKENDS = ("auto", "gloo", "nccl")
 STATUSES = ("starting", "idle", "running", "error", "dead", "stopped")
 GRACE_S = 1.0        # after a rank fails, how long the others may keep running before SIGINT
-KILL_AFTER_S = 2.0
+KILL_AFTER_S = 2.0   # after SIGINT, how long before a rank that did not stop is killed
 # Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
 # beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
-WORKER_MAIN = "from ddpkit._worker import main; main()"   # after SIGINT, how long before a rank that did not stop is killed
+WORKER_MAIN = "from ddpkit._worker import main; main()"
+STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
+            "call cluster.start()")
 
 RESTARTED = ("the process group could not be trusted after this (a rank died or was stopped, or "
              "a collective failed or timed out), so the cluster restarted its ranks: the next "
@@ -234,28 +236,29 @@ class Cluster:
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
         self._readers, self._stderr_tail = [], []
-        for r in range(self.world_size):
-            # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
-            # parent decides which ranks to interrupt.
-            proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                    cwd=os.getcwd(), start_new_session=True)
-            cfg = dict(rank=r, world_size=self.world_size, backend=self.backend,
-                       address=list(sock.getsockname()), authkey=authkey.hex(),
-                       generation=self._generation, store_host="127.0.0.1",
-                       store_port=self._store.port, timeout=self.timeout, sys_path=sys.path)
-            proc.stdin.write((json.dumps(cfg) + "\n").encode())
-            proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
-            self._procs.append(proc)
-            self.ranks[r].pid = proc.pid
-            self._stderr_tail.append(collections.deque(maxlen=40))
-            readers = [threading.Thread(target=self._read_pipe, args=(r, name, pipe, self._generation),
-                                        daemon=True, name=f"ddpkit-rank{r}-{name}")
-                       for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
-            for t in readers:
-                t.start()
-            self._readers.append(readers)
         try:
+            for r in range(self.world_size):
+                # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
+                # parent decides which ranks to interrupt.
+                proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                        cwd=os.getcwd(), start_new_session=True)
+                cfg = dict(rank=r, world_size=self.world_size, backend=self.backend,
+                           address=list(sock.getsockname()), authkey=authkey.hex(),
+                           generation=self._generation, store_host="127.0.0.1",
+                           store_port=self._store.port, timeout=self.timeout, sys_path=sys.path)
+                proc.stdin.write((json.dumps(cfg) + "\n").encode())
+                proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
+                self._procs.append(proc)
+                self.ranks[r].pid = proc.pid
+                self._stderr_tail.append(collections.deque(maxlen=40))
+                readers = [threading.Thread(target=self._read_pipe, daemon=True,
+                                            args=(r, name, pipe, self._generation),
+                                            name=f"ddpkit-rank{r}-{name}")
+                           for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+                for t in readers:
+                    t.start()
+                self._readers.append(readers)
             self._wait_ready(hello)
         except BaseException:
             self._kill_all()
@@ -336,7 +339,7 @@ class Cluster:
                     self._line(rank, msg[1], msg[2])
                     continue
                 if msg[0] == "error":
-                    raise RankError({rank: msg[1]}, "while joining the process group")
+                    raise RankError({rank: msg[1]}, "joining the process group failed " + STARTING)
                 self.ranks[rank].device = msg[2]["device"]
                 self.ranks[rank].status = "idle"
                 pending.discard(conn)
@@ -353,7 +356,7 @@ class Cluster:
                     t.join(timeout=1.0)  # let the pipe readers catch the last lines
                 tail = "\n".join(self.ranks[r].log) or "(no output)"
                 raise RankError({r: f"the worker exited while starting: {_how_it_ended(p.returncode)}"
-                                    f"\n{tail}"}, "while starting")
+                                    f"\n{tail}"}, STARTING)
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
