@@ -15,8 +15,10 @@ Channels, all local:
   and says nothing cannot stall the others. Only then is anything unpickled. A connection
   that fails is refused and logged (logger ``ddpkit.cluster``). It carries jobs, results,
   tracebacks, printed lines and progress events.
-- the process group's rendezvous: a ``TCPStore`` hosted here in the parent on a port the OS
-  picks (port 0), so there is no race for a "free port".
+- the process group's rendezvous: a ``TCPStore`` hosted here in the parent on a loopback
+  port the OS picks (port 0), so there is no race for a "free port". (The store itself has
+  no authentication; gloo's own connections between ranks go to the address the host name
+  resolves to.)
 - each worker's stdin: held open by the parent; when it closes (the parent died, even by
   SIGKILL) the worker exits.
 
@@ -223,8 +225,15 @@ class Cluster:
         sock.bind(("127.0.0.1", 0))  # loopback only: nothing off this machine can reach it
         sock.listen(64)
         self._listen_sock, self._stop_accepting = sock, threading.Event()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        # The rendezvous store listens on a socket we bind to loopback: left to itself,
+        # TCPStore listens on every interface. The store owns (and closes) the fd we give it.
+        store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        store_sock.bind(("127.0.0.1", 0))
+        store_sock.listen(128)
+        self._store = dist.TCPStore("127.0.0.1", store_sock.getsockname()[1], is_master=True,
+                                    wait_for_workers=False, master_listen_fd=os.dup(store_sock.fileno()),
                                     timeout=timedelta(seconds=max(self.timeout, 60.0)))
+        store_sock.close()
         self.ranks = [RankState(r) for r in range(self.world_size)]
         self._notify("status", None)
         hello: queue.Queue = queue.Queue()

@@ -12,6 +12,7 @@ import socket
 import struct
 import time
 
+import psutil
 import pytest
 
 import ddpkit
@@ -57,9 +58,16 @@ def _closed_by_peer(sock: socket.socket, seconds: float = 10.0) -> bool:
     return True
 
 
-def test_the_channel_listens_on_loopback_only(cluster):
+def test_the_parent_listens_on_loopback_only(cluster):
     host, port = cluster._listen_sock.getsockname()
     assert host == "127.0.0.1" and port > 0
+    # the job channel and the rendezvous store: nothing on 0.0.0.0 or ::
+    listening = [c.laddr for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN]
+    assert (host, port) in [(a.ip, a.port) for a in listening]
+    assert ("127.0.0.1", cluster._store.port) in [(a.ip, a.port) for a in listening]
+    ours = [a for a in listening if a.port in (port, cluster._store.port)]
+    assert all(a.ip == "127.0.0.1" for a in ours), ours
 
 
 def test_a_client_with_a_wrong_key_is_refused_logged_and_its_payload_never_runs(cluster, caplog, tmp_path):
