@@ -274,12 +274,21 @@ def _add_ratios(records: list[dict]) -> None:
                 r[f"vs_{ref}"] = r["ms_per_step"] / ok[ref]["ms_per_step"]
 
 
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
 def format_table(records: list[dict]) -> str:
+    """The compare results as a fixed-width text table (bytes per rank; sent = ring cost)."""
     cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch_ddp", "{:.2f}x"),
-            ("vs_torch_fsdp", "{:.2f}x"), ("comm_bytes_per_step", "MB"), ("model_state_bytes", "MB"),
-            ("peak_bytes", "MB"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
-    heads = ["strategy", "ms/step", "vs torch_ddp", "vs torch_fsdp", "comm MB/step", "state MB",
-             "peak MB", "overlap", "max |diff|"]
+            ("vs_torch_fsdp", "{:.2f}x"), ("comm_bytes_per_step", "bytes"), ("model_state_bytes", "bytes"),
+            ("peak_bytes", "bytes"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
+    heads = ["strategy", "ms/step", "vs torch_ddp", "vs torch_fsdp", "sent/step", "model state",
+             "peak", "overlap", "max |diff|"]
     rows = []
     for r in records:
         if "error" in r:
@@ -288,7 +297,7 @@ def format_table(records: list[dict]) -> str:
         row = []
         for key, fmt in cols:
             v = r.get(key)
-            row.append("-" if v is None else f"{v / 1e6:.2f}" if fmt == "MB" else fmt.format(v))
+            row.append("-" if v is None else _human_bytes(v) if fmt == "bytes" else fmt.format(v))
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows if len(row) == len(heads))) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]

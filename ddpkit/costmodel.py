@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ddpkit.experiment import STRATEGIES
+from ddpkit.trace import ring_bytes  # bytes one rank sends, by the ring formulas above
 
 MiB = 1024 * 1024
 
@@ -58,21 +59,6 @@ NETWORKS = {
 
 
 # --------------------------------------------------------------------------- collectives
-def ring_bytes(name: str, nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends for a collective of full size S (all-reduce: the buffer; all-gather:
-    the gathered output; reduce-scatter: the input; broadcast: the tensor)."""
-    n = world_size
-    if n == 1:
-        return 0.0
-    if name == "all_reduce":
-        return 2 * (n - 1) / n * nbytes     # a reduce-scatter then an all-gather
-    if name in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if name == "broadcast":
-        return float(nbytes)                # the root sends S (a pipelined ring forwards S too)
-    raise ValueError(f"unknown collective {name!r}; valid: all_reduce, all_gather, reduce_scatter, broadcast")
-
-
 def collective_time(name: str, nbytes: float, world_size: int, network: Network) -> float:
     """Seconds for one ring collective of full size S: steps x alpha + bytes sent x beta."""
     n = world_size

@@ -131,145 +131,42 @@ def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 2
 
 
 # ---------------------------------------------------------------------------------------------
-# What one recorded run measures, tallied as the strategy reports it.
+# What one recorded run measures, read back from the recorder's plain records.
 # ---------------------------------------------------------------------------------------------
-def _union(intervals):
-    """Merge (start, end) intervals into disjoint sorted ones."""
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
+def summarize_records(records, world_size: int, steps: list[int]) -> dict:
+    """Per-step averages over ``steps`` of one rank's records: bytes sent (ring cost), collective
+    counts, comm time and the share of it hidden under backward (``ddpkit.trace``'s definitions)."""
+    from ddpkit import trace as tr
+
+    t = tr.Trace(list(records), world_size)
+    rank = t.ranks[0] if t.ranks else 0
+    per_bytes = tr.comm_bytes_per_step(t)
+    per_count = tr.collective_counts(t)
+    counts: dict = {}
+    comm_ns = hidden_ns = 0
+    for s in steps:
+        for name, c in per_count.get(s, {}).get(rank, {}).items():
+            counts[name] = counts.get(name, 0) + c / len(steps)
+        comm, _, both = tr.overlap_intervals(t.records, rank, s)
+        comm_ns += sum(b - a for a, b in comm)
+        hidden_ns += sum(b - a for a, b in both)
+    peak_sample = max((sum(v for k, v in r.args.items() if not k.startswith("cuda"))
+                       for r in t.records if r.kind == "counter"), default=0)
+    return dict(
+        comm_bytes_per_step=sum(per_bytes.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
+        collectives_per_step=counts,
+        comm_ms_per_step=comm_ns / 1e6 / len(steps),
+        overlap_fraction=hidden_ns / comm_ns if comm_ns else 0.0,
+        peak_memory_sample=peak_sample,
+    )
 
 
-def overlap_fraction(comm, compute) -> float:
-    """Share of communication time (union of comm intervals) that falls inside compute intervals."""
-    comm, compute = _union(comm), _union(compute)
-    total = sum(e - s for s, e in comm)
-    if total <= 0:
-        return 0.0
-    hidden = 0.0
-    for s, e in comm:
-        for cs, ce in compute:
-            hidden += max(0.0, min(e, ce) - max(s, cs))
-    return hidden / total
-
-
-class Tally:
-    """A recorder that forwards the four seam calls and keeps the numbers ``compare`` reports.
-
-    Kept here rather than read back from the full records, so these figures stay the same
-    whatever the trace format does: per step, the collectives (name, full bytes S, launch and
-    completion times) and the compute spans; the peak memory sample. ``inner`` (a
-    ``ddpkit.trace.Recorder`` or the null recorder) gets every call unchanged.
-    """
-
-    enabled = True
-
-    def __init__(self, inner=NULL_RECORDER):
-        import time
-
-        self._now = time.perf_counter
-        self.inner = inner
-        self.step = 0
-        self.collectives: list[list] = []   # [step, name, nbytes, launch_s, done_s or None]
-        self.compute: list[tuple] = []      # (step, name, start_s, end_s)
-        self.last_grad_ready: dict = {}     # step -> time the last gradient became ready
-        self.peak_memory = 0
-
-    def span(self, name: str, cat: str = "compute", **fields):
-        import contextlib
-
-        inner_span = self.inner.span(name, cat=cat, **fields)
-
-        @contextlib.contextmanager
-        def timed():
-            start = self._now()
-            with inner_span:
-                yield
-            if cat == "compute":
-                self.compute.append((self.step, name, start, self._now()))
-
-        return timed()
-
-    def collective(self, name: str, work, nbytes: int, **fields) -> None:
-        self.inner.collective(name, work, nbytes, **fields)
-        row = [self.step, name, int(nbytes), self._now(), None]
-        self.collectives.append(row)
-        if work is None:  # already completed synchronously
-            row[4] = row[3]
-            return
-        # On gloo the future completes when gloo's thread finished the collective; on NCCL when
-        # the work is done relative to the stream, so there this time is an upper bound on launch.
-        work.get_future().add_done_callback(lambda _fut: row.__setitem__(4, self._now()))
-
-    def grad_ready(self, param_name: str, **fields) -> None:
-        self.inner.grad_ready(param_name, **fields)
-        self.last_grad_ready[self.step] = self._now()
-
-    def memory(self, **bytes_by_category: int) -> None:
-        self.inner.memory(**bytes_by_category)
-        self.peak_memory = max(self.peak_memory, sum(int(v) for v in bytes_by_category.values()))
-
-    def next_step(self) -> None:
-        self.step += 1
-        if hasattr(self.inner, "next_step"):
-            self.inner.next_step()
-
-    def summary(self, world_size: int, skip_first: bool = True) -> dict:
-        """Per-step averages over the steps recorded (the first one left out when there are more:
-        it can include one-off work, e.g. torch DDP rebuilding its buckets)."""
-        from ddpkit.costmodel import ring_bytes
-
-        first = 1 if skip_first and self.step > 1 else 0
-        steps = max(1, self.step - first)
-        colls = [c for c in self.collectives if c[0] >= first]
-        # Only backward can hide gradient communication; FSDP's forward all-gathers can also
-        # hide under forward compute, so forward counts as well. "sync" and "step" are waits
-        # or work that comes after the communication it would hide.
-        # The backward span can end with waiting for the last buckets (a strategy that finishes
-        # synchronisation when backward returns); where gradients report readiness, backward
-        # compute ends when the last gradient became ready, so that wait does not count as hidden.
-        compute = [(s, min(e, self.last_grad_ready.get(st, e)) if name == "backward" else e)
-                   for st, name, s, e in self.compute
-                   if st >= first and name in ("forward", "backward")]
-        comm = [(c[3], c[4]) for c in colls if c[4] is not None]
-        counts: dict = {}
-        for c in colls:
-            counts[c[1]] = counts.get(c[1], 0) + 1
-        return dict(
-            comm_bytes_per_step=sum(ring_bytes(c[1], c[2], world_size) for c in colls) / steps,
-            collective_bytes_per_step=sum(c[2] for c in colls) / steps,
-            collectives_per_step={k: v / steps for k, v in counts.items()},
-            comm_ms_per_step=sum(e - s for s, e in _union(comm)) * 1e3 / steps,
-            overlap_fraction=overlap_fraction(comm, compute),
-        )
-
-
-def state_bytes(model, optimizer) -> int:
-    """Bytes of parameters + gradients + optimizer state this rank holds (its shards for FSDP)."""
-    try:
-        from ddpkit.memory import model_state_bytes
-    except ImportError:  # the memory module is not there yet: count the tensors directly
-        model_state_bytes = None
-    if model_state_bytes is not None:
-        out = model_state_bytes(model, optimizer)
-        return int(sum(out.values()) if isinstance(out, dict) else out)
-    total, seen = 0, set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-        if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
-    for state in getattr(optimizer, "state", {}).values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                total += v.numel() * v.element_size()
-    return total
+def _diff_to(reference: dict, wrapped) -> float:
+    """Largest |difference| between the wrapper's full parameters and ``reference``."""
+    full = {k: v.detach().cpu() for k, v in wrapped.full_state_dict().items()}
+    if reference.keys() < full.keys():  # a tied parameter listed under both its names:
+        full = {k: full[k] for k in reference}  # compare the names named_parameters() gives
+    return max_abs_diff(full, reference)
 
 
 class _StepTimer:
@@ -328,11 +225,11 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     dev = ddpkit.device()
     module = build_model(model, seed=seed, **(model_kwargs or {}))
     recorder = NULL_RECORDER
-    tally = None
     if record:
         from ddpkit.trace import Recorder
 
-        tally = recorder = Tally(Recorder(rank=rank, world_size=world, device=str(dev)))
+        recorder = Recorder(rank=rank, world_size=world, device=str(dev))
+        recorder.align_clocks()  # so the ranks' records share rank 0's clock in a trace
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder)
@@ -340,6 +237,8 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     losses = []
     total = warmup + steps
     for step in range(total):
+        if record:
+            recorder.next_step()  # records carry the step index (construction is "setup")
         x, y = local_batch(module, global_batch_size, step, rank, world, seed)
         x, y = x.to(dev), y.to(dev)
         if step >= warmup:
@@ -348,8 +247,6 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
         if step >= warmup:
             timer.stop()
         losses.append(loss)
-        if tally is not None and step < total - 1:
-            tally.next_step()
         if report_progress:
             ddpkit.progress(step + 1, total)
     times = timer.result()
@@ -357,24 +254,37 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
                step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
                losses=[float(l) for l in losses])
     if record:
-        out.update(tally.summary(world))
-        # Model state is measured with gradients present, as in the middle of a step (train_step
-        # ends by setting them to None): one more forward/backward/sync, no optimizer step.
+        # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
+        # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the
+        # memory pass) is put in a step of its own so it is not counted.
+        out.update(summarize_records(recorder.records, world, list(range(warmup, total)) or [0]))
+        recorder.next_step()
+    if reference is not None:
+        out["max_param_diff"] = _diff_to(reference, wrapped)
+    if record:
+        from ddpkit.memory import ActivationMeter, record_memory
+
+        # Memory is measured in one more forward/backward/sync (no optimizer step), with the
+        # gradients present as in the middle of a step (train_step ends by dropping them).
         x, y = local_batch(module, global_batch_size, total, rank, world, seed)
-        loss_fn(wrapped(x.to(dev)), y.to(dev)).backward()
+        try:
+            meter = ActivationMeter(wrapped)  # skips the parameters autograd saves
+        except RuntimeError:  # DTensor parameters (fully_shard) have no plain storage pointer:
+            meter = ActivationMeter()  # count everything saved (parameters included)
+        with meter as act:
+            loss = loss_fn(wrapped(x.to(dev)), y.to(dev))
+        loss.backward()
         wrapped.finish_gradient_synchronization()
-        out["model_state_bytes"] = state_bytes(wrapped, opt)
-        out["comm_buffer_bytes"] = int(wrapped.comm_buffer_bytes())
+        sample = record_memory(recorder, wrapped, opt, act)
         opt.zero_grad(set_to_none=True)
+        out["memory"] = sample
+        out["model_state_bytes"] = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
+        peak_sample = out.pop("peak_memory_sample")
         if dev.type == "cuda":
             out["peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
-        else:  # CPU: the largest memory sample the strategy reported, at least the model state
-            out["peak_bytes"] = max(tally.peak_memory, out["model_state_bytes"] + out["comm_buffer_bytes"])
+        else:  # CPU: what one step holds at once, or the largest sample a strategy reported
+            out["peak_bytes"] = max(sum(v for k, v in sample.items() if not k.startswith("cuda")),
+                                    peak_sample)
         if return_records:
-            out["records"] = tally.inner.records
-    if reference is not None:
-        full = {k: v.detach().cpu() for k, v in wrapped.full_state_dict().items()}
-        if reference.keys() < full.keys():  # a tied parameter listed under both its names:
-            full = {k: full[k] for k in reference}  # compare the names named_parameters() gives
-        out["max_param_diff"] = max_abs_diff(full, reference)
+            out["records"] = recorder.records
     return out

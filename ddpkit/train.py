@@ -1,0 +1,146 @@
+"""Train with any strategy under torchrun: the same code on one machine or several.
+
+    torchrun --nproc-per-node 2 -m ddpkit.train --strategy overlapped --steps 20
+    # two machines, one process each (run the same line on both, --node-rank 0 and 1):
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m ddpkit.train --strategy fsdp
+
+torchrun starts one process per rank and tells each where it stands through environment
+variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): that is torchrun's
+documented contract, and ``init_process_group(backend)`` with no other arguments reads it
+(the "env://" method). Everything after that line is what a Cluster job does.
+
+Checkpoints (``--checkpoint DIR``): every ``--save-every`` steps and at the end, rank 0 writes
+the full model (``full_state_dict()``: the same for every strategy, FSDP gathers its shards)
+and every rank writes its own optimizer state (sharded for ZeRO-1 and FSDP, so per rank).
+``--resume DIR`` loads the model into the unwrapped module *before* wrapping (construction
+broadcasts it, FSDP shards it) and each rank's optimizer state after, then continues from the
+saved step: k steps + resume for m more equals k + m steps straight.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.experiment import STRATEGIES, local_batch, train_step, wrap
+from ddpkit.models import build_model
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ddpkit.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", choices=STRATEGIES, default="overlapped")
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--width", type=int, default=None, help="MLP width / TinyGPT dim")
+    p.add_argument("--depth", type=int, default=None, help="MLP depth / TinyGPT layers")
+    p.add_argument("--steps", type=int, default=10, help="train until this step count (total, resumed included)")
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl when this machine has a GPU per local rank, else gloo")
+    p.add_argument("--save", metavar="PATH", help="write the final full state dict here (torch.save, rank 0)")
+    p.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into this folder")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: only at the end)")
+    p.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in this folder")
+    args = p.parse_args(argv)
+    for name in ("steps", "global_batch_size", "width", "depth"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.save_every < 0:
+        p.error(f"--save-every must be >= 0, got {args.save_every}")
+    if args.save_every and not args.checkpoint:
+        p.error("--save-every needs --checkpoint DIR")
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "model.pt")):
+        p.error(f"--resume {args.resume!r}: no checkpoint there (model.pt is missing)")
+    return args
+
+
+def _model_kwargs(args) -> dict:
+    names = ("width", "depth") if args.model == "mlp" else ("dim", "layers")
+    return {k: v for k, v in zip(names, (args.width, args.depth)) if v is not None}
+
+
+def load_full(module, full: dict) -> None:
+    """Load ``{name: tensor}`` into ``module``; a tied parameter may come under one of its names."""
+    names_of: dict = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(t), []).append(name)
+    covered = {n for names in names_of.values() if any(x in full for x in names) for n in names}
+    missing, unexpected = module.load_state_dict(full, strict=False)
+    missing = [k for k in missing if k not in covered]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def save_checkpoint(folder: str, step: int, model, optimizer, rank: int) -> None:
+    """Rank 0: the full model and the step; every rank: its own optimizer state."""
+    full = model.full_state_dict()  # collective for FSDP: every rank must call it
+    os.makedirs(folder, exist_ok=True)
+    torch.save(optimizer.state_dict(), os.path.join(folder, f"optimizer.rank{rank}.pt"))
+    if rank == 0:
+        torch.save({k: v.cpu() for k, v in full.items()}, os.path.join(folder, "model.pt"))
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump({"step": step, "world_size": dist.get_world_size()}, f)
+    dist.barrier()  # nobody reads a half-written checkpoint
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = args.backend
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # torchrun's contract, like RANK below
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.global_batch_size % world:
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} does not split over {world} ranks")
+
+    module = build_model(args.model, seed=args.seed, **_model_kwargs(args))
+    start = 0
+    if args.resume:
+        with open(os.path.join(args.resume, "meta.json")) as f:
+            meta = json.load(f)
+        if meta["world_size"] != world:
+            raise SystemExit(f"the checkpoint in {args.resume} was written by {meta['world_size']} ranks, "
+                             f"this run has {world}: optimizer state is per rank")
+        # Loaded before wrapping: every wrapper broadcasts rank 0's module and FSDP shards it.
+        load_full(module, torch.load(os.path.join(args.resume, "model.pt")))
+        start = meta["step"]
+    model, opt = wrap(args.strategy, module, args.optimizer, args.bucket_cap_mb)
+    if args.resume:
+        opt.load_state_dict(torch.load(os.path.join(args.resume, f"optimizer.rank{rank}.pt")))
+
+    dev = next(module.parameters()).device if backend == "nccl" else torch.device("cpu")
+    for step in range(start, args.steps):
+        x, y = local_batch(module, args.global_batch_size, step, rank, world, args.seed)
+        loss = train_step(model, opt, x.to(dev), y.to(dev))
+        # the loss printed is the mean over all ranks' slices, i.e. the global batch's loss
+        dist.all_reduce(loss)
+        if rank == 0:
+            print(f"step {step:4d}  loss {loss.item() / world:.6f}", flush=True)
+        if args.checkpoint and args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(args.checkpoint, step + 1, model, opt, rank)
+    if args.checkpoint:
+        save_checkpoint(args.checkpoint, args.steps, model, opt, rank)
+
+    full = model.full_state_dict()
+    checksum = sum(float(v.double().sum()) for v in full.values())
+    if rank == 0:
+        print(f"final checksum {checksum:.10f} ({args.strategy}, {world} ranks, {args.steps} steps)", flush=True)
+        if args.save:
+            torch.save({k: v.cpu() for k, v in full.items()}, args.save)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

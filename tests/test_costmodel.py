@@ -1,0 +1,145 @@
+"""The cost model: collective formulas, bucketing, and the behaviours the papers report."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ddpkit import costmodel as cm
+
+NET = cm.Network("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
+
+
+def test_collective_times_follow_the_ring_formulas():
+    s = 1e6
+    # all-reduce on 4 ranks: 2*3 alpha + 2*3/4 * S * beta
+    assert cm.collective_time("all_reduce", s, 4, NET) == pytest.approx(6 * 20e-6 + 1.5 * s / 10e9)
+    assert cm.collective_time("all_gather", s, 4, NET) == pytest.approx(3 * 20e-6 + 0.75 * s / 10e9)
+    assert cm.collective_time("reduce_scatter", s, 8, NET) == pytest.approx(7 * 20e-6 + 7 / 8 * s / 10e9)
+    assert cm.collective_time("all_reduce", s, 1, NET) == 0.0
+    with pytest.raises(KeyError):
+        cm.collective_time("all_to_all", s, 2, NET)
+
+
+def test_buckets_follow_torch_ddp_rules():
+    sizes = [10, 10, 10, 10, 10]  # registration order
+    assert cm.assign_buckets(sizes, 25) == [[4, 3, 2], [1, 0]]  # reverse order; crossing tensor stays in
+    assert cm.assign_buckets(sizes, 0) == [[4], [3], [2], [1], [0]]
+    assert cm.assign_buckets(sizes, 1000) == [[4, 3, 2, 1, 0]]
+    assert cm.assign_buckets(sizes, 1000, first_cap_bytes=15) == [[4, 3], [2, 1, 0]]
+    with pytest.raises(ValueError, match=">= 0"):
+        cm.assign_buckets(sizes, -1)
+
+
+def _mlp_like():
+    # 32 layers of 256 KiB (the default MLP's 256x256 Linear in fp32), 0.1 ms forward each
+    return cm.uniform_profile(32, 256 * 1024, forward_ms=0.1, optimizer_ms=1.0)
+
+
+def test_one_rank_costs_exactly_the_compute():
+    p = _mlp_like()
+    for s in cm.STRATEGIES:
+        pred = cm.simulate(s, p, 1, NET)
+        assert pred.comm_bytes_per_step == 0 and pred.collectives == 0
+        assert pred.ms_per_step == pytest.approx(pred.compute_ms)
+        assert pred.compute_ms == pytest.approx((p.forward_s + p.backward_s + p.optimizer_s) * 1e3)
+
+
+def test_bucket_size_has_an_optimum_inside_the_range():
+    """Tiny buckets pay alpha per bucket, one huge bucket cannot overlap: a U-shaped curve."""
+    p = _mlp_like()
+    caps = [0, 0.5, 1, 2, 4, 8, 16, 64]
+    times = [cm.simulate("overlapped", p, 8, NET, cap).ms_per_step for cap in caps]
+    best = min(range(len(caps)), key=times.__getitem__)
+    assert 0 < best < len(caps) - 1, times
+    assert times[best] < 0.95 * times[0] and times[best] < 0.95 * times[-1], times
+
+
+def test_overlap_gain_shrinks_as_communication_dominates():
+    """Overlap hides at most the backward compute: once communication takes longer than
+    backward, a slower network adds comm time that nothing hides, so the relative gain falls."""
+    p = _mlp_like()
+    gains, comm_over_backward = [], []
+    for gbps in (10, 3, 1, 0.3, 0.1, 0.03):  # slower and slower network
+        net = cm.Network(f"{gbps}", alpha=20e-6, beta=1 / (gbps * 1e9))
+        bucketed = cm.simulate("bucketed", p, 8, net, 2)
+        overlapped = cm.simulate("overlapped", p, 8, net, 2)
+        assert overlapped.ms_per_step <= bucketed.ms_per_step + 1e-9
+        gain = bucketed.ms_per_step - overlapped.ms_per_step
+        assert gain <= p.backward_s * 1e3 + 1e-9  # it can hide at most the backward compute
+        gains.append(gain / bucketed.ms_per_step)
+        comm_over_backward.append(bucketed.comm_ms / (p.backward_s * 1e3))
+    dominated = [g for g, r in zip(gains, comm_over_backward) if r >= 1]
+    assert len(dominated) >= 3, comm_over_backward
+    assert all(a > b for a, b in zip(dominated, dominated[1:])), gains
+    assert dominated[-1] < 0.2 * max(gains), gains
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fsdp_moves_one_and_a_half_times_ddp_volume(n):
+    p = _mlp_like()
+    ddp = cm.simulate("overlapped", p, n, NET)
+    fsdp = cm.simulate("fsdp", p, n, NET)
+    assert ddp.comm_bytes_per_step == pytest.approx(2 * (n - 1) / n * p.param_bytes)
+    assert fsdp.comm_bytes_per_step / ddp.comm_bytes_per_step == pytest.approx(1.5)
+    # per unit: all-gather in forward, again in backward, one reduce-scatter
+    assert fsdp.collectives == 3 * len(p.layers)
+
+
+def test_naive_is_one_all_reduce_per_tensor_and_slowest_on_latency():
+    p = _mlp_like()
+    naive, bucketed = cm.simulate("naive", p, 8, NET), cm.simulate("bucketed", p, 8, NET)
+    assert naive.collectives == 32 and bucketed.collectives == 1
+    assert naive.comm_bytes_per_step == pytest.approx(bucketed.comm_bytes_per_step)
+    assert naive.ms_per_step - bucketed.ms_per_step == pytest.approx(31 * 14 * NET.alpha * 1e3)
+
+
+def test_fit_recovers_alpha_and_beta():
+    true = cm.Network("true", alpha=50e-6, beta=1 / 2e9)
+    sizes = [4096, 65536, 1 << 20, 1 << 22, 1 << 24]
+    samples = [(s, cm.collective_time("all_reduce", s, 4, true)) for s in sizes]
+    fit = cm.fit_network(samples, 4)
+    assert fit.alpha == pytest.approx(true.alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(true.beta, rel=1e-6)
+    with pytest.raises(ValueError):
+        cm.fit_network(samples, 1)
+
+
+def test_profile_model_measures_each_layer():
+    from ddpkit.experiment import local_batch
+    from ddpkit.models import build_model
+
+    model = build_model("mlp", width=16, depth=3)
+    x, y = local_batch(model, 8, 0, 0, 1)
+    prof = cm.profile_model(model, x, y, repeats=2)
+    assert [l.name for l in prof.layers] == ["layers.0.0", "layers.1.0", "layers.2.0", "head"]
+    assert prof.param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert all(l.forward_s > 0 and l.backward_s > 0 for l in prof.layers)
+    assert [l.unit for l in prof.layers] == ["layers.0.0", "layers.1.0", "layers.2.0", "head"]
+    gpt = build_model("gpt", dim=16, layers=2, heads=2, seq=8, vocab=16)
+    x, y = local_batch(gpt, 4, 0, 0, 1)
+    prof = cm.profile_model(gpt, x, y, repeats=1)
+    # the tied head is counted once (with the token embedding); blocks are FSDP units
+    assert prof.param_bytes == sum(p.numel() * 4 for p in gpt.parameters())
+    assert {l.unit for l in prof.layers} == {"", "blocks.0", "blocks.1"}
+    assert cm.simulate("fsdp", prof, 2, NET).comm_bytes_per_step >= 1.5 * prof.param_bytes / 2
+
+
+def test_plot_scaling_draws_to_256():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = cm.plot_scaling(_mlp_like(), strategies=("overlapped", "fsdp"), networks=("100GbE", NET))
+    axes = fig.get_axes()
+    assert len(axes) == 2
+    xs = axes[0].get_lines()[0].get_xdata()
+    assert max(xs) == 256
+    ys = axes[0].get_lines()[0].get_ydata()
+    assert ys[0] == pytest.approx(100) and all(0 < y <= 100 + 1e-9 for y in ys)
+
+
+def test_measure_all_reduce_on_two_ranks(cluster_of):
+    out = cluster_of(2).run(cm.measure_all_reduce, sizes=(4096, 1 << 20), repeats=2)
+    for rank_samples in out:
+        assert [s for s, _ in rank_samples] == [4096, 1 << 20]
+        assert all(t > 0 and math.isfinite(t) for _, t in rank_samples)

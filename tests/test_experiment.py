@@ -1,0 +1,90 @@
+"""run_strategy (the job behind `compare`): every strategy equals one process, and the bytes,
+overlap and memory it reports agree with theory."""
+from __future__ import annotations
+
+import pytest
+
+import ddpkit
+from ddpkit.experiment import (STRATEGIES, fsdp_units, run_strategy, summarize_records,
+                               train_single_process)
+from ddpkit.models import build_model
+
+TINY = dict(width=16, depth=3)  # Linear(16,16) x3 + head(16->10): 986 parameters, 3944 bytes
+TINY_BYTES = 4 * (3 * (16 * 16 + 16) + 16 * 10 + 10)
+
+
+def run_or_skip(cluster, strategy, **kwargs):
+    """Run the job; skip (naming why) if the strategy is not written yet."""
+    try:
+        return cluster.run(run_strategy, strategy, **kwargs)
+    except ddpkit.RankError as exc:
+        text = "\n".join(exc.failures.values())
+        if "NotImplementedError" in text or "No module named 'ddpkit.strategies.reference'" in text:
+            pytest.skip(f"{strategy} is not written yet")
+        raise
+
+
+def test_fsdp_units_one_per_linear_or_block():
+    mlp = build_model("mlp", **TINY)
+    assert fsdp_units(mlp) == [mlp.layers[0][0], mlp.layers[1][0], mlp.layers[2][0], mlp.head]
+    gpt = build_model("gpt", dim=16, layers=3, heads=2, seq=8, vocab=16)
+    assert fsdp_units(gpt) == list(gpt.blocks)
+
+
+def test_unknown_strategy_is_a_clear_error(cluster_of):
+    with pytest.raises(ddpkit.RankError, match="unknown strategy 'bogus'; valid: naive, bucketed"):
+        cluster_of(2).run(run_strategy, "bogus", steps=1, model_kwargs=TINY)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
+    n, warmup, steps = 2, 1, 2
+    ref = train_single_process("mlp", "sgd", steps=warmup + steps, global_batch_size=8, **TINY)
+    results = run_or_skip(cluster_of(n), strategy, steps=steps, warmup=warmup, global_batch_size=8,
+                          record=True, reference=ref, model_kwargs=TINY)
+    ddp_bytes = 2 * (n - 1) / n * TINY_BYTES  # all-reduce of every gradient, ring cost
+    for r in results:
+        assert r["strategy"] == strategy and r["world_size"] == n
+        assert r["max_param_diff"] < 1e-5
+        assert len(r["step_ms"]) == steps and r["ms_per_step"] > 0
+        assert len(r["losses"]) == warmup + steps
+        assert 0.0 <= r["overlap_fraction"] <= 1.0
+        assert r["model_state_bytes"] > 0 and r["peak_bytes"] >= r["model_state_bytes"]
+        mem = r["memory"]
+        if strategy in ("fsdp", "torch_fsdp"):
+            # ZeRO-3: each rank holds half of the (padded) parameters, and moves 1.5x DDP's bytes:
+            # per unit an all-gather in forward and backward and a reduce-scatter, (N-1)/N each
+            # (torch_fsdp's DTensor parameters are counted at their global size by
+            # ddpkit.memory for now, so only our FSDP's shards are checked)
+            if strategy == "fsdp":
+                assert mem["parameters"] <= TINY_BYTES / n + 4 * n * len(fsdp_units(build_model("mlp", **TINY)))
+                assert r["comm_bytes_per_step"] == pytest.approx(1.5 * ddp_bytes, rel=0.02)
+        else:
+            assert mem["parameters"] == TINY_BYTES
+            if strategy == "zero1":  # DDP's all-reduce plus sharing the updated parameters
+                assert r["comm_bytes_per_step"] > ddp_bytes
+            elif strategy != "torch_ddp":  # torch's own DDP reports spans only, no collectives
+                assert r["comm_bytes_per_step"] == pytest.approx(ddp_bytes)
+        if strategy == "naive":
+            assert r["collectives_per_step"] == {"all_reduce": 8}  # one per parameter tensor
+
+
+def test_summarize_records_averages_steps_after_warmup():
+    from ddpkit.trace import Record
+
+    ms = 1_000_000
+    recs = [
+        # step 0 (warmup): an extra collective that must not count
+        Record("span", "comm", "broadcast", 0, 0, 0, ms, nbytes=1000),
+        Record("span", "compute", "backward", 0, 1, 0, 10 * ms),
+        Record("span", "comm", "all_reduce", 0, 1, 5 * ms, 15 * ms, nbytes=400),  # half hidden
+        Record("span", "compute", "backward", 0, 2, 20 * ms, 30 * ms),
+        Record("span", "comm", "all_reduce", 0, 2, 30 * ms, 40 * ms, nbytes=400),  # not hidden
+        Record("counter", "memory", "memory", 0, 2, 31 * ms, args={"parameters": 7, "gradients": 5}),
+    ]
+    out = summarize_records(recs, world_size=4, steps=[1, 2])
+    assert out["comm_bytes_per_step"] == pytest.approx(2 * 3 / 4 * 400)
+    assert out["collectives_per_step"] == {"all_reduce": 1}
+    assert out["comm_ms_per_step"] == pytest.approx(10.0)
+    assert out["overlap_fraction"] == pytest.approx(0.25)
+    assert out["peak_memory_sample"] == 12
