@@ -74,6 +74,21 @@ plot_timeline(trace)
 '''
 
 
+# A job slow enough (8 x 0.4 s) to look at the page while it runs.
+SLOW_CELL = """\
+import ddpkit
+cluster = [v for v in list(globals().values()) if isinstance(v, ddpkit.Cluster)][-1]
+
+def slow_job(steps=8):
+    import time
+    for i in range(steps):
+        time.sleep(0.4)
+        ddpkit.progress(i + 1, steps)
+
+cluster.run(slow_job);
+"""
+
+
 def _browser_or_skip():
     try:
         from playwright.sync_api import sync_playwright
@@ -163,12 +178,14 @@ _NOTEBOOK_STATE = """() => {
 }"""
 
 
-def wait_notebook_idle(page, timeout: float, what: str) -> dict:
-    """Poll until the kernel is idle and no cell is queued, twice in a row; the last state."""
+def wait_notebook_idle(page, timeout: float, what: str, all_run: bool = False) -> dict:
+    """Poll until the kernel is idle and no cell is queued (and, with ``all_run``, every code
+    cell has run), twice in a row; the last state."""
     deadline, calm, state = time.monotonic() + timeout, 0, None
     while time.monotonic() < deadline:
         state = page.evaluate(_NOTEBOOK_STATE)
-        done = state and state["kernel"] == "idle" and state["queued"] == 0
+        done = (state and state["kernel"] == "idle" and state["queued"] == 0
+                and (not all_run or state["unrun"] == 0))
         calm = calm + 1 if done else 0
         if calm >= 2:
             return state
@@ -186,13 +203,31 @@ def pids(rows: list[str]) -> list[str]:
 
 
 def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
+    from playwright.sync_api import Error as PlaywrightError
+
+    deadline, last_error = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        value = cond()
+        try:
+            value = cond()
+        except PlaywrightError as exc:  # e.g. an element re-rendered while we read it: look again
+            value, last_error = None, exc
         if value:
             return value
         time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
+                         + (f" (last error: {last_error})" if last_error else ""))
+
+
+def add_and_run_cell(page, source: str) -> None:
+    """Append a code cell with ``source`` to the open notebook and run it (returns at once)."""
+    page.evaluate("""(source) => {
+        const app = window.jupyterapp, nb = app.shell.currentWidget;
+        nb.content.activeCellIndex = nb.content.widgets.length - 1;
+        return app.commands.execute('notebook:insert-cell-below').then(() => {
+            nb.content.activeCell.model.sharedModel.setSource(source);
+            app.commands.execute('notebook:run-cell');  // not awaited: it resolves when the cell ends
+        });
+    }""", source)
 
 
 # --- the test ---------------------------------------------------------------------------------
@@ -253,16 +288,17 @@ def _run_and_check(page, screenshots: Path | None):
                                all(" idle" in x for x in r) else None)(rank_rows(page)),
                       60, "the ranks to restart (new pids, idle)")
 
-    # 4. a traced run added at the end: [rank N] lines and plots reach the page
-    page.evaluate("""(source) => {
-        const app = window.jupyterapp, nb = app.shell.currentWidget;
-        nb.content.activeCellIndex = nb.content.widgets.length - 1;
-        return app.commands.execute('notebook:insert-cell-below').then(() => {
-            nb.content.activeCell.model.sharedModel.setSource(source);
-            return app.commands.execute('notebook:run-cell');
-        });
-    }""", EXTRA_CELL)
-    state = wait_notebook_idle(page, 90, "the added traced run")
+    # 4. while a cell is still running, the widget's progress bar moves in the page: its
+    #    updates do not wait for the kernel to become idle
+    add_and_run_cell(page, SLOW_CELL)
+    moving = wait_until(lambda: re.search(r"\b([1-7]) / 8 steps", widget.inner_text()), 30,
+                        "the progress bar to move while the cell runs")
+    assert page.evaluate(_NOTEBOOK_STATE)["kernel"] == "busy", f"seen {moving.group(0)} only after the run"
+    wait_notebook_idle(page, 60, "the slow cell", all_run=True)
+
+    # 5. a traced run added at the end: [rank N] lines and plots reach the page
+    add_and_run_cell(page, EXTRA_CELL)
+    state = wait_notebook_idle(page, 90, "the added traced run", all_run=True)
     assert not state["errors"], f"the added cell raised: {state['errors']}"
     last = page.locator(".jp-Notebook .jp-Cell").last
     out = last.locator(".jp-OutputArea").inner_text()
