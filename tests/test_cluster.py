@@ -223,6 +223,9 @@ def test_ranks_magic_runs_the_cell_on_every_rank_and_names_persist(cluster_of, s
     assert c.last_results == ["2", "22"]
     shell.run_cell_magic("ranks", "", "z = 5")  # no trailing expression: nothing shown
     assert "Out[" not in capsys.readouterr().out
+    shell.run_cell("%%ranks\nz + ddpkit.rank()\n")  # the cell-magic syntax, through IPython
+    out = capsys.readouterr().out
+    assert "Out[rank 0]: 5" in out and "Out[rank 1]: 6" in out
     with pytest.raises(RankError) as info:
         shell.run_cell_magic("ranks", "", "if ddpkit.rank() == 1:\n    undefined_name\n")
     assert info.value.ranks == [1] and "NameError" in info.value.failures[1]
