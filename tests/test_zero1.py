@@ -143,11 +143,9 @@ def _state_dicts(k, m, to):
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     for step in range(k):
         train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
-    try:
-        opt.state_dict()
-        error = None
-    except RuntimeError as e:
-        error = str(e)
+    shard = opt.state_dict()  # without consolidating: this rank's own parameters only
+    owned = sorted(i for i, r in enumerate(opt.owner) if r == rank)
+    error = sorted(shard["state"]) == owned and shard["zero1_shard"] == {"rank": rank, "world_size": world}
     opt.consolidate_state_dict(to=to)
     full = None
     plain_ok = None
@@ -190,7 +188,7 @@ def test_consolidated_state_dict_is_torch_format_and_resumes(cluster_of):
     per_rank = cluster_of(3).run(_state_dicts, 3, 2, 1)
     expected = _plain_state_after(3)
     for rank, (error, full, after) in enumerate(per_rank):
-        assert "consolidate_state_dict" in error
+        assert error  # the unconsolidated state dict is this rank's shard
         assert max_abs_diff(after, _reference("mlp", "adamw", tuple(SMALL_MLP.items()))) < TOL  # k + m
         if rank != 1:
             assert full is None
@@ -245,3 +243,38 @@ def test_bad_input(cluster_of):
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="process group"):
         ddpkit.ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+
+
+def _shard_resume(k, m):
+    """Each rank saves its own shard of the optimizer state (as ddpkit.train does) and resumes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=rank, **SMALL_MLP)
+    model = ddpkit.BucketedDDP(module)
+    opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    for step in range(k):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    b = io.BytesIO()
+    torch.save({"model": model.full_state_dict(), "optim": opt.state_dict()}, b)
+    ckpt = torch.load(io.BytesIO(b.getvalue()))
+    shards = [None] * world
+    dist.all_gather_object(shards, ckpt["optim"])
+    module = build_model("mlp", seed=9 + rank, **SMALL_MLP)
+    module.load_state_dict(ckpt["model"])
+    model = ddpkit.BucketedDDP(module)
+    opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    try:
+        opt.load_state_dict(shards[(rank + 1) % world])  # someone else's shard: refused
+        refused = False
+    except ValueError as e:
+        refused = "shard" in str(e)
+    opt.load_state_dict(ckpt["optim"])
+    for step in range(k, k + m):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    return model.full_state_dict(), refused
+
+
+def test_per_rank_shard_checkpoint_resumes(cluster_of):
+    reference = _reference("mlp", "adamw", tuple(SMALL_MLP.items()))
+    for full, refused in cluster_of(2).run(_shard_resume, 3, 2):
+        assert refused
+        assert max_abs_diff(full, reference) < TOL

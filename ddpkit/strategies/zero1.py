@@ -123,6 +123,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     local[key] = value
         self.local_optimizer.step()
+        self._consolidated = None  # a consolidated copy is now out of date
         self._share_parameters()
         if self.recorder.enabled:
             self.recorder.memory(optimizer_state=self.local_state_bytes())
@@ -142,7 +143,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 own[off:off + p.numel()].copy_(p.reshape(-1))
             # in place: our own slot is the input (as torch FSDP does; no extra send buffer)
             work = all_gather_flat(gathered, own, group=self.process_group, async_op=True)
-            self.recorder.collective("all_gather", work, nbytes=nbytes(gathered), bucket=0)
+            self.recorder.collective("all_gather", work, nbytes=nbytes(gathered))
             work.wait()
             for r, row in enumerate(placed):
                 if r == self.rank:
@@ -173,21 +174,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._consolidated = dict(sorted(state.items()))
 
     def state_dict(self) -> dict:
-        """The full state in torch's format, on the rank that ``consolidate_state_dict`` chose."""
-        if self._consolidated is None:
-            raise RuntimeError(
-                "ShardedOptimizer.state_dict() needs consolidate_state_dict(to=rank) first, called "
-                "on every rank; then state_dict() works on that rank"
-            )
+        """torch's format. After ``consolidate_state_dict(to=r)``, on rank r: the full state
+        (loadable by a plain optimizer). Otherwise: this rank's shard, the state of its own
+        parameters only, marked ``"zero1_shard"`` so it is only loaded back by the same rank of
+        the same world size (each rank saves and loads its own file)."""
         groups, start = [], 0
         for g in self.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
-        return {"state": dict(self._consolidated), "param_groups": groups}
+        if self._consolidated is not None:
+            return {"state": dict(self._consolidated), "param_groups": groups}
+        local = self.local_optimizer.state_dict()["state"]
+        return {"state": {self._local_to_global[i]: s for i, s in local.items()}, "param_groups": groups,
+                "zero1_shard": {"rank": self.rank, "world_size": self.world_size}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state dict (from a plain optimizer or a consolidated one), on every rank."""
+        """Load a full state dict (a plain optimizer's or a consolidated one) on every rank, or
+        the shard this same rank saved with ``state_dict()``."""
+        shard = state_dict.get("zero1_shard")
+        if shard is not None and (shard["rank"], shard["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"this optimizer state is rank {shard['rank']} of {shard['world_size']}'s shard, but this is "
+                f"rank {self.rank} of {self.world_size}: load a consolidated (full) state dict instead"
+            )
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the state dict's parameter groups do not match this optimizer's")
