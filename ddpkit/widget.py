@@ -125,6 +125,7 @@ class ClusterWidget(widgets.VBox):
         for b in (self.start_button, self.restart_button, self.stop_button):
             b.disabled = True
         self.message.value = ""
+        self._errors.clear()  # the user asked for a fresh start (or a stop): old errors are done
         try:
             getattr(self.cluster, action)()
         except Exception as exc:
@@ -149,8 +150,10 @@ class ClusterWidget(widgets.VBox):
             return
         if kind == "status":
             if rank is None and any(r.status == "starting" for r in self.cluster.ranks):
-                self._steps.clear()  # fresh ranks: nothing of the old ones' run applies
-                self._errors.clear()
+                # fresh ranks: the old run's progress no longer applies. Its errors stay until a
+                # rank's next job (the cluster restarts by itself after a fault, and the reason
+                # it did should stay readable); the buttons clear them (see _act).
+                self._steps.clear()
                 self._show_progress()
             elif rank is not None and self._rank_state(rank) is not None:
                 if self._rank_state(rank).status == "running":  # a new job: forget the last one's

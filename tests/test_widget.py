@@ -112,6 +112,29 @@ def test_rank_error_shows_status_and_traceback_then_restart_recovers(widget):
     assert wait_for(lambda: "after the restart" in widget.rank_logs[1].value, 2.0)
 
 
+def test_dead_rank_shows_dead_then_restart_recovers(widget):
+    def job():
+        import os
+
+        if ddpkit.rank() == 1:
+            os._exit(3)  # the process is gone, not just the job
+        return "ok"
+
+    seen = []
+    widget.rank_status[1].observe(lambda ch: seen.append(ch["new"]), names="value")
+    with pytest.raises(ddpkit.RankError):
+        widget.cluster.run(job)
+    assert any(">dead</span>" in v for v in seen), seen
+    # the cluster may restart its ranks after a fault; either way the reason stays readable
+    assert statuses(widget)[1] in ("dead", "idle")
+    assert "exited with code 3" in widget.rank_logs[1].value, widget.rank_logs[1].value
+    assert not widget.restart_button.disabled
+    widget.restart_button.click()
+    assert statuses(widget) == ["idle", "idle"]
+    assert "exited with code 3" not in widget.rank_logs[1].value  # a fresh start, by request
+    assert widget.cluster.run(ddpkit.rank) == [0, 1]
+
+
 def test_log_shows_the_tail_of_what_each_rank_printed(widget):
     def job():
         for i in range(30):
