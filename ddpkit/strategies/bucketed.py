@@ -87,6 +87,7 @@ class BucketedDDP(DDPModule):
         bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
         super().__init__(module, process_group, recorder)
         self.bucket_cap_mb = bucket_cap_mb
+        self._scale = 1.0 / self.world_size  # gradients enter the buckets pre-averaged
         params = dict(self.named_grads)
         self.buckets: list[Bucket] = []
         self._flat: list[torch.Tensor] = []  # bucket i's buffer, allocated once: (numel_i,)
@@ -117,12 +118,14 @@ class BucketedDDP(DDPModule):
                     lambda p, name=name, i=i: recorder.grad_ready(name, bucket=i))
 
     def _copy_into_bucket(self, p: nn.Parameter, slot: torch.Tensor) -> None:
-        # Divide by N on the way in, *before* the SUM: ReduceOp.AVG is not on every backend,
-        # and a sum of already-divided values cannot overflow in low precision.
+        # Scale by 1/N on the way in, *before* the SUM: ReduceOp.AVG is not on every backend,
+        # and a sum of already-scaled values cannot overflow in low precision. A multiply by
+        # 1/N (as torch's reducer does) is cheaper than a divide; detach() keeps the copy out
+        # of any autograd graph (.grad has one under backward(create_graph=True)).
         if p.grad is None:
             slot.zero_()  # not used in this step on this rank: contribute zeros
         else:
-            torch.div(p.grad, self.world_size, out=slot)
+            torch.mul(p.grad.detach(), self._scale, out=slot)
 
     def _copy_out_of_bucket(self, i: int) -> None:
         for p, slot in self._slots[i]:

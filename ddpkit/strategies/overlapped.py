@@ -30,6 +30,7 @@ end of backward) in time.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit.strategies.bucketed import BucketedDDP
@@ -71,7 +72,6 @@ class OverlappedDDP(BucketedDDP):
     def _grad_ready_hook(self, name: str, i: int, j: int, slot: torch.Tensor):
         """The hook for gradient j of bucket i: copy it in; launch the buckets now complete."""
 
-        @torch.no_grad()
         def hook(p: nn.Parameter) -> None:
             if self.recorder.enabled:
                 self.recorder.grad_ready(name, bucket=i)
@@ -85,12 +85,17 @@ class OverlappedDDP(BucketedDDP):
             if not self._end_queued:
                 _queue_end_of_backward(self.finish_gradient_synchronization)
                 self._end_queued = True
-            self._copy_into_bucket(p, slot)  # .grad / world_size into the flat bucket
+            self._copy_into_bucket(p, slot)  # copy in: .grad / world_size into its bucket slot
             self._ready[i][j] = True
             self._waiting[i] -= 1
-            # Launch every complete bucket in bucket order, starting from the next one due.
+            # Launch every complete bucket in bucket order, starting from the next one due:
+            # async, so autograd goes on computing earlier layers while the bytes travel.
             while self._next_bucket < len(self._works) and self._waiting[self._next_bucket] == 0:
-                self._works[self._next_bucket] = self._launch(self._next_bucket)
+                k = self._next_bucket
+                work = dist.all_reduce(self._flat[k], op=dist.ReduceOp.SUM, group=self.process_group,
+                                       async_op=True)
+                self.recorder.collective("all_reduce", work, nbytes=self.buckets[k].nbytes, bucket=k)
+                self._works[k] = work
                 self._next_bucket += 1
 
         return hook
@@ -107,4 +112,4 @@ class OverlappedDDP(BucketedDDP):
         self._next_bucket = len(self._works)
         for i, work in enumerate(self._works):
             work.wait()
-            self._copy_out_of_bucket(i)
+            self._copy_out_of_bucket(i)  # copy out: the averaged bucket back into .grad

@@ -1,0 +1,518 @@
+"""NaiveDDP, BucketedDDP, OverlappedDDP: equal to one process, and every rule of DDP kept.
+
+Each test ships one job to a shared gloo Cluster (``cluster_of(n)``) and checks what the ranks
+send back. The reference is always plain single-process training on the whole global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_single_process, train_step
+from ddpkit.models import build_model, loss_fn, make_batch
+from ddpkit.strategies._common import NullRecorder, unique_named_parameters
+from ddpkit.strategies.bucketed import assign_buckets
+
+STRATEGIES = ("naive", "bucketed", "overlapped")
+SMALL_MLP = dict(width=16, depth=4)              # 10 tensors, 1258 parameters, 5 KB
+SMALL_GPT = dict(dim=16, layers=1, heads=2, seq=8)  # tied head, LayerNorm, attention
+SMALL_CAP = 0.001  # MiB = 1048 bytes: the small MLP splits into several buckets
+TOL = 1e-5
+
+
+def wrap(strategy, module, bucket_cap_mb=SMALL_CAP, recorder=None):
+    if strategy == "naive":
+        return ddpkit.NaiveDDP(module, recorder=recorder)
+    cls = ddpkit.BucketedDDP if strategy == "bucketed" else ddpkit.OverlappedDDP
+    return cls(module, bucket_cap_mb=bucket_cap_mb, recorder=recorder)
+
+
+class CountingRecorder(NullRecorder):
+    """Keeps, in order, every collective launched and every gradient reported ready."""
+
+    enabled = True
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self.events = []  # ("all_reduce", nbytes, bucket) or ("ready", name, bucket) or marks
+
+    def collective(self, name, work, nbytes, **fields):
+        self.events.append((name, nbytes, fields.get("bucket")))
+
+    def grad_ready(self, param_name, **fields):
+        self.events.append(("ready", param_name, fields.get("bucket")))
+
+    def mark(self, what):
+        self.events.append((what, None, None))
+
+    def collectives(self):
+        return [e for e in self.events if e[0] == "all_reduce"]
+
+
+def _train(strategy, model_name, optimizer, bucket_cap_mb, model_kwargs, steps=5, batch=12):
+    """On every rank: build with seed=rank (so ranks start different), wrap, train, return params."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(model_name, seed=rank, **model_kwargs)
+    model = wrap(strategy, module, bucket_cap_mb)
+    opt = make_optimizer(model.parameters(), optimizer)
+    for step in range(steps):
+        x, y = local_batch(module, batch, step, rank, world)
+        train_step(model, opt, x, y)
+    return model.full_state_dict()
+
+
+def _train_all(cases):
+    return [_train(*case) for case in cases]
+
+
+# AdamW on TinyGPT is left out on purpose: the key bias of attention has a gradient that is
+# exactly zero in exact arithmetic (softmax ignores a shift shared by all keys), so its fp32
+# value is rounding noise that Adam normalises to +-lr. Any change in summation order (one
+# process vs N) then moves it by ~lr per step, in every correct implementation alike.
+CASES = [(s, "mlp", opt, SMALL_CAP, SMALL_MLP) for s in STRATEGIES for opt in ("sgd", "adamw")] \
+    + [(s, "mlp", "sgd", 25.0, SMALL_MLP) for s in ("bucketed", "overlapped")] \
+    + [(s, "gpt", "sgd", SMALL_CAP, SMALL_GPT) for s in STRATEGIES]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_equal_to_single_process(cluster_of, world_size):
+    per_rank = cluster_of(world_size).run(_train_all, CASES)
+    for i, (strategy, model_name, optimizer, cap, kwargs) in enumerate(CASES):
+        reference = train_single_process(model_name, optimizer, steps=5, global_batch_size=12, **kwargs)
+        for rank, results in enumerate(per_rank):
+            diff = max_abs_diff(results[i], reference)
+            assert diff < TOL, f"{strategy} {model_name} {optimizer} cap={cap}: rank {rank} off by {diff}"
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def _wrapped_state():
+    rank = dist.get_rank()
+    out = {}
+    for strategy in STRATEGIES:
+        torch.manual_seed(rank)  # different weights on every rank
+        module = BatchNormNet()
+        module.bn.running_mean.fill_(float(rank + 1))  # different buffers too
+        module.bn.num_batches_tracked.fill_(rank + 7)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        wrap(strategy, module)
+        out[strategy] = (before, {k: v.clone() for k, v in module.state_dict().items()})
+    return out
+
+
+def test_wrapping_broadcasts_rank0_parameters_and_buffers(cluster_of):
+    per_rank = cluster_of(3).run(_wrapped_state)
+    for strategy in STRATEGIES:
+        rank0_before = per_rank[0][strategy][0]
+        assert max_abs_diff(per_rank[1][strategy][0], rank0_before) > 0  # they did start apart
+        for rank in range(3):
+            after = per_rank[rank][strategy][1]
+            assert max_abs_diff(after, rank0_before) == 0, (strategy, rank)
+            assert after["bn.running_mean"].eq(1.0).all()
+            assert after["bn.num_batches_tracked"].item() == 7
+
+
+def _frozen_run(strategy):
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build():
+        module = build_model("mlp", seed=0, **SMALL_MLP)
+        module.layers[1].requires_grad_(False)  # freeze one Linear: weight and bias
+        return module
+
+    reference = build()
+    ref_opt = make_optimizer([p for p in reference.parameters() if p.requires_grad], "sgd")
+    module = build()
+    frozen_before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    recorder = CountingRecorder()
+    model = wrap(strategy, module, recorder=recorder)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], "sgd")
+    for step in range(3):
+        x, y = make_batch(reference, 12, step)
+        loss_fn(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        train_step(model, opt, *local_batch(module, 12, step, rank, world))
+    names_ready = {e[1] for e in recorder.events if e[0] == "ready"}
+    buckets = [n for b in getattr(model, "buckets", []) for n in b.names]
+    reduced_bytes = sum(e[1] for e in recorder.collectives())
+    trainable_bytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
+    frozen_after = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    return dict(frozen=sorted(frozen_before), ready=names_ready, in_buckets=buckets,
+                reduced_bytes=reduced_bytes, trainable_bytes=trainable_bytes,
+                frozen_same=max_abs_diff(frozen_before, frozen_after),
+                frozen_grads=[p.grad for p in module.parameters() if not p.requires_grad],
+                diff=max_abs_diff(model.full_state_dict(),
+                                  {n: p.detach() for n, p in reference.named_parameters()}))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_parameters_never_reduced(cluster_of, strategy):
+    for r in cluster_of(2).run(_frozen_run, strategy):
+        assert r["frozen"] == ["layers.1.0.bias", "layers.1.0.weight"]
+        assert not set(r["frozen"]) & (r["ready"] | set(r["in_buckets"]))
+        assert r["ready"]  # the recorder did see the trainable ones
+        assert r["reduced_bytes"] == 3 * r["trainable_bytes"]  # 3 steps, trainable bytes only
+        assert r["frozen_same"] == 0 and r["frozen_grads"] == [None, None]
+        assert r["diff"] < TOL
+
+
+def _tied_run(strategy):
+    module = build_model("gpt", seed=0, **SMALL_GPT)
+    recorder = CountingRecorder()
+    model = wrap(strategy, module, recorder=recorder)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_step(model, make_optimizer(model.parameters()), *local_batch(module, 12, 0, rank, world))
+    unique_bytes = sum(p.numel() * 4 for p in module.parameters())  # parameters() lists tied once
+    return dict(bytes=sum(e[1] for e in recorder.collectives()), unique_bytes=unique_bytes,
+                ready=[e[1] for e in recorder.events if e[0] == "ready"],
+                in_buckets=[n for b in getattr(model, "buckets", []) for n in b.names],
+                same_object=module.head.weight is module.tok.weight)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tied_weights_reduced_once(cluster_of, strategy):
+    for r in cluster_of(2).run(_tied_run, strategy):
+        assert r["same_object"]
+        assert r["bytes"] == r["unique_bytes"]
+        assert r["ready"].count("tok.weight") == 1 and "head.weight" not in r["ready"]
+        if strategy != "naive":
+            assert r["in_buckets"].count("tok.weight") == 1 and "head.weight" not in r["in_buckets"]
+
+
+def _no_sync_run(strategy, micro=3, steps=3):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    recorder = CountingRecorder()
+    model = wrap(strategy, module, recorder=recorder)
+    opt = make_optimizer(model.parameters(), "sgd")
+    launched_inside = 0
+    for step in range(steps):
+        x, y = local_batch(module, 12, step, rank, world)
+        for k, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            last = k == micro - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                before = len(recorder.collectives())
+                (loss_fn(model(xm), ym) / micro).backward()  # equal chunks: mean of means
+                if not last:
+                    model.finish_gradient_synchronization()  # must not sync either
+                    launched_inside += len(recorder.collectives()) - before
+        model.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.full_state_dict(), launched_inside, len(recorder.collectives())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_sync_micro_batches_equal_one_large_batch(cluster_of, strategy):
+    reference = train_single_process("mlp", "sgd", steps=3, global_batch_size=12, **SMALL_MLP)
+    n_tensors = len(list(build_model("mlp", **SMALL_MLP).parameters()))
+    for params, launched_inside, total in cluster_of(2).run(_no_sync_run, strategy):
+        assert max_abs_diff(params, reference) < TOL
+        assert launched_inside == 0
+        assert total > 0 and (strategy != "naive" or total == 3 * n_tensors)
+
+
+def _count_run(strategy, bucket_cap_mb, steps=3):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    recorder = CountingRecorder()
+    model = wrap(strategy, module, bucket_cap_mb, recorder=recorder)
+    opt = make_optimizer(model.parameters())
+    per_step = []
+    for step in range(steps):
+        before = len(recorder.collectives())
+        train_step(model, opt, *local_batch(module, 12, step, rank, world))
+        per_step.append(recorder.collectives()[before:])
+    buckets = [(b.names, b.nbytes) for b in getattr(model, "buckets", [])]
+    return per_step, buckets, model.comm_buffer_bytes()
+
+
+@pytest.mark.parametrize("strategy,cap", [("naive", None), ("bucketed", SMALL_CAP), ("bucketed", 0),
+                                          ("bucketed", 25.0), ("overlapped", SMALL_CAP)])
+def test_collectives_per_step(cluster_of, strategy, cap):
+    module = build_model("mlp", **SMALL_MLP)
+    sizes = [p.numel() * 4 for p in module.parameters()]
+    for per_step, buckets, buffer_bytes in cluster_of(2).run(_count_run, strategy, cap):
+        for launched in per_step:
+            if strategy == "naive":  # one all-reduce per tensor, registration order
+                assert [(e[1], e[2]) for e in launched] == list(zip(sizes, range(len(sizes))))
+                assert buffer_bytes == 0
+            else:  # one per bucket, in bucket order, each the bucket's bytes
+                assert [(e[1], e[2]) for e in launched] == [(b[1], i) for i, b in enumerate(buckets)]
+                assert buffer_bytes == sum(sizes)
+            assert sum(e[1] for e in launched) == sum(sizes)
+    expected = {None: len(sizes), 0: len(sizes), 25.0: 1, SMALL_CAP: 4}[cap]
+    assert len(per_step) == 3 and all(len(launched) == expected for launched in per_step)
+
+
+class Swapped(nn.Module):
+    """Registration order a, b; forward runs b then a: a's gradients are ready first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(torch.relu(self.b(x)))
+
+
+def _overlap_run(model_kind):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = Swapped() if model_kind == "swapped" else build_model("mlp", seed=0, **SMALL_MLP)
+    recorder = CountingRecorder()
+    cap = 0 if model_kind == "swapped" else SMALL_CAP
+    model = ddpkit.OverlappedDDP(module, bucket_cap_mb=cap, recorder=recorder)
+    width = 8 if model_kind == "swapped" else SMALL_MLP["width"]
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    recorder.mark("backward returned")
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    model.finish_gradient_synchronization()  # everything was done in backward: a no-op
+    recorder.mark("finish returned")
+    after = {n: p.grad.clone() for n, p in module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    return recorder.events, [b.names for b in model.buckets], grads, after, gathered
+
+
+def expected_launches(events, buckets):
+    """The rule, replayed: after each ready gradient, launch every complete bucket in order."""
+    waiting, next_bucket, out = [len(b) for b in buckets], 0, []
+    for e in events:
+        if e[0] != "ready":
+            continue
+        out.append(e)
+        waiting[e[2]] -= 1
+        while next_bucket < len(buckets) and waiting[next_bucket] == 0:
+            out.append(("all_reduce", next_bucket))
+            next_bucket += 1
+    return out
+
+
+def as_observed(events):
+    """Events up to the end of backward, collectives without their byte count."""
+    end = events.index(("backward returned", None, None))
+    return [e if e[0] == "ready" else (e[0], e[2]) for e in events[:end]]
+
+
+def test_overlapped_launches_in_bucket_order_when_grads_arrive_out_of_order(cluster_of):
+    for events, buckets, grads, after, gathered in cluster_of(2).run(_overlap_run, "swapped"):
+        assert buckets == [["b.bias"], ["b.weight"], ["a.bias"], ["a.weight"]]
+        ready_buckets = [e[2] for e in events if e[0] == "ready"]
+        assert sorted(ready_buckets[:2]) == [2, 3]  # a's gradients arrive first...
+        observed = as_observed(events)
+        assert [e[1] for e in observed if e[0] == "all_reduce"] == [0, 1, 2, 3]  # ...yet 0 goes first
+        assert observed.index(("all_reduce", 2)) > observed.index(("all_reduce", 1))
+        assert observed == expected_launches(events, buckets)  # each launch exactly when due
+        assert max_abs_diff(grads, after) == 0
+        assert all(max_abs_diff(g, gathered[0]) == 0 for g in gathered)
+
+
+def test_overlapped_launches_during_backward(cluster_of):
+    for events, buckets, grads, after, gathered in cluster_of(2).run(_overlap_run, "mlp"):
+        assert len(buckets) > 1
+        observed = as_observed(events)
+        assert observed == expected_launches(events, buckets)
+        launches = [i for i, e in enumerate(observed) if e[0] == "all_reduce"]
+        readies = [i for i, e in enumerate(observed) if e[0] == "ready"]
+        assert launches[0] < readies[-1]  # bucket 0 is on the wire while backward still runs
+        assert len(launches) == len(buckets)
+        assert events[-2:] == [("backward returned", None, None), ("finish returned", None, None)]
+        assert max_abs_diff(grads, after) == 0  # finish changed nothing: done in backward
+        assert all(max_abs_diff(g, gathered[0]) == 0 for g in gathered)  # averaged in backward
+
+
+def _finish_twice(strategy):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    recorder = CountingRecorder()
+    model = wrap(strategy, module, recorder=recorder)
+    model.finish_gradient_synchronization()  # nothing pending yet: no collective
+    counts = [len(recorder.collectives())]
+    x, y = local_batch(module, 12, 0, rank, world)
+    loss_fn(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    counts.append(len(recorder.collectives()))
+    first = {n: p.grad.clone() for n, p in module.named_parameters()}
+    model.finish_gradient_synchronization()
+    counts.append(len(recorder.collectives()))
+    with torch.no_grad():  # an eval forward must not re-arm the sync
+        model(x)
+    model.finish_gradient_synchronization()
+    counts.append(len(recorder.collectives()))
+    second = {n: p.grad.clone() for n, p in module.named_parameters()}
+    return counts, max_abs_diff(first, second)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_finish_is_idempotent(cluster_of, strategy):
+    for counts, diff in cluster_of(2).run(_finish_twice, strategy):
+        assert counts[0] == 0 and counts[1] > 0 and counts[1] == counts[2] == counts[3]
+        assert diff == 0
+
+
+class PartlyUsed(nn.Module):
+    """``extra`` is used on rank 0 only: the other ranks get no gradient for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Linear(4, 4)
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, use_extra):
+        y = self.main(x)
+        return y + self.extra(x) if use_extra else y
+
+
+def _unused_run(strategy):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = PartlyUsed()
+    model = wrap(strategy, module, bucket_cap_mb=25.0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x, use_extra=(rank == 0)).sum().backward()
+    model.finish_gradient_synchronization()
+    local = module.extra.weight.grad.clone()
+    # what rank 0 alone computes for extra: sum over its batch of x (d(sum y)/dW = 1 x^T)
+    x0 = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    return local, torch.ones(3, 4).T @ x0 / dist.get_world_size()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameter_unused_on_some_ranks_gets_the_average(cluster_of, strategy):
+    for local, expected in cluster_of(2).run(_unused_run, strategy):
+        assert torch.allclose(local, expected, atol=1e-6)
+
+
+def _recording_hooks(strategy, enabled):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    recorder = CountingRecorder(enabled=enabled)
+    model = wrap(strategy, module, recorder=recorder)
+    train_step(model, make_optimizer(model.parameters()), *local_batch(module, 12, 0, rank, world))
+    bucket_of = ({n: i for i, b in enumerate(model.buckets) for n in b.names} if strategy != "naive"
+                 else {n: i for i, (n, _) in enumerate(module.named_parameters())})
+    return [e for e in recorder.events if e[0] == "ready"], bucket_of
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_grad_ready_reported_only_when_recording(cluster_of, strategy):
+    ready, bucket_of = cluster_of(1).run(_recording_hooks, strategy, True)[0]
+    assert sorted(e[1] for e in ready) == sorted(bucket_of)  # each gradient once
+    assert all(e[2] == bucket_of[e[1]] for e in ready)
+    assert ready[0][1].startswith("head.")  # backward: the last layer first
+    ready, _ = cluster_of(1).run(_recording_hooks, strategy, False)[0]
+    assert ready == []
+
+
+# --------------------------------------------------------------------------- bucket assignment
+def named(*numels, dtype=torch.float32):
+    return [(f"p{i}", torch.empty(n, dtype=dtype)) for i, n in enumerate(numels)]
+
+
+MIB_FOR = lambda floats: floats * 4 / 2**20  # noqa: E731  a cap in MiB that holds `floats` fp32
+
+
+def test_assign_buckets_reverse_order_and_crossing_tensor_stays():
+    # caps of 100 floats: p4 (40) + p3 (40) = 80 < 100, + p2 -> 120 >= 100: p2 stays, bucket closes
+    assert assign_buckets(named(40, 40, 40, 40, 40), MIB_FOR(100)) == [["p4", "p3", "p2"], ["p1", "p0"]]
+    # exactly reaching the cap closes the bucket too
+    assert assign_buckets(named(50, 50, 50), MIB_FOR(100)) == [["p2", "p1"], ["p0"]]
+    # one tensor bigger than the cap gets a bucket of its own, then the next starts
+    assert assign_buckets(named(10, 500, 10), MIB_FOR(100)) == [["p2", "p1"], ["p0"]]
+
+
+def test_assign_buckets_cap_zero_huge_and_counts():
+    assert assign_buckets(named(3, 1, 2), 0) == [["p2"], ["p1"], ["p0"]]
+    assert assign_buckets(named(3, 1, 2), 25.0) == [["p2", "p1", "p0"]]
+    assert assign_buckets(named(3, 1, 2), math.inf) == [["p2", "p1", "p0"]]
+    assert assign_buckets([], 25.0) == []
+    mlp = list(unique_named_parameters(build_model("mlp", width=256, depth=32)))  # 8.4 MB
+    assert len(assign_buckets(mlp, 25.0)) == 1
+    assert len(assign_buckets(mlp, 1.0)) == 8  # 263,168 bytes per layer: every 4 layers reach 1 MiB
+    assert len(assign_buckets(mlp, 0)) == 66
+
+
+def test_assign_buckets_one_dtype_per_bucket():
+    mixed = [("a", torch.empty(10)), ("b", torch.empty(10, dtype=torch.float64)),
+             ("c", torch.empty(10)), ("d", torch.empty(10, dtype=torch.float64))]
+    assert assign_buckets(mixed, 25.0) == [["d", "b"], ["c", "a"]]
+    assert assign_buckets(mixed, MIB_FOR(10)) == [["d"], ["c"], ["b"], ["a"]]
+
+
+def test_assign_buckets_matches_torch_ddp():
+    compute = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if compute is None:
+        pytest.skip("this torch has no _compute_bucket_assignment_by_size")
+    rng = random.Random(0)
+    for trial in range(50):
+        dtypes = [rng.choice([torch.float32, torch.float64, torch.float16]) for _ in range(rng.randint(1, 30))]
+        tensors = [torch.empty(rng.randint(0, 300), dtype=d) for d in dtypes]
+        cap_bytes = rng.choice([0, 1, 64, 500, 2000, 10**9])
+        ours = assign_buckets([(str(i), t) for i, t in enumerate(tensors)], cap_bytes / 2**20)
+        # torch takes the tensors already reversed and answers with indices into that list
+        theirs, _ = compute(tensors[::-1], [cap_bytes])
+        assert ours == [[str(len(tensors) - 1 - i) for i in b] for b in theirs], (trial, cap_bytes)
+
+
+@pytest.mark.parametrize("cap", [-1, -0.5, float("nan"), "25", None, True])
+def test_bad_bucket_cap_is_a_value_error(cap):
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        assign_buckets(named(3), cap)
+    for cls in (ddpkit.BucketedDDP, ddpkit.OverlappedDDP):  # before any process group is needed
+        with pytest.raises(ValueError, match="bucket_cap_mb"):
+            cls(nn.Linear(2, 2), bucket_cap_mb=cap)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_built_before_process_group_is_a_clear_error(strategy):
+    if dist.is_initialized():
+        pytest.skip("this test process already joined a process group")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        wrap(strategy, nn.Linear(2, 2))
+
+
+def _mismatched(strategy):
+    width = 8 if dist.get_rank() == 0 else 9
+    wrap(strategy, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, width)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameter_shapes_differing_across_ranks_name_the_parameter(cluster_of, strategy):
+    with pytest.raises(ddpkit.RankError) as info:
+        cluster_of(2).run(_mismatched, strategy)
+    assert info.value.ranks == [0, 1]
+    assert "'1.weight'" in str(info.value) and "[8, 4]" in str(info.value)
+
+
+def _bucket_data():
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    model = ddpkit.BucketedDDP(module, bucket_cap_mb=SMALL_CAP)
+    return model.buckets, assign_buckets(unique_named_parameters(module), SMALL_CAP), model.comm_buffer_bytes()
+
+
+def test_buckets_are_plain_data(cluster_of):
+    buckets, expected, buffer_bytes = cluster_of(1).run(_bucket_data)[0]
+    assert [b.names for b in buckets] == expected
+    assert [b.index for b in buckets] == list(range(len(expected)))
+    assert buckets[0].names[:2] == ["head.bias", "head.weight"]
+    assert all(b.nbytes == 4 * sum(b.numels) and b.dtype == "torch.float32" for b in buckets)
+    assert sum(b.nbytes for b in buckets) == buffer_bytes == 1258 * 4
