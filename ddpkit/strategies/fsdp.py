@@ -414,7 +414,12 @@ class FSDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate full (unsharded) gradients locally; the next backward outside syncs them."""
+        """Accumulate full (unsharded) gradients locally; the next backward outside syncs them.
+
+        Memory: each unit keeps a full fp32 gradient (N * ceil(T/N) elements) until then, i.e.
+        the whole model's gradients on every rank, as much as DDP holds: gradient
+        accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
+        """
         old, self._sync = self._sync, False
         try:
             yield
