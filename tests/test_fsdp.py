@@ -425,3 +425,41 @@ def test_built_before_process_group_is_a_clear_error():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="process group"):
         ddpkit.FSDP(build_model("mlp", **SMALL_MLP))
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _unit_only_in_no_sync():
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = ddpkit.FSDP(TwoBranches())
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    with model.no_sync():
+        model(x[:2]).square().sum().backward()            # uses a and b
+    model(x[2:], use_b=False).square().sum().backward()   # uses a only: b's gradient must still sync
+    model.finish_gradient_synchronization()
+    return [p.grad.clone() for p in model.parameters()], model.comm_buffer_bytes()
+
+
+def test_unit_used_only_under_no_sync_is_still_reduced(cluster_of):
+    per_rank = cluster_of(2).run(_unit_only_in_no_sync)
+    torch.manual_seed(0)
+    single = TwoBranches()
+    for rank in range(2):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+        (single(x[:2]).square().sum() / 2).backward()
+        (single(x[2:], use_b=False).square().sum() / 2).backward()
+    for unit_index, name in enumerate(["a", "b"]):  # default units: a, b; 6 + 6 elements -> 3 each
+        full = torch.cat([per_rank[r][0][unit_index] for r in range(2)])
+        sub = getattr(single, name)
+        ref = torch.cat([sub.weight.grad.reshape(-1), sub.bias.grad])
+        assert torch.allclose(full[:ref.numel()], ref, atol=1e-6), name
+    assert all(comm == 0 for _, comm in per_rank)

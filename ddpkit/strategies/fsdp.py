@@ -400,6 +400,10 @@ class FSDP(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatters, write the shards' .grad, reshard everything."""
+        if self._sync:  # a unit used under no_sync() but not in the last backward: reduce it now
+            for unit in self.units:
+                if unit.no_sync_grad is not None:
+                    self._post_backward(unit, [None] * len(unit.names))
         pending, self._pending_reduce = self._pending_reduce, []
         for unit, work, out, _ in pending:
             work.wait()
