@@ -430,7 +430,7 @@ def cmd_predict(args, parser) -> int:
     kwargs = _model_kwargs(args)
     print(f"network {network.name}: alpha {network.alpha * 1e6:.1f} us, {network.gbytes_per_s:.2f} GB/s; "
           f"bucket cap {args.bucket_cap_mb:g} MiB; model {args.model} {kwargs or ''}")
-    heads = f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  {'MB/step':>8}"
+    heads = f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  {'sent kB/step':>12}"
     print(heads)
     profiles: dict = {}
     for n in args.world_sizes:
@@ -442,7 +442,7 @@ def cmd_predict(args, parser) -> int:
         for s in args.strategies:
             p = costmodel.simulate(s, profiles[batch], n, network, args.bucket_cap_mb)
             print(f"{n:>5}  {s:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  {p.exposed_comm_ms:12.2f}  "
-                  f"{p.comm_bytes_per_step / 1e6:8.2f}")
+                  f"{p.comm_bytes_per_step / 1e3:12.1f}")
     if args.plot:
         batch = args.batch_per_rank or args.global_batch_size // max(args.world_sizes)
         profile = profiles.get(batch) or next(iter(profiles.values()))
