@@ -516,3 +516,37 @@ def test_buckets_are_plain_data(cluster_of):
     assert buckets[0].names[:2] == ["head.bias", "head.weight"]
     assert all(b.nbytes == 4 * sum(b.numels) and b.dtype == "torch.float32" for b in buckets)
     assert sum(b.nbytes for b in buckets) == buffer_bytes == 1258 * 4
+
+
+def _with_trace_recorder(strategy):
+    from ddpkit.trace import Recorder
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    recorder = Recorder()
+    model = wrap(strategy, module, recorder=recorder)
+    opt = make_optimizer(model.parameters())
+    for step in range(2):
+        recorder.next_step()
+        train_step(model, opt, *local_batch(module, 12, step, rank, world), recorder=recorder)
+    buckets = [b.names for b in model.buckets] if strategy != "naive" else None
+    return recorder.records, buckets
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_reports_through_the_trace_recorder(cluster_of, strategy):
+    from ddpkit.trace import Trace, bucket_fill_order, collective_bytes, collective_counts, launch_order
+
+    per_rank = cluster_of(2).run(_with_trace_recorder, strategy)
+    trace = Trace.merge([records for records, _ in per_rank], world_size=2)
+    buckets = per_rank[0][1]
+    n_tensors, total = 10, 1258 * 4
+    expected = n_tensors if strategy == "naive" else len(buckets)
+    assert collective_counts(trace)[1] == {0: {"all_reduce": expected}, 1: {"all_reduce": expected}}
+    assert collective_bytes(trace)[1] == {0: total, 1: total}
+    for rank in (0, 1):
+        assert [r.bucket for r in launch_order(trace, rank=rank, step=1)] == list(range(expected))
+        fill = bucket_fill_order(trace, rank=rank, step=1)
+        assert len(fill) == n_tensors
+        if buckets is not None:
+            assert all(name in buckets[bucket] for name, bucket, _ in fill)
