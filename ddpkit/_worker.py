@@ -254,8 +254,9 @@ def main() -> None:
         except BaseException as exc:  # KeyboardInterrupt too: the parent asked us to stop
             _context.running = False
             sys.stdout.flush(); sys.stderr.flush()
-            conn_msg = ("error", traceback.format_exc(), type(exc).__name__,
-                        _is_distributed_failure(exc))
+            # The traceback starts at the job's own frame: this loop's frame is noise to a learner.
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+            conn_msg = ("error", tb, type(exc).__name__, _is_distributed_failure(exc))
         else:
             try:
                 conn_msg = ("result", _pickle(result))

@@ -70,7 +70,8 @@ RESTARTED = ("the process group could not be trusted after this (a rank died or 
              "a collective failed or timed out), so the cluster restarted its ranks: the next "
              "run() gets a fresh process group, and anything the ranks held (%%ranks variables, "
              "models) is gone")
-UNCHANGED = "the other ranks are unaffected; the cluster is ready for the next run()"
+UNCHANGED = ("the ranks keep running as they were (a Python error leaves the process group "
+             "intact); the cluster is ready for the next run()")
 
 
 class RankError(RuntimeError):
