@@ -79,5 +79,6 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
         from matplotlib.lines import Line2D
 
         handles = [Line2D([], [], ls="", marker="o", color=bucket_colour(b), label=f"bucket {b}") for b in buckets]
-        top.legend(handles=handles, loc="lower right", fontsize=7, ncol=2 if len(buckets) > 6 else 1)
+        top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+                   ncol=2 if len(buckets) > 12 else 1, title="bucket", title_fontsize=7)
     return fig
