@@ -118,6 +118,8 @@ class _ChannelWriter(io.TextIOBase):
     segfault's dump) still goes to the process's pipes, which the parent also reads.
     """
 
+    encoding = "utf-8"  # some libraries ask; the text travels as str anyway
+
     def __init__(self, stream: str):
         self.stream, self._buf = stream, ""
 
