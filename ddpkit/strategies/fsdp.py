@@ -252,7 +252,6 @@ class FSDP(nn.Module):
                 unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
                 unit.module.register_forward_hook(self._make_post_forward(unit))
             self.units.append(unit)
-        self._where = {n: u for u in self.units for n in u.names}
         # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
 
