@@ -46,6 +46,7 @@ import sys
 import sysconfig
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -238,9 +239,11 @@ class Cluster:
         self.ranks = [RankState(r) for r in range(self.world_size)]
         self._notify("status", None)
         hello: queue.Queue = queue.Queue()
-        threading.Thread(target=self._accept_loop,
-                         args=(sock, authkey, hello, self._generation, self._stop_accepting),
-                         daemon=True, name="ddpkit-accept").start()
+        # The helper threads hold no reference to the Cluster (a weak one at most), so a
+        # cluster the caller drops is collected and its __del__ stops the ranks.
+        threading.Thread(target=self._accept_loop, daemon=True, name="ddpkit-accept",
+                         args=(sock, authkey, hello, self._generation, self.world_size,
+                               self._stop_accepting)).start()
         # The workers run the same ddpkit as this process, wherever it was imported from.
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(ddpkit.__file__)))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
@@ -263,7 +266,8 @@ class Cluster:
                 self.ranks[r].pid = proc.pid
                 self._stderr_tail.append(collections.deque(maxlen=40))
                 readers = [threading.Thread(target=self._read_pipe, daemon=True,
-                                            args=(r, name, pipe, self._generation),
+                                            args=(weakref.ref(self), r, name, pipe,
+                                                  self._generation, self._stderr_tail[r]),
                                             name=f"ddpkit-rank{r}-{name}")
                            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
                 for t in readers:
@@ -277,7 +281,8 @@ class Cluster:
             self._notify("status", None)
             raise
 
-    def _accept_loop(self, sock, authkey: bytes, hello: queue.Queue, generation: int,
+    @staticmethod
+    def _accept_loop(sock, authkey: bytes, hello: queue.Queue, generation: int, world_size: int,
                      stop: threading.Event) -> None:
         # accept() with a short timeout so that shutdown() ends this thread (closing a socket
         # does not wake a thread blocked in accept() on every platform).
@@ -291,10 +296,11 @@ class Cluster:
                 return  # the socket was closed: shutdown()
             # One thread per connection: a client that connects and says nothing only
             # stalls its own thread, for at most HANDSHAKE_TIMEOUT seconds.
-            threading.Thread(target=self._admit, args=(peer, addr, authkey, hello, generation),
-                             daemon=True, name="ddpkit-handshake").start()
+            threading.Thread(target=Cluster._admit, daemon=True, name="ddpkit-handshake",
+                             args=(peer, addr, authkey, hello, generation, world_size)).start()
 
-    def _admit(self, peer, addr, authkey: bytes, hello: queue.Queue, generation: int) -> None:
+    @staticmethod
+    def _admit(peer, addr, authkey: bytes, hello: queue.Queue, generation: int, world_size: int) -> None:
         where = f"{addr[0]}:{addr[1]}"
         try:
             conn = handshake(peer, authkey, server=True)
@@ -312,7 +318,7 @@ class Cluster:
             if not conn.poll(HANDSHAKE_TIMEOUT):
                 raise TimeoutError("no hello")
             kind, rank, gen, pid = conn.recv()
-            if kind != "hello" or gen != generation or not 0 <= rank < self.world_size:
+            if kind != "hello" or gen != generation or not 0 <= rank < world_size:
                 raise ValueError(f"unexpected hello {(kind, rank, gen)!r}")
         except Exception as exc:
             log.warning("refused a connection from %s with a bad hello: %s", where, exc)
@@ -394,7 +400,8 @@ class Cluster:
             p.wait()
         for readers in self._readers:
             for t in readers:
-                t.join(timeout=1.0)  # the pipes reach end-of-file once the process is gone
+                if t is not threading.current_thread():  # __del__ may run in a reader
+                    t.join(timeout=1.0)  # the pipes reach end-of-file once the process is gone
         for p in self._procs:
             for f in (p.stdin, p.stdout, p.stderr):
                 try:
@@ -671,16 +678,18 @@ class Cluster:
             pass
 
     # ------------------------------------------------------------------ output and events
-    def _read_pipe(self, rank: int, stream: str, pipe, generation: int) -> None:
+    @staticmethod
+    def _read_pipe(cluster_ref, rank: int, stream: str, pipe, generation: int, tail) -> None:
         """Lines a rank wrote below Python (fd 1/2): C++ warnings, a crash's dump."""
-        tail = self._stderr_tail[rank]
         try:
             for raw in iter(pipe.readline, b""):
                 text = raw.decode(errors="replace").rstrip("\n")
                 if stream == "stderr":
                     tail.append(text)
-                if generation == self._generation:
-                    self._line(rank, stream, text)
+                cluster = cluster_ref()
+                if cluster is not None and generation == cluster._generation:
+                    cluster._line(rank, stream, text)
+                del cluster
         except (OSError, ValueError):  # the pipe was closed under us by _kill_all
             pass
 

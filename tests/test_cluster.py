@@ -170,6 +170,20 @@ def test_restart_shutdown_and_context_manager():
         c.shutdown()
 
 
+def test_a_cluster_nobody_refers_to_any_more_stops_its_ranks():
+    import gc
+
+    c = Cluster(world_size=1, backend="gloo", timeout=20.0)
+    pid = c.ranks[0].pid
+    assert c.run(lambda: 1) == [1]
+    del c  # e.g. a notebook cell re-run: `cluster = Cluster(...)` replaces the old one
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and psutil.pid_exists(pid):
+        time.sleep(0.05)
+    assert not psutil.pid_exists(pid)
+
+
 # ---------------------------------------------------------------------- stale imports
 def test_the_learners_own_modules_ship_by_value_so_edits_reach_the_ranks(cluster_of, tmp_path,
                                                                           monkeypatch):
