@@ -115,6 +115,31 @@ def test_nccl_without_one_gpu_per_rank_is_refused():
     assert _children() == before
 
 
+def test_auto_picks_nccl_only_with_one_gpu_per_rank():
+    from ddpkit.cluster import _resolve_backend
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert _resolve_backend("auto", gpus + 1) == "gloo"
+    assert _resolve_backend("gloo", 1) == "gloo"
+    if gpus:
+        assert _resolve_backend("auto", gpus) == "nccl"
+
+
+@pytest.mark.gpu
+def test_an_nccl_cluster_puts_rank_r_on_cuda_r():
+    gpus = torch.cuda.device_count()
+    with Cluster(world_size=gpus, backend="auto", timeout=60.0) as c:
+        assert c.backend == "nccl" and c.devices == [f"cuda:{r}" for r in range(gpus)]
+
+        def job():
+            t = torch.ones(4, device=ddpkit.device()) * (ddpkit.rank() + 1)
+            torch.distributed.all_reduce(t)
+            return str(t.device), t.sum().item()
+
+        total = 4 * gpus * (gpus + 1) / 2
+        assert c.run(job) == [(f"cuda:{r}", total) for r in range(gpus)]
+
+
 def test_a_job_that_cannot_be_pickled_says_why_and_runs_nothing(cluster_of):
     c = cluster_of(2)
     lock = threading.Lock()
