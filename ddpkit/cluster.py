@@ -23,7 +23,7 @@ Channels, all local:
   SIGKILL) the worker exits.
 
 Faults. A job that raises on some ranks gives ``RankError`` with each rank's traceback. If
-other ranks are still running a second after the first failure they are probably stuck in a
+other ranks are still running two seconds after the first failure they are probably stuck in a
 collective waiting for the failed rank: they get SIGINT, and are killed if that does not stop
 them within two seconds (a rank blocked inside a C++ collective cannot run Python's signal
 handler). Whenever the process group cannot be trusted any more (a rank died or was killed,
@@ -59,7 +59,8 @@ log = logging.getLogger("ddpkit.cluster")
 
 BACKENDS = ("auto", "gloo", "nccl")
 STATUSES = ("starting", "idle", "running", "error", "dead", "stopped")
-GRACE_S = 1.0        # after a rank fails, how long the others may keep running before SIGINT
+GRACE_S = 2.0        # after a rank fails, how long the others may keep running before SIGINT
+                     # (ranks that raise together can be a second apart on a loaded machine)
 KILL_AFTER_S = 2.0   # after SIGINT, how long before a rank that did not stop is killed
 # Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
 # beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
