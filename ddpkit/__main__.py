@@ -72,6 +72,8 @@ def _check_writable(parser, option: str, path: str | None) -> None:
 
 def _check_run_args(parser, args) -> None:
     """Checks shared by compare and trace, before any process starts."""
+    if args.threads_per_rank is not None and args.threads_per_rank < 0:
+        parser.error(f"--threads-per-rank must be >= 0 (0: torch's default), got {args.threads_per_rank}")
     if args.global_batch_size % args.world_size:
         parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                      f"--world-size {args.world_size} ranks")
@@ -114,6 +116,9 @@ def _add_run_args(p, steps: int) -> None:
     p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0, help="bucket size cap in MiB (default 25)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: nccl with one GPU per rank, else gloo")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="torch CPU threads in each rank (default: cores / ranks, at least 1; "
+                        "0 leaves torch's default, which oversubscribes the cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-per-rank", type=_positive_int, default=None,
                    help="weak scaling: this many samples per rank at every size (overrides the global batch)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads while profiling compute (default: torch's); ranks sharing one "
+                        "machine's cores each get fewer, e.g. cores / ranks")
+    p.add_argument("--profile-on-ranks", action="store_true",
+                   help="profile compute inside N ranks at once (one Cluster per world size), so ranks "
+                        "sharing this machine's cores slow each other down as in a real run")
     p.add_argument("--fit", action="store_true",
                    help="first fit alpha and beta on this machine (all_reduce timings on --fit-ranks ranks)")
     p.add_argument("--fit-ranks", type=_positive_int, default=2)
@@ -206,6 +217,36 @@ def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
         return None, f"{label} failed: {last}"
 
 
+def _set_threads(threads: int) -> int:
+    """A Cluster job: this rank's torch intra-op threads (as torchrun's OMP_NUM_THREADS does)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _start_cluster(args):
+    """The Cluster for compare/trace, with CPU threads split between the ranks.
+
+    Every rank would otherwise start as many threads as the machine has cores: N ranks then
+    fight over the cores, and OpenMP's waiting threads spin. On a 2-core machine with 2 ranks
+    that made the default MLP's step ~20x slower (1 thread per rank: ~30 ms, 2: 600+ ms).
+    """
+    import ddpkit
+
+    cluster = ddpkit.Cluster(args.world_size, backend=args.backend)
+    threads = args.threads_per_rank
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    try:
+        args.threads_per_rank = cluster.run(_set_threads, threads)[0]
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
 # --------------------------------------------------------------------------- compare
 def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
@@ -250,15 +291,19 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
             records.append(dict(strategy=s, world_size=n, error=err))
             continue
         r0 = results[0]
+        # torch's own wrappers report spans only (their collectives run inside torch), so their
+        # bytes and overlap are unknown here, not zero
+        reported = bool(r0["collectives_per_step"]) or n == 1
         records.append(dict(
             strategy=s, world_size=n, model=model, steps=steps, rounds=len(per_round[s]),
             ms_per_step=statistics.median(per_round[s]),
             ms_per_step_rounds=per_round[s],
-            comm_bytes_per_step=r0["comm_bytes_per_step"],
+            ms_per_step_min=min(per_round[s]),
+            comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
             collectives_per_step=r0["collectives_per_step"],
             model_state_bytes=max(res["model_state_bytes"] for res in results),
             peak_bytes=max(res["peak_bytes"] for res in results),
-            overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results),
+            overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
             max_param_diff=max(res["max_param_diff"] for res in results),
         ))
     _add_ratios(records)
@@ -320,7 +365,7 @@ def plot_compare(records: list[dict]):
     for ax, key, label, scale in ((axes[0], "ms_per_step", "ms per step (median)", 1),
                                   (axes[1], "comm_bytes_per_step", "MB sent per rank per step", 1e6),
                                   (axes[2], "model_state_bytes", "model state MB per rank", 1e6)):
-        ax.bar(names, [r[key] / scale for r in ok], color="tab:blue")
+        ax.bar(names, [(r[key] or 0) / scale for r in ok], color="tab:blue")  # None: not reported
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelrotation=45)
     ws = ok[0]["world_size"] if ok else "?"
@@ -332,18 +377,17 @@ def cmd_compare(args, parser) -> int:
     _check_run_args(parser, args)
     _check_writable(parser, "--json", args.json)
     _check_writable(parser, "--plot", args.plot)
-    import ddpkit
-
     progress = _Progress(total_runs=len(args.strategies) * (args.rounds + 1))
     t0 = time.perf_counter()
-    with ddpkit.Cluster(args.world_size, backend=args.backend) as cluster:
+    with _start_cluster(args) as cluster:
         cluster.subscribe(progress)
         records = compare(cluster, args.strategies, model=args.model, model_kwargs=_model_kwargs(args),
                           steps=args.steps, rounds=args.rounds, global_batch_size=args.global_batch_size,
                           optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     progress.close()
     print(f"{args.world_size} ranks ({cluster.backend}), model {args.model}, {args.steps} steps x "
-          f"{args.rounds} rounds, global batch {args.global_batch_size}, {args.optimizer}; "
+          f"{args.rounds} rounds, global batch {args.global_batch_size}, {args.optimizer}, "
+          f"{args.threads_per_rank} torch thread(s) per rank; "
           f"{time.perf_counter() - t0:.0f} s")
     print(format_table(records))
     if args.json:
@@ -367,11 +411,10 @@ def _trace_job(strategy: str, **kwargs) -> dict:
 def cmd_trace(args, parser) -> int:
     _check_run_args(parser, args)
     _check_writable(parser, "--out", args.out)
-    import ddpkit
     from ddpkit.trace import to_chrome_trace
 
     progress = _Progress(total_runs=1)
-    with ddpkit.Cluster(args.world_size, backend=args.backend) as cluster:
+    with _start_cluster(args) as cluster:
         cluster.subscribe(progress)
         progress.start(args.strategy)
         results = cluster.run(_trace_job, args.strategy, model=args.model, model_kwargs=_model_kwargs(args),
@@ -428,6 +471,10 @@ def cmd_predict(args, parser) -> int:
             print(f"  all_reduce {size / 1024:9.0f} KiB  measured {sec * 1e3:8.3f} ms  fitted {fit * 1e3:8.3f} ms")
 
     kwargs = _model_kwargs(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     print(f"network {network.name}: alpha {network.alpha * 1e6:.1f} us, {network.gbytes_per_s:.2f} GB/s; "
           f"bucket cap {args.bucket_cap_mb:g} MiB; model {args.model} {kwargs or ''}")
     heads = f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  {'sent kB/step':>12}"
@@ -435,17 +482,26 @@ def cmd_predict(args, parser) -> int:
     profiles: dict = {}
     for n in args.world_sizes:
         batch = args.batch_per_rank or args.global_batch_size // n
-        if batch not in profiles:  # one rank's compute at this per-rank batch, measured here
-            module = build_model(args.model, **kwargs)
-            x, y = local_batch(module, batch, 0, 0, 1)
-            profiles[batch] = costmodel.profile_model(module, x, y, optimizer=args.optimizer)
+        key = (batch, n if args.profile_on_ranks else 1)
+        if key not in profiles:  # one rank's compute at this per-rank batch
+            if args.profile_on_ranks:
+                import ddpkit
+
+                with ddpkit.Cluster(n, backend="auto") as cluster:
+                    cluster.run(_set_threads, args.threads or max(1, (os.cpu_count() or 1) // n))
+                    ranks = cluster.run(costmodel.profile_job, args.model, batch, args.optimizer, kwargs)
+                profiles[key] = max(ranks, key=lambda p: p.forward_s + p.backward_s)  # the slowest rank
+            else:
+                module = build_model(args.model, **kwargs)
+                x, y = local_batch(module, batch, 0, 0, 1)
+                profiles[key] = costmodel.profile_model(module, x, y, optimizer=args.optimizer)
         for s in args.strategies:
-            p = costmodel.simulate(s, profiles[batch], n, network, args.bucket_cap_mb)
+            p = costmodel.simulate(s, profiles[key], n, network, args.bucket_cap_mb)
             print(f"{n:>5}  {s:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  {p.exposed_comm_ms:12.2f}  "
                   f"{p.comm_bytes_per_step / 1e3:12.1f}")
     if args.plot:
         batch = args.batch_per_rank or args.global_batch_size // max(args.world_sizes)
-        profile = profiles.get(batch) or next(iter(profiles.values()))
+        profile = next(iter(profiles.values()))
         nets = {net.name: net for net in (network, costmodel.NETWORKS["100GbE"], costmodel.NETWORKS["nvlink"])}
         fig = costmodel.plot_scaling(profile, strategies=args.strategies, networks=list(nets.values()))
         fig.savefig(args.plot, dpi=110)

@@ -46,13 +46,14 @@ class Network:
         return 1e-9 / self.beta if self.beta else math.inf
 
 
-# Presets. "loopback" was fitted on the development machine (2 shared CPU cores, gloo over
-# loopback) with `python -m ddpkit predict --fit --world-size 2`; fit your own machine the same
-# way. The others are round figures for the order of magnitude, not measurements: 100 GbE moves
-# at most 12.5 GB/s, ~10 GB/s in practice, with tens of microseconds per message over TCP;
-# NVLink (A100/H100 class) moves a few hundred GB/s per GPU with a few microseconds per hop.
+# Presets. "loopback" was fitted on the development machine (2 CPU cores shared by several
+# users, load average ~8; gloo over loopback) with
+# `python -m ddpkit predict --fit --fit-ranks 2`: alpha 102 us, 0.44 GB/s. Fit your own machine
+# the same way. The others are round figures for the order of magnitude, not measurements:
+# 100 GbE moves at most 12.5 GB/s, ~10 GB/s in practice, with tens of microseconds per message
+# over TCP; NVLink (A100/H100 class) moves a few hundred GB/s per GPU, a few microseconds per hop.
 NETWORKS = {
-    "loopback": Network("loopback", alpha=150e-6, beta=1 / 1.0e9),
+    "loopback": Network("loopback", alpha=100e-6, beta=1 / 0.45e9),
     "100GbE": Network("100GbE", alpha=20e-6, beta=1 / 10e9),
     "nvlink": Network("nvlink", alpha=5e-6, beta=1 / 200e9),
 }
@@ -171,6 +172,19 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
                     med["backward"] * layer_fwd[name] / total, unit_of.get(id(m), ""))
               for name, m, pb in owners]
     return Profile(layers, med["step"])
+
+
+def profile_job(model: str = "mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
+                model_kwargs: dict | None = None, repeats: int = 5) -> Profile:
+    """A Cluster job: ``profile_model`` on every rank at once, without communicating, so
+    ranks that share a machine's cores contend for them as they do in training."""
+    import ddpkit
+    from ddpkit.experiment import local_batch
+    from ddpkit.models import build_model
+
+    module = build_model(model, **(model_kwargs or {})).to(ddpkit.device())
+    x, y = local_batch(module, batch_per_rank, 0, 0, 1)
+    return profile_model(module, x.to(ddpkit.device()), y.to(ddpkit.device()), optimizer, repeats)
 
 
 # --------------------------------------------------------------------------- simulation
@@ -373,17 +387,26 @@ def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), 
 
 
 def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
-    """Least-squares alpha and beta from ``[(bytes, seconds)]`` all-reduce timings on N ranks:
-    t = 2(N-1) alpha + 2(N-1)/N S beta, i.e. a straight line in S (both kept >= 0)."""
+    """Fit alpha and beta to ``[(bytes, seconds)]`` all-reduce timings on N ranks.
+
+    t = 2(N-1) alpha + 2(N-1)/N S beta is a straight line in S. Timings span orders of
+    magnitude (microseconds to tens of milliseconds), so the fit minimises *relative* error
+    (each sample weighted by 1/t^2); a plain fit would let the largest size decide alone and
+    leave alpha at zero. Both are kept >= 0.
+    """
     if world_size < 2:
         raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
     if len(samples) < 2:
         raise ValueError("fitting needs timings at two sizes or more")
     xs = [2 * (world_size - 1) / world_size * s for s, _ in samples]
     ys = [t for _, t in samples]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    ws = [1 / (t * t) if t > 0 else 0.0 for t in ys]
+    # weighted least squares for y = c + beta x, with c = 2(N-1) alpha
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx if sxx else 0.0
     beta = max(slope, 0.0)
     alpha = max(my - beta * mx, 0.0) / (2 * (world_size - 1))
     return Network(name, alpha=alpha, beta=beta)

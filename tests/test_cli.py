@@ -127,7 +127,10 @@ def test_compare_short_run_writes_sane_records(tmp_path, cluster_of):
         assert r["world_size"] == 2
         assert r["ms_per_step"] > 0
         assert r["max_param_diff"] < 1e-5
-        assert 0 <= r["overlap_fraction"] <= 1
+        if r["strategy"].startswith("torch_"):  # torch's wrappers do not report collectives
+            assert r["comm_bytes_per_step"] is None and r["overlap_fraction"] is None
+        else:
+            assert 0 <= r["overlap_fraction"] <= 1
         assert r["peak_bytes"] >= r["model_state_bytes"] > 0
         if r["strategy"] in ("naive", "bucketed", "overlapped"):
             assert r["comm_bytes_per_step"] == pytest.approx(param_bytes)  # 2(N-1)/N = 1 at N=2
