@@ -550,3 +550,33 @@ def test_reports_through_the_trace_recorder(cluster_of, strategy):
         assert len(fill) == n_tensors
         if buckets is not None:
             assert all(name in buckets[bucket] for name, bucket, _ in fill)
+
+
+class Checkpointed(nn.Module):
+    """The small MLP with its hidden layers under (non-reentrant) activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = build_model("mlp", seed=0, **SMALL_MLP)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.mlp.head(checkpoint(self.mlp.layers, x, use_reentrant=False))
+
+
+def _checkpointed_run(strategy):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = Checkpointed()
+    model = wrap(strategy, module)
+    opt = make_optimizer(model.parameters())
+    for step in range(5):
+        train_step(model, opt, *local_batch(module.mlp, 12, step, rank, world))
+    return {n: p.detach() for n, p in module.mlp.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "overlapped"])
+def test_activation_checkpointing(cluster_of, strategy):
+    reference = train_single_process("mlp", "sgd", steps=5, global_batch_size=12, **SMALL_MLP)
+    for params in cluster_of(2).run(_checkpointed_run, strategy):
+        assert max_abs_diff(params, reference) < TOL

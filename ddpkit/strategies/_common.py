@@ -85,8 +85,9 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
     parameters and, per parameter, its shape. A mismatch would otherwise make the later
     broadcasts and all-reduces wait forever for bytes that never come.
     """
-    named = list(module.named_parameters()) + list(module.named_buffers())
-    shapes = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    named = [("parameter", n, t) for n, t in module.named_parameters()] + \
+            [("buffer", n, t) for n, t in module.named_buffers()]
+    shapes = [(f"{kind} {name!r}", tuple(t.shape), str(t.dtype)) for kind, name, t in named]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, shapes, group=group)
     mine = gathered[0]
@@ -99,7 +100,7 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
         for (name, s0, d0), (_, s1, d1) in zip(mine, theirs):
             if (s0, d0) != (s1, d1):
                 raise ValueError(
-                    f"parameter {name!r} has shape {list(s0)} ({d0}) on rank 0 but "
+                    f"{name} has shape {list(s0)} ({d0}) on rank 0 but "
                     f"{list(s1)} ({d1}) on rank {other_rank}: every rank must wrap the same model"
                 )
 

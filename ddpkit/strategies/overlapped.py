@@ -6,7 +6,7 @@ assigned in that order, so bucket 0 fills first. A hook on every parameter
 (``register_post_accumulate_grad_hook``, run right after the gradient lands in ``.grad``)
 copies the gradient into its bucket slot; when the last gradient of a bucket arrives, the
 bucket's async all-reduce is launched at once, and the network works while autograd keeps
-computing the earlier layers' gradients. This is Li et al. (VLDB 2020), section 3.2.3.
+computing the earlier layers' gradients: the overlap of Li et al. (VLDB 2020).
 
 Rules that keep every rank issuing identical collectives in identical order:
 - buckets are launched strictly in bucket order: a bucket that is complete before an earlier
@@ -22,6 +22,11 @@ Rules that keep every rank issuing identical collectives in identical order:
 
 Inside ``no_sync()`` the hooks return at once: gradients accumulate in ``.grad`` and the
 first backward after it syncs the sum.
+
+One backward per forward: a second backward after the sync adds local, unsynchronised
+gradients. Activation checkpointing works with ``use_reentrant=False`` (torch's recommended
+mode); the reentrant mode runs nested backward passes, and when the first hook of a step
+fires inside one, the end-of-backward callback joins that nested pass and syncs too early.
 
 Gradients are *copied* into the buckets (as in BucketedDDP): one extra copy of the
 gradients in memory (``comm_buffer_bytes()``), a copy in (in the hook) and a copy out (at the
