@@ -88,3 +88,15 @@ def test_summarize_records_averages_steps_after_warmup():
     assert out["comm_ms_per_step"] == pytest.approx(10.0)
     assert out["overlap_fraction"] == pytest.approx(0.25)
     assert out["peak_memory_sample"] == 12
+
+
+@pytest.mark.parametrize("strategy", ["overlapped", "fsdp", "torch_fsdp"])
+def test_tiny_gpt_with_tied_weights_equals_one_process(cluster_of, strategy):
+    # SGD: with AdamW an element whose gradient is ~0 in one process but a rounding error
+    # (~1e-10) after the cross-rank sum gets a full lr-sized step (m / sqrt(v) ~ +-1), so
+    # parameters can differ by ~lr (seen: 6.6e-4 for overlapped) without anything being wrong.
+    gpt = dict(vocab=16, dim=16, layers=2, heads=2, seq=8)
+    ref = train_single_process("gpt", "sgd", steps=3, global_batch_size=4, **gpt)
+    results = run_or_skip(cluster_of(2), strategy, model="gpt", steps=2, warmup=1, global_batch_size=4,
+                          optimizer="sgd", record=True, reference=ref, model_kwargs=gpt)
+    assert all(r["max_param_diff"] < 1e-5 for r in results), [r["max_param_diff"] for r in results]

@@ -69,7 +69,7 @@ def test_two_nodes_on_loopback_equal_one_process(tmp_path, strategy):
     assert max_abs_diff(torch.load(save), ref) < 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["overlapped", "fsdp"])
+@pytest.mark.parametrize("strategy", ["overlapped", "zero1", "fsdp"])  # replicated, sharded state
 def test_checkpoint_k_then_resume_m_equals_k_plus_m(tmp_path, strategy):
     ckpt, save = tmp_path / "ckpt", tmp_path / "final.pt"
     launcher = lambda: ["--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",  # noqa: E731
