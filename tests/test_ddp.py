@@ -580,3 +580,24 @@ def test_activation_checkpointing(cluster_of, strategy):
     reference = train_single_process("mlp", "sgd", steps=5, global_batch_size=12, **SMALL_MLP)
     for params in cluster_of(2).run(_checkpointed_run, strategy):
         assert max_abs_diff(params, reference) < TOL
+
+
+def _twice_in_one_backward():
+    from torch.utils.checkpoint import checkpoint
+
+    class SharedTwice(nn.Module):  # `l` runs in two reentrant regions: two nested backwards
+        def __init__(self):
+            super().__init__()
+            self.l, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            x = x.requires_grad_()
+            return self.head(checkpoint(self.l, checkpoint(self.l, x, use_reentrant=True), use_reentrant=True))
+
+    model = ddpkit.OverlappedDDP(SharedTwice())
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def test_overlapped_refuses_a_gradient_that_arrives_twice(cluster_of):
+    with pytest.raises(ddpkit.RankError, match="'l.(weight|bias)' became ready twice in one step"):
+        cluster_of(1).run(_twice_in_one_backward)

@@ -24,9 +24,10 @@ Inside ``no_sync()`` the hooks return at once: gradients accumulate in ``.grad``
 first backward after it syncs the sum.
 
 One backward per forward: a second backward after the sync adds local, unsynchronised
-gradients. Activation checkpointing works with ``use_reentrant=False`` (torch's recommended
-mode); the reentrant mode runs nested backward passes, and when the first hook of a step
-fires inside one, the end-of-backward callback joins that nested pass and syncs too early.
+gradients (use ``no_sync()`` for all but the last). Activation checkpointing works with
+``use_reentrant=False`` (torch's recommended mode). The reentrant mode is NOT supported: it
+runs a nested backward per checkpointed region, and when the first gradient of a step
+arrives inside one, the end-of-backward callback joins that nested pass and syncs too early.
 
 Gradients are *copied* into the buckets (as in BucketedDDP): one extra copy of the
 gradients in memory (``comm_buffer_bytes()``), a copy in (in the hook) and a copy out (at the
@@ -84,9 +85,8 @@ class OverlappedDDP(BucketedDDP):
                 return
             if self._ready[i][j]:
                 raise RuntimeError(
-                    f"OverlappedDDP: the gradient of {name!r} became ready twice in one step "
-                    "(is the parameter used in two reentrant-checkpointed regions?); each "
-                    "gradient must arrive once per backward")
+                    f"OverlappedDDP: the gradient of {name!r} became ready twice in one step; "
+                    "each gradient must arrive once per backward")
             if not self._end_queued:
                 _queue_end_of_backward(self.finish_gradient_synchronization)
                 self._end_queued = True
