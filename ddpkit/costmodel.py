@@ -416,7 +416,12 @@ def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
 def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), networks=("100GbE", "nvlink"),
                  world_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), bucket_cap_mb: float = 25.0):
     """Predicted weak scaling (same per-rank batch at every size) to 256 ranks, one panel per
-    network: scaling efficiency = time of one rank / time of N ranks. A matplotlib Figure."""
+    network: scaling efficiency = time of one rank / time of N ranks. A matplotlib Figure.
+
+    The ring formulas' latency term grows linearly with N ((N-1) alpha per all-gather): at
+    hundreds of ranks NCCL switches to tree algorithms (log N), so for many small collectives
+    (FSDP's per-unit all-gathers) the far right of these curves is pessimistic.
+    """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 3.6), layout="constrained")
@@ -428,8 +433,10 @@ def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), n
             eff = [100 * base / simulate(s, profile, n, net, bucket_cap_mb).ms_per_step for n in world_sizes]
             ax.plot(world_sizes, eff, marker="o", ms=3, label=s)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(list(world_sizes), [str(n) for n in world_sizes], fontsize=8)
+        ax.minorticks_off()
         ax.set_ylim(0, 105)
-        ax.set_title(f"{net.name}: alpha {net.alpha * 1e6:.0f} us, {net.gbytes_per_s:.0f} GB/s")
+        ax.set_title(f"{net.name}: alpha {net.alpha * 1e6:.3g} us, {net.gbytes_per_s:.3g} GB/s", fontsize=10)
         ax.set_xlabel("ranks (GPUs)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("scaling efficiency (%)")

@@ -7,6 +7,11 @@
 Equality with one process: rank r trains on its slice of the global batch with a *mean* loss.
 Averaging the N ranks' gradients gives (1/N) sum_r mean_r = the mean over the whole batch,
 which is exactly what one process computes on the whole batch.
+
+Below those: the strategy table (``STRATEGIES``, ``wrap``: a name -> wrapper + optimizer) and
+``run_strategy``, the Cluster job behind ``python -m ddpkit compare`` and ``trace``: build, train,
+time each step (perf_counter on CPU, CUDA events on GPU), and optionally record, reading bytes,
+overlap and memory back from ``ddpkit.trace``'s records.
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import ddpkit
 from ddpkit.experiment import STRATEGIES, local_batch, train_step, wrap
 from ddpkit.models import build_model
 
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     if args.resume:
         opt.load_state_dict(torch.load(os.path.join(args.resume, f"optimizer.rank{rank}.pt")))
 
-    dev = next(module.parameters()).device if backend == "nccl" else torch.device("cpu")
+    dev = ddpkit.device()  # this rank's GPU under NCCL, else the CPU
     for step in range(start, args.steps):
         x, y = local_batch(module, args.global_batch_size, step, rank, world, args.seed)
         loss = train_step(model, opt, x.to(dev), y.to(dev))
