@@ -183,30 +183,52 @@ def test_every_stub_is_reported_as_not_done(tmp_path):
         assert re.search(r"\d+ skipped", out), out[-3000:]
 
 
-def test_use_falls_back_to_the_solution_and_picks_up_edits(tmp_path, monkeypatch, capsys):
-    """``exercises.use`` gives the reference while a stub, the learner's code once written."""
+STUB_LINE = 'raise NotImplementedError("exercise: costs.ring_all_gather_time (see the docstring)")'
+
+
+def _learner_copy(tmp_path, monkeypatch):
+    """A fresh ``exercises`` package in tmp_path (a learner's checkout), imported instead of ours."""
     pkg = tmp_path / "exercises"
     pkg.mkdir()
     (pkg / "__init__.py").write_text((ROOT / "exercises" / "__init__.py").read_text())
     stub_src = (ROOT / "exercises" / "costs.py").read_text()
+    assert STUB_LINE in stub_src
     (pkg / "costs.py").write_text(stub_src)
     monkeypatch.syspath_prepend(str(tmp_path))
     for m in [m for m in sys.modules if m == "exercises" or m.startswith("exercises.")]:
-        monkeypatch.delitem(sys.modules, m)
+        monkeypatch.delitem(sys.modules, m)  # restored (ours) when the test ends
     fresh = importlib.import_module("exercises")
     assert fresh.__file__.startswith(str(tmp_path))
+
+    def edit(body: str) -> None:
+        (pkg / "costs.py").write_text(stub_src.replace(STUB_LINE, body))
+
+    return fresh, edit
+
+
+def test_use_falls_back_to_the_solution_and_picks_up_edits(tmp_path, monkeypatch, capsys):
+    """``exercises.use`` gives the reference while a stub, the learner's code once written."""
+    fresh, edit = _learner_copy(tmp_path, monkeypatch)
     fn = fresh.use("costs", "ring_all_gather_time")
     assert fn.__module__ == "solutions.costs"
     assert "not done yet" in capsys.readouterr().out
-    edited = stub_src.replace(
-        'raise NotImplementedError("exercise: costs.ring_all_gather_time (see the docstring)")',
-        "return 12345.0")
-    assert edited != stub_src
-    (pkg / "costs.py").write_text(edited)
+    edit("return 12345.0")
     fn = fresh.use("costs", "ring_all_gather_time")
     assert fn.__module__ == "exercises.costs" and fn(1, 2, 0, 0) == 12345.0
     # and it ships by value: a pickled copy runs the edited code without importing the file
     assert cloudpickle.loads(cloudpickle.dumps(fn))(1, 2, 0, 0) == 12345.0
+
+
+def test_an_edited_exercise_reaches_running_ranks(tmp_path, monkeypatch, cluster_of):
+    """Edit, run on the ranks, edit again, run again: the ranks never run a stale copy."""
+    fresh, edit = _learner_copy(tmp_path, monkeypatch)
+    cluster = cluster_of(2)
+    fn = fresh.use("costs", "ring_all_gather_time", quiet=True)  # still a stub: the reference
+    assert cluster.run(fn, 1e6, 2, 0.0, 1e-9) == [pytest.approx(0.5e6 * 1e-9)] * 2
+    for value in (1.0, 2.0):
+        edit(f"return {value}")
+        fn = fresh.use("costs", "ring_all_gather_time", quiet=True)
+        assert cluster.run(fn, 1e6, 2, 0.0, 1e-9) == [value, value]
 
 
 # ----------------------------------------------------------------------------- collectives
