@@ -1,7 +1,7 @@
 """Buckets: fewer, larger all-reduces.
 
 An all-reduce costs a fixed latency (alpha) per message plus bytes x beta; sending 66 small
-gradients pays alpha 66 times. DDP (Li et al. 2020, section 3.2.3) packs gradients into
+gradients pays alpha 66 times. DDP (Li et al. 2020, section 3.2.2) packs gradients into
 buckets of about ``bucket_cap_mb`` (25 MiB in torch) and all-reduces each bucket as one flat
 buffer. Parameters go into buckets in *reverse* registration order, because backward produces
 the gradients of the last layers first: the first bucket fills first.
