@@ -41,6 +41,8 @@ def _tensor_bytes(tensors) -> int:
         if t is None or id(t) in seen:
             continue
         seen.add(id(t))
+        if hasattr(t, "to_local"):  # a DTensor (fully_shard's parameters): this rank's shard
+            t = t.to_local()
         total += t.numel() * t.element_size()
     return total
 

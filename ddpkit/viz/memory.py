@@ -100,8 +100,9 @@ def plot_memory(measured, predicted=None, title: str | None = None):
 
     ax.set_xticks(ticks, ticklabels, fontsize=8)
     if len(groups) > 1 or next(iter(groups)) != "measured":
+        below = -36 if any("\n" in t for t in ticklabels) else -24  # clear of two-line ticks
         for centre, label in group_centres:
-            ax.annotate(label, (centre, 0), xycoords=("data", "axes fraction"), xytext=(0, -24),
+            ax.annotate(label, (centre, 0), xycoords=("data", "axes fraction"), xytext=(0, below),
                         textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
