@@ -450,7 +450,9 @@ def cmd_predict(args, parser) -> int:
     from ddpkit.experiment import local_batch
     from ddpkit.models import build_model
 
-    network = None if args.fit else _network(parser, args.network)
+    network = _network(parser, args.network)  # replaced by the fitted one with --fit
+    if args.fit and args.fit_ranks < 2:
+        parser.error(f"--fit-ranks must be >= 2 (one rank does not communicate), got {args.fit_ranks}")
     _check_writable(parser, "--plot", args.plot)
     if args.batch_per_rank is None:
         bad = [n for n in args.world_sizes if args.global_batch_size % n]

@@ -139,6 +139,9 @@ def main(argv=None) -> int:
         print(f"final checksum {checksum:.10f} ({args.strategy}, {world} ranks, {args.steps} steps)", flush=True)
         if args.save:
             torch.save({k: v.cpu() for k, v in full.items()}, args.save)
+    # Leave together: a rank that tears its process group down while a peer is still finishing
+    # its last collective can abort the peer (seen with FSDP on gloo: "terminate called").
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

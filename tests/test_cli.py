@@ -47,6 +47,8 @@ def error_of(argv, capsys) -> str:
     (["predict", "--network", "carrier-pigeon"], "valid presets: loopback, 100GbE, nvlink"),
     (["predict", "--world-sizes", "2,0"], "expected a whole number >= 1"),
     (["predict", "--world-sizes", "3", "--global-batch-size", "32"], "use --batch-per-rank"),
+    (["predict", "--fit", "--fit-ranks", "1"], "--fit-ranks must be >= 2"),
+    (["predict", "--fit", "--network", "0,0"], "valid presets"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_arguments_fail_before_any_rank_starts(argv, expected, capsys, no_cluster):
