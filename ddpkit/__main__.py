@@ -217,33 +217,12 @@ def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
         return None, f"{label} failed: {last}"
 
 
-def _set_threads(threads: int) -> int:
-    """A Cluster job: this rank's torch intra-op threads (as torchrun's OMP_NUM_THREADS does)."""
-    import torch
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
-
-
 def _start_cluster(args):
-    """The Cluster for compare/trace, with CPU threads split between the ranks.
-
-    Every rank would otherwise start as many threads as the machine has cores: N ranks then
-    fight over the cores, and OpenMP's waiting threads spin. On a 2-core machine with 2 ranks
-    that made the default MLP's step ~20x slower (1 thread per rank: ~30 ms, 2: 600+ ms).
-    """
+    """The Cluster for compare/trace; its ranks split the CPU cores between them (see Cluster)."""
     import ddpkit
 
-    cluster = ddpkit.Cluster(args.world_size, backend=args.backend)
-    threads = args.threads_per_rank
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // args.world_size)
-    try:
-        args.threads_per_rank = cluster.run(_set_threads, threads)[0]
-    except BaseException:
-        cluster.shutdown()
-        raise
+    cluster = ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank)
+    args.threads_per_rank = cluster.threads_per_rank
     return cluster
 
 
@@ -489,8 +468,7 @@ def cmd_predict(args, parser) -> int:
             if args.profile_on_ranks:
                 import ddpkit
 
-                with ddpkit.Cluster(n, backend="auto") as cluster:
-                    cluster.run(_set_threads, args.threads or max(1, (os.cpu_count() or 1) // n))
+                with ddpkit.Cluster(n, backend="auto", threads_per_rank=args.threads) as cluster:
                     ranks = cluster.run(costmodel.profile_job, args.model, batch, args.optimizer, kwargs)
                 profiles[key] = max(ranks, key=lambda p: p.forward_s + p.backward_s)  # the slowest rank
             else:

@@ -222,6 +222,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    if cfg["threads"]:  # 0: keep torch's default (one thread per core)
+        torch.set_num_threads(cfg["threads"])
     try:
         if cfg["backend"] == "nccl":
             torch.cuda.set_device(rank)

@@ -182,14 +182,25 @@ def _picklable(obj) -> bool:
 class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them."""
 
-    def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0):
+    def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
+                 threads_per_rank: int | None = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or
+                                             not isinstance(threads_per_rank, int) or threads_per_rank < 0):
+            raise ValueError(f"threads_per_rank must be None (cores / ranks), 0 (torch's default) "
+                             f"or a positive integer, got {threads_per_rank!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.world_size = world_size
         self.backend = _resolve_backend(backend, world_size)
         self.timeout = float(timeout)
+        # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
+        # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
+        # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
+        if threads_per_rank is None:
+            threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+        self.threads_per_rank = threads_per_rank
         self.ranks: list[RankState] = []
         self.last_results: list | None = None
         self._created = time.monotonic_ns()  # %%ranks picks the newest live cluster
@@ -260,7 +271,8 @@ class Cluster:
                 cfg = dict(rank=r, world_size=self.world_size, backend=self.backend,
                            address=list(sock.getsockname()), authkey=authkey.hex(),
                            generation=self._generation, store_host="127.0.0.1",
-                           store_port=self._store.port, timeout=self.timeout, sys_path=sys.path)
+                           store_port=self._store.port, timeout=self.timeout, sys_path=sys.path,
+                           threads=self.threads_per_rank)
                 proc.stdin.write((json.dumps(cfg) + "\n").encode())
                 proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
                 self._procs.append(proc)

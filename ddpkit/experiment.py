@@ -272,11 +272,7 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
         # Memory is measured in one more forward/backward/sync (no optimizer step), with the
         # gradients present as in the middle of a step (train_step ends by dropping them).
         x, y = local_batch(module, global_batch_size, total, rank, world, seed)
-        try:
-            meter = ActivationMeter(wrapped)  # skips the parameters autograd saves
-        except RuntimeError:  # DTensor parameters (fully_shard) have no plain storage pointer:
-            meter = ActivationMeter()  # count everything saved (parameters included)
-        with meter as act:
+        with ActivationMeter(wrapped) as act:  # skips the parameters autograd saves
             loss = loss_fn(wrapped(x.to(dev)), y.to(dev))
         loss.backward()
         wrapped.finish_gradient_synchronization()

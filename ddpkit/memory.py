@@ -120,12 +120,16 @@ class ActivationMeter:
     """
 
     def __init__(self, model=None):
-        self._skip = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        params = [p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
+                  for p in (model.parameters() if model is not None else ())]
+        self._skip = {p.untyped_storage().data_ptr() for p in params}
         self._seen: set = set()
         self.peak_bytes = 0
         self._hooks = None
 
     def _pack(self, t):
+        if t.is_leaf and t.requires_grad:  # a parameter, e.g. one FSDP unsharded just now
+            return t
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.device)
         if key not in self._seen and key[0] not in self._skip:

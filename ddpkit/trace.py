@@ -334,8 +334,15 @@ class Trace:
 
     @property
     def steps(self) -> list[int]:
-        """Training step indices that have records, in order (setup records are not a step)."""
-        return sorted({r.step for r in self.records if r.step is not None})
+        """Training step indices, in order: steps with a compute span (forward, backward, ...).
+
+        Setup records are not a step, and neither is a step that holds only collectives or
+        memory samples (e.g. an evaluation or state-dict gather after training, which a job
+        puts in a step of its own); a trace without any compute span keeps every step.
+        """
+        stepped = {r.step for r in self.records if r.step is not None}
+        trained = {r.step for r in self.records if r.step is not None and r.cat == "compute"}
+        return sorted(trained or stepped)
 
     def select(self, rank=None, step=None, cat=None, kind=None, name=None) -> list[Record]:
         """Records matching every given field. ``step``: an index (negative counts from the
