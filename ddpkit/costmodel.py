@@ -422,9 +422,9 @@ def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), n
     hundreds of ranks NCCL switches to tree algorithms (log N), so for many small collectives
     (FSDP's per-unit all-gathers) the far right of these curves is pessimistic.
     """
-    from matplotlib.figure import Figure
+    from ddpkit.viz._common import new_figure  # shows in a notebook without pyplot
 
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    fig = new_figure(3.6)
     axes = fig.subplots(1, len(networks), sharey=True, squeeze=False)[0]
     for ax, net in zip(axes, networks):
         net = NETWORKS[net] if isinstance(net, str) else net
