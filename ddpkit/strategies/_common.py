@@ -186,3 +186,18 @@ class DDPModule(nn.Module):
     def comm_buffer_bytes(self) -> int:
         """Bytes of communication buffers this wrapper holds (none unless it has buckets)."""
         return 0
+
+
+# ---------------------------------------------------------------------------- torch internals
+# The one private torch API the strategies use, isolated here: queue a function to run when
+# the backward pass that is running now has finished (after every hook). torch's own DDP (in
+# C++) and FSDP do the same. It lets ``loss.backward()`` itself wait for the last collectives,
+# so an explicit ``finish_gradient_synchronization()`` finds nothing left to do; without it (a
+# future torch) train_step's explicit call still finishes the work. Call it from a hook only.
+def queue_at_end_of_backward(fn) -> bool:
+    """Run ``fn`` once the current backward pass has finished; False if torch cannot."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):
+        return False
+    engine.queue_callback(fn)
+    return True

@@ -45,21 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import NULL_RECORDER, nbytes, prepare_module
+from ddpkit.strategies._common import NULL_RECORDER, nbytes, prepare_module, queue_at_end_of_backward
 from ddpkit.strategies.zero1 import all_gather_flat, reduce_scatter_flat
-
-
-# ---------------------------------------------------------------------------- torch internals
-# The one private torch API used here: queue a function to run when the current backward pass
-# finishes (after every gradient is computed). torch's own FSDP does the same; it lets
-# backward() itself wait for the last reduce-scatters, so finish_gradient_synchronization()
-# has nothing left to do. Without it (a future torch) train_step's explicit call still works.
-def _at_end_of_backward(fn) -> bool:
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None or not hasattr(engine, "queue_callback"):
-        return False
-    engine.queue_callback(fn)
-    return True
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -348,7 +335,7 @@ class FSDP(nn.Module):
     def _root_pre_backward(self, grad):
         if not self._in_backward:
             self._in_backward = True
-            _at_end_of_backward(self.finish_gradient_synchronization)
+            queue_at_end_of_backward(self.finish_gradient_synchronization)
         return None
 
     def _pre_backward(self, unit: FlatParamUnit) -> None:

@@ -39,17 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.strategies._common import queue_at_end_of_backward
 from ddpkit.strategies.bucketed import BucketedDDP
-
-
-def _queue_end_of_backward(callback) -> None:
-    """Run ``callback`` once the backward pass that is running now has finished.
-
-    A private torch API, isolated here: ``Variable._execution_engine.queue_callback`` is what
-    torch's own DDP (in C++) and FSDP use to run code at the end of backward. It may only be
-    called while a backward runs (from a hook), and runs the callback once, after every hook.
-    """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 class OverlappedDDP(BucketedDDP):
@@ -88,7 +79,7 @@ class OverlappedDDP(BucketedDDP):
                     f"OverlappedDDP: the gradient of {name!r} became ready twice in one step; "
                     "each gradient must arrive once per backward")
             if not self._end_queued:
-                _queue_end_of_backward(self.finish_gradient_synchronization)
+                queue_at_end_of_backward(self.finish_gradient_synchronization)
                 self._end_queued = True
             self._copy_into_bucket(p, slot)  # copy in: .grad / world_size into its bucket slot
             self._ready[i][j] = True
