@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 import time
 
 import psutil
+
 import pytest
 import torch
 
@@ -99,12 +101,24 @@ def test_progress_and_results_reach_subscribers(cluster_of):
     (dict(world_size=0), "world_size"), (dict(world_size=-2), "world_size"),
     (dict(world_size=1.5), "world_size"), (dict(world_size=True), "world_size"),
     (dict(backend="mpi"), "unknown backend"), (dict(timeout=0), "timeout"),
+    (dict(threads_per_rank=-1), "threads_per_rank"), (dict(threads_per_rank=1.5), "threads_per_rank"),
 ])
 def test_bad_arguments_fail_before_anything_starts(kwargs, words):
     before = _children()
     with pytest.raises(ValueError, match=words):
         Cluster(**kwargs)
     assert _children() == before
+
+
+def test_ranks_split_the_cpu_threads_between_them(cluster_of):
+    # N ranks each with one thread per core would oversubscribe the cores (20x slower steps
+    # on 2 cores); by default each rank gets cores // N threads, at least one.
+    cluster = cluster_of(2)
+    expected = max(1, (os.cpu_count() or 1) // 2)
+    assert cluster.threads_per_rank == expected
+    assert cluster.run(torch.get_num_threads) == [expected, expected]
+    with Cluster(1, backend="gloo", threads_per_rank=1) as one:
+        assert one.run(torch.get_num_threads) == [1]
 
 
 def test_nccl_without_one_gpu_per_rank_is_refused():
