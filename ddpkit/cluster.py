@@ -739,6 +739,11 @@ class Cluster:
         """Call ``callback(kind, rank, **fields)`` on status, log, progress and results events."""
         self._observers.append(callback)
 
+    def unsubscribe(self, callback) -> None:
+        """Stop calling ``callback`` (a closed widget stops following the cluster)."""
+        if callback in self._observers:
+            self._observers.remove(callback)
+
     def _notify(self, kind: str, rank, **fields) -> None:
         for cb in list(self._observers):
             try:
@@ -750,7 +755,8 @@ class Cluster:
         # The widget is a later layer (it draws); imported here, on display, and only then.
         from ddpkit.widget import ClusterWidget
 
-        if getattr(self, "_widget", None) is None:
+        widget = getattr(self, "_widget", None)
+        if widget is None or widget._closed:  # one widget per cluster, a new one once closed
             self._widget = ClusterWidget(self)
         from IPython.display import display
 

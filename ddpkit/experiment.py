@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
+from ddpkit.models import MLP, TinyGPT, build_model, loss_fn, make_batch, shard_batch
 from ddpkit.strategies._common import NULL_RECORDER
 
 
@@ -35,22 +35,20 @@ def train_step(model, optimizer, inputs, targets, recorder=NULL_RECORDER):
     return loss.detach()
 
 
-def make_optimizer(params, name: str = "sgd", lr: float | None = None):
-    """SGD (lr 0.05, momentum 0.9) or AdamW (lr 1e-3): the two optimizers the tests use."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr or 0.05, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr or 1e-3)
-    raise ValueError(f"unknown optimizer {name!r}; valid: sgd, adamw")
-
-
 def optimizer_class(name: str):
-    """(class, defaults) for an optimizer name, e.g. to build a ShardedOptimizer."""
+    """(class, defaults) for an optimizer name: SGD (lr 0.05, momentum 0.9) or AdamW (lr 1e-3),
+    the two the tests and benchmarks use (a ShardedOptimizer takes them in this form)."""
     if name == "sgd":
         return torch.optim.SGD, dict(lr=0.05, momentum=0.9)
     if name == "adamw":
         return torch.optim.AdamW, dict(lr=1e-3)
     raise ValueError(f"unknown optimizer {name!r}; valid: sgd, adamw")
+
+
+def make_optimizer(params, name: str = "sgd"):
+    """A plain torch optimizer over ``params`` (see ``optimizer_class``)."""
+    cls, defaults = optimizer_class(name)
+    return cls(params, **defaults)
 
 
 def local_batch(module, global_batch_size: int, step: int, rank: int, world_size: int, seed: int = 0):
@@ -92,7 +90,6 @@ STRATEGIES = ("naive", "bucketed", "overlapped", "zero1", "fsdp", "torch_ddp", "
 
 def fsdp_units(module) -> list:
     """FSDP units for the course's models: one per Linear of the MLP, one per block of TinyGPT."""
-    from ddpkit.models import MLP, TinyGPT
 
     if isinstance(module, MLP):
         return [block[0] for block in module.layers] + [module.head]
@@ -168,10 +165,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
 
 def _diff_to(reference: dict, wrapped) -> float:
     """Largest |difference| between the wrapper's full parameters and ``reference``."""
-    full = {k: v.detach().cpu() for k, v in wrapped.full_state_dict().items()}
-    if reference.keys() < full.keys():  # a tied parameter listed under both its names:
-        full = {k: full[k] for k in reference}  # compare the names named_parameters() gives
-    return max_abs_diff(full, reference)
+    return max_abs_diff({k: v.detach().cpu() for k, v in wrapped.full_state_dict().items()}, reference)
 
 
 class _StepTimer:
@@ -224,7 +218,6 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.models import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = ddpkit.device()

@@ -27,8 +27,6 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-KINDS = ("span", "instant", "counter")
-
 
 @dataclass
 class Record:
@@ -314,13 +312,12 @@ class Trace:
             return parts
         records, sizes, backends = [], [], []
         for part in parts:
+            if isinstance(part, Recorder):
+                part = part.trace()
             if isinstance(part, Trace):
                 records += part.records
-                sizes.append(part.world_size)
-                backends.append(part.backend)
-            elif isinstance(part, Recorder):
-                records += part.records
-                sizes.append(part.world_size)
+                if part.world_size:  # a Recorder made without world_size leaves it None
+                    sizes.append(part.world_size)
                 backends.append(part.backend)
             else:
                 records += list(part)
@@ -416,7 +413,7 @@ def to_chrome_trace(trace, path=None) -> dict:
                                 completed=r.end_ns is not None)
                     tid = _comm_tid(comm_lane_ends, r, events, rank)
                 else:
-                    tid = LANES["compute"] if r.cat == "compute" else LANES.get(r.cat, LANES["compute"])
+                    tid = LANES.get(r.cat, LANES["compute"])
                 end = r.end_ns if r.end_ns is not None else r.start_ns
                 events.append(dict(ph="X", name=r.name, cat=r.cat, pid=rank, tid=tid,
                                    ts=us(r.start_ns), dur=(end - r.start_ns) / 1e3, args=args))

@@ -139,9 +139,7 @@ class ClusterWidget(widgets.VBox):
     def close(self) -> None:
         """Close the widget and stop following the cluster."""
         self._closed = True
-        unsubscribe = getattr(getattr(self, "cluster", None), "unsubscribe", None)
-        if unsubscribe is not None:
-            unsubscribe(self._on_event)
+        self.cluster.unsubscribe(self._on_event)
         super().close()
 
     def _on_event(self, kind: str, rank, **fields) -> None:
@@ -160,7 +158,7 @@ class ClusterWidget(widgets.VBox):
                     self._steps.pop(rank, None)
                     self._errors.pop(rank, None)
                     self._show_progress()
-                tb = fields.get("traceback") or fields.get("error")
+                tb = fields.get("traceback")
                 if isinstance(tb, str):
                     self._errors[rank] = tb
             self.refresh()

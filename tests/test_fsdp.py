@@ -19,7 +19,7 @@ from ddpkit.experiment import (fsdp_units, local_batch, make_optimizer, max_abs_
                                train_single_process, train_step)
 from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
 from ddpkit.strategies._common import NullRecorder
-from ddpkit.strategies.zero1 import all_gather_flat
+from ddpkit.strategies._common import all_gather_flat
 
 SMALL_MLP = dict(width=16, depth=4)                     # 5 Linears: 272 x 4 + 170 parameters
 SMALL_GPT = dict(vocab=16, dim=16, layers=1, heads=2, seq=8)  # tied head, LayerNorm, attention

@@ -225,3 +225,21 @@ def test_plot_tabs_after_a_traced_run(widget):
 
     widget.cluster.run(ddpkit.rank)  # a later untraced run keeps the last run's plots
     assert widget.plots_done.wait(5) and len(widget.plots.children) == 3
+
+
+def test_a_closed_widget_stops_following_and_display_makes_a_new_one(cluster_of, monkeypatch):
+    import IPython.display
+
+    c = cluster_of(2)
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    c._ipython_display_()
+    c._ipython_display_()
+    assert shown[0] is shown[1]  # one widget per cluster while it is open
+    first = shown[0]
+    assert first._on_event in c._observers
+    first.close()
+    assert first._on_event not in c._observers
+    c._ipython_display_()
+    assert shown[-1] is not first and not shown[-1]._closed
+    shown[-1].close()

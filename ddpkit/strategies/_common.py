@@ -37,6 +37,10 @@ from torch import nn
 
 _NO_SPAN = contextlib.nullcontext()
 
+# torch 2.12+ renamed the flat collectives (*_into_tensor / *_tensor -> *_single); same meaning.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class NullRecorder:
     """The recorder that records nothing (the default for every strategy)."""

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import NULL_RECORDER, nbytes, prepare_module, queue_at_end_of_backward
-from ddpkit.strategies.zero1 import all_gather_flat, reduce_scatter_flat
+from ddpkit.strategies._common import (NULL_RECORDER, all_gather_flat, nbytes, prepare_module,
+                                       queue_at_end_of_backward, reduce_scatter_flat)
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -108,7 +108,7 @@ class FlatParamUnit:
             for (_, p, _), off, n in zip(params, self.offsets, self.numels):
                 flat[off:off + n].copy_(p.reshape(-1))
             own = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
-        self.shard = nn.Parameter(own.clone())  # fp32 (the original dtype), what the optimizer steps
+        self.shard = nn.Parameter(own.clone())  # the parameters' own dtype, what the optimizer steps
         self.param_dtype = param_dtype or self.shard.dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
@@ -118,7 +118,7 @@ class FlatParamUnit:
         _free_storage(self.gathered)
         self.unsharded = False
         self.pending = None        # an all-gather launched early (prefetch), not waited yet
-        self.no_sync_grad = None   # fp32 padded full gradient accumulated under no_sync()
+        self.no_sync_grad = None   # padded full gradient (parameters' dtype) accumulated under no_sync()
         self.views_set = False
         self.forward_index = -1
 
@@ -353,8 +353,8 @@ class FSDP(nn.Module):
     def _post_backward(self, unit: FlatParamUnit, grads) -> None:
         """This unit's parameter gradients are ready: reduce-scatter them (or keep them, no_sync)."""
         if not self._sync:
-            # no_sync(): accumulate the full unsharded gradient locally (T fp32 elements per
-            # unit, the whole model's gradient over all units, as much memory as DDP's grads)
+            # no_sync(): accumulate the full unsharded gradient locally (T elements per unit in
+            # the parameters' dtype: the whole model's gradient, as much memory as DDP's grads)
             if unit.no_sync_grad is None:
                 unit.no_sync_grad = torch.zeros(unit.padded_numel, dtype=unit.shard.dtype,
                                                 device=unit.shard.device)
@@ -406,7 +406,7 @@ class FSDP(nn.Module):
     def no_sync(self):
         """Accumulate full (unsharded) gradients locally; the next backward outside syncs them.
 
-        Memory: each unit keeps a full fp32 gradient (N * ceil(T/N) elements) until then, i.e.
+        Memory: each unit keeps a full gradient in the parameters' dtype (N * ceil(T/N) elements) until then, i.e.
         the whole model's gradients on every rank, as much as DDP holds: gradient
         accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
         """

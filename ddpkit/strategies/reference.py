@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import NULL_RECORDER, nbytes, prepare_module, require_process_group
+from ddpkit.strategies._common import (DDPModule, NULL_RECORDER, nbytes, prepare_module, require_process_group,
+                                       unique_named_parameters)
+from ddpkit.strategies.bucketed import bucket_cap_bytes
 
 
 class TorchDDP(nn.Module):
@@ -28,8 +30,7 @@ class TorchDDP(nn.Module):
                  recorder=None, **ddp_kwargs):
         super().__init__()
         require_process_group("TorchDDP", process_group)
-        if bucket_cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
         self.recorder = recorder or NULL_RECORDER
         self.process_group = process_group
         # DDP broadcasts rank 0's parameters and buffers at construction, as ours do.
@@ -49,19 +50,13 @@ class TorchDDP(nn.Module):
     def no_sync(self):
         return self.ddp.no_sync()
 
-    def full_state_dict(self) -> dict:
-        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+    full_state_dict = DDPModule.full_state_dict  # every rank holds the whole model, as in ours
 
     def comm_buffer_bytes(self) -> int:
         """About the bytes of DDP's buckets: its reducer keeps one flat bucket per group of
         gradients, covering every trainable parameter once (torch does not expose the exact
         figure publicly)."""
-        seen, total = set(), 0
-        for p in self.module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                total += nbytes(p)
-        return total
+        return sum(nbytes(p) for _, p in unique_named_parameters(self.module))
 
 
 def _fully_shard():

@@ -27,11 +27,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from ddpkit.strategies._common import NULL_RECORDER, nbytes, require_process_group
-
-# torch 2.12+ renamed the flat collectives (*_into_tensor / *_tensor -> *_single); same meaning.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ddpkit.strategies._common import NULL_RECORDER, all_gather_flat, nbytes, require_process_group
 
 
 def partition_by_size(sizes: list[int], world_size: int) -> list[int]:

@@ -14,17 +14,6 @@ def _pick_steps(trace, steps) -> list[int]:
     return [trace.resolve_step(s) for s in steps]
 
 
-def _hidden_share(trace, ranks, steps) -> float:
-    """overlap_fraction over just these ranks and steps."""
-    total = hidden = 0
-    for rank in ranks:
-        for s in steps:
-            comm, _, both = overlap_intervals(trace.records, rank, s)
-            total += sum(b - a for a, b in comm)
-            hidden += sum(b - a for a, b in both)
-    return hidden / total if total else 0.0
-
-
 def plot_timeline(trace, steps=None, ranks=None):
     """One row group per rank: compute lane (forward/backward/sync/step) above a comm lane
     (each collective from launch to completion); green: communication hidden under backward."""
@@ -41,11 +30,14 @@ def plot_timeline(trace, steps=None, ranks=None):
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731
 
     yticks, ylabels, seen = [], [], {}  # seen: legend entry -> (colour, alpha)
+    comm_ns = hidden_ns = 0  # for the title: overlap_fraction over just these ranks and steps
     for i, rank in enumerate(ranks):
         base = 3 * (len(ranks) - 1 - i)  # rank 0 at the top; lanes: comm at base, compute at base+1
         comp_y, comm_y = base + 1.2, base
         for s in chosen:  # the overlap, behind both lanes
-            _, _, both = overlap_intervals(trace.records, rank, s)
+            comm, _, both = overlap_intervals(trace.records, rank, s)
+            comm_ns += sum(b - a for a, b in comm)
+            hidden_ns += sum(b - a for a, b in both)
             for a, b in both:
                 ax.broken_barh([(ms(a), (b - a) / 1e6)], (comm_y - 0.45, 1.65 + 0.45),
                                color=OVERLAP_COLOUR, alpha=0.25, lw=0, zorder=1)
@@ -90,7 +82,7 @@ def plot_timeline(trace, steps=None, ranks=None):
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_ylim(-0.7, 3 * len(ranks) - 0.9)
     ax.set_xlabel("time (ms)" + ("" if trace.records[0].clock == "host" else ", GPU time from CUDA events"))
-    frac = _hidden_share(trace, ranks, chosen)
+    frac = hidden_ns / comm_ns if comm_ns else 0.0
     which = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}"
     ax.set_title(f"Timeline, {len(ranks)} rank(s), {which}: "
                  f"{frac:.0%} of communication time hidden under backward")
