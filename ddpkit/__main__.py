@@ -493,7 +493,7 @@ def cmd_predict(args, parser) -> int:
             print(f"{n:>5}  {s:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  {p.exposed_comm_ms:12.2f}  "
                   f"{p.comm_bytes_per_step / 1e3:12.1f}")
     if args.plot:
-        batch = args.batch_per_rank or args.global_batch_size // max(args.world_sizes)
+        # weak scaling (the same work per rank at every size): the first world size's profile
         profile = next(iter(profiles.values()))
         nets = {net.name: net for net in (network, costmodel.NETWORKS["100GbE"], costmodel.NETWORKS["nvlink"])}
         fig = costmodel.plot_scaling(profile, strategies=args.strategies, networks=list(nets.values()))

@@ -733,6 +733,8 @@ class Cluster:
 
     def _set_status(self, rank: int, status: str, **fields) -> None:
         self.ranks[rank].status = status
+        if status == "running":  # a new job: the last one's progress no longer applies
+            self.ranks[rank].progress = None
         self._notify("status", rank, **fields)
 
     def subscribe(self, callback) -> None:

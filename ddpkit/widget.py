@@ -102,7 +102,6 @@ class ClusterWidget(widgets.VBox):
         self.plots = widgets.Tab(layout=widgets.Layout(display="none"))
         self.plots_done = threading.Event()  # set when no plots are being drawn
         self.plots_done.set()
-        self._steps: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in the current run
         self._errors: dict[int, str] = {}  # rank -> traceback, when the cluster sends one
         self._log_lock = threading.Lock()
         self._log_dirty: set[int] = set()
@@ -148,14 +147,12 @@ class ClusterWidget(widgets.VBox):
             return
         if kind == "status":
             if rank is None and any(r.status == "starting" for r in self.cluster.ranks):
-                # fresh ranks: the old run's progress no longer applies. Its errors stay until a
-                # rank's next job (the cluster restarts by itself after a fault, and the reason
-                # it did should stay readable); the buttons clear them (see _act).
-                self._steps.clear()
+                # fresh ranks (no progress yet). The old run's errors stay until a rank's next
+                # job (the cluster restarts by itself after a fault, and the reason it did
+                # should stay readable); the buttons clear them (see _act).
                 self._show_progress()
             elif rank is not None and self._rank_state(rank) is not None:
                 if self._rank_state(rank).status == "running":  # a new job: forget the last one's
-                    self._steps.pop(rank, None)
                     self._errors.pop(rank, None)
                     self._show_progress()
                 tb = fields.get("traceback")
@@ -165,7 +162,6 @@ class ClusterWidget(widgets.VBox):
         elif kind == "log":
             self._log_changed(rank)
         elif kind == "progress":
-            self._steps[rank] = (int(fields["done"]), int(fields["total"]))
             self._show_progress()
         elif kind == "results":
             self.show_results(self.cluster.last_results)
@@ -243,7 +239,7 @@ class ClusterWidget(widgets.VBox):
 
     def _show_progress(self) -> None:
         """One bar for the run: the slowest rank's steps done, of the total it reported."""
-        steps = dict(self._steps)
+        steps = {r.rank: r.progress for r in self.cluster.ranks if r.progress is not None}
         if not steps:
             self.progress_box.layout.display = "none"
             return
