@@ -329,6 +329,4 @@ def _run_and_check(page, screenshots: Path | None):
 
 def test_start_here_notebook_in_jupyterlab(tmp_path):
     _browser_or_skip()
-    if not (REPO / NOTEBOOK).exists():
-        pytest.skip(f"{NOTEBOOK} does not exist yet")
     check_notebook_in_browser(REPO, NOTEBOOK, tmp_path, IMG_DIR)

@@ -80,45 +80,47 @@ def on_ranks(cluster, job, *args):
         raise
 
 
-class NoCollectives:
-    """Inside a rank: make every collective raise, to prove an exercise uses only sends."""
-
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-             "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all")
-
-    def __enter__(self):
-        self.saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-
-        def forbidden(*a, **k):
-            raise AssertionError("this exercise must use only point-to-point sends and receives")
-
-        for n in self.saved:
-            setattr(dist, n, forbidden)
-
-    def __exit__(self, *exc):
-        for n, f in self.saved.items():
-            setattr(dist, n, f)
+# Every collective torch.distributed offers (point-to-point send/recv/isend/irecv are not here).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "broadcast", "broadcast_object_list", "reduce", "all_to_all", "all_to_all_single",
+               "gather", "gather_object", "scatter", "scatter_object_list")
 
 
-class CountCollectives:
-    """Inside a rank: count calls to dist.all_reduce / all_gather* / reduce_scatter* / broadcast."""
+class _PatchedCollectives:
+    """Inside a rank: replace every collective in ``torch.distributed`` while the block runs.
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast")
+    ``forbid=True`` makes each one raise (to prove an exercise uses only sends and receives);
+    otherwise each call is counted in ``.calls`` and passed through.
+    """
 
-    def __enter__(self):
+    def __init__(self, forbid: bool):
+        self.forbid = forbid
         self.calls: dict[str, int] = {}
-        self.saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+
+    def __enter__(self):
+        self.saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
         for n, f in self.saved.items():
-            def counted(*a, _n=n, _f=f, **k):
+            def patched(*a, _n=n, _f=f, **k):
+                if self.forbid:
+                    raise AssertionError(f"this exercise must use only point-to-point sends and "
+                                         f"receives, not dist.{_n}")
                 self.calls[_n] = self.calls.get(_n, 0) + 1
                 return _f(*a, **k)
-            setattr(dist, n, counted)
+            setattr(dist, n, patched)
         return self
 
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(dist, n, f)
+
+
+def NoCollectives():
+    return _PatchedCollectives(forbid=True)
+
+
+def CountCollectives():
+    return _PatchedCollectives(forbid=False)
 
 
 # ----------------------------------------------------------------------------- the course itself

@@ -13,17 +13,6 @@ TINY = dict(width=16, depth=3)  # Linear(16,16) x3 + head(16->10): 986 parameter
 TINY_BYTES = 4 * (3 * (16 * 16 + 16) + 16 * 10 + 10)
 
 
-def run_or_skip(cluster, strategy, **kwargs):
-    """Run the job; skip (naming why) if the strategy is not written yet."""
-    try:
-        return cluster.run(run_strategy, strategy, **kwargs)
-    except ddpkit.RankError as exc:
-        text = "\n".join(exc.failures.values())
-        if "NotImplementedError" in text or "No module named 'ddpkit.strategies.reference'" in text:
-            pytest.skip(f"{strategy} is not written yet")
-        raise
-
-
 def test_fsdp_units_one_per_linear_or_block():
     mlp = build_model("mlp", **TINY)
     assert fsdp_units(mlp) == [mlp.layers[0][0], mlp.layers[1][0], mlp.layers[2][0], mlp.head]
@@ -40,7 +29,7 @@ def test_unknown_strategy_is_a_clear_error(cluster_of):
 def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
     n, warmup, steps = 2, 1, 2
     ref = train_single_process("mlp", "sgd", steps=warmup + steps, global_batch_size=8, **TINY)
-    results = run_or_skip(cluster_of(n), strategy, steps=steps, warmup=warmup, global_batch_size=8,
+    results = cluster_of(n).run(run_strategy, strategy, steps=steps, warmup=warmup, global_batch_size=8,
                           record=True, reference=ref, model_kwargs=TINY)
     ddp_bytes = 2 * (n - 1) / n * TINY_BYTES  # all-reduce of every gradient, ring cost
     for r in results:
@@ -97,6 +86,6 @@ def test_tiny_gpt_with_tied_weights_equals_one_process(cluster_of, strategy):
     # parameters can differ by ~lr (seen: 6.6e-4 for overlapped) without anything being wrong.
     gpt = dict(vocab=16, dim=16, layers=2, heads=2, seq=8)
     ref = train_single_process("gpt", "sgd", steps=3, global_batch_size=4, **gpt)
-    results = run_or_skip(cluster_of(2), strategy, model="gpt", steps=2, warmup=1, global_batch_size=4,
+    results = cluster_of(2).run(run_strategy, strategy, model="gpt", steps=2, warmup=1, global_batch_size=4,
                           optimizer="sgd", record=True, reference=ref, model_kwargs=gpt)
     assert all(r["max_param_diff"] < 1e-5 for r in results), [r["max_param_diff"] for r in results]

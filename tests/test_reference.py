@@ -42,7 +42,9 @@ def test_torch_wrappers_equal_one_process(cluster_of):
             full, same_module, comm = results[i]
             assert list(full) == list(reference)
             assert max_abs_diff(full, reference) < TOL, (kind, model_name, rank)
-            assert same_module and comm >= 0
+            assert same_module
+            # TorchDDP: its buckets hold every trainable parameter once; fully_shard exposes none
+            assert comm == (sum(4 * t.numel() for t in reference.values()) if kind == "ddp" else 0)
 
 
 def _no_sync(kind):

@@ -145,7 +145,7 @@ def _state_dicts(k, m, to):
         train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
     shard = opt.state_dict()  # without consolidating: this rank's own parameters only
     owned = sorted(i for i, r in enumerate(opt.owner) if r == rank)
-    error = sorted(shard["state"]) == owned and shard["zero1_shard"] == {"rank": rank, "world_size": world}
+    shard_ok = sorted(shard["state"]) == owned and shard["zero1_shard"] == {"rank": rank, "world_size": world}
     opt.consolidate_state_dict(to=to)
     full = None
     plain_ok = None
@@ -170,7 +170,7 @@ def _state_dicts(k, m, to):
     opt.load_state_dict(ckpt["optim"])
     for step in range(k, k + m):
         train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
-    return error, full, model.full_state_dict()
+    return shard_ok, full, model.full_state_dict()
 
 
 def _plain_state_after(k):
@@ -187,8 +187,8 @@ def _plain_state_after(k):
 def test_consolidated_state_dict_is_torch_format_and_resumes(cluster_of):
     per_rank = cluster_of(3).run(_state_dicts, 3, 2, 1)
     expected = _plain_state_after(3)
-    for rank, (error, full, after) in enumerate(per_rank):
-        assert error  # the unconsolidated state dict is this rank's shard
+    for rank, (shard_ok, full, after) in enumerate(per_rank):
+        assert shard_ok  # the unconsolidated state dict is this rank's shard
         assert max_abs_diff(after, _reference("mlp", "adamw", tuple(SMALL_MLP.items()))) < TOL  # k + m
         if rank != 1:
             assert full is None
