@@ -15,16 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_single_process, train_step
+from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn, make_batch
 from ddpkit.strategies._common import NullRecorder, unique_named_parameters
 from ddpkit.strategies.bucketed import assign_buckets
+from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
 
 STRATEGIES = ("naive", "bucketed", "overlapped")
-SMALL_MLP = dict(width=16, depth=4)              # 10 tensors, 1258 parameters, 5 KB
-SMALL_GPT = dict(dim=16, layers=1, heads=2, seq=8)  # tied head, LayerNorm, attention
 SMALL_CAP = 0.001  # MiB = 1048 bytes: the small MLP splits into several buckets
-TOL = 1e-5
 
 
 def wrap(strategy, module, bucket_cap_mb=SMALL_CAP, recorder=None):
@@ -85,7 +83,7 @@ CASES = [(s, "mlp", opt, SMALL_CAP, SMALL_MLP) for s in STRATEGIES for opt in ("
 def test_equal_to_single_process(cluster_of, world_size):
     per_rank = cluster_of(world_size).run(_train_all, CASES)
     for i, (strategy, model_name, optimizer, cap, kwargs) in enumerate(CASES):
-        reference = train_single_process(model_name, optimizer, steps=5, global_batch_size=12, **kwargs)
+        reference = reference_params(model_name, optimizer, batch=12, **kwargs)
         for rank, results in enumerate(per_rank):
             diff = max_abs_diff(results[i], reference)
             assert diff < TOL, f"{strategy} {model_name} {optimizer} cap={cap}: rank {rank} off by {diff}"
@@ -220,7 +218,7 @@ def _no_sync_run(strategy, micro=3, steps=3):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_sync_micro_batches_equal_one_large_batch(cluster_of, strategy):
-    reference = train_single_process("mlp", "sgd", steps=3, global_batch_size=12, **SMALL_MLP)
+    reference = reference_params("mlp", "sgd", steps=3, batch=12, **SMALL_MLP)
     n_tensors = len(list(build_model("mlp", **SMALL_MLP).parameters()))
     for params, launched_inside, total in cluster_of(2).run(_no_sync_run, strategy):
         assert max_abs_diff(params, reference) < TOL
@@ -577,7 +575,7 @@ def _checkpointed_run(strategy):
 
 @pytest.mark.parametrize("strategy", ["bucketed", "overlapped"])
 def test_activation_checkpointing(cluster_of, strategy):
-    reference = train_single_process("mlp", "sgd", steps=5, global_batch_size=12, **SMALL_MLP)
+    reference = reference_params("mlp", "sgd", batch=12, **SMALL_MLP)
     for params in cluster_of(2).run(_checkpointed_run, strategy):
         assert max_abs_diff(params, reference) < TOL
 

@@ -6,7 +6,6 @@ The reference is plain single-process training on the whole global batch.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -15,16 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.experiment import (fsdp_units, local_batch, make_optimizer, max_abs_diff,
-                               train_single_process, train_step)
+from ddpkit.experiment import fsdp_units, local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
-from ddpkit.strategies._common import NullRecorder
-from ddpkit.strategies._common import all_gather_flat
+from ddpkit.strategies._common import NullRecorder, all_gather_flat
+from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
 
-SMALL_MLP = dict(width=16, depth=4)                     # 5 Linears: 272 x 4 + 170 parameters
-SMALL_GPT = dict(vocab=16, dim=16, layers=1, heads=2, seq=8)  # tied head, LayerNorm, attention
 BATCH = 24  # splits evenly over 1, 2, 3 and 4 ranks
-TOL = 1e-5
 
 
 class CountingRecorder(NullRecorder):
@@ -79,17 +74,12 @@ CASES = {1: [ALL_CASES[i] for i in (0, 5)], 2: ALL_CASES,
          3: [ALL_CASES[i] for i in (0, 3, 4, 6, 8)], 4: [ALL_CASES[i] for i in (1, 2, 5, 7)]}
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model_name, optimizer, kwargs_items, steps=5):
-    return train_single_process(model_name, optimizer, steps=steps, global_batch_size=BATCH, **dict(kwargs_items))
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_equal_to_single_process(cluster_of, world_size):
     cases = CASES[world_size]
     per_rank = cluster_of(world_size).run(_train_all, cases)
     for i, (model_name, optimizer, kwargs, fsdp_kwargs) in enumerate(cases):
-        reference = _reference(model_name, optimizer, tuple(kwargs.items()))
+        reference = reference_params(model_name, optimizer, batch=BATCH, **kwargs)
         for rank, results in enumerate(per_rank):
             assert list(results[i]) == list(reference)  # original names, original order
             diff = max_abs_diff(results[i], reference)
@@ -222,7 +212,7 @@ def _mixed(param_dtype, reduce_dtype):
 
 
 def test_mixed_precision_trains_close_to_fp32(cluster_of):
-    reference = _reference("mlp", "sgd", tuple(SMALL_MLP.items()))
+    reference = reference_params("mlp", "sgd", batch=BATCH, **SMALL_MLP)
     for full, dtypes in cluster_of(2).run(_mixed, torch.bfloat16, torch.float32):
         assert dtypes == {torch.float32}
         assert 0 < max_abs_diff(full, reference) < 2e-2  # bf16 compute: close, not equal
@@ -251,7 +241,7 @@ def _no_sync(micro):
 
 
 def test_no_sync_equals_one_large_batch(cluster_of):
-    reference = _reference("mlp", "adamw", tuple(SMALL_MLP.items()), steps=3)
+    reference = reference_params("mlp", "adamw", steps=3, batch=BATCH, **SMALL_MLP)
     model_bytes = sum(p.numel() * 4 for p in build_model("mlp", **SMALL_MLP).parameters())
     for full, held in cluster_of(2).run(_no_sync, 3):
         assert max_abs_diff(full, reference) < TOL
@@ -380,7 +370,7 @@ def _resume(k, m, optimizer):
 
 
 def test_checkpoint_resume_equals_straight_run(cluster_of):
-    reference = _reference("mlp", "adamw", tuple(SMALL_MLP.items()))
+    reference = reference_params("mlp", "adamw", batch=BATCH, **SMALL_MLP)
     for full in cluster_of(3).run(_resume, 3, 2, "adamw"):
         assert max_abs_diff(full, reference) < TOL
 

@@ -6,14 +6,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.experiment import fsdp_units, local_batch, make_optimizer, max_abs_diff, train_single_process, train_step
+from ddpkit.experiment import fsdp_units, local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn
 from ddpkit.strategies.reference import TorchDDP, TorchFSDP
+from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
 
-SMALL_MLP = dict(width=16, depth=4)
-SMALL_GPT = dict(vocab=16, dim=16, layers=1, heads=2, seq=8)
 BATCH = 24
-TOL = 1e-5
 
 
 def _train(kind, model_name, model_kwargs, steps=5):
@@ -37,7 +35,7 @@ CASES = [(k, m, kw) for k in ("ddp", "fsdp") for m, kw in (("mlp", SMALL_MLP), (
 def test_torch_wrappers_equal_one_process(cluster_of):
     per_rank = cluster_of(2).run(_train_all, CASES)
     for i, (kind, model_name, kwargs) in enumerate(CASES):
-        reference = train_single_process(model_name, "sgd", steps=5, global_batch_size=BATCH, **kwargs)
+        reference = reference_params(model_name, "sgd", batch=BATCH, **kwargs)
         for rank, results in enumerate(per_rank):
             full, same_module, comm = results[i]
             assert list(full) == list(reference)
@@ -64,7 +62,7 @@ def _no_sync(kind):
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_no_sync_equals_one_large_batch(cluster_of, kind):
-    reference = train_single_process("mlp", "sgd", steps=2, global_batch_size=BATCH, **SMALL_MLP)
+    reference = reference_params("mlp", "sgd", steps=2, batch=BATCH, **SMALL_MLP)
     for full in cluster_of(2).run(_no_sync, kind):
         assert max_abs_diff(full, reference) < TOL
 

@@ -2,7 +2,6 @@
 param groups and LR schedulers, consolidated state dicts loadable by a plain optimizer and back."""
 from __future__ import annotations
 
-import functools
 import io
 
 import pytest
@@ -11,16 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.experiment import (local_batch, make_optimizer, max_abs_diff, optimizer_class,
-                               train_single_process, train_step)
+from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, optimizer_class, train_step
 from ddpkit.models import build_model, loss_fn, make_batch
 from ddpkit.strategies._common import NullRecorder
 from ddpkit.strategies.zero1 import partition_by_size
+from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
 
-SMALL_MLP = dict(width=16, depth=4)
-SMALL_GPT = dict(vocab=16, dim=16, layers=1, heads=2, seq=8)
 BATCH = 24
-TOL = 1e-5
 
 
 def _wrap(ddp, module):
@@ -62,17 +58,12 @@ ALL_CASES = [(d, "mlp", o, SMALL_MLP) for d in ("naive", "bucketed", "overlapped
 CASES = {1: ALL_CASES[:2], 2: ALL_CASES, 3: [ALL_CASES[i] for i in (1, 3, 7)], 4: [ALL_CASES[i] for i in (2, 5, 6)]}
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model_name, optimizer, kwargs_items, steps=5):
-    return train_single_process(model_name, optimizer, steps=steps, global_batch_size=BATCH, **dict(kwargs_items))
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_equal_to_single_process_on_every_ddp_wrapper(cluster_of, world_size):
     cases = CASES[world_size]
     per_rank = cluster_of(world_size).run(_train_all, cases)
     for i, (ddp, model_name, optimizer, kwargs) in enumerate(cases):
-        reference = _reference(model_name, optimizer, tuple(kwargs.items()))
+        reference = reference_params(model_name, optimizer, batch=BATCH, **kwargs)
         n_params = len(reference)
         owned_all = []
         for rank, results in enumerate(per_rank):
@@ -189,7 +180,7 @@ def test_consolidated_state_dict_is_torch_format_and_resumes(cluster_of):
     expected = _plain_state_after(3)
     for rank, (shard_ok, full, after) in enumerate(per_rank):
         assert shard_ok  # the unconsolidated state dict is this rank's shard
-        assert max_abs_diff(after, _reference("mlp", "adamw", tuple(SMALL_MLP.items()))) < TOL  # k + m
+        assert max_abs_diff(after, reference_params("mlp", "adamw", batch=BATCH, **SMALL_MLP)) < TOL  # k + m
         if rank != 1:
             assert full is None
             continue
@@ -274,7 +265,7 @@ def _shard_resume(k, m):
 
 
 def test_per_rank_shard_checkpoint_resumes(cluster_of):
-    reference = _reference("mlp", "adamw", tuple(SMALL_MLP.items()))
+    reference = reference_params("mlp", "adamw", batch=BATCH, **SMALL_MLP)
     for full, refused in cluster_of(2).run(_shard_resume, 3, 2):
         assert refused
         assert max_abs_diff(full, reference) < TOL
