@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ddpkit.experiment import STRATEGIES
 from ddpkit.trace import ring_bytes  # bytes one rank sends, by the ring formulas above
@@ -201,7 +201,6 @@ class Prediction:
     exposed_comm_ms: float          # ms_per_step - compute_ms: what overlap failed to hide
     comm_bytes_per_step: float
     collectives: int
-    events: list = field(default_factory=list, repr=False)  # (lane, name, start_s, end_s)
 
 
 def assign_buckets(param_bytes: list[int], cap_bytes: float, first_cap_bytes: float | None = None) -> list[list[int]]:
@@ -232,9 +231,8 @@ class _Stream:
         self.busy = 0.0
         self.bytes = 0.0
         self.count = 0
-        self.events: list = []
 
-    def issue(self, name: str, nbytes: float, at: float, label: str = "") -> float:
+    def issue(self, name: str, nbytes: float, at: float) -> float:
         """Launch at time ``at`` (or when the stream frees up); returns the completion time."""
         if self.n == 1:
             return at
@@ -244,7 +242,6 @@ class _Stream:
         self.busy += dur
         self.bytes += ring_bytes(name, nbytes, self.n)
         self.count += 1
-        self.events.append(("comm", f"{name} {label}".strip(), start, self.free))
         return self.free
 
 
@@ -263,9 +260,9 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
             ready.append(layer_ready[id(layer)])
     end_backward = t
     done = end_backward
-    for k, bucket in enumerate(assign_buckets(flat, cap_bytes, first_cap_bytes)):
+    for bucket in assign_buckets(flat, cap_bytes, first_cap_bytes):
         launch = max(ready[i] for i in bucket) if overlap else end_backward
-        done = max(done, stream.issue("all_reduce", sum(flat[i] for i in bucket), launch, f"bucket {k}"))
+        done = max(done, stream.issue("all_reduce", sum(flat[i] for i in bucket), launch))
     return done
 
 
@@ -288,16 +285,16 @@ def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch
 
     t = 0.0
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
-        t = stream.issue("all_gather", size[""], 0.0, "root")
+        t = stream.issue("all_gather", size[""], 0.0)
     order = names
     gathered = {}
     for i, u in enumerate(order):
         if u not in gathered:
-            gathered[u] = stream.issue("all_gather", size[u], t, u)
+            gathered[u] = stream.issue("all_gather", size[u], t)
         start = max(t, gathered[u])
         if prefetch and i + 1 < len(order):
             nxt = order[i + 1]
-            gathered[nxt] = stream.issue("all_gather", size[nxt], start, nxt)
+            gathered[nxt] = stream.issue("all_gather", size[nxt], start)
         t = start + fwd[u]
     t += fwd.get("", 0.0)  # root-level compute (embeddings, head) in forward
     t += bwd.get("", 0.0)  # ... and its backward, first
@@ -305,15 +302,15 @@ def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch
     regathered: dict = {}
     for i, u in enumerate(back):
         if reshard and u not in regathered:
-            regathered[u] = stream.issue("all_gather", size[u], t, u)
+            regathered[u] = stream.issue("all_gather", size[u], t)
         start = max(t, regathered.get(u, t))
         if reshard and prefetch and i + 1 < len(back):
             nxt = back[i + 1]
-            regathered[nxt] = stream.issue("all_gather", size[nxt], start, nxt)
+            regathered[nxt] = stream.issue("all_gather", size[nxt], start)
         t = start + bwd[u]
-        stream.issue("reduce_scatter", size[u], t, u)
+        stream.issue("reduce_scatter", size[u], t)
     if "" in units:
-        stream.issue("reduce_scatter", size[""], t, "root")
+        stream.issue("reduce_scatter", size[""], t)
     return max(t, stream.free)
 
 
@@ -345,12 +342,12 @@ def simulate(strategy: str, profile: Profile, world_size: int, network: Network 
         # Gradients all-reduced as in DDP; each rank steps 1/N of the parameters, then the
         # updated parameters are shared: modelled as one all-gather of all P bytes.
         end = _ddp_step(profile, stream, cap, overlap=True) + opt / n
-        end = stream.issue("all_gather", profile.param_bytes, end, "parameters")
+        end = stream.issue("all_gather", profile.param_bytes, end)
     else:                              # fsdp, torch_fsdp: ZeRO-3 with prefetching
         end = _fsdp_step(profile, stream, reshard=True, prefetch=True) + opt / n
     compute = profile.forward_s + profile.backward_s + (opt / n if strategy in ("zero1", "fsdp", "torch_fsdp") else opt)
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
-                      max(0.0, end - compute) * 1e3, stream.bytes, stream.count, stream.events)
+                      max(0.0, end - compute) * 1e3, stream.bytes, stream.count)
 
 
 def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
