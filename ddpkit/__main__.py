@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
     p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES))
-    p.add_argument("--world-sizes", type=_int_list, default=[2, 4, 8], help="comma-separated (default 2,4,8)")
+    p.add_argument("--world-sizes", type=_int_list, default=None,
+                   help="comma-separated (default 2,4,8; with --validate 2,4)")
     p.add_argument("--network", default="loopback",
                    help="a preset (loopback, 100GbE, nvlink) or ALPHA_US,GBYTES_PER_S, e.g. 20,10")
     p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0)
@@ -165,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first fit alpha and beta on this machine (all_reduce timings on --fit-ranks ranks)")
     p.add_argument("--fit-ranks", type=_positive_int, default=2)
     p.add_argument("--plot", metavar="PATH", help="write the predicted scaling to 256 ranks (PNG) here")
+    p.add_argument("--validate", action="store_true",
+                   help="check the model on this machine: per world size, fit each collective and profile "
+                        "compute on the ranks, time every strategy as compare does (interleaved), and "
+                        "print predicted against measured ms/step")
+    p.add_argument("--rounds", type=_positive_int, default=3, help="with --validate: rounds (default 3)")
+    p.add_argument("--steps", type=_positive_int, default=10, help="with --validate: timed steps per run (default 10)")
+    p.add_argument("--json", metavar="PATH", help="with --validate: write one record per strategy and size here")
     p.set_defaults(func=cmd_predict)
     return parser
 
@@ -227,6 +235,26 @@ def _start_cluster(args):
 
 
 # --------------------------------------------------------------------------- compare
+def _time_round(cluster, strategies, r: int, steps: int, common: dict, per_round: dict, errors: dict,
+                progress=None) -> None:
+    """Round ``r`` of timing runs, recording off: each strategy once, the order rotated by ``r``
+    so slow spells of a shared machine hit every strategy alike. Appends the slowest rank's
+    median ms/step to ``per_round[s]``; a strategy that fails goes to ``errors`` and is skipped."""
+    from ddpkit.experiment import run_strategy
+
+    order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+    for s in order:
+        if s in errors:
+            continue
+        if progress:
+            progress.start(f"{s} (round {r + 1}, timing)")
+        results, err = _run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
+        if err:
+            errors[s] = err
+            continue
+        per_round[s].append(max(res["ms_per_step"] for res in results))  # as slow as the slowest rank
+
+
 def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
             progress=None) -> list[dict]:
@@ -241,18 +269,7 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
     per_round: dict = {s: [] for s in strategies}
     errors: dict = {}
     for r in range(rounds):
-        order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
-        for s in order:
-            if s in errors:
-                continue
-            if progress:
-                progress.start(f"{s} (round {r + 1}, timing)")
-            results, err = _run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
-            if err:
-                errors[s] = err
-                continue
-            # a step is as slow as its slowest rank
-            per_round[s].append(max(res["ms_per_step"] for res in results))
+        _time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
 
     warmup = 1
     reference = train_single_process(model, optimizer, steps=warmup + record_steps,
@@ -437,12 +454,142 @@ def _network(parser, text: str):
                      "or ALPHA_US,GBYTES_PER_S with both > 0 (e.g. 20,10)")
 
 
+def _median_profile(profiles):
+    """The profile whose compute total is the median of ``profiles`` (one per round)."""
+    ranked = sorted(profiles, key=lambda p: p.forward_s + p.backward_s + p.optimizer_s)
+    return ranked[len(ranked) // 2]
+
+
+def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
+             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None):
+    """The cost model against measurement on one cluster: each round calibrates the collectives
+    (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
+    times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
+    machine hits calibration and measurement alike. The model sees only the calibration and
+    the profile, never a strategy's timing. Returns ``(records, network, profile)``: one record
+    per strategy with ``predicted_ms``, ``measured_ms`` (median over rounds), ``rel_error``
+    (predicted / measured - 1) and ``measured_ms_rounds``; the first also carries the
+    ``calibration`` the network was fitted to. A strategy that fails has ``error`` instead."""
+    from ddpkit import costmodel
+
+    n = cluster.world_size
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
+                  optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+    per_round: dict = {s: [] for s in strategies}
+    errors: dict = {}
+    calibrations, profiles = [], []
+    for r in range(rounds):
+        if n > 1:
+            if progress:
+                progress.start(f"calibrating collectives (round {r + 1})")
+            calibrations.append(costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, ops)))
+        if progress:
+            progress.start(f"profiling compute (round {r + 1})")
+        ranks = cluster.run(costmodel.profile_job, model, global_batch_size // n, optimizer, model_kwargs)
+        profiles.append(max(ranks, key=lambda p: p.forward_s + p.backward_s))  # the slowest rank
+        _time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
+
+    network = costmodel.NETWORKS["loopback"]
+    if calibrations:  # per collective and size, the median over rounds
+        merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
+                       for rows in zip(*(c[op] for c in calibrations))] for op in ops}
+        network = costmodel.fit_network(merged, n, name=f"fitted on {n} ranks")
+    profile = _median_profile(profiles)
+    records = []
+    for s in strategies:
+        if s in errors:
+            records.append(dict(strategy=s, world_size=n, error=errors[s]))
+            continue
+        pred = costmodel.simulate(s, profile, n, network, bucket_cap_mb)
+        measured = statistics.median(per_round[s])
+        records.append(dict(strategy=s, world_size=n, model=model, predicted_ms=pred.ms_per_step,
+                            measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
+                            measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
+                            exposed_comm_ms=pred.exposed_comm_ms))
+    if calibrations and records:
+        records[0]["calibration"] = merged
+    return records, network, profile
+
+
+def _print_fit(network, samples: dict, n: int) -> None:
+    """Each collective's fitted line, and the timings it was fitted to."""
+    from ddpkit import costmodel
+
+    print(f"fitted on {n} ranks (collectives timed in a row, slowest rank):")
+    for op, rows in samples.items():
+        alpha, beta = network.alpha_beta(op)
+        print(f"  {op:<14} alpha {alpha * 1e6:7.1f} us, {1e-9 / beta if beta else float('inf'):6.2f} GB/s;  "
+              + "  ".join(f"{_kib(size)} {sec * 1e3:.2f}/{costmodel.collective_time(op, size, n, network) * 1e3:.2f}"
+                          for size, sec in rows) + "  (KiB measured/fitted ms)")
+
+
+def _kib(nbytes: float) -> str:
+    return f"{nbytes / 1024:.0f}"
+
+
+def _cmd_validate(args, parser) -> int:
+    """predict --validate: the model against measurement, one cluster per world size."""
+    import ddpkit
+
+    _check_writable(parser, "--json", args.json)
+    kwargs = _model_kwargs(args)
+    progress = _Progress(total_runs=sum(args.rounds * (len(args.strategies) + (2 if n > 1 else 1))
+                                        for n in args.world_sizes))
+    t0 = time.perf_counter()
+    records = []
+    for n in args.world_sizes:
+        with ddpkit.Cluster(n, backend="auto") as cluster:
+            cluster.subscribe(progress)
+            recs, network, profile = validate(
+                cluster, args.strategies, model=args.model, model_kwargs=kwargs, steps=args.steps,
+                rounds=args.rounds, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
+                bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+        progress.close()
+        records.extend(recs)
+        print(f"{n} ranks ({cluster.backend}): compute {(profile.forward_s + profile.backward_s) * 1e3:.2f} ms "
+              f"+ optimizer {profile.optimizer_s * 1e3:.2f} ms per step (slowest rank, all ranks computing), "
+              f"gradient copies {1e-9 / profile.copy_s_per_byte if profile.copy_s_per_byte else float('inf'):.1f} GB/s")
+        if n > 1:
+            samples = recs[0].get("calibration") if recs else None
+            if samples:
+                _print_fit(network, samples, n)
+    print(f"model {args.model} {kwargs or ''}, global batch {args.global_batch_size}, {args.optimizer}, "
+          f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
+    print(format_validation(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "calibration"} for r in records], f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if all("error" in r for r in records) else 0
+
+
+def format_validation(records: list[dict]) -> str:
+    """predict --validate's table: predicted and measured ms/step, the error, the rounds' spread."""
+    heads = f"{'ranks':>5}  {'strategy':>10}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'rounds (min-max)':>16}"
+    lines = [heads]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['error']}")
+            continue
+        spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
+        lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
+                     f"{r['rel_error']:+6.0%}  {spread:>16}")
+    return "\n".join(lines)
+
+
 def cmd_predict(args, parser) -> int:
     from ddpkit import costmodel
     from ddpkit.experiment import local_batch
     from ddpkit.models import build_model
 
+    if args.world_sizes is None:
+        args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
     network = _network(parser, args.network)  # replaced by the fitted one with --fit
+    if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
+        parser.error("--validate fits the network and profiles compute on the ranks itself, with the "
+                     "global batch split as compare does: leave out --fit, --batch-per-rank, --plot, "
+                     "--threads and --profile-on-ranks")
     if args.fit and args.fit_ranks < 2:
         parser.error(f"--fit-ranks must be >= 2 (one rank does not communicate), got {args.fit_ranks}")
     _check_writable(parser, "--plot", args.plot)
@@ -451,18 +598,15 @@ def cmd_predict(args, parser) -> int:
         if bad:
             parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                          f"{bad} ranks; use --batch-per-rank for weak scaling")
+    if args.validate:
+        return _cmd_validate(args, parser)
     if args.fit:
         import ddpkit
 
         with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
-            samples = cluster.run(costmodel.measure_all_reduce)
-        worst = [max(col, key=lambda st: st[1]) for col in zip(*samples)]  # slowest rank per size
-        network = costmodel.fit_network(worst, args.fit_ranks, name="fitted here")
-        print(f"fitted on {args.fit_ranks} ranks: alpha {network.alpha * 1e6:.1f} us, "
-              f"beta {network.beta * 1e9:.3f} ns/byte ({network.gbytes_per_s:.2f} GB/s)")
-        for size, sec in worst:
-            fit = costmodel.collective_time("all_reduce", size, args.fit_ranks, network)
-            print(f"  all_reduce {size / 1024:9.0f} KiB  measured {sec * 1e3:8.3f} ms  fitted {fit * 1e3:8.3f} ms")
+            samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives))
+        network = costmodel.fit_network(samples, args.fit_ranks, name="fitted here")
+        _print_fit(network, samples, args.fit_ranks)
 
     kwargs = _model_kwargs(args)
     if args.threads:

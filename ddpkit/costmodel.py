@@ -21,25 +21,42 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddpkit.experiment import STRATEGIES
 from ddpkit.trace import ring_bytes  # bytes one rank sends, by the ring formulas above
 
 MiB = 1024 * 1024
 
+# Messages in a row of the ring algorithm on N ranks: the multiple of alpha a collective pays.
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+              "reduce_scatter": lambda n: n - 1, "broadcast": lambda n: n - 1}
+
 
 @dataclass(frozen=True)
 class Network:
-    """A fabric for the alpha-beta model: ``alpha`` seconds per message, ``beta`` seconds per byte."""
+    """A fabric for the alpha-beta model: ``alpha`` seconds per message, ``beta`` seconds per byte.
+
+    ``per_op`` optionally gives some collectives their own ``(alpha, beta)``: ``fit_network``
+    fills it when it has timings of several collectives (on gloo a reduce-scatter and an
+    all-reduce of the same size cost nearly the same, not the ring formulas' 1 : 2).
+    """
 
     name: str
     alpha: float
     beta: float
+    per_op: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        if not (self.alpha >= 0 and self.beta >= 0):
-            raise ValueError(f"alpha and beta must be >= 0, got {self.alpha}, {self.beta}")
+        for a, b in [(self.alpha, self.beta), *self.per_op.values()]:
+            if not (a >= 0 and b >= 0):
+                raise ValueError(f"alpha and beta must be >= 0, got {a}, {b}")
+        unknown = set(self.per_op) - set(RING_STEPS)
+        if unknown:
+            raise ValueError(f"unknown collective(s) {sorted(unknown)}; valid: {', '.join(RING_STEPS)}")
+
+    def alpha_beta(self, op: str) -> tuple[float, float]:
+        return self.per_op.get(op, (self.alpha, self.beta))
 
     @property
     def gbytes_per_s(self) -> float:
@@ -65,9 +82,9 @@ def collective_time(name: str, nbytes: float, world_size: int, network: Network)
     n = world_size
     if n == 1:
         return 0.0
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
-             "broadcast": n - 1}[name]
-    return steps * network.alpha + ring_bytes(name, nbytes, n) * network.beta
+    steps = RING_STEPS[name](n)
+    alpha, beta = network.alpha_beta(name)
+    return steps * alpha + ring_bytes(name, nbytes, n) * beta
 
 
 # --------------------------------------------------------------------------- compute profile
@@ -89,6 +106,7 @@ class Profile:
     layers: list[Layer]
     optimizer_s: float = 0.0        # one optimizer step over every parameter
     elem_bytes: int = 4             # for FSDP padding (fp32)
+    copy_s_per_byte: float = 0.0    # one pass over memory (copy_ of a flat buffer), per byte
 
     @property
     def param_bytes(self) -> int:
@@ -105,7 +123,12 @@ class Profile:
     def scaled(self, factor: float) -> "Profile":
         """The same model with compute ``factor`` times as long (e.g. a per-rank batch k x larger)."""
         return Profile([Layer(l.name, list(l.param_bytes), l.forward_s * factor, l.backward_s * factor,
-                              l.unit) for l in self.layers], self.optimizer_s, self.elem_bytes)
+                              l.unit) for l in self.layers], self.optimizer_s, self.elem_bytes,
+                       self.copy_s_per_byte)
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds for one pass over ``nbytes`` (a bucket's copy in or out)."""
+        return nbytes * self.copy_s_per_byte
 
 
 def uniform_profile(layers: int, param_bytes: int, forward_ms: float, backward_ms: float | None = None,
@@ -125,10 +148,17 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
     forward times are scaled so they add up to the whole forward (activations, loss included).
     ``units`` are the FSDP units (default: ``experiment.fsdp_units``). The optimizer steps, so
-    pass a model you do not need afterwards.
+    pass a model you do not need afterwards. Also timed: copying every gradient into a flat
+    buffer, one ``copy_`` per tensor right after backward (``copy_s_per_byte``), the pass over
+    the gradients that packing them into buckets costs.
     """
+    import torch
+
     from ddpkit.experiment import fsdp_units, make_optimizer
     from ddpkit.models import loss_fn
+
+    dev = next(module.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     seen: set = set()
     owners = []  # (name, module, [param bytes]) for modules that own parameters directly
@@ -149,18 +179,30 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
         handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: starts.__setitem__(n, time.perf_counter())))
         handles.append(m.register_forward_hook(lambda mod, a, o, n=name: fwd[n].append(time.perf_counter() - starts[n])))
     opt = make_optimizer(module.parameters(), optimizer)
-    totals = {"forward": [], "backward": [], "step": []}
+    params = [p for p in module.parameters() if p.requires_grad]
+    flat = torch.empty(sum(p.numel() for p in params), device=dev)
+    slots = flat.split([p.numel() for p in params])
+    totals = {"forward": [], "backward": [], "step": [], "copy": []}
     try:
         for _ in range(repeats + 1):  # the first is a warmup
+            sync()
             t0 = time.perf_counter()
             loss = loss_fn(module(inputs), targets)
+            sync()
             t1 = time.perf_counter()
             loss.backward()
+            sync()
             t2 = time.perf_counter()
+            for p, slot in zip(params, slots):  # what a bucketed DDP does with each gradient
+                if p.grad is not None:
+                    slot.copy_(p.grad.reshape(-1))
+            sync()
+            t3 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
-            for k, v in zip(totals, (t1 - t0, t2 - t1, t3 - t2)):
+            sync()
+            t4 = time.perf_counter()
+            for k, v in zip(totals, (t1 - t0, t2 - t1, t4 - t3, t3 - t2)):
                 totals[k].append(v)
     finally:
         for h in handles:
@@ -171,7 +213,7 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     layers = [Layer(name, pb, med["forward"] * layer_fwd[name] / total,
                     med["backward"] * layer_fwd[name] / total, unit_of.get(id(m), ""))
               for name, m, pb in owners]
-    return Profile(layers, med["step"])
+    return Profile(layers, med["step"], copy_s_per_byte=med["copy"] / (flat.numel() * flat.element_size()))
 
 
 def profile_job(model: str = "mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
@@ -247,23 +289,46 @@ class _Stream:
 
 def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
               first_cap_bytes: float | None = None) -> float:
-    """Forward, backward with bucketed all-reduces (launched from hooks when ``overlap``)."""
-    flat, ready = [], []  # every parameter tensor in registration order, and when its grad is ready
+    """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
+    copies, one after another) beside the communication stream. Returns when both are done.
+
+    ``cap_bytes`` 0 is NaiveDDP: after backward, each gradient is scaled in place (one pass over
+    its bytes) and all-reduced, one at a time. Otherwise gradients go into buckets: each is
+    copied into its bucket slot (scaled, one pass) and copied back after its bucket's all-reduce
+    (another pass) -- the two passes every bucketed DDP pays, torch's included unless gradients
+    are views of the buckets. With ``overlap`` the copy in happens in the gradient's hook, during
+    backward, and a bucket is launched as soon as its last gradient is in; without, all of it
+    starts when backward ends.
+    """
+    flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
+    owner = [layer for layer in profile.layers for _ in layer.param_bytes]
     t = profile.forward_s
-    layer_ready = {}
-    for layer in reversed(profile.layers):  # backward runs the layers in reverse
-        t += layer.backward_s
-        layer_ready[id(layer)] = t
-    for layer in profile.layers:
-        for b in layer.param_bytes:
-            flat.append(b)
-            ready.append(layer_ready[id(layer)])
-    end_backward = t
-    done = end_backward
-    for bucket in assign_buckets(flat, cap_bytes, first_cap_bytes):
-        launch = max(ready[i] for i in bucket) if overlap else end_backward
-        done = max(done, stream.issue("all_reduce", sum(flat[i] for i in bucket), launch))
-    return done
+    if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
+        for layer in reversed(profile.layers):
+            t += layer.backward_s
+        for i in reversed(range(len(flat))):
+            t = stream.issue("all_reduce", flat[i], t + profile.copy_s(flat[i]))
+        return t
+    buckets = assign_buckets(flat, cap_bytes, first_cap_bytes)
+    ready = [0.0] * len(flat)  # when gradient i is in its bucket slot
+    if overlap:
+        for layer in reversed(profile.layers):  # backward runs the layers in reverse
+            t += layer.backward_s
+            for i in reversed(range(len(flat))):
+                if owner[i] is layer:  # its hook copies it in, delaying what follows
+                    t += profile.copy_s(flat[i])
+                    ready[i] = t
+        launched = [stream.issue("all_reduce", sum(flat[i] for i in b), max(ready[i] for i in b))
+                    for b in buckets]
+    else:
+        t += profile.backward_s
+        launched = []
+        for b in buckets:  # pack bucket k, launch it, pack bucket k+1 while k is sent
+            t += profile.copy_s(sum(flat[i] for i in b))
+            launched.append(stream.issue("all_reduce", sum(flat[i] for i in b), t))
+    for b, done in zip(buckets, launched):  # wait for each in order, copy it back out
+        t = max(t, done) + profile.copy_s(sum(flat[i] for i in b))
+    return t
 
 
 def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch: bool = True) -> float:
@@ -341,8 +406,11 @@ def simulate(strategy: str, profile: Profile, world_size: int, network: Network 
     elif strategy == "zero1":
         # Gradients all-reduced as in DDP; each rank steps 1/N of the parameters, then the
         # updated parameters are shared: modelled as one all-gather of all P bytes.
-        end = _ddp_step(profile, stream, cap, overlap=True) + opt / n
-        end = stream.issue("all_gather", profile.param_bytes, end)
+        # Each rank copies its 1/N of the parameters into the send buffer, and all of them back
+        # out of the gathered one.
+        p_bytes = profile.param_bytes
+        end = _ddp_step(profile, stream, cap, overlap=True) + opt / n + profile.copy_s(p_bytes / n)
+        end = stream.issue("all_gather", p_bytes, end) + profile.copy_s(p_bytes)
     else:                              # fsdp, torch_fsdp: ZeRO-3 with prefetching
         end = _fsdp_step(profile, stream, reshard=True, prefetch=True) + opt / n
     compute = profile.forward_s + profile.backward_s + (opt / n if strategy in ("zero1", "fsdp", "torch_fsdp") else opt)
@@ -357,62 +425,107 @@ def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), netw
 
 
 # --------------------------------------------------------------------------- fitting
-def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), repeats: int = 15) -> list:
-    """A Cluster job: time ``all_reduce`` of each size (bytes, fp32) on this rank; returns
-    ``[(bytes, median seconds)]``. Synchronous calls after a barrier, so each is timed alone.
+CALIBRATION_SIZES = (1024, 16 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB)
 
-    Every size is run once untimed first: gloo's first collectives on a fresh group pay for
-    connection and buffer set-up (a 4 KiB all-reduce measured 3.4 ms cold, 0.2 ms warm).
+
+def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=CALIBRATION_SIZES,
+                        repeats: int = 3, calls_bytes: float = 32 * MiB) -> dict:
+    """A Cluster job: time each collective at each full size S (bytes, fp32) on this rank;
+    returns ``{op: [(bytes, seconds per call)]}``, the median of ``repeats``.
+
+    Calls are timed *back to back*, the way a strategy issues them (a barrier before each row,
+    none between calls), so alpha includes what each call costs the host: on gloo over loopback
+    waking the sending and receiving threads, which on a busy CPU is most of a small collective's
+    time (a 4 KiB all-reduce: ~0.2 ms alone after a barrier, 0.4-1.5 ms in a row). A row holds
+    about ``calls_bytes`` bytes (4 to 32 calls). Each size runs once untimed first: gloo's first
+    collectives on a group pay for connections and buffers.
     """
     import torch
     import torch.distributed as dist
 
     import ddpkit
+    from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
 
-    dev = ddpkit.device()
-    bufs = [torch.zeros(max(1, size // 4), device=dev) for size in sizes]
-    for buf in bufs:  # warm-up, untimed
-        dist.all_reduce(buf)
-    out = []
-    for buf in bufs:
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out.append((buf.numel() * 4, statistics.median(times)))
+    dev, n = ddpkit.device(), dist.get_world_size()
+    unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
+    if unknown:
+        raise ValueError(f"cannot measure {unknown}; valid: all_reduce, all_gather, reduce_scatter")
+    out: dict = {op: [] for op in ops}
+    for op in ops:
+        for size in sizes:
+            numel = max(n, size // 4) // n * n  # divisible by N, as the sharded collectives need
+            full = torch.zeros(numel, device=dev)
+            shard = torch.zeros(numel // n, device=dev)
+            call = {"all_reduce": lambda: dist.all_reduce(full, async_op=True),
+                    "all_gather": lambda: all_gather_flat(full, shard, async_op=True),
+                    "reduce_scatter": lambda: reduce_scatter_flat(shard, full, async_op=True)}[op]
+            call().wait()  # warm-up, untimed
+            calls = max(4, min(32, int(calls_bytes // max(size, 1))))
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call().wait()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / calls)
+            out[op].append((numel * 4, statistics.median(times)))
     return out
 
 
-def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
-    """Fit alpha and beta to ``[(bytes, seconds)]`` all-reduce timings on N ranks.
+def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), repeats: int = 3) -> list:
+    """A Cluster job: ``[(bytes, seconds)]`` for all-reduces in a row (``measure_collectives``)."""
+    return measure_collectives(("all_reduce",), sizes, repeats)["all_reduce"]
 
-    t = 2(N-1) alpha + 2(N-1)/N S beta is a straight line in S. Timings span orders of
-    magnitude (microseconds to tens of milliseconds), so the fit minimises *relative* error
-    (each sample weighted by 1/t^2); a plain fit would let the largest size decide alone and
-    leave alpha at zero. Both are kept >= 0.
-    """
-    if world_size < 2:
-        raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
-    if len(samples) < 2:
-        raise ValueError("fitting needs timings at two sizes or more")
-    xs = [2 * (world_size - 1) / world_size * s for s, _ in samples]
+
+def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
+    """alpha, beta for one collective: t = steps x alpha + bytes sent x beta, a straight line in
+    S fitted for *relative* error (weights 1/t^2), both kept >= 0."""
+    xs = [ring_bytes(op, s, world_size) for s, _ in samples]
     ys = [t for _, t in samples]
     ws = [1 / (t * t) if t > 0 else 0.0 for t in ys]
-    # weighted least squares for y = c + beta x, with c = 2(N-1) alpha
     sw = sum(ws)
+    if not sw:
+        raise ValueError(f"{op}: every timing is 0")
     mx = sum(w * x for w, x in zip(ws, xs)) / sw
     my = sum(w * y for w, y in zip(ws, ys)) / sw
     sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx if sxx else 0.0
     beta = max(slope, 0.0)
-    alpha = max(my - beta * mx, 0.0) / (2 * (world_size - 1))
-    return Network(name, alpha=alpha, beta=beta)
+    alpha = max(my - beta * mx, 0.0) / RING_STEPS[op](world_size)
+    return alpha, beta
+
+
+def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
+    """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
+    or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
+    rank's per size), which fits each collective its own line (``Network.per_op``).
+
+    Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
+    fitted for *relative* error; a plain least-squares fit would let the largest size decide
+    alone and leave alpha at zero. The network's own alpha and beta are the all-reduce's.
+    """
+    if world_size < 2:
+        raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
+    by_op = samples if isinstance(samples, dict) else {"all_reduce": samples}
+    for op, rows in by_op.items():
+        if op not in RING_STEPS:
+            raise ValueError(f"unknown collective {op!r}; valid: {', '.join(RING_STEPS)}")
+        if len({s for s, _ in rows}) < 2:
+            raise ValueError(f"fitting {op} needs timings at two sizes or more")
+    per_op = {op: _fit_line(rows, op, world_size) for op, rows in by_op.items()}
+    alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
+    return Network(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {})
+
+
+def slowest_rank(per_rank: list[dict]) -> dict:
+    """``measure_collectives`` from every rank -> the slowest rank's time per (op, size): a
+    collective ends for all when it ends on the last."""
+    return {op: [max(col, key=lambda st: st[1]) for col in zip(*(r[op] for r in per_rank))]
+            for op in per_rank[0]}
 
 
 # --------------------------------------------------------------------------- plots
