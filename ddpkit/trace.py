@@ -102,6 +102,32 @@ class Recorder:
             self._cuda_anchor = _CudaClock(self.device, clock)
         self._resolved: list[Record] | None = None
         self._resolved_len = -1
+        self._watched = None  # works without a future, waited on by a thread (see _watch)
+
+    def _watch(self, work, on_done) -> None:
+        """Call ``on_done`` when ``work`` finishes, for collectives whose Work has no future.
+
+        One daemon thread per recorder waits on them in launch order (a backend runs a group's
+        collectives in that order). ``wait`` blocks without spinning, so watching costs no CPU;
+        a collective that fails is the strategy's to report, so the watcher just moves on.
+        """
+        if self._watched is None:
+            import queue
+            import threading
+
+            self._watched = queue.SimpleQueue()
+
+            def watch(q=self._watched):
+                while True:
+                    work, callback = q.get()
+                    try:
+                        work.wait()
+                    except Exception:  # noqa: BLE001 - the strategy's own wait() reports it
+                        continue
+                    callback()
+
+            threading.Thread(target=watch, name="ddpkit-recorder-watch", daemon=True).start()
+        self._watched.put((work, on_done))
 
     # --- the seam ------------------------------------------------------------------
     def span(self, name: str, cat: str = "compute", **fields):
@@ -135,8 +161,8 @@ class Recorder:
 
             try:
                 work.get_future().then(on_done)
-            except RuntimeError:  # a backend without futures for this op: no completion time
-                pass
+            except RuntimeError:  # no future for this op (gloo's reduce-scatter): a thread waits
+                self._watch(work, lambda: on_done(None))
         self._raw.append(("comm", name, self._step, t0, done, int(nbytes), fields, ev0))
 
     def grad_ready(self, param_name: str, **fields) -> None:

@@ -134,28 +134,44 @@ def test_align_clocks_finds_a_skewed_clock(cluster_of):
     assert abs(t1 - t0) < 100_000_000
 
 
-def test_a_real_gloo_collective_gets_a_completion_time(cluster_of):
-    def job():
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_a_real_gloo_collective_gets_a_completion_time(cluster_of, op):
+    """all_reduce completes through its future's callback; gloo's reduce-scatter has no future
+    (``Work::getFuture not implemented``), so the recorder's watcher thread waits on it."""
+    def job(op):
+        import time
+
         import torch
         import torch.distributed as dist
 
+        from ddpkit.strategies._common import reduce_scatter_flat
         from ddpkit.trace import Recorder
 
         rec = Recorder()
         rec.next_step()
         t = torch.ones(1000)
-        work = dist.all_reduce(t, async_op=True)
-        rec.collective("all_reduce", work, nbytes=t.numel() * 4, bucket=0)
+        if op == "all_reduce":
+            work = dist.all_reduce(t, async_op=True)
+        else:
+            work = reduce_scatter_flat(torch.empty(1000 // dist.get_world_size()), t, async_op=True)
+        rec.collective(op, work, nbytes=t.numel() * 4, bucket=0)
         work.wait()
         rec.records  # resolve once before completion is certain ...
         dist.barrier()
+        for _ in range(100):  # ... the callback runs on another thread, a moment after wait()
+            if all(r.end_ns is not None for r in rec.records):
+                break
+            time.sleep(0.01)
         return rec.trace()
 
-    trace = Trace.merge(cluster_of(2).run(job))
-    for r in trace.select(cat="comm"):
+    trace = Trace.merge(cluster_of(2).run(job, op))
+    spans = trace.select(cat="comm")
+    assert len(spans) == 2
+    for r in spans:
         assert r.end_ns is not None and r.end_ns >= r.start_ns
         assert r.nbytes == 4000
-    assert comm_bytes_per_step(trace) == {0: {0: 4000.0, 1: 4000.0}}  # 2(N-1)/N S = S at N=2
+    sent = 4000.0 if op == "all_reduce" else 2000.0  # 2(N-1)/N S and (N-1)/N S at N=2
+    assert comm_bytes_per_step(trace) == {0: {0: sent, 1: sent}}
 
 
 # ----------------------------------------------------------------------------- Chrome trace
