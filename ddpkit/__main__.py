@@ -472,8 +472,12 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     ``calibration`` the network was fitted to. A strategy that fails has ``error`` instead."""
     from ddpkit import costmodel
 
+    from ddpkit.models import build_model
+
     n = cluster.world_size
     ops = ("all_reduce", "all_gather", "reduce_scatter")
+    param_bytes = sum(p.numel() * p.element_size() for p in build_model(model, **(model_kwargs or {})).parameters())
+    sizes = costmodel.calibration_sizes(param_bytes)
     common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
                   optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
     per_round: dict = {s: [] for s in strategies}
@@ -483,7 +487,7 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
         if n > 1:
             if progress:
                 progress.start(f"calibrating collectives (round {r + 1})")
-            calibrations.append(costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, ops)))
+            calibrations.append(costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, ops, sizes)))
         if progress:
             progress.start(f"profiling compute (round {r + 1})")
         ranks = cluster.run(costmodel.profile_job, model, global_batch_size // n, optimizer, model_kwargs)
@@ -603,8 +607,10 @@ def cmd_predict(args, parser) -> int:
     if args.fit:
         import ddpkit
 
+        model = build_model(args.model, **_model_kwargs(args))
+        sizes = costmodel.calibration_sizes(sum(p.numel() * p.element_size() for p in model.parameters()))
         with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
-            samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives))
+            samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         network = costmodel.fit_network(samples, args.fit_ranks, name="fitted here")
         _print_fit(network, samples, args.fit_ranks)
 

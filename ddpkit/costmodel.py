@@ -425,10 +425,18 @@ def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), netw
 
 
 # --------------------------------------------------------------------------- fitting
-CALIBRATION_SIZES = (1024, 16 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB)
+CALIBRATION_SIZES = (1024, 16 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 
 
-def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=CALIBRATION_SIZES,
+def calibration_sizes(largest_bytes: float) -> tuple[int, ...]:
+    """The sizes worth timing for collectives of up to ``largest_bytes`` (e.g. a model's
+    parameter bytes: the largest bucket, unit or all-gather): ``CALIBRATION_SIZES`` up to twice
+    that, at least three of them."""
+    sizes = [s for s in CALIBRATION_SIZES if s <= 2 * largest_bytes]
+    return tuple(sizes) if len(sizes) >= 3 else CALIBRATION_SIZES[:3]
+
+
+def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=CALIBRATION_SIZES[:6],
                         repeats: int = 3, calls_bytes: float = 32 * MiB) -> dict:
     """A Cluster job: time each collective at each full size S (bytes, fp32) on this rank;
     returns ``{op: [(bytes, seconds per call)]}``, the median of ``repeats``.

@@ -49,6 +49,10 @@ def error_of(argv, capsys) -> str:
     (["predict", "--world-sizes", "3", "--global-batch-size", "32"], "use --batch-per-rank"),
     (["predict", "--fit", "--fit-ranks", "1"], "--fit-ranks must be >= 2"),
     (["predict", "--fit", "--network", "0,0"], "valid presets"),
+    (["predict", "--validate", "--fit"], "--validate fits the network and profiles compute"),
+    (["predict", "--validate", "--batch-per-rank", "4"], "leave out --fit, --batch-per-rank"),
+    (["predict", "--validate", "--json", "/nonexistent-dir/v.json"], "does not exist"),
+    (["predict", "--validate", "--rounds", "0"], "expected a whole number >= 1"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_arguments_fail_before_any_rank_starts(argv, expected, capsys, no_cluster):
@@ -86,6 +90,22 @@ def test_predict_prints_a_table_and_plots(tmp_path, capsys):
     by = {(l[0], l[1]): float(l[-1]) for l in lines}  # kB sent per step
     assert by[("2", "fsdp")] == pytest.approx(1.5 * by[("2", "overlapped")], rel=0.05)
     assert png.stat().st_size > 5000
+
+
+def test_predict_validate_puts_predictions_beside_measurements(tmp_path):
+    out = tmp_path / "validate.json"
+    res = _cli("predict", "--validate", "--world-sizes", "2", "--strategies", "naive,bucketed,fsdp",
+               "--width", "8", "--depth", "2", "--steps", "2", "--rounds", "1", "--global-batch-size", "8",
+               "--json", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "calibrating collectives" in res.stderr  # the progress bar
+    assert "reduce_scatter" in res.stdout and "KiB measured/fitted ms" in res.stdout
+    records = json.loads(out.read_text())
+    assert [(r["world_size"], r["strategy"]) for r in records] == [(2, "naive"), (2, "bucketed"), (2, "fsdp")]
+    for r in records:
+        assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and len(r["measured_ms_rounds"]) == 1
+        assert r["rel_error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
+        assert f"{r['rel_error']:+.0%}" in res.stdout
 
 
 def _cli(*args, timeout=300):

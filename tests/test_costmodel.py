@@ -138,8 +138,66 @@ def test_plot_scaling_draws_to_256():
     assert ys[0] == pytest.approx(100) and all(0 < y <= 100 + 1e-9 for y in ys)
 
 
-def test_measure_all_reduce_on_two_ranks(cluster_of):
-    out = cluster_of(2).run(cm.measure_all_reduce, sizes=(4096, 1 << 20), repeats=2)
-    for rank_samples in out:
-        assert [s for s, _ in rank_samples] == [4096, 1 << 20]
-        assert all(t > 0 and math.isfinite(t) for _, t in rank_samples)
+def test_fit_gives_each_collective_its_own_line():
+    truth = {"all_reduce": (300e-6, 1 / 1.5e9), "all_gather": (100e-6, 1 / 1e9),
+             "reduce_scatter": (600e-6, 1 / 0.7e9)}
+    true = cm.Network("true", *truth["all_reduce"], per_op=truth)
+    sizes = [1024, 16384, 1 << 18, 1 << 20, 1 << 22]
+    samples = {op: [(s, cm.collective_time(op, s, 2, true)) for s in sizes] for op in truth}
+    fit = cm.fit_network(samples, 2)
+    for op, (alpha, beta) in truth.items():
+        assert fit.alpha_beta(op) == pytest.approx((alpha, beta), rel=1e-6)
+    assert (fit.alpha, fit.beta) == pytest.approx(truth["all_reduce"], rel=1e-6)
+    # a network without per-collective lines uses its own alpha and beta for every collective
+    assert NET.alpha_beta("reduce_scatter") == (NET.alpha, NET.beta)
+    with pytest.raises(ValueError, match="two sizes or more"):
+        cm.fit_network({"all_gather": [(1024, 1e-3)]}, 2)
+    with pytest.raises(ValueError, match="unknown collective"):
+        cm.fit_network({"all_to_all": samples["all_gather"]}, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        cm.Network("bad", 1e-6, 1e-9, per_op={"all_gather": (-1.0, 1e-9)})
+    with pytest.raises(ValueError, match="unknown collective"):
+        cm.Network("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
+
+
+def test_calibration_sizes_reach_the_largest_collective():
+    assert cm.calibration_sizes(8.4e6) == (1024, 16384, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+    assert cm.calibration_sizes(1000) == cm.CALIBRATION_SIZES[:3]  # at least three sizes
+    assert cm.calibration_sizes(1e12) == cm.CALIBRATION_SIZES
+
+
+def test_bucket_copies_cost_two_passes_and_naive_one():
+    """Each gradient is copied into its bucket and back out (two passes over P bytes); naive
+    scales each gradient in place (one pass); with overlap the copy in happens during backward."""
+    p = _mlp_like()
+    c = 1e-10  # seconds per byte (10 GB/s)
+    copying = cm.Profile(p.layers, p.optimizer_s, copy_s_per_byte=c)
+    passes = {"naive": 1, "bucketed": 2, "overlapped": 2}
+    for s, k in passes.items():  # one 8 MiB bucket (cap 25 MiB); overlapped: 2 MiB buckets
+        cap = 2 if s == "overlapped" else 25
+        free, paid = cm.simulate(s, p, 8, NET, cap), cm.simulate(s, copying, 8, NET, cap)
+        extra = (paid.ms_per_step - free.ms_per_step) / 1e3
+        if s == "overlapped":  # copies during backward can hide under communication
+            assert 0 < extra <= k * p.param_bytes * c + 1e-12
+        else:                  # nothing overlaps them
+            assert extra == pytest.approx(k * p.param_bytes * c)
+    assert cm.simulate("zero1", copying, 8, NET).ms_per_step > cm.simulate("zero1", p, 8, NET).ms_per_step
+
+
+def test_measure_collectives_on_two_ranks(cluster_of):
+    sizes = (4096, 1 << 16)
+    out = cluster_of(2).run(cm.measure_collectives, sizes=sizes, repeats=1)
+    for per_rank in out:
+        assert set(per_rank) == {"all_reduce", "all_gather", "reduce_scatter"}
+        for rows in per_rank.values():
+            assert [s for s, _ in rows] == list(sizes)
+            assert all(t > 0 and math.isfinite(t) for _, t in rows)
+    slowest = cm.slowest_rank(out)
+    for op, rows in slowest.items():
+        for i, (size, t) in enumerate(rows):
+            assert t == max(r[op][i][1] for r in out)
+    net = cm.fit_network(slowest, 2)
+    assert set(net.per_op) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert [s for s, _ in cluster_of(2).run(cm.measure_all_reduce, sizes, 1)[0]] == list(sizes)
+    with pytest.raises(Exception, match="cannot measure"):
+        cluster_of(2).run(cm.measure_collectives, ("broadcast",), sizes)
