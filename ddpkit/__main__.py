@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
-    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES))
+    p.add_argument("--strategies", type=_strategy_list, default=None,
+                   help="comma-separated (default all; with --validate all but torch_fsdp, whose "
+                        "implementation overheads the model does not know)")
     p.add_argument("--world-sizes", type=_int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
     p.add_argument("--network", default="loopback",
@@ -468,7 +470,8 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     machine hits calibration and measurement alike. The model sees only the calibration and
     the profile, never a strategy's timing. Returns ``(records, network, profile)``: one record
     per strategy with ``predicted_ms``, ``measured_ms`` (median over rounds), ``rel_error``
-    (predicted / measured - 1) and ``measured_ms_rounds``; the first also carries the
+    (predicted / measured - 1), ``measured_ms_rounds`` and ``predicted_line_ms`` (with the
+    fitted straight lines instead of the timings, ``Network.line``); the first also carries the
     ``calibration`` the network was fitted to. A strategy that fails has ``error`` instead."""
     from ddpkit import costmodel
 
@@ -506,8 +509,10 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
         pred = costmodel.simulate(s, profile, n, network, bucket_cap_mb)
+        on_lines = costmodel.simulate(s, profile, n, network.line(), bucket_cap_mb)
         measured = statistics.median(per_round[s])
         records.append(dict(strategy=s, world_size=n, model=model, predicted_ms=pred.ms_per_step,
+                            predicted_line_ms=on_lines.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
                             exposed_comm_ms=pred.exposed_comm_ms))
@@ -520,11 +525,12 @@ def _print_fit(network, samples: dict, n: int) -> None:
     """Each collective's fitted line, and the timings it was fitted to."""
     from ddpkit import costmodel
 
+    line = network.line()
     print(f"fitted on {n} ranks (collectives timed in a row, slowest rank):")
     for op, rows in samples.items():
         alpha, beta = network.alpha_beta(op)
         print(f"  {op:<14} alpha {alpha * 1e6:7.1f} us, {1e-9 / beta if beta else float('inf'):6.2f} GB/s;  "
-              + "  ".join(f"{_kib(size)} {sec * 1e3:.2f}/{costmodel.collective_time(op, size, n, network) * 1e3:.2f}"
+              + "  ".join(f"{_kib(size)} {sec * 1e3:.2f}/{costmodel.collective_time(op, size, n, line) * 1e3:.2f}"
                           for size, sec in rows) + "  (KiB measured/fitted ms)")
 
 
@@ -561,6 +567,10 @@ def _cmd_validate(args, parser) -> int:
     print(f"model {args.model} {kwargs or ''}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
+    if "torch_fsdp" in args.strategies:
+        print("torch_fsdp: the model predicts the ZeRO-3 algorithm with prefetching, as for fsdp; "
+              "what torch's fully_shard adds on top (its hooks and copies per unit, on the host) "
+              "is not in the model")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "calibration"} for r in records], f, indent=1)
@@ -569,8 +579,10 @@ def _cmd_validate(args, parser) -> int:
 
 
 def format_validation(records: list[dict]) -> str:
-    """predict --validate's table: predicted and measured ms/step, the error, the rounds' spread."""
-    heads = f"{'ranks':>5}  {'strategy':>10}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'rounds (min-max)':>16}"
+    """predict --validate's table: predicted and measured ms/step, the error, the rounds' spread;
+    then the prediction with each collective's fitted straight line instead of its timings."""
+    heads = (f"{'ranks':>5}  {'strategy':>10}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
+             f"{'rounds (min-max)':>16}  {'lines only':>10}  {'error':>6}")
     lines = [heads]
     for r in records:
         if "error" in r:
@@ -578,7 +590,8 @@ def format_validation(records: list[dict]) -> str:
             continue
         spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
         lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
-                     f"{r['rel_error']:+6.0%}  {spread:>16}")
+                     f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_line_ms']:10.2f}  "
+                     f"{r['predicted_line_ms'] / r['measured_ms'] - 1:+6.0%}")
     return "\n".join(lines)
 
 
@@ -589,6 +602,8 @@ def cmd_predict(args, parser) -> int:
 
     if args.world_sizes is None:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
+    if args.strategies is None:
+        args.strategies = [s for s in STRATEGIES if not (args.validate and s == "torch_fsdp")]
     network = _network(parser, args.network)  # replaced by the fitted one with --fit
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "

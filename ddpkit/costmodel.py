@@ -7,21 +7,25 @@ message (seconds) and beta the time per byte (seconds per byte, 1 / bandwidth):
     all-gather / reduce-scatter (full S)    (N-1) alpha +  (N-1)/N S beta
 
 Compute comes from a ``Profile``: per layer, its parameters' bytes and its forward and backward
-time (measured in one process with ``profile_model``, or given). Overlap is *simulated*, not
+time (measured with ``profile_model``, or given), plus what one pass over gradient memory costs
+(bucketed DDP copies every gradient into its bucket and back). Overlap is *simulated*, not
 assumed: backward runs the layers in reverse, a gradient is ready when its layer's backward ends,
 a bucket's all-reduce is launched when its last gradient is ready, buckets go in order on one
 communication stream, and the step ends when both compute and the stream are done. So a bucket
 too small pays alpha too often, a bucket too large waits for the whole backward (the U-shaped
 curve of the DDP paper), and overlap cannot hide more than the backward compute there is.
 
-``python -m ddpkit predict`` prints these predictions; ``plot_scaling`` draws them up to 256 ranks.
+On a real machine, ``measure_collectives`` times each collective back to back at several sizes
+and ``fit_network`` fits each its own line (``Network.per_op``). ``python -m ddpkit predict
+--validate`` puts the model's predictions beside measured steps; ``python -m ddpkit predict``
+prints predictions for any network, and ``plot_scaling`` draws them up to 256 ranks.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ddpkit.experiment import STRATEGIES
 from ddpkit.trace import ring_bytes  # bytes one rank sends, by the ring formulas above
@@ -38,25 +42,39 @@ class Network:
     """A fabric for the alpha-beta model: ``alpha`` seconds per message, ``beta`` seconds per byte.
 
     ``per_op`` optionally gives some collectives their own ``(alpha, beta)``: ``fit_network``
-    fills it when it has timings of several collectives (on gloo a reduce-scatter and an
-    all-reduce of the same size cost nearly the same, not the ring formulas' 1 : 2).
+    fills it when it has timings of several collectives (on gloo over loopback a small
+    reduce-scatter costs more than a small all-gather, not the ring formulas' same alpha).
+
+    ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
+    ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
+    instead of using the straight line (a machine's curve is not quite a line: on the
+    development machine the fitted all-reduce line missed 16 MiB by 20-35%). Every other world
+    size uses the lines. ``line()`` is the same network without the timings.
     """
 
     name: str
     alpha: float
     beta: float
     per_op: dict = field(default_factory=dict, compare=False)
+    measured: dict = field(default_factory=dict, compare=False)
+    measured_world_size: int = 0
 
     def __post_init__(self):
         for a, b in [(self.alpha, self.beta), *self.per_op.values()]:
             if not (a >= 0 and b >= 0):
                 raise ValueError(f"alpha and beta must be >= 0, got {a}, {b}")
-        unknown = set(self.per_op) - set(RING_STEPS)
+        unknown = (set(self.per_op) | set(self.measured)) - set(RING_STEPS)
         if unknown:
             raise ValueError(f"unknown collective(s) {sorted(unknown)}; valid: {', '.join(RING_STEPS)}")
+        if self.measured and self.measured_world_size < 2:
+            raise ValueError("measured timings need the world size they were taken on (>= 2)")
 
     def alpha_beta(self, op: str) -> tuple[float, float]:
         return self.per_op.get(op, (self.alpha, self.beta))
+
+    def line(self) -> "Network":
+        """This network's straight lines only, without the measured timings."""
+        return replace(self, measured={}, measured_world_size=0)
 
     @property
     def gbytes_per_s(self) -> float:
@@ -78,13 +96,31 @@ NETWORKS = {
 
 # --------------------------------------------------------------------------- collectives
 def collective_time(name: str, nbytes: float, world_size: int, network: Network) -> float:
-    """Seconds for one ring collective of full size S: steps x alpha + bytes sent x beta."""
+    """Seconds for one ring collective of full size S: steps x alpha + bytes sent x beta, or,
+    where ``network`` holds timings of this collective at this world size, interpolated."""
     n = world_size
     if n == 1:
         return 0.0
     steps = RING_STEPS[name](n)
     alpha, beta = network.alpha_beta(name)
+    table = network.measured.get(name) if n == network.measured_world_size else None
+    if table:
+        return _interpolate(table, nbytes, ring_bytes(name, 1.0, n) * beta)
     return steps * alpha + ring_bytes(name, nbytes, n) * beta
+
+
+def _interpolate(table, nbytes: float, slope: float) -> float:
+    """Straight between the two measured sizes around ``nbytes``; below the smallest, its time
+    (latency dominates there); above the largest, on from it with the fitted ``slope``."""
+    (s0, t0), (s_last, t_last) = table[0], table[-1]
+    if nbytes <= s0:
+        return t0
+    if nbytes >= s_last:
+        return t_last + (nbytes - s_last) * slope
+    for (a, ta), (b, tb) in zip(table, table[1:]):
+        if a <= nbytes <= b:
+            return ta if b == a else ta + (tb - ta) * (nbytes - a) / (b - a)
+    raise AssertionError("unreachable: table sizes are sorted")
 
 
 # --------------------------------------------------------------------------- compute profile
@@ -148,9 +184,9 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
     forward times are scaled so they add up to the whole forward (activations, loss included).
     ``units`` are the FSDP units (default: ``experiment.fsdp_units``). The optimizer steps, so
-    pass a model you do not need afterwards. Also timed: copying every gradient into a flat
-    buffer, one ``copy_`` per tensor right after backward (``copy_s_per_byte``), the pass over
-    the gradients that packing them into buckets costs.
+    pass a model you do not need afterwards. Also timed, right after backward: scaling every
+    gradient into a flat buffer and copying it back, tensor by tensor, as bucketed DDP does
+    (``copy_s_per_byte`` is half that time per byte: one pass).
     """
     import torch
 
@@ -193,9 +229,12 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
             loss.backward()
             sync()
             t2 = time.perf_counter()
-            for p, slot in zip(params, slots):  # what a bucketed DDP does with each gradient
+            for p, slot in zip(params, slots):  # what a bucketed DDP does with each gradient:
+                if p.grad is not None:              # scale it into its bucket slot ...
+                    torch.mul(p.grad.reshape(-1), 0.5, out=slot)
+            for p, slot in zip(params, slots):      # ... and copy the slot back out
                 if p.grad is not None:
-                    slot.copy_(p.grad.reshape(-1))
+                    p.grad.view(-1).copy_(slot)
             sync()
             t3 = time.perf_counter()
             opt.step()
@@ -213,7 +252,7 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     layers = [Layer(name, pb, med["forward"] * layer_fwd[name] / total,
                     med["backward"] * layer_fwd[name] / total, unit_of.get(id(m), ""))
               for name, m, pb in owners]
-    return Profile(layers, med["step"], copy_s_per_byte=med["copy"] / (flat.numel() * flat.element_size()))
+    return Profile(layers, med["step"], copy_s_per_byte=med["copy"] / (2 * flat.numel() * flat.element_size()))
 
 
 def profile_job(model: str = "mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
@@ -510,7 +549,8 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
 def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
     """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
     or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
-    rank's per size), which fits each collective its own line (``Network.per_op``).
+    rank's per size), which fits each collective its own line (``Network.per_op``). The timings
+    are kept too (``Network.measured``): at N ranks predictions interpolate them.
 
     Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
     fitted for *relative* error; a plain least-squares fit would let the largest size decide
@@ -526,7 +566,9 @@ def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
             raise ValueError(f"fitting {op} needs timings at two sizes or more")
     per_op = {op: _fit_line(rows, op, world_size) for op, rows in by_op.items()}
     alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
-    return Network(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {})
+    measured = {op: tuple(sorted((float(s), float(t)) for s, t in rows)) for op, rows in by_op.items()}
+    return Network(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
+                   measured=measured, measured_world_size=world_size)
 
 
 def slowest_rank(per_rank: list[dict]) -> dict:

@@ -160,6 +160,27 @@ def test_fit_gives_each_collective_its_own_line():
         cm.Network("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
 
 
+def test_measured_timings_are_interpolated_at_their_world_size_only():
+    samples = {"all_reduce": [(1024, 1e-3), (1 << 20, 2e-3), (1 << 22, 8e-3)],
+               "all_gather": [(1024, 0.5e-3), (1 << 22, 4e-3)]}
+    net = cm.fit_network(samples, 2)
+    assert net.measured_world_size == 2
+    t = lambda op, s, n=2, network=net: cm.collective_time(op, s, n, network)  # noqa: E731
+    assert t("all_reduce", 1 << 20) == pytest.approx(2e-3)                     # a measured point
+    mid = (1 << 20) + ((1 << 22) - (1 << 20)) / 2
+    assert t("all_reduce", mid) == pytest.approx(5e-3)                         # halfway between
+    assert t("all_reduce", 100) == pytest.approx(1e-3)                         # below: the smallest
+    alpha, beta = net.alpha_beta("all_reduce")
+    assert t("all_reduce", 1 << 23) == pytest.approx(8e-3 + (1 << 22) * beta)  # above: the fitted slope
+    assert t("reduce_scatter", 1 << 20) == pytest.approx(alpha + (1 << 19) * beta)  # not measured: a line
+    line = net.line()
+    assert not line.measured and line.alpha_beta("all_gather") == net.alpha_beta("all_gather")
+    assert t("all_reduce", 1 << 20, 4) == pytest.approx(6 * alpha + 1.5 * (1 << 20) * beta)  # other N: line
+    assert t("all_reduce", 1 << 20, network=line) == pytest.approx(2 * alpha + (1 << 20) * beta)
+    with pytest.raises(ValueError, match="world size"):
+        cm.Network("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
+
+
 def test_calibration_sizes_reach_the_largest_collective():
     assert cm.calibration_sizes(8.4e6) == (1024, 16384, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
     assert cm.calibration_sizes(1000) == cm.CALIBRATION_SIZES[:3]  # at least three sizes
