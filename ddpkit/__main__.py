@@ -469,9 +469,10 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
     machine hits calibration and measurement alike. The model sees only the calibration and
     the profile, never a strategy's timing. Returns ``(records, network, profile)``: one record
-    per strategy with ``predicted_ms``, ``measured_ms`` (median over rounds), ``rel_error``
-    (predicted / measured - 1), ``measured_ms_rounds`` and ``predicted_line_ms`` (with the
-    fitted straight lines instead of the timings, ``Network.line``); the first also carries the
+    per strategy with ``predicted_ms`` (each collective on its fitted alpha-beta line),
+    ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
+    ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
+    the calibration's timings instead, ``Network.measured``); the first also carries the
     ``calibration`` the network was fitted to. A strategy that fails has ``error`` instead."""
     from ddpkit import costmodel
 
@@ -508,11 +509,11 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
         if s in errors:
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
-        pred = costmodel.simulate(s, profile, n, network, bucket_cap_mb)
-        on_lines = costmodel.simulate(s, profile, n, network.line(), bucket_cap_mb)
+        pred = costmodel.simulate(s, profile, n, network.line(), bucket_cap_mb)
+        interpolated = costmodel.simulate(s, profile, n, network, bucket_cap_mb)
         measured = statistics.median(per_round[s])
         records.append(dict(strategy=s, world_size=n, model=model, predicted_ms=pred.ms_per_step,
-                            predicted_line_ms=on_lines.ms_per_step,
+                            predicted_from_timings_ms=interpolated.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
                             exposed_comm_ms=pred.exposed_comm_ms))
@@ -579,10 +580,10 @@ def _cmd_validate(args, parser) -> int:
 
 
 def format_validation(records: list[dict]) -> str:
-    """predict --validate's table: predicted and measured ms/step, the error, the rounds' spread;
-    then the prediction with each collective's fitted straight line instead of its timings."""
+    """predict --validate's table: predicted (alpha-beta lines) and measured ms/step, the error,
+    the rounds' spread; then the prediction from the calibration's timings, interpolated."""
     heads = (f"{'ranks':>5}  {'strategy':>10}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
-             f"{'rounds (min-max)':>16}  {'lines only':>10}  {'error':>6}")
+             f"{'rounds (min-max)':>16}  {'from timings':>12}  {'error':>6}")
     lines = [heads]
     for r in records:
         if "error" in r:
@@ -590,8 +591,8 @@ def format_validation(records: list[dict]) -> str:
             continue
         spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
         lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
-                     f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_line_ms']:10.2f}  "
-                     f"{r['predicted_line_ms'] / r['measured_ms'] - 1:+6.0%}")
+                     f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_from_timings_ms']:12.2f}  "
+                     f"{r['predicted_from_timings_ms'] / r['measured_ms'] - 1:+6.0%}")
     return "\n".join(lines)
 
 
@@ -628,6 +629,7 @@ def cmd_predict(args, parser) -> int:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         network = costmodel.fit_network(samples, args.fit_ranks, name="fitted here")
         _print_fit(network, samples, args.fit_ranks)
+        network = network.line()  # the alpha-beta lines, for every world size alike
 
     kwargs = _model_kwargs(args)
     if args.threads:

@@ -47,9 +47,10 @@ class Network:
 
     ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
     ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
-    instead of using the straight line (a machine's curve is not quite a line: on the
-    development machine the fitted all-reduce line missed 16 MiB by 20-35%). Every other world
-    size uses the lines. ``line()`` is the same network without the timings.
+    instead of using the straight line. A machine's curve is not quite a line (on the
+    development machine the all-reduce line could miss 16 MiB by 20-35%), but one timing is
+    noisier than a line through six: ``predict --validate`` shows both. Every other world size
+    uses the lines. ``line()`` is the same network without the timings.
     """
 
     name: str
@@ -81,14 +82,15 @@ class Network:
         return 1e-9 / self.beta if self.beta else math.inf
 
 
-# Presets. "loopback" was fitted on the development machine (2 CPU cores shared by several
-# users, load average ~8; gloo over loopback) with
-# `python -m ddpkit predict --fit --fit-ranks 2`: alpha 102 us, 0.44 GB/s. Fit your own machine
-# the same way. The others are round figures for the order of magnitude, not measurements:
-# 100 GbE moves at most 12.5 GB/s, ~10 GB/s in practice, with tens of microseconds per message
-# over TCP; NVLink (A100/H100 class) moves a few hundred GB/s per GPU, a few microseconds per hop.
+# Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,
+# gloo over loopback, collectives timed back to back) by `python -m ddpkit predict --fit
+# --fit-ranks 2`: alpha 280-710 us and 1.7-2.3 GB/s over several runs (a small collective's
+# latency there drifts from second to second). Fit your own machine the same way. The others are
+# round figures for the order of magnitude, not measurements: 100 GbE moves at most 12.5 GB/s,
+# ~10 GB/s in practice, with tens of microseconds per message over TCP; NVLink (A100/H100 class)
+# moves a few hundred GB/s per GPU, a few microseconds per hop.
 NETWORKS = {
-    "loopback": Network("loopback", alpha=100e-6, beta=1 / 0.45e9),
+    "loopback": Network("loopback", alpha=500e-6, beta=1 / 2e9),
     "100GbE": Network("100GbE", alpha=20e-6, beta=1 / 10e9),
     "nvlink": Network("nvlink", alpha=5e-6, beta=1 / 200e9),
 }
