@@ -472,8 +472,8 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     per strategy with ``predicted_ms`` (each collective on its fitted alpha-beta line),
     ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
     ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
-    the calibration's timings instead, ``Network.measured``); the first also carries the
-    ``calibration`` the network was fitted to. A strategy that fails has ``error`` instead."""
+    the calibration's timings instead, ``Network.measured``, which holds them). A strategy that
+    fails has ``error`` instead."""
     from ddpkit import costmodel
 
     from ddpkit.models import build_model
@@ -517,8 +517,6 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
                             exposed_comm_ms=pred.exposed_comm_ms))
-    if calibrations and records:
-        records[0]["calibration"] = merged
     return records, network, profile
 
 
@@ -561,10 +559,8 @@ def _cmd_validate(args, parser) -> int:
         print(f"{n} ranks ({cluster.backend}): compute {(profile.forward_s + profile.backward_s) * 1e3:.2f} ms "
               f"+ optimizer {profile.optimizer_s * 1e3:.2f} ms per step (slowest rank, all ranks computing), "
               f"gradient copies {1e-9 / profile.copy_s_per_byte if profile.copy_s_per_byte else float('inf'):.1f} GB/s")
-        if n > 1:
-            samples = recs[0].get("calibration") if recs else None
-            if samples:
-                _print_fit(network, samples, n)
+        if network.measured:
+            _print_fit(network, network.measured, n)
     print(f"model {args.model} {kwargs or ''}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
@@ -574,7 +570,7 @@ def _cmd_validate(args, parser) -> int:
               "is not in the model")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "calibration"} for r in records], f, indent=1)
+            json.dump(records, f, indent=1)
         print(f"wrote {args.json}")
     return 1 if all("error" in r for r in records) else 0
 
