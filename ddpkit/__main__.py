@@ -476,12 +476,8 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     fails has ``error`` instead."""
     from ddpkit import costmodel
 
-    from ddpkit.models import build_model
-
     n = cluster.world_size
-    ops = ("all_reduce", "all_gather", "reduce_scatter")
-    param_bytes = sum(p.numel() * p.element_size() for p in build_model(model, **(model_kwargs or {})).parameters())
-    sizes = costmodel.calibration_sizes(param_bytes)
+    sizes = _calibration_sizes(model, model_kwargs)
     common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
                   optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
     per_round: dict = {s: [] for s in strategies}
@@ -491,7 +487,7 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
         if n > 1:
             if progress:
                 progress.start(f"calibrating collectives (round {r + 1})")
-            calibrations.append(costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, ops, sizes)))
+            calibrations.append(costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes)))
         if progress:
             progress.start(f"profiling compute (round {r + 1})")
         ranks = cluster.run(costmodel.profile_job, model, global_batch_size // n, optimizer, model_kwargs)
@@ -501,7 +497,7 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     network = costmodel.NETWORKS["loopback"]
     if calibrations:  # per collective and size, the median over rounds
         merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
-                       for rows in zip(*(c[op] for c in calibrations))] for op in ops}
+                       for rows in zip(*(c[op] for c in calibrations))] for op in calibrations[0]}
         network = costmodel.fit_network(merged, n, name=f"fitted on {n} ranks")
     profile = _median_profile(profiles)
     records = []
@@ -520,21 +516,26 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     return records, network, profile
 
 
-def _print_fit(network, samples: dict, n: int) -> None:
-    """Each collective's fitted line, and the timings it was fitted to."""
+def _calibration_sizes(model: str, model_kwargs: dict | None) -> tuple:
+    """The collective sizes worth timing for this model: up to its parameter bytes, and beyond."""
+    from ddpkit import costmodel
+    from ddpkit.models import build_model
+
+    module = build_model(model, **(model_kwargs or {}))
+    return costmodel.calibration_sizes(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
+def _print_fit(network) -> None:
+    """Each collective's fitted line, and the timings it was fitted to (``network.measured``)."""
     from ddpkit import costmodel
 
-    line = network.line()
+    n, line = network.measured_world_size, network.line()
     print(f"fitted on {n} ranks (collectives timed in a row, slowest rank):")
-    for op, rows in samples.items():
+    for op, rows in network.measured.items():
         alpha, beta = network.alpha_beta(op)
         print(f"  {op:<14} alpha {alpha * 1e6:7.1f} us, {1e-9 / beta if beta else float('inf'):6.2f} GB/s;  "
-              + "  ".join(f"{_kib(size)} {sec * 1e3:.2f}/{costmodel.collective_time(op, size, n, line) * 1e3:.2f}"
+              + "  ".join(f"{size / 1024:.0f} {sec * 1e3:.2f}/{costmodel.collective_time(op, size, n, line) * 1e3:.2f}"
                           for size, sec in rows) + "  (KiB measured/fitted ms)")
-
-
-def _kib(nbytes: float) -> str:
-    return f"{nbytes / 1024:.0f}"
 
 
 def _cmd_validate(args, parser) -> int:
@@ -560,7 +561,7 @@ def _cmd_validate(args, parser) -> int:
               f"+ optimizer {profile.optimizer_s * 1e3:.2f} ms per step (slowest rank, all ranks computing), "
               f"gradient copies {1e-9 / profile.copy_s_per_byte if profile.copy_s_per_byte else float('inf'):.1f} GB/s")
         if network.measured:
-            _print_fit(network, network.measured, n)
+            _print_fit(network)
     print(f"model {args.model} {kwargs or ''}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
@@ -619,12 +620,11 @@ def cmd_predict(args, parser) -> int:
     if args.fit:
         import ddpkit
 
-        model = build_model(args.model, **_model_kwargs(args))
-        sizes = costmodel.calibration_sizes(sum(p.numel() * p.element_size() for p in model.parameters()))
+        sizes = _calibration_sizes(args.model, _model_kwargs(args))
         with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         network = costmodel.fit_network(samples, args.fit_ranks, name="fitted here")
-        _print_fit(network, samples, args.fit_ranks)
+        _print_fit(network)
         network = network.line()  # the alpha-beta lines, for every world size alike
 
     kwargs = _model_kwargs(args)

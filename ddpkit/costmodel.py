@@ -342,33 +342,32 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     starts when backward ends.
     """
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
-    owner = [layer for layer in profile.layers for _ in layer.param_bytes]
     t = profile.forward_s
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
-        for layer in reversed(profile.layers):
-            t += layer.backward_s
-        for i in reversed(range(len(flat))):
-            t = stream.issue("all_reduce", flat[i], t + profile.copy_s(flat[i]))
+        t += profile.backward_s
+        for b in reversed(flat):
+            t = stream.issue("all_reduce", b, t + profile.copy_s(b))
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes)
-    ready = [0.0] * len(flat)  # when gradient i is in its bucket slot
+    sizes = [sum(flat[i] for i in b) for b in buckets]
     if overlap:
+        ready = []  # when each gradient is in its bucket slot, in backward order
         for layer in reversed(profile.layers):  # backward runs the layers in reverse
             t += layer.backward_s
-            for i in reversed(range(len(flat))):
-                if owner[i] is layer:  # its hook copies it in, delaying what follows
-                    t += profile.copy_s(flat[i])
-                    ready[i] = t
-        launched = [stream.issue("all_reduce", sum(flat[i] for i in b), max(ready[i] for i in b))
-                    for b in buckets]
+            for b in reversed(layer.param_bytes):  # its hook copies it in, delaying what follows
+                t += profile.copy_s(b)
+                ready.append(t)
+        ready.reverse()  # registration order, as the bucket indices are
+        launched = [stream.issue("all_reduce", size, max(ready[i] for i in b))
+                    for b, size in zip(buckets, sizes)]
     else:
         t += profile.backward_s
         launched = []
-        for b in buckets:  # pack bucket k, launch it, pack bucket k+1 while k is sent
-            t += profile.copy_s(sum(flat[i] for i in b))
-            launched.append(stream.issue("all_reduce", sum(flat[i] for i in b), t))
-    for b, done in zip(buckets, launched):  # wait for each in order, copy it back out
-        t = max(t, done) + profile.copy_s(sum(flat[i] for i in b))
+        for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
+            t += profile.copy_s(size)
+            launched.append(stream.issue("all_reduce", size, t))
+    for size, done in zip(sizes, launched):  # wait for each in order, copy it back out
+        t = max(t, done) + profile.copy_s(size)
     return t
 
 
