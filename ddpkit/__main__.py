@@ -16,7 +16,8 @@ import statistics
 import sys
 import time
 
-from ddpkit.experiment import STRATEGIES
+from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import strategy as strategy_row
 
 MODELS = ("mlp", "gpt")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -601,7 +602,7 @@ def cmd_predict(args, parser) -> int:
     if args.world_sizes is None:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
     if args.strategies is None:
-        args.strategies = [s for s in STRATEGIES if not (args.validate and s == "torch_fsdp")]
+        args.strategies = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
     network = _network(parser, args.network)  # replaced by the fitted one with --fit
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "

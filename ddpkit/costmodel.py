@@ -27,7 +27,9 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 
-from ddpkit.experiment import STRATEGIES
+from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import strategy as strategy_row
+from ddpkit.strategies.buckets import assign_buckets  # the same rule the strategies use
 from ddpkit.trace import ring_bytes  # bytes one rank sends, by the ring formulas above
 
 MiB = 1024 * 1024
@@ -185,15 +187,15 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     Backward is not timed per layer (module backward hooks are fragile): each layer gets the
     measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
     forward times are scaled so they add up to the whole forward (activations, loss included).
-    ``units`` are the FSDP units (default: ``experiment.fsdp_units``). The optimizer steps, so
+    ``units`` are the FSDP units (default: ``models.fsdp_units``). The optimizer steps, so
     pass a model you do not need afterwards. Also timed, right after backward: scaling every
     gradient into a flat buffer and copying it back, tensor by tensor, as bucketed DDP does
     (``copy_s_per_byte`` is half that time per byte: one pass).
     """
     import torch
 
-    from ddpkit.experiment import fsdp_units, make_optimizer
-    from ddpkit.models import loss_fn
+    from ddpkit.experiment import make_optimizer
+    from ddpkit.models import fsdp_units, loss_fn
 
     dev = next(module.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -286,25 +288,6 @@ class Prediction:
     collectives: int
 
 
-def assign_buckets(param_bytes: list[int], cap_bytes: float, first_cap_bytes: float | None = None) -> list[list[int]]:
-    """Indices of ``param_bytes`` (registration order) grouped into buckets, torch DDP's way:
-    reverse order, a bucket closes once it reaches the cap (the tensor crossing it stays in),
-    cap 0 = one parameter per bucket; ``first_cap_bytes`` caps the first bucket only."""
-    if cap_bytes < 0:
-        raise ValueError(f"bucket cap must be >= 0, got {cap_bytes}")
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(param_bytes))):
-        current.append(i)
-        size += param_bytes[i]
-        cap = first_cap_bytes if (first_cap_bytes is not None and not buckets) else cap_bytes
-        if size >= cap:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 class _Stream:
     """One communication stream: collectives run one at a time, in the order issued."""
 
@@ -348,7 +331,7 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
         for b in reversed(flat):
             t = stream.issue("all_reduce", b, t + profile.copy_s(b))
         return t
-    buckets = assign_buckets(flat, cap_bytes, first_cap_bytes)
+    buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]
     if overlap:
         ready = []  # when each gradient is in its bucket slot, in backward order
@@ -422,8 +405,7 @@ def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch
 def simulate(strategy: str, profile: Profile, world_size: int, network: Network | str = "loopback",
              bucket_cap_mb: float = 25.0) -> Prediction:
     """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network``."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    step = strategy_row(strategy).cost  # how the table says this strategy communicates
     if isinstance(network, str):
         if network not in NETWORKS:
             raise ValueError(f"unknown network {network!r}; valid: {', '.join(NETWORKS)}")
@@ -432,28 +414,21 @@ def simulate(strategy: str, profile: Profile, world_size: int, network: Network 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
     stream = _Stream(n, network)
-    cap = bucket_cap_mb * MiB
-    opt = profile.optimizer_s
-    if strategy == "naive":            # one all-reduce per gradient, after backward
-        end = _ddp_step(profile, stream, 0, overlap=False) + opt
-    elif strategy == "bucketed":
-        end = _ddp_step(profile, stream, cap, overlap=False) + opt
-    elif strategy == "overlapped":
-        end = _ddp_step(profile, stream, cap, overlap=True) + opt
-    elif strategy == "torch_ddp":      # torch caps the first bucket at 1 MiB (default cap only)
-        first = 1 * MiB if bucket_cap_mb == 25.0 else None
-        end = _ddp_step(profile, stream, cap, overlap=True, first_cap_bytes=first) + opt
-    elif strategy == "zero1":
-        # Gradients all-reduced as in DDP; each rank steps 1/N of the parameters, then the
-        # updated parameters are shared: modelled as one all-gather of all P bytes.
-        # Each rank copies its 1/N of the parameters into the send buffer, and all of them back
-        # out of the gathered one.
-        p_bytes = profile.param_bytes
-        end = _ddp_step(profile, stream, cap, overlap=True) + opt / n + profile.copy_s(p_bytes / n)
-        end = stream.issue("all_gather", p_bytes, end) + profile.copy_s(p_bytes)
-    else:                              # fsdp, torch_fsdp: ZeRO-3 with prefetching
-        end = _fsdp_step(profile, stream, reshard=True, prefetch=True) + opt / n
-    compute = profile.forward_s + profile.backward_s + (opt / n if strategy in ("zero1", "fsdp", "torch_fsdp") else opt)
+    opt = profile.optimizer_s / n if step.sharded_optimizer else profile.optimizer_s
+    if step.algorithm == "fsdp":
+        end = _fsdp_step(profile, stream, reshard=step.reshard, prefetch=step.prefetch) + opt
+    else:
+        cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
+        # torch caps its first bucket at 1 MiB when the cap is left at its default
+        first = 1 * MiB if step.torch_first_bucket and bucket_cap_mb == 25.0 else None
+        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first) + opt
+        if step.gather_params:
+            # each rank stepped 1/N of the parameters; the updated ones are shared with one
+            # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
+            # ones back out
+            p_bytes = profile.param_bytes
+            end = stream.issue("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)) + profile.copy_s(p_bytes)
+    compute = profile.forward_s + profile.backward_s + opt
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
                       max(0.0, end - compute) * 1e3, stream.bytes, stream.count)
 

@@ -8,7 +8,7 @@ Equality with one process: rank r trains on its slice of the global batch with a
 Averaging the N ranks' gradients gives (1/N) sum_r mean_r = the mean over the whole batch,
 which is exactly what one process computes on the whole batch.
 
-Below those: the strategy table (``STRATEGIES``, ``wrap``: a name -> wrapper + optimizer) and
+Below those: ``wrap`` (a name -> wrapper + optimizer, from ``ddpkit.strategies.table``) and
 ``run_strategy``, the Cluster job behind ``python -m ddpkit compare`` and ``trace``: build, train,
 time each step (perf_counter on CPU, CUDA events on GPU), and optionally record, reading bytes,
 overlap and memory back from ``ddpkit.trace``'s records.
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ddpkit.models import MLP, TinyGPT, build_model, loss_fn, make_batch, shard_batch
+from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
 from ddpkit.strategies._common import NULL_RECORDER
+from ddpkit.strategies.table import NAMES as STRATEGIES  # noqa: F401  (the names, for callers)
+from ddpkit.strategies.table import strategy as strategy_row
 
 
 def train_step(model, optimizer, inputs, targets, recorder=NULL_RECORDER):
@@ -79,57 +81,17 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-# ---------------------------------------------------------------------------------------------
-# The strategy table: one name -> how to wrap a model and build its optimizer.
-#
-# Every entry is two lines: the wrapper, and the optimizer over what the wrapper exposes as
-# parameters (for FSDP the local shards). Nothing else in a training loop depends on the name.
-# ---------------------------------------------------------------------------------------------
-STRATEGIES = ("naive", "bucketed", "overlapped", "zero1", "fsdp", "torch_ddp", "torch_fsdp")
-
-
-def fsdp_units(module) -> list:
-    """FSDP units for the course's models: one per Linear of the MLP, one per block of TinyGPT."""
-
-    if isinstance(module, MLP):
-        return [block[0] for block in module.layers] + [module.head]
-    if isinstance(module, TinyGPT):
-        return list(module.blocks)  # the root keeps embeddings, final norm and the tied head
-    return [m for m in module.children() if any(True for _ in m.parameters())]
-
-
 def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 25.0,
          recorder=NULL_RECORDER, process_group=None):
-    """(wrapped model, optimizer) for ``strategy``; the model is moved to this rank's device first."""
+    """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them; the
+    model is moved to this rank's device first. Nothing else in a training loop depends on the name."""
     import ddpkit
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-    module = module.to(ddpkit.device())
+    row = strategy_row(strategy)
+    cls, defaults = optimizer_class(optimizer)
     common = dict(recorder=recorder, process_group=process_group)
-    if strategy == "naive":
-        model = ddpkit.NaiveDDP(module, **common)
-    elif strategy == "bucketed":
-        model = ddpkit.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
-    elif strategy in ("overlapped", "zero1"):
-        model = ddpkit.OverlappedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
-    elif strategy == "fsdp":
-        model = ddpkit.FSDP(module, units=fsdp_units(module), **common)
-    elif strategy == "torch_ddp":
-        from ddpkit.strategies.reference import TorchDDP
-
-        model = TorchDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
-    else:  # torch_fsdp: fully_shard with the same units as our FSDP
-        from ddpkit.strategies.reference import TorchFSDP
-
-        model = TorchFSDP(module, units=fsdp_units(module), **common)
-
-    if strategy == "zero1":  # ZeRO-1: gradients all-reduced as in DDP, optimizer state 1/N per rank
-        cls, defaults = optimizer_class(optimizer)
-        opt = ddpkit.ShardedOptimizer(model.parameters(), cls, **common, **defaults)
-    else:
-        opt = make_optimizer(model.parameters(), optimizer)
-    return model, opt
+    model = row.wrap(module.to(ddpkit.device()), bucket_cap_mb=bucket_cap_mb, **common)
+    return model, row.optimizer(model.parameters(), cls, defaults, **common)
 
 
 # ---------------------------------------------------------------------------------------------

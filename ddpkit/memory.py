@@ -25,13 +25,12 @@ import contextlib
 
 import torch
 
+from ddpkit.strategies.table import STRATEGIES
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations")
 
 # Which ZeRO stage each ddpkit strategy is, for putting predictions beside measurements.
-STAGE_OF_STRATEGY = {
-    "naive": "DDP", "bucketed": "DDP", "overlapped": "DDP", "torch_ddp": "DDP",
-    "zero1": "ZeRO-1", "fsdp": "ZeRO-3", "torch_fsdp": "ZeRO-3",
-}
+STAGE_OF_STRATEGY = {name: row.zero_stage for name, row in STRATEGIES.items()}
 
 
 def _tensor_bytes(tensors) -> int:

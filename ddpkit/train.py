@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.experiment import STRATEGIES, local_batch, train_step, wrap
+from ddpkit.experiment import local_batch, train_step, wrap
+from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.models import build_model
 
 

@@ -18,7 +18,7 @@ import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn, make_batch
 from ddpkit.strategies._common import NullRecorder, unique_named_parameters
-from ddpkit.strategies.bucketed import assign_buckets
+from ddpkit.strategies.buckets import assign_buckets, bucket_cap_bytes
 from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
 
 STRATEGIES = ("naive", "bucketed", "overlapped")
@@ -422,38 +422,41 @@ def test_grad_ready_reported_only_when_recording(cluster_of, strategy):
 
 
 # --------------------------------------------------------------------------- bucket assignment
-def named(*numels, dtype=torch.float32):
-    return [(f"p{i}", torch.empty(n, dtype=dtype)) for i, n in enumerate(numels)]
-
-
-MIB_FOR = lambda floats: floats * 4 / 2**20  # noqa: E731  a cap in MiB that holds `floats` fp32
+F32 = 4  # bytes per fp32 element: sizes below are numbers of floats x F32
 
 
 def test_assign_buckets_reverse_order_and_crossing_tensor_stays():
     # caps of 100 floats: p4 (40) + p3 (40) = 80 < 100, + p2 -> 120 >= 100: p2 stays, bucket closes
-    assert assign_buckets(named(40, 40, 40, 40, 40), MIB_FOR(100)) == [["p4", "p3", "p2"], ["p1", "p0"]]
+    assert assign_buckets([40 * F32] * 5, 100 * F32) == [[4, 3, 2], [1, 0]]
     # exactly reaching the cap closes the bucket too
-    assert assign_buckets(named(50, 50, 50), MIB_FOR(100)) == [["p2", "p1"], ["p0"]]
+    assert assign_buckets([50 * F32] * 3, 100 * F32) == [[2, 1], [0]]
     # one tensor bigger than the cap gets a bucket of its own, then the next starts
-    assert assign_buckets(named(10, 500, 10), MIB_FOR(100)) == [["p2", "p1"], ["p0"]]
+    assert assign_buckets([10 * F32, 500 * F32, 10 * F32], 100 * F32) == [[2, 1], [0]]
 
 
 def test_assign_buckets_cap_zero_huge_and_counts():
-    assert assign_buckets(named(3, 1, 2), 0) == [["p2"], ["p1"], ["p0"]]
-    assert assign_buckets(named(3, 1, 2), 25.0) == [["p2", "p1", "p0"]]
-    assert assign_buckets(named(3, 1, 2), math.inf) == [["p2", "p1", "p0"]]
+    assert assign_buckets([3, 1, 2], 0) == [[2], [1], [0]]
+    assert assign_buckets([3, 1, 2], bucket_cap_bytes(25.0)) == [[2, 1, 0]]
+    assert assign_buckets([3, 1, 2], math.inf) == [[2, 1, 0]]
     assert assign_buckets([], 25.0) == []
-    mlp = list(unique_named_parameters(build_model("mlp", width=256, depth=32)))  # 8.4 MB
-    assert len(assign_buckets(mlp, 25.0)) == 1
-    assert len(assign_buckets(mlp, 1.0)) == 8  # 263,168 bytes per layer: every 4 layers reach 1 MiB
+    mlp = [p.numel() * F32 for _, p in unique_named_parameters(build_model("mlp", width=256, depth=32))]
+    assert len(assign_buckets(mlp, bucket_cap_bytes(25.0))) == 1  # 8.4 MB
+    assert len(assign_buckets(mlp, bucket_cap_bytes(1.0))) == 8  # 263,168 bytes per layer: 4 layers reach 1 MiB
     assert len(assign_buckets(mlp, 0)) == 66
 
 
+def test_assign_buckets_first_cap_as_torch_ddp():
+    # torch DDP caps the first bucket (of each dtype) at 1 MiB when bucket_cap_mb is its default
+    assert assign_buckets([10] * 5, 1000, first_cap_bytes=15) == [[4, 3], [2, 1, 0]]
+    assert assign_buckets([10] * 5, 25, first_cap_bytes=15) == [[4, 3], [2, 1, 0]]
+    with pytest.raises(ValueError, match=">= 0"):
+        assign_buckets([10], -1)
+
+
 def test_assign_buckets_one_dtype_per_bucket():
-    mixed = [("a", torch.empty(10)), ("b", torch.empty(10, dtype=torch.float64)),
-             ("c", torch.empty(10)), ("d", torch.empty(10, dtype=torch.float64))]
-    assert assign_buckets(mixed, 25.0) == [["d", "b"], ["c", "a"]]
-    assert assign_buckets(mixed, MIB_FOR(10)) == [["d"], ["c"], ["b"], ["a"]]
+    kinds = [torch.float32, torch.float64, torch.float32, torch.float64]
+    assert assign_buckets([40, 80, 40, 80], 10**9, kinds) == [[3, 1], [2, 0]]
+    assert assign_buckets([40, 80, 40, 80], 40, kinds) == [[3], [2], [1], [0]]
 
 
 def test_assign_buckets_matches_torch_ddp():
@@ -464,17 +467,18 @@ def test_assign_buckets_matches_torch_ddp():
     for trial in range(50):
         dtypes = [rng.choice([torch.float32, torch.float64, torch.float16]) for _ in range(rng.randint(1, 30))]
         tensors = [torch.empty(rng.randint(0, 300), dtype=d) for d in dtypes]
-        cap_bytes = rng.choice([0, 1, 64, 500, 2000, 10**9])
-        ours = assign_buckets([(str(i), t) for i, t in enumerate(tensors)], cap_bytes / 2**20)
+        caps = rng.choice([[0], [1], [64], [500], [2000], [10**9], [100, 2000], [500, 10**9]])
+        ours = assign_buckets([t.numel() * t.element_size() for t in tensors], caps[-1], dtypes,
+                              first_cap_bytes=caps[0] if len(caps) > 1 else None)
         # torch takes the tensors already reversed and answers with indices into that list
-        theirs, _ = compute(tensors[::-1], [cap_bytes])
-        assert ours == [[str(len(tensors) - 1 - i) for i in b] for b in theirs], (trial, cap_bytes)
+        theirs, _ = compute(tensors[::-1], caps)
+        assert ours == [[len(tensors) - 1 - i for i in b] for b in theirs], (trial, caps)
 
 
 @pytest.mark.parametrize("cap", [-1, -0.5, float("nan"), "25", None, True])
 def test_bad_bucket_cap_is_a_value_error(cap):
     with pytest.raises(ValueError, match="bucket_cap_mb"):
-        assign_buckets(named(3), cap)
+        bucket_cap_bytes(cap)
     for cls in (ddpkit.BucketedDDP, ddpkit.OverlappedDDP):  # before any process group is needed
         with pytest.raises(ValueError, match="bucket_cap_mb"):
             cls(nn.Linear(2, 2), bucket_cap_mb=cap)
@@ -504,16 +508,24 @@ def test_parameter_shapes_differing_across_ranks_name_the_parameter(cluster_of, 
 def _bucket_data():
     module = build_model("mlp", seed=0, **SMALL_MLP)
     model = ddpkit.BucketedDDP(module, bucket_cap_mb=SMALL_CAP)
-    return model.buckets, assign_buckets(unique_named_parameters(module), SMALL_CAP), model.comm_buffer_bytes()
+    named = list(unique_named_parameters(module))
+    expected = [[named[i][0] for i in b] for b in
+                assign_buckets([p.numel() * 4 for _, p in named], bucket_cap_bytes(SMALL_CAP))]
+    views = all(s.data_ptr() == b.flat[off:].data_ptr() and s.shape == p.shape
+                for b in model.buckets
+                for s, p, off in zip(b.slots, b.params, [sum(b.numels[:j]) for j in range(len(b.params))]))
+    return ([(b.index, b.names, b.numels, b.nbytes, b.flat.dtype) for b in model.buckets], expected,
+            views, model.comm_buffer_bytes())
 
 
-def test_buckets_are_plain_data(cluster_of):
-    buckets, expected, buffer_bytes = cluster_of(1).run(_bucket_data)[0]
-    assert [b.names for b in buckets] == expected
-    assert [b.index for b in buckets] == list(range(len(expected)))
-    assert buckets[0].names[:2] == ["head.bias", "head.weight"]
-    assert all(b.nbytes == 4 * sum(b.numels) and b.dtype == "torch.float32" for b in buckets)
-    assert sum(b.nbytes for b in buckets) == buffer_bytes == 1258 * 4
+def test_buckets_own_a_flat_buffer_with_a_slot_per_gradient(cluster_of):
+    buckets, expected, slots_are_views, buffer_bytes = cluster_of(1).run(_bucket_data)[0]
+    assert [names for _, names, _, _, _ in buckets] == expected
+    assert [index for index, *_ in buckets] == list(range(len(expected)))
+    assert buckets[0][1][:2] == ["head.bias", "head.weight"]
+    assert all(nbytes == 4 * sum(numels) and dtype == torch.float32 for _, _, numels, nbytes, dtype in buckets)
+    assert slots_are_views
+    assert sum(b[3] for b in buckets) == buffer_bytes == 1258 * 4
 
 
 def _with_trace_recorder(strategy):

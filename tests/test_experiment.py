@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import ddpkit
-from ddpkit.experiment import (STRATEGIES, fsdp_units, run_strategy, summarize_records,
+from ddpkit.experiment import (STRATEGIES, run_strategy, summarize_records,
                                train_single_process)
-from ddpkit.models import build_model
+from ddpkit.models import build_model, fsdp_units
 
 TINY = dict(width=16, depth=3)  # Linear(16,16) x3 + head(16->10): 986 parameters, 3944 bytes
 TINY_BYTES = 4 * (3 * (16 * 16 + 16) + 16 * 10 + 10)

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.experiment import fsdp_units, local_batch, make_optimizer, max_abs_diff, train_step
+from ddpkit.models import fsdp_units
+from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
 from ddpkit.strategies._common import NullRecorder, all_gather_flat
 from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.experiment import fsdp_units, local_batch, make_optimizer, max_abs_diff, train_step
+from ddpkit.models import fsdp_units
+from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn
 from ddpkit.strategies.reference import TorchDDP, TorchFSDP
 from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params

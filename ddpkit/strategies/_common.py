@@ -82,6 +82,11 @@ def unique_named_parameters(module: nn.Module, trainable_only: bool = True):
         yield name, p
 
 
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """FSDP's default units (ours and ``TorchFSDP``'s): each child with trainable parameters."""
+    return [m for m in module.children() if any(p.requires_grad for p in m.parameters())]
+
+
 def check_same_shapes(module: nn.Module, group=None) -> None:
     """Raise naming the first parameter whose shape differs across ranks (instead of hanging).
 
@@ -187,9 +192,11 @@ class DDPModule(nn.Module):
         """{parameter name: tensor}: every rank holds the full model, so just detached clones."""
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
+    buckets: tuple = ()  # bucketed wrappers set their list of ``buckets.Bucket``
+
     def comm_buffer_bytes(self) -> int:
-        """Bytes of communication buffers this wrapper holds (none unless it has buckets)."""
-        return 0
+        """Bytes of communication buffers this wrapper holds: its flat buckets, if any."""
+        return sum(b.nbytes for b in self.buckets)
 
 
 # ---------------------------------------------------------------------------- torch internals

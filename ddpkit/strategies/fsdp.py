@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import (NULL_RECORDER, all_gather_flat, nbytes, prepare_module,
+from ddpkit.strategies._common import (NULL_RECORDER, all_gather_flat, default_units, nbytes, prepare_module,
                                        queue_at_end_of_backward, reduce_scatter_flat)
 
 
@@ -189,7 +189,7 @@ class FSDP(nn.Module):
         # --- which unit owns which parameter ------------------------------------------------
         module_names = {id(m): name for name, m in module.named_modules()}
         if units is None:  # default: every child with trainable parameters
-            units = [m for m in module.children() if any(p.requires_grad for p in m.parameters())]
+            units = default_units(module)
         unit_names: dict[str, nn.Module] = {}
         for u in units:
             if not isinstance(u, nn.Module):

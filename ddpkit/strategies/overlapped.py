@@ -36,62 +36,57 @@ end of backward) in time.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import queue_at_end_of_backward
-from ddpkit.strategies.bucketed import BucketedDDP
+from ddpkit.strategies._common import DDPModule, queue_at_end_of_backward
+from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, make_buckets
 
 
-class OverlappedDDP(BucketedDDP):
+class OverlappedDDP(DDPModule):
     """Bucketed all-reduce launched from per-parameter gradient hooks, overlapping backward."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
                  recorder=None):
-        super().__init__(module, bucket_cap_mb, process_group, recorder)  # buckets, our hooks
-        self._start_step(sync=False)
-
-    def _register_hooks(self) -> None:
-        # Called by BucketedDDP.__init__ once the buckets exist: one hook per gradient.
-        for i, bucket in enumerate(self.buckets):
-            for j, (name, (p, slot)) in enumerate(zip(bucket.names, self._slots[i])):
-                p.register_post_accumulate_grad_hook(self._grad_ready_hook(name, i, j, slot))
+        bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
+        super().__init__(module, process_group, recorder)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.buckets = make_buckets(self.named_grads, bucket_cap_mb)
+        self._next_bucket = 0      # the next bucket to launch, in bucket order
+        self._end_queued = False   # the end-of-backward callback is queued for this step
+        for bucket in self.buckets:
+            for j, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, j))
 
     def _start_step(self, sync: bool) -> None:
         # Each training forward resets the per-step state the hooks update.
         super()._start_step(sync)
-        self._waiting = [len(slots) for slots in self._slots]  # bucket i: gradients not ready yet
-        self._ready = [[False] * len(slots) for slots in self._slots]
-        self._works = [None] * len(self._slots)  # bucket i's all-reduce handle, once launched
-        self._next_bucket = 0                    # the next bucket to launch, in bucket order
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket = 0
         self._end_queued = False
 
-    def _grad_ready_hook(self, name: str, i: int, j: int, slot: torch.Tensor):
-        """The hook for gradient j of bucket i: copy it in; launch the buckets now complete."""
+    def _grad_ready_hook(self, bucket: Bucket, j: int):
+        """The hook for gradient j of ``bucket``: copy it in; launch the buckets now complete."""
+        name = bucket.names[j]
 
         def hook(p: nn.Parameter) -> None:
             if self.recorder.enabled:
-                self.recorder.grad_ready(name, bucket=i)
+                self.recorder.grad_ready(name, bucket=bucket.index)
             if not self._sync_pending:  # inside no_sync() (or a forward not through us)
                 return
-            if self._ready[i][j]:
+            if bucket.ready[j]:
                 raise RuntimeError(
                     f"OverlappedDDP: the gradient of {name!r} became ready twice in one step; "
                     "each gradient must arrive once per backward")
             if not self._end_queued:
                 queue_at_end_of_backward(self.finish_gradient_synchronization)
                 self._end_queued = True
-            self._copy_into_bucket(p, slot)  # copy in: .grad / world_size into its bucket slot
-            self._ready[i][j] = True
-            self._waiting[i] -= 1
+            with torch.no_grad():
+                bucket.copy_in(j, 1.0 / self.world_size)  # .grad / N into its bucket slot
             # Launch every complete bucket in bucket order, starting from the next one due:
             # async, so autograd goes on computing earlier layers while the bytes travel.
-            while self._next_bucket < len(self._works) and self._waiting[self._next_bucket] == 0:
-                k = self._next_bucket
-                work = dist.all_reduce(self._flat[k], op=dist.ReduceOp.SUM, group=self.process_group,
-                                       async_op=True)
-                self.recorder.collective("all_reduce", work, nbytes=self.buckets[k].nbytes, bucket=k)
-                self._works[k] = work
+            while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
+                self.buckets[self._next_bucket].all_reduce(self.process_group, self.recorder)
                 self._next_bucket += 1
 
         return hook
@@ -100,12 +95,12 @@ class OverlappedDDP(BucketedDDP):
     def _sync_gradients(self) -> None:
         # Runs at the end of backward (queued by the first hook), or from an explicit
         # finish_gradient_synchronization() when no hook fired at all.
-        for i in range(self._next_bucket, len(self._works)):
-            for j, (p, slot) in enumerate(self._slots[i]):
-                if not self._ready[i][j]:  # no gradient in this backward: see the docstring
-                    self._copy_into_bucket(p, slot)
-            self._works[i] = self._launch(i)
-        self._next_bucket = len(self._works)
-        for i, work in enumerate(self._works):
-            work.wait()
-            self._copy_out_of_bucket(i)  # copy out: the averaged bucket back into .grad
+        for bucket in self.buckets[self._next_bucket:]:
+            for j, ready in enumerate(bucket.ready):
+                if not ready:  # no gradient in this backward: see the docstring
+                    bucket.copy_in(j, 1.0 / self.world_size)
+            bucket.all_reduce(self.process_group, self.recorder)
+        self._next_bucket = len(self.buckets)
+        for bucket in self.buckets:
+            bucket.wait()
+            bucket.copy_out()  # the averaged bucket back into .grad

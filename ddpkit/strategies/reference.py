@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import (DDPModule, NULL_RECORDER, nbytes, prepare_module, require_process_group,
-                                       unique_named_parameters)
-from ddpkit.strategies.bucketed import bucket_cap_bytes
+from ddpkit.strategies._common import (DDPModule, NULL_RECORDER, default_units, nbytes, prepare_module,
+                                       require_process_group, unique_named_parameters)
+from ddpkit.strategies.buckets import bucket_cap_bytes
 
 
 class TorchDDP(nn.Module):
@@ -84,8 +84,8 @@ class TorchFSDP(nn.Module):
         # A 1-D mesh over the ranks of the group (on CPU: a "cpu" mesh, gloo underneath).
         mesh = DeviceMesh.from_group(process_group or dist.group.WORLD, device.type)
         inside = {id(m) for m in module.modules()}
-        if units is None:
-            units = [m for m in module.children() if any(True for _ in m.parameters())]
+        if units is None:  # the same default as ours: every child with trainable parameters
+            units = default_units(module)
         fully_shard = _fully_shard()
         for unit in units:
             if id(unit) not in inside:

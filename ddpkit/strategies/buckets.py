@@ -1,0 +1,130 @@
+"""Buckets: gradients packed into one flat buffer, so that one collective carries many of them.
+
+    assign_buckets(sizes, cap_bytes)   which tensors share a bucket (torch DDP's rule)
+    Bucket(index, named_params)        one bucket: its flat buffer, a slot in it per gradient,
+                                       how many gradients are still missing in this step, and
+                                       the handle of its all-reduce once launched
+
+``BucketedDDP`` fills every bucket after backward; ``OverlappedDDP`` fills them from gradient
+hooks during backward and launches each as soon as it is full. Both talk to a bucket through
+the same four calls: ``copy_in``, ``all_reduce``, ``wait``, ``copy_out``. The cost model
+(``ddpkit.costmodel``) assigns buckets with the same ``assign_buckets``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.strategies._common import nbytes
+
+
+def bucket_cap_bytes(bucket_cap_mb: float) -> float:
+    """The cap in bytes (MiB, as in torch DDP); ValueError unless it is a number >= 0."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or not bucket_cap_mb >= 0:  # `not >=` also rejects NaN
+        raise ValueError(f"bucket_cap_mb must be a number of MiB >= 0, got {bucket_cap_mb!r}")
+    return int(bucket_cap_mb * 1024 * 1024) if math.isfinite(bucket_cap_mb) else math.inf
+
+
+def assign_buckets(sizes: list[int], cap_bytes: float, kinds: list | None = None,
+                   first_cap_bytes: float | None = None) -> list[list[int]]:
+    """Indices into ``sizes`` (bytes per tensor, registration order), bucket by bucket.
+
+    torch DDP's rule: walk the tensors in *reverse* (the last layers' gradients are ready
+    first in backward, so bucket 0 fills first); each kind of tensor (``kinds[i]``, e.g. its
+    (dtype, device): a bucket is one flat tensor) has one open bucket; a tensor joins its
+    kind's open bucket, and the bucket closes once it holds >= ``cap_bytes``, so the tensor
+    that crossed the cap stays in it. Cap 0: one tensor per bucket. ``first_cap_bytes`` caps
+    each kind's first bucket instead (torch DDP's 1 MiB first bucket). Buckets come out in
+    the order they were opened, i.e. the order they will fill.
+    """
+    if not cap_bytes >= 0 or (first_cap_bytes is not None and not first_cap_bytes >= 0):
+        raise ValueError(f"bucket caps must be >= 0 bytes, got {cap_bytes}, {first_cap_bytes}")
+    kinds = kinds if kinds is not None else [None] * len(sizes)
+    buckets: list[list[int]] = []
+    open_bucket: dict = {}  # kind -> [index into buckets, bytes so far]
+    closed: set = set()     # kinds whose first bucket has closed
+    for i in reversed(range(len(sizes))):
+        kind = kinds[i]
+        if kind not in open_bucket:
+            open_bucket[kind] = [len(buckets), 0]
+            buckets.append([])
+        index, size = open_bucket[kind]
+        buckets[index].append(i)
+        open_bucket[kind][1] = size = size + sizes[i]
+        cap = first_cap_bytes if first_cap_bytes is not None and kind not in closed else cap_bytes
+        if size >= cap:
+            del open_bucket[kind]
+            closed.add(kind)
+    return buckets
+
+
+class Bucket:
+    """One bucket: a flat buffer with a slot per gradient, and this step's progress."""
+
+    def __init__(self, index: int, named_params: list):
+        self.index = index
+        self.names = [name for name, _ in named_params]   # in the order they sit in the buffer
+        self.params = [p for _, p in named_params]
+        first = self.params[0]
+        # The flat buffer, allocated once: (sum of numels,). Each slot is a view of it shaped
+        # like its parameter, so copying a gradient in is one copy_ and no reshaping.
+        self.flat = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
+        self.slots = [s.view_as(p) for s, p in zip(self.flat.split(self.numels), self.params, strict=True)]
+        self.reset()
+
+    @property
+    def numels(self) -> list[int]:
+        return [p.numel() for p in self.params]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer = bytes this bucket's all-reduce reduces."""
+        return nbytes(self.flat)
+
+    def reset(self) -> None:
+        """A new step: every gradient missing, nothing launched."""
+        self.ready = [False] * len(self.params)
+        self.missing = len(self.params)
+        self.work = None
+
+    def copy_in(self, j: int, scale: float) -> None:
+        """Gradient j into its slot, times ``scale``; zeros if it has none (unused this step)."""
+        p, slot = self.params[j], self.slots[j]
+        # Scale on the way in, *before* the SUM: ReduceOp.AVG is not on every backend, and a
+        # sum of already-scaled values cannot overflow in low precision. A multiply by 1/N (as
+        # torch's reducer does) is cheaper than a divide; detach() keeps the copy out of any
+        # autograd graph (.grad has one under backward(create_graph=True)).
+        if p.grad is None:
+            slot.zero_()
+        else:
+            torch.mul(p.grad.detach(), scale, out=slot)
+        self.ready[j] = True
+        self.missing -= 1
+
+    def all_reduce(self, group, recorder) -> None:
+        """Launch the async all-reduce (SUM) of the whole buffer; ``wait()`` finishes it."""
+        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        recorder.collective("all_reduce", self.work, nbytes=self.nbytes, bucket=self.index)
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def copy_out(self) -> None:
+        """The reduced slots back into ``.grad`` (a parameter unused here gets the average too)."""
+        for p, slot in zip(self.params, self.slots, strict=True):
+            if p.grad is None:
+                p.grad = slot.clone()
+            else:
+                p.grad.copy_(slot)
+
+
+def make_buckets(named_params: list, bucket_cap_mb: float) -> list[Bucket]:
+    """The buckets for ``named_params`` ((name, parameter), registration order)."""
+    cap = bucket_cap_bytes(bucket_cap_mb)
+    sizes = [nbytes(p) for _, p in named_params]
+    kinds = [(p.dtype, p.device) for _, p in named_params]
+    return [Bucket(i, [named_params[k] for k in indices])
+            for i, indices in enumerate(assign_buckets(sizes, cap, kinds))]

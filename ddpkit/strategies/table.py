@@ -1,0 +1,133 @@
+"""The table of strategies: one entry per name, read by everything that runs or reasons about them.
+
+    STRATEGIES["overlapped"].wrap(module, bucket_cap_mb=1.0)   # the wrapped model
+    STRATEGIES["zero1"].zero_stage                              # "ZeRO-1": its memory formula
+    STRATEGIES["fsdp"].cost                                     # its step, for the cost model
+
+The strategy files know nothing of this table; its *consumers* read it: ``experiment`` (build a
+model and its optimizer by name), ``costmodel`` (simulate a step), ``memory`` and ``viz`` (the
+ZeRO formula beside a measurement), the command line (valid names) and the tests (every strategy
+equals one process). Adding a strategy is its file plus one entry here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ddpkit.models import fsdp_units
+
+
+@dataclass(frozen=True)
+class CostStep:
+    """How the cost model (``ddpkit.costmodel``) simulates one step: plain data, no code.
+
+    ``algorithm`` "ddp": gradients all-reduced (per gradient when ``bucketed`` is False, else
+    in buckets, launched during backward when ``overlap``), torch's 1 MiB first bucket when
+    ``torch_first_bucket``, the parameters all-gathered after a sharded optimizer step when
+    ``gather_params``. "fsdp": ZeRO-3, all-gathers before forward and backward (``reshard``),
+    ``prefetch`` of the next unit, a reduce-scatter per unit.
+    """
+
+    algorithm: str                    # "ddp" | "fsdp"
+    bucketed: bool = True
+    overlap: bool = False
+    torch_first_bucket: bool = False
+    gather_params: bool = False
+    sharded_optimizer: bool = False   # the optimizer steps 1/N of the parameters
+    reshard: bool = True
+    prefetch: bool = True
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One row: a name, what it is, how to build it, and what the consumers need to know of it."""
+
+    name: str
+    summary: str                      # one line, for tables and --help
+    wrap: Callable                    # (module, *, bucket_cap_mb, recorder, process_group) -> model
+    optimizer: Callable               # (params, cls, defaults, *, recorder, process_group) -> optimizer
+    zero_stage: str                   # "DDP", "ZeRO-1", "ZeRO-3": the memory formula it follows
+    cost: CostStep
+    torch_native: bool = False        # torch's own implementation, for side-by-side comparison
+    family: str = "ddp"               # "ddp" or "fsdp": which torch wrapper it is compared with
+    predictable: bool = True          # the cost model covers all it does (torch_fsdp's host-side
+                                      # overheads per unit it does not)
+
+
+# ----------------------------------------------------------------------------- how to build
+def _naive(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.naive import NaiveDDP
+
+    return NaiveDDP(module, **common)
+
+
+def _bucketed(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.bucketed import BucketedDDP
+
+    return BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
+
+
+def _overlapped(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.overlapped import OverlappedDDP
+
+    return OverlappedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
+
+
+def _fsdp(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.fsdp import FSDP
+
+    return FSDP(module, units=fsdp_units(module), **common)
+
+
+def _torch_ddp(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.reference import TorchDDP
+
+    return TorchDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
+
+
+def _torch_fsdp(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.reference import TorchFSDP
+
+    return TorchFSDP(module, units=fsdp_units(module), **common)
+
+
+def _local_optimizer(params, cls, defaults, recorder=None, process_group=None):
+    """A plain torch optimizer over what the wrapper exposes (FSDP: the local shards)."""
+    return cls(params, **defaults)
+
+
+def _sharded_optimizer(params, cls, defaults, recorder=None, process_group=None):
+    """ZeRO-1's ShardedOptimizer: ``cls`` over this rank's 1/N of the parameters."""
+    from ddpkit.strategies.zero1 import ShardedOptimizer
+
+    return ShardedOptimizer(params, cls, recorder=recorder, process_group=process_group, **defaults)
+
+
+# ----------------------------------------------------------------------------- the table
+_ROWS = [
+    Strategy("naive", "all-reduce every gradient after backward", _naive, _local_optimizer, "DDP",
+             CostStep("ddp", bucketed=False)),
+    Strategy("bucketed", "flat buckets, all-reduced after backward", _bucketed, _local_optimizer, "DDP",
+             CostStep("ddp")),
+    Strategy("overlapped", "buckets all-reduced from gradient hooks, during backward", _overlapped,
+             _local_optimizer, "DDP", CostStep("ddp", overlap=True)),
+    Strategy("zero1", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
+             _overlapped, _sharded_optimizer, "ZeRO-1",
+             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True)),
+    Strategy("fsdp", "ZeRO-3: flat parameters sharded 1/N, gathered just in time", _fsdp,
+             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), family="fsdp"),
+    Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
+             CostStep("ddp", overlap=True, torch_first_bucket=True), torch_native=True),
+    Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
+             CostStep("fsdp", sharded_optimizer=True), torch_native=True, family="fsdp",
+             predictable=False),
+]
+STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}
+NAMES: tuple[str, ...] = tuple(STRATEGIES)
+
+
+def strategy(name: str) -> Strategy:
+    """The table's row for ``name``; a ValueError listing the valid names otherwise."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(NAMES)}")
+    return STRATEGIES[name]
