@@ -13,7 +13,8 @@ Inside a rank (a Cluster job, a torchrun script, a test)::
 Plots (``ddpkit.viz``) and the widget (``ddpkit.widget``) are imported on first use, so a
 rank never pays for matplotlib or ipywidgets.
 """
-from ddpkit.cluster import Cluster, RankError, device, progress, rank, world_size
+from ddpkit.cluster import Cluster, RankError
+from ddpkit.rankside import device, progress, rank, world_size
 from ddpkit.strategies import BucketedDDP, FSDP, NaiveDDP, OverlappedDDP, ShardedOptimizer
 
 __version__ = "0.1.0"

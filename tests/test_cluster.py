@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 
@@ -93,7 +94,7 @@ def test_progress_and_results_reach_subscribers(cluster_of):
     assert [r.progress for r in c.ranks] == [(3, 3), (3, 3)]
     assert any(k == "results" for k, _, _ in events)
     assert [k for k, _, _ in events].count("status") >= 4  # running and idle, per rank
-    c._observers.clear()
+    c._events.observers.clear()
 
 
 # ---------------------------------------------------------------------- bad input
@@ -243,7 +244,7 @@ def test_the_learners_own_modules_ship_by_value_so_edits_reach_the_ranks(cluster
     assert c.run(mod.answer) == [2, 2]
     assert c.run(lambda: mod.answer() + 10) == [12, 12]
 
-    shipped = {m.__name__ for m in c._learner_modules()}
+    shipped = {m.__name__ for m in c._pickler.learner_modules()}
     assert name in shipped
     assert not any(n.split(".")[0] in ("ddpkit", "torch", "pytest", "os") for n in shipped)
     import cloudpickle
@@ -290,7 +291,7 @@ def test_ranks_magic_picks_the_named_or_the_newest_running_cluster():
 
     def fake(created, alive=True):
         c = Cluster.__new__(Cluster)  # not started: only what find_cluster looks at
-        c._created, c._procs = created, [object()] if alive else []
+        c._created, c._workers = created, SimpleNamespace(alive=alive)
         return c
 
     old, new, stopped = fake(1), fake(2), fake(3, alive=False)

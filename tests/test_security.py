@@ -59,14 +59,14 @@ def _closed_by_peer(sock: socket.socket, seconds: float = 10.0) -> bool:
 
 
 def test_the_parent_listens_on_loopback_only(cluster):
-    host, port = cluster._listen_sock.getsockname()
+    host, port = cluster._workers.admission.address
     assert host == "127.0.0.1" and port > 0
     # the job channel and the rendezvous store: nothing on 0.0.0.0 or ::
     listening = [c.laddr for c in psutil.Process().net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN]
     assert (host, port) in [(a.ip, a.port) for a in listening]
-    assert ("127.0.0.1", cluster._store.port) in [(a.ip, a.port) for a in listening]
-    ours = [a for a in listening if a.port in (port, cluster._store.port)]
+    assert ("127.0.0.1", cluster._workers.store.port) in [(a.ip, a.port) for a in listening]
+    ours = [a for a in listening if a.port in (port, cluster._workers.store.port)]
     assert all(a.ip == "127.0.0.1" for a in ours), ours
 
 
@@ -74,7 +74,7 @@ def test_a_client_with_a_wrong_key_is_refused_logged_and_its_payload_never_runs(
     caplog.set_level(logging.WARNING, logger="ddpkit.cluster")
     marker = tmp_path / "pwned"
     payload = pickle.dumps(("run", _CreatesFile(marker)))
-    with socket.create_connection(cluster._listen_sock.getsockname()) as s:
+    with socket.create_connection(cluster._workers.admission.address) as s:
         nonce = s.recv(32)
         assert len(nonce) == 32  # the parent speaks first: a challenge
         wrong = _worker._mac(b"not the key" * 3, b"client", nonce)
@@ -93,7 +93,7 @@ def test_a_client_with_no_key_that_just_sends_a_pickle_is_refused(cluster, caplo
     caplog.set_level(logging.WARNING, logger="ddpkit.cluster")
     marker = tmp_path / "pwned"
     payload = pickle.dumps(("run", _CreatesFile(marker)))
-    with socket.create_connection(cluster._listen_sock.getsockname()) as s:
+    with socket.create_connection(cluster._workers.admission.address) as s:
         s.sendall(struct.pack("!i", len(payload)) + payload)  # multiprocessing's framing, no key
         assert _closed_by_peer(s)
     _wait_for_log(caplog, "refused")
@@ -104,7 +104,7 @@ def test_a_client_with_no_key_that_just_sends_a_pickle_is_refused(cluster, caplo
 def test_a_silent_client_stalls_neither_other_connections_nor_restart(cluster, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="ddpkit.cluster")
     monkeypatch.setattr(_worker, "HANDSHAKE_TIMEOUT", 1.0)
-    address = cluster._listen_sock.getsockname()
+    address = cluster._workers.admission.address
     silent = socket.create_connection(address)  # connects, then says nothing
     try:
         # Another stranger right behind it is still handled at once...
@@ -119,7 +119,7 @@ def test_a_silent_client_stalls_neither_other_connections_nor_restart(cluster, c
         assert "does not know" in order[0], order  # the second stranger did not queue behind it
         assert _closed_by_peer(silent, seconds=5.0)
         # A restart (new listener, new key) is not held up by a silent client either.
-        silent2 = socket.create_connection(cluster._listen_sock.getsockname())
+        silent2 = socket.create_connection(cluster._workers.admission.address)
         cluster.restart()
         silent2.close()
         assert cluster.run(lambda: ddpkit.world_size()) == [1]

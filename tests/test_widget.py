@@ -233,9 +233,9 @@ def test_a_closed_widget_stops_following_and_display_makes_a_new_one(cluster_of,
     c._ipython_display_()
     assert shown[0] is shown[1]  # one widget per cluster while it is open
     first = shown[0]
-    assert first._on_event in c._observers
+    assert first._on_event in c._events.observers
     first.close()
-    assert first._on_event not in c._observers
+    assert first._on_event not in c._events.observers
     c._ipython_display_()
     assert shown[-1] is not first and not shown[-1]._closed
     shown[-1].close()

@@ -1,0 +1,92 @@
+"""The job channel's door: a loopback socket that lets in only this cluster's own workers.
+
+The job channel carries jobs, results, tracebacks, printed lines and progress events, and
+whatever it unpickles is as good as executed (pickle can call any function). So:
+- the socket listens on loopback (127.0.0.1, port chosen by the OS): nothing off this machine
+  can reach it;
+- each connection must first pass a mutual HMAC challenge with a random key made per cluster
+  start (``_worker.handshake``), in its own thread with a time limit, so a stranger that
+  connects and says nothing cannot stall the others. Only then is anything unpickled;
+- an admitted worker then says hello: its rank, the start (generation) it belongs to, its pid.
+A connection that fails any of this is refused and logged (logger ``ddpkit.cluster``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+
+from ddpkit._worker import HANDSHAKE_TIMEOUT, handshake
+
+log = logging.getLogger("ddpkit.cluster")
+
+
+class Admission:
+    """A listening socket on 127.0.0.1; admitted workers arrive on ``hellos`` as (rank, pid, conn)."""
+
+    def __init__(self, generation: int, world_size: int):
+        self.key = os.urandom(32)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))  # loopback only: nothing off this machine can reach it
+        self._sock.listen(64)
+        self.address = self._sock.getsockname()
+        self.hellos: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        # The thread gets only what it needs: no reference to this object or to the cluster,
+        # so a cluster the caller drops is collected and its __del__ stops the ranks.
+        threading.Thread(target=_accept_loop, daemon=True, name="ddpkit-accept",
+                         args=(self._sock, self.key, self.hellos, generation, world_size,
+                               self._stop)).start()
+
+    def close(self) -> None:
+        """Stop admitting and release the port."""
+        self._stop.set()
+        self._sock.close()
+
+
+def _accept_loop(sock, key: bytes, hellos: queue.Queue, generation: int, world_size: int,
+                 stop: threading.Event) -> None:
+    # accept() with a short timeout so that close() ends this thread (closing a socket
+    # does not wake a thread blocked in accept() on every platform).
+    sock.settimeout(0.25)
+    while not stop.is_set():
+        try:
+            peer, addr = sock.accept()
+        except TimeoutError:  # socket.timeout is TimeoutError since Python 3.10
+            continue
+        except OSError:
+            return  # the socket was closed: close()
+        # One thread per connection: a client that connects and says nothing only
+        # stalls its own thread, for at most HANDSHAKE_TIMEOUT seconds.
+        threading.Thread(target=_admit, daemon=True, name="ddpkit-handshake",
+                         args=(peer, addr, key, hellos, generation, world_size)).start()
+
+
+def _admit(peer, addr, key: bytes, hellos: queue.Queue, generation: int, world_size: int) -> None:
+    """Handshake, then hello: a worker of this start goes on ``hellos``; anyone else is refused."""
+    where = f"{addr[0]}:{addr[1]}"
+    try:
+        conn = handshake(peer, key, server=True)
+    except PermissionError:
+        log.warning("refused a connection to the cluster's job channel from %s: "
+                    "it does not know the cluster's key", where)
+        peer.close()
+        return
+    except OSError as exc:  # includes a silent client's timeout and a closed connection
+        log.warning("refused a connection to the cluster's job channel from %s: no valid "
+                    "handshake within %.0f s (%s)", where, HANDSHAKE_TIMEOUT, exc)
+        peer.close()
+        return
+    try:  # authenticated: one of our workers, which now says who it is
+        if not conn.poll(HANDSHAKE_TIMEOUT):
+            raise TimeoutError("no hello")
+        kind, rank, gen, pid = conn.recv()
+        if kind != "hello" or gen != generation or not 0 <= rank < world_size:
+            raise ValueError(f"unexpected hello {(kind, rank, gen)!r}")
+    except Exception as exc:
+        log.warning("refused a connection from %s with a bad hello: %s", where, exc)
+        conn.close()
+        return
+    hellos.put((rank, pid, conn))

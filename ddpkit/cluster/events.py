@@ -1,0 +1,104 @@
+"""What the parent knows about each rank, and who is told when it changes.
+
+Everything the ranks say reaches the notebook through here: a status change, a line a rank
+printed, an event it reported from inside a job (``_worker.report(kind, **payload)``, e.g.
+``ddpkit.progress()``). Each updates the rank's ``RankState`` and is passed on to the
+observers as ``callback(kind, rank, **fields)``; the widget is one such observer. Observers are
+called on whichever thread the news arrived on (the main thread while ``run()`` waits, a
+pipe reader's thread for output written below Python), so they must be quick and must not
+raise; one that raises is logged and skipped, it never breaks a run.
+
+Printed lines are also queued, to be printed ``[rank N] ...`` by ``flush_lines()`` from the
+thread that is running a cell.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import sys
+from dataclasses import dataclass, field
+
+log = logging.getLogger("ddpkit.cluster")
+
+STATUSES = ("starting", "idle", "running", "error", "dead", "stopped")
+
+
+@dataclass
+class RankState:
+    """What the parent knows about one rank (the widget reads these)."""
+
+    rank: int
+    status: str = "starting"
+    pid: int | None = None
+    device: str = ""
+    log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))
+    progress: tuple[int, int] | None = None
+
+
+class Events:
+    """The ranks' states, their printed lines, and the observers told of every change."""
+
+    def __init__(self):
+        self.ranks: list[RankState] = []
+        self.observers: list = []
+        self._lines: queue.Queue = queue.Queue()  # (rank, stream, text) not yet printed
+
+    def subscribe(self, callback) -> None:
+        self.observers.append(callback)
+
+    def unsubscribe(self, callback) -> None:
+        if callback in self.observers:
+            self.observers.remove(callback)
+
+    def notify(self, kind: str, rank, **fields) -> None:
+        for cb in list(self.observers):
+            try:
+                cb(kind, rank, **fields)
+            except Exception:  # an observer (the widget) must never break a run
+                log.exception("cluster observer failed")
+
+    # ------------------------------------------------------------------ status
+    def reset(self, world_size: int) -> None:
+        """New ranks are starting: fresh states (empty logs), and the observers are told."""
+        self.ranks = [RankState(r) for r in range(world_size)]
+        self.notify("status", None)
+
+    def set_status(self, rank: int, status: str, **fields) -> None:
+        self.ranks[rank].status = status
+        if status == "running":  # a new job: the last one's progress no longer applies
+            self.ranks[rank].progress = None
+        self.notify("status", rank, **fields)
+
+    def set_all(self, status: str) -> None:
+        """Every rank at once (all stopped, all dead): one notification for the lot."""
+        for r in self.ranks:
+            r.status = status
+        self.notify("status", None)
+
+    # ------------------------------------------------------------------ what the ranks say
+    def line(self, rank: int, stream: str, text: str) -> None:
+        """A line a rank printed: keep it in the rank's log and queue it for the caller."""
+        if rank < len(self.ranks):
+            self.ranks[rank].log.append(text)
+        self._lines.put((rank, stream, text))
+        self.notify("log", rank, stream=stream, line=text)
+
+    def flush_lines(self) -> None:
+        """Print queued rank output, prefixed ``[rank N]``, from the calling (main) thread.
+
+        Printing here rather than in the reader threads puts the lines into the notebook
+        cell that is running, not into whichever cell happened to start the threads.
+        """
+        while True:
+            try:
+                rank, stream, text = self._lines.get_nowait()
+            except queue.Empty:
+                return
+            print(f"[rank {rank}] {text}", file=sys.stderr if stream == "stderr" else sys.stdout)
+
+    def event(self, rank: int, kind: str, payload: dict) -> None:
+        """Something a job reported from inside a rank (``_worker.report``): progress, ..."""
+        if kind == "progress":
+            self.ranks[rank].progress = (payload["done"], payload["total"])
+        self.notify(kind, rank, **payload)

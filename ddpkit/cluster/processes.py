@@ -1,0 +1,310 @@
+"""The rank processes: start them, let them join one process group, stop or kill them.
+
+Each rank is a fresh interpreter (``python -c WORKER_MAIN``), not a multiprocessing child:
+spawn would re-import the caller's ``__main__``, which breaks plain scripts without an
+``if __name__ == "__main__"`` guard. Workers stay alive between jobs, so a notebook pays the
+start-up (importing torch, joining the group) once, not per experiment.
+
+Channels to each worker, all local:
+- the job channel: a socket on loopback that admits only workers that know this start's
+  random key (see ``admission``). It carries jobs, results, tracebacks, printed lines and
+  progress events;
+- the process group's rendezvous: a ``TCPStore`` hosted here in the parent on a loopback
+  port the OS picks (port 0), so there is no race for a "free port". (The store itself has
+  no authentication; gloo's own connections between ranks go to the address the host name
+  resolves to.);
+- its stdin: the configuration (one JSON line), then held open by the parent; when it closes
+  (the parent died, even by SIGKILL) the worker exits;
+- its stdout and stderr pipes: what it writes below Python (C++ warnings, a crash's dump),
+  read by one thread each; the last stderr lines are kept for the note on a rank that died.
+
+Each start is a new generation: a new key, socket, store and processes. Output still arriving
+from an older generation's pipes is dropped.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+from ddpkit.cluster.admission import Admission
+from ddpkit.cluster.errors import RankError
+from ddpkit.cluster.events import Events
+
+log = logging.getLogger("ddpkit.cluster")
+
+# Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
+# beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
+WORKER_MAIN = "from ddpkit._worker import main; main()"
+STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
+            "call cluster.start()")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one start of the ranks is made with (the Cluster's arguments, read at start time)."""
+
+    world_size: int
+    backend: str
+    timeout: float
+    threads_per_rank: int
+
+
+class Workers:
+    """The cluster's rank processes and their channels, one generation (start) at a time."""
+
+    def __init__(self, events: Events):
+        self.events = events
+        self.settings: Settings | None = None  # those of the latest start
+        self.generation = 0
+        self.procs: list[subprocess.Popen] = []
+        self.conns: dict = {}  # job channel (a Connection) -> rank
+        self.stderr_tail: list[collections.deque] = []  # fd-level stderr: a crash's last words
+        self.admission: Admission | None = None
+        self.store = None
+        self._readers: list[list[threading.Thread]] = []
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs)
+
+    def start(self, settings: Settings) -> None:
+        """Start ``world_size`` ranks and return once every one has joined the process group."""
+        if self.procs:
+            raise RuntimeError("the cluster is already running; use restart()")
+        self.settings = settings
+        self.generation += 1
+        self.admission = Admission(self.generation, settings.world_size)
+        self.store = _loopback_store(settings.timeout)
+        self.events.reset(settings.world_size)
+        # The workers run the same ddpkit as this process, wherever it was imported from: this
+        # file is <root>/ddpkit/cluster/processes.py, and <root> goes on their PYTHONPATH.
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
+        self._readers, self.stderr_tail = [], []
+        try:
+            for r in range(settings.world_size):
+                self._spawn(r, env)
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            self.events.set_all("dead")
+            raise
+
+    def _spawn(self, rank: int, env: dict) -> None:
+        """One worker: its process, its configuration on stdin, its two pipe readers."""
+        s = self.settings
+        # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
+        # parent decides which ranks to interrupt.
+        proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                cwd=os.getcwd(), start_new_session=True)
+        cfg = dict(rank=rank, world_size=s.world_size, backend=s.backend,
+                   address=list(self.admission.address), authkey=self.admission.key.hex(),
+                   generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
+                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank)
+        proc.stdin.write((json.dumps(cfg) + "\n").encode())
+        proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
+        self.procs.append(proc)
+        self.events.ranks[rank].pid = proc.pid
+        self.stderr_tail.append(collections.deque(maxlen=40))
+        # The readers hold only a weak reference to this object (and so none to the Cluster),
+        # so a cluster the caller drops is collected and its __del__ stops the ranks.
+        readers = [threading.Thread(target=_read_pipe, daemon=True,
+                                    args=(weakref.ref(self), rank, name, pipe, self.generation,
+                                          self.stderr_tail[rank]),
+                                    name=f"ddpkit-rank{rank}-{name}")
+                   for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+        for t in readers:
+            t.start()
+        self._readers.append(readers)
+
+    def _wait_ready(self) -> None:
+        """Take each rank's admitted connection, then wait until every rank has joined the group."""
+        limit = max(self.settings.timeout, 60.0)
+        deadline = time.monotonic() + limit
+        while len(self.conns) < self.settings.world_size:
+            self._check_startup_alive()
+            try:
+                rank, pid, conn = self.admission.hellos.get(timeout=0.05)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not connect within {limit:.0f} s") from None
+                continue
+            if pid != self.procs[rank].pid or rank in self.conns.values():
+                log.warning("refused a hello claiming rank %d from pid %d (rank %d is pid %d)",
+                            rank, pid, rank, self.procs[rank].pid)
+                conn.close()
+                continue
+            self.conns[conn] = rank
+        pending = set(self.conns)
+        while pending:
+            self._check_startup_alive()
+            for conn in wait(list(pending), timeout=0.05):
+                rank = self.conns[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    continue  # it died: _check_startup_alive reports it with its output
+                if msg[0] == "out":
+                    self.events.line(rank, msg[1], msg[2])
+                    continue
+                if msg[0] == "error":
+                    raise RankError({rank: msg[1]}, "joining the process group failed " + STARTING)
+                self.events.ranks[rank].device = msg[2]["device"]
+                self.events.ranks[rank].status = "idle"
+                pending.discard(conn)
+            self.events.flush_lines()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not join the process group within {limit:.0f} s")
+        self.events.notify("status", None)
+
+    def _check_startup_alive(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None:
+                for t in self._readers[r]:
+                    t.join(timeout=1.0)  # let the pipe readers catch the last lines
+                tail = "\n".join(self.events.ranks[r].log) or "(no output)"
+                raise RankError({r: f"the worker exited while starting: {how_it_ended(p.returncode)}"
+                                    f"\n{tail}"}, STARTING)
+
+    # ------------------------------------------------------------------ between and during jobs
+    def check_none_died_while_idle(self) -> None:
+        """Before a job: mark ranks that died since the last one, and refuse to run if any is dead."""
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None and self.events.ranks[r].status != "dead":
+                self.events.set_status(r, "dead")
+                log.warning("rank %d died while idle: %s", r, how_it_ended(p.returncode))
+        dead = [r.rank for r in self.events.ranks if r.status == "dead"]
+        if dead:
+            raise RuntimeError(f"rank(s) {dead} are dead (they died between jobs); "
+                               "call cluster.restart() first")
+
+    def signal(self, rank: int, sig) -> None:
+        try:
+            self.procs[rank].send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_rank(self, rank: int) -> None:
+        self.procs[rank].kill()
+        self.procs[rank].wait()
+
+    def death_note(self, rank: int) -> str:
+        """What we know of a rank that vanished mid-job: how it ended, its last stderr lines."""
+        p = self.procs[rank]
+        try:
+            p.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # the channel broke but the process lives: end it
+            p.kill()
+            p.wait()
+        for t in self._readers[rank]:
+            t.join(timeout=1.0)  # a segfault's dump arrives through the stderr pipe
+        text = f"rank {rank} died while running the job: {how_it_ended(p.returncode)}"
+        tail = list(self.stderr_tail[rank])
+        if tail:
+            text += "\nits last lines on stderr:\n" + "\n".join(tail)
+        return text
+
+    # ------------------------------------------------------------------ stopping
+    def stop(self) -> None:
+        """Ask every rank to stop, kill those still running after 3 s, release the ports."""
+        for conn in list(self.conns):
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 3.0
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self.events.flush_lines()
+        self.events.set_all("stopped")
+
+    def restart_after_fault(self) -> None:
+        """Kill every rank at once (no polite stop: their process group is suspect) and start anew."""
+        self.kill()
+        self.events.flush_lines()
+        self.start(self.settings)
+
+    def kill(self) -> None:
+        """Kill every rank now and close every channel, the job socket and the store."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for readers in self._readers:
+            for t in readers:
+                if t is not threading.current_thread():  # __del__ may run in a reader
+                    t.join(timeout=1.0)  # the pipes reach end-of-file once the process is gone
+        for p in self.procs:
+            for f in (p.stdin, p.stdout, p.stderr):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns, self._readers = [], {}, []
+        if self.admission is not None:
+            self.admission.close()
+            self.admission = None
+        self.store = None
+
+
+def _loopback_store(timeout: float):
+    """The rendezvous TCPStore, hosted here, listening on loopback only."""
+    import torch.distributed as dist
+
+    # Left to itself, TCPStore listens on every interface, so we bind its socket to loopback.
+    # The store owns (and closes) the fd we give it.
+    store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    store_sock.bind(("127.0.0.1", 0))
+    store_sock.listen(128)
+    store = dist.TCPStore("127.0.0.1", store_sock.getsockname()[1], is_master=True,
+                          wait_for_workers=False, master_listen_fd=os.dup(store_sock.fileno()),
+                          timeout=timedelta(seconds=max(timeout, 60.0)))
+    store_sock.close()
+    return store
+
+
+def _read_pipe(workers_ref, rank: int, stream: str, pipe, generation: int, tail) -> None:
+    """Lines a rank wrote below Python (fd 1/2): C++ warnings, a crash's dump."""
+    try:
+        for raw in iter(pipe.readline, b""):
+            text = raw.decode(errors="replace").rstrip("\n")
+            if stream == "stderr":
+                tail.append(text)
+            workers = workers_ref()
+            if workers is not None and generation == workers.generation:
+                workers.events.line(rank, stream, text)
+            del workers
+    except (OSError, ValueError):  # the pipe was closed under us by kill()
+        pass
+
+
+def how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "it is still running"
+    if code < 0:
+        try:
+            return f"it was killed by signal {signal.Signals(-code).name} ({signal.strsignal(-code)})"
+        except ValueError:
+            return f"it was killed by signal {-code}"
+    return f"it exited with code {code}"
