@@ -85,12 +85,12 @@ def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 2
          recorder=NULL_RECORDER, process_group=None):
     """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them; the
     model is moved to this rank's device first. Nothing else in a training loop depends on the name."""
-    import ddpkit
+    from ddpkit.rankside import device
 
     row = strategy_row(strategy)
     cls, defaults = optimizer_class(optimizer)
     common = dict(recorder=recorder, process_group=process_group)
-    model = row.wrap(module.to(ddpkit.device()), bucket_cap_mb=bucket_cap_mb, **common)
+    model = row.wrap(module.to(device()), bucket_cap_mb=bucket_cap_mb, **common)
     return model, row.optimizer(model.parameters(), cls, defaults, **common)
 
 

@@ -26,6 +26,7 @@ import contextlib
 import torch
 
 from ddpkit.strategies.table import STRATEGIES
+from ddpkit.torch_internals import allocator_history
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations")
 
@@ -163,24 +164,6 @@ def cuda_allocator_bytes(device=None) -> dict[str, int]:
             "cuda_max_allocated": torch.cuda.max_memory_allocated(device)}
 
 
-def _allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:
-    """The one place ddpkit touches private torch APIs: the allocator's history recorder.
-
-    ``torch.cuda.memory._record_memory_history`` makes the caching allocator keep a stack
-    trace per allocation; ``_dump_snapshot`` writes them as a pickle that
-    https://pytorch.org/memory_viz draws. Both are private (underscored) and may change
-    between torch releases, so nothing else in ddpkit calls them.
-    """
-    from torch.cuda import memory as cuda_memory
-
-    if enabled:
-        cuda_memory._record_memory_history(max_entries=max_entries)
-    else:
-        if path is not None:
-            cuda_memory._dump_snapshot(str(path))
-        cuda_memory._record_memory_history(enabled=None)
-
-
 @contextlib.contextmanager
 def cuda_memory_snapshot(path, max_entries: int = 100_000):
     """Record every CUDA allocation inside the block; write a snapshot to ``path`` at the end.
@@ -189,11 +172,11 @@ def cuda_memory_snapshot(path, max_entries: int = 100_000):
     """
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_memory_snapshot records the CUDA allocator; no CUDA device here")
-    _allocator_history(True, max_entries=max_entries)
+    allocator_history(True, max_entries=max_entries)
     try:
         yield path
     finally:
-        _allocator_history(False, path=path)
+        allocator_history(False, path=path)
 
 
 # ----------------------------------------------------------------------------- ZeRO formulas

@@ -64,12 +64,16 @@ NULL_RECORDER = NullRecorder()
 
 
 def require_process_group(strategy: str, group=None) -> None:
-    """Fail with a clear message when a strategy is built before init_process_group."""
+    """Fail with a clear message when a strategy is built before init_process_group, or on a
+    ``group`` this process is not a member of (its collectives would never be matched)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{strategy} needs a process group: call torch.distributed.init_process_group() "
             "first, or build it inside a job run by ddpkit.Cluster.run() or under torchrun."
         )
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"{strategy}: this process (global rank {dist.get_rank()}) is not a member "
+                         "of the process_group it was given")
 
 
 def unique_named_parameters(module: nn.Module, trainable_only: bool = True):
@@ -136,6 +140,17 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@contextlib.contextmanager
+def no_sync(wrapper):
+    """``wrapper.no_sync()``: gradients of forwards run inside accumulate locally; the next
+    step outside syncs them. Every wrapper of ours reads ``_require_sync`` (default True)."""
+    previous, wrapper._require_sync = wrapper._require_sync, False
+    try:
+        yield
+    finally:
+        wrapper._require_sync = previous
+
+
 class DDPModule(nn.Module):
     """What every DDP-style wrapper shares: construction, forward, no_sync, full_state_dict.
 
@@ -179,14 +194,7 @@ class DDPModule(nn.Module):
     def _sync_gradients(self) -> None:
         raise NotImplementedError
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradients of forwards run inside accumulate locally; the next step outside syncs."""
-        previous, self._require_sync = self._require_sync, False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
+    no_sync = no_sync
 
     def full_state_dict(self) -> dict:
         """{parameter name: tensor}: every rank holds the full model, so just detached clones."""
@@ -197,18 +205,3 @@ class DDPModule(nn.Module):
     def comm_buffer_bytes(self) -> int:
         """Bytes of communication buffers this wrapper holds: its flat buckets, if any."""
         return sum(b.nbytes for b in self.buckets)
-
-
-# ---------------------------------------------------------------------------- torch internals
-# The one private torch API the strategies use, isolated here: queue a function to run when
-# the backward pass that is running now has finished (after every hook). torch's own DDP (in
-# C++) and FSDP do the same. It lets ``loss.backward()`` itself wait for the last collectives,
-# so an explicit ``finish_gradient_synchronization()`` finds nothing left to do; without it (a
-# future torch) train_step's explicit call still finishes the work. Call it from a hook only.
-def queue_at_end_of_backward(fn) -> bool:
-    """Run ``fn`` once the current backward pass has finished; False if torch cannot."""
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None or not hasattr(engine, "queue_callback"):
-        return False
-    engine.queue_callback(fn)
-    return True

@@ -35,139 +35,39 @@ Rules worth knowing:
 - Buffers are broadcast from rank 0 at construction and otherwise left alone.
 - Between steps the original parameters do not exist as attributes (they are views into a
   freed buffer): use ``full_state_dict()`` to read them.
+
+Reading order: construction (which unit owns which parameter), then *forward*, where each
+unit's all-gather is triggered by its forward pre-hook, then *backward*, where the
+reduce-scatter is triggered by the autograd function ``_Unshard`` at the bottom of this file.
+What a unit is (its flat layout, shard, gathered buffer; mixed-precision dtypes) and the state
+dicts live in ``flat_param.py``.
 """
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import (NULL_RECORDER, all_gather_flat, default_units, nbytes, prepare_module,
-                                       queue_at_end_of_backward, reduce_scatter_flat)
+from ddpkit.strategies import flat_param
+from ddpkit.strategies._common import (NULL_RECORDER, all_gather_flat, default_units, nbytes, no_sync,
+                                       prepare_module, reduce_scatter_flat)
+from ddpkit.strategies.flat_param import FlatParamUnit, alloc_storage, cast_floats, free_storage
+from ddpkit.torch_internals import queue_at_end_of_backward
 
 
-def _free_storage(t: torch.Tensor) -> None:
-    """Release a tensor's memory but keep the tensor (and every view of it) alive."""
-    t.untyped_storage().resize_(0)
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight: the unit, its handle, the output shard and the input buffer."""
+
+    unit: FlatParamUnit
+    work: object
+    out: torch.Tensor    # (ceil(T/N),) this rank's summed shard of the gradient, reduce_dtype
+    flat: torch.Tensor   # (N * ceil(T/N),) the packed gradient sent in; kept alive until done
 
 
-def _alloc_storage(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-
-
-def _tensors(obj):
-    """Every tensor inside a (nested) tuple/list/dict output."""
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def _cast_floats(obj, dtype):
-    """Floating-point tensors in args/kwargs cast to the compute dtype (mixed precision)."""
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
-
-
-# ---------------------------------------------------------------------------- one unit
-class FlatParamUnit:
-    """One unit: its flat parameter's layout, the local shard, and the gathered buffer."""
-
-    def __init__(self, name: str, module: nn.Module, params: list, rank: int, world_size: int,
-                 param_dtype, reduce_dtype):
-        self.name, self.module = name or "(root)", module
-        self.world_size, self.rank = world_size, rank
-        # params: [(canonical name, parameter, [(submodule, attribute)] every place it is used)]
-        dtypes = {p.dtype for _, p, _ in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"unit {self.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                             "FSDP flattens a unit into one tensor of one dtype")
-        self.names = [n for n, _, _ in params]
-        self.shapes = [p.shape for _, p, _ in params]
-        self.numels = [p.numel() for _, p, _ in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
-        self.aliases = [a for _, _, a in params]
-        self.numel = sum(self.numels)                       # T
-        self.shard_numel = -(-self.numel // world_size)     # ceil(T / N)
-        self.padded_numel = self.shard_numel * world_size   # N * ceil(T / N), padding <= N-1
-        device = params[0][1].device
-        with torch.no_grad():
-            flat = torch.zeros(self.padded_numel, dtype=params[0][1].dtype, device=device)
-            for (_, p, _), off, n in zip(params, self.offsets, self.numels):
-                flat[off:off + n].copy_(p.reshape(-1))
-            own = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
-        self.shard = nn.Parameter(own.clone())  # the parameters' own dtype, what the optimizer steps
-        self.param_dtype = param_dtype or self.shard.dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
-        # tensor object lives on, so views saved by autograd in forward see the data again
-        # once the backward all-gather refills the same storage.
-        self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
-        _free_storage(self.gathered)
-        self.unsharded = False
-        self.pending = None        # an all-gather launched early (prefetch), not waited yet
-        self.no_sync_grad = None   # padded full gradient (parameters' dtype) accumulated under no_sync()
-        self.views_set = False
-        self.forward_index = -1
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.padded_numel * self.gathered.element_size()
-
-    def make_views(self) -> list[torch.Tensor]:
-        # .data: a tensor on the same storage with its *own* version counter, so the all-gather
-        # writing into self.gathered before backward does not look like an in-place change of
-        # the tensors autograd saved in forward.
-        base = self.gathered.data
-        return [base[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
-
-    def set_views(self, views) -> None:
-        for view, places in zip(views, self.aliases):
-            for mod, attr in places:
-                setattr(mod, attr, view)
-        self.views_set = True
-
-    def clear_views(self) -> None:
-        if self.views_set:
-            for places in self.aliases:
-                for mod, attr in places:
-                    delattr(mod, attr)
-            self.views_set = False
-
-
-class _Unshard(torch.autograd.Function):
-    """Shard -> the unit's full parameters in forward; in backward, their gradients -> FSDP.
-
-    The all-gather's gradient is a reduce-scatter; it is launched asynchronously from
-    backward() below, so autograd gets None and FSDP writes the shard's .grad itself when the
-    reduce-scatter is done.
-    """
-
-    @staticmethod
-    def forward(ctx, shard, fsdp, unit):
-        ctx.fsdp, ctx.unit = fsdp, unit
-        ctx.set_materialize_grads(False)  # an unused parameter's gradient arrives as None
-        return tuple(unit.make_views())
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.fsdp._post_backward(ctx.unit, grads)
-        return None, None, None
-
-
-# ---------------------------------------------------------------------------- the wrapper
 class FSDP(nn.Module):
     """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time."""
 
@@ -205,13 +105,13 @@ class FSDP(nn.Module):
         for full_name, p in module.named_parameters(remove_duplicate=False):
             places.setdefault(id(p), [p, []])[1].append(full_name)
         owned: dict[str, list] = {name: [] for name in unit_names}
-        self._frozen: dict[str, nn.Parameter] = {}
-        self._names: list[str] = []  # canonical names, in module.named_parameters() order
+        self.frozen: dict[str, nn.Parameter] = {}  # whole, never reduced
+        self.param_names: list[str] = []  # canonical names, in module.named_parameters() order
         by_depth = sorted(unit_names, key=len, reverse=True)
         for p, names in places.values():
-            self._names.append(names[0])
+            self.param_names.append(names[0])
             if not p.requires_grad:
-                self._frozen[names[0]] = p
+                self.frozen[names[0]] = p
                 continue
             # the innermost unit whose subtree contains every use of p
             owner = next(u for u in by_depth if all(n.startswith(u + ".") or u == "" for n in names))
@@ -242,63 +142,17 @@ class FSDP(nn.Module):
         # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
 
-        self._sync = True
+        self._require_sync = True  # False inside no_sync()
         self._in_backward = False
         self._forward_order: list[FlatParamUnit] = []
-        self._pending_reduce: list = []  # (unit, work, output shard, input buffer)
+        self._pending_reduce: list[PendingReduce] = []
         self._unsharded_bytes = 0
 
-    # ------------------------------------------------------------------ unshard / reshard
-    def _unshard(self, unit: FlatParamUnit, async_op: bool = False) -> None:
-        if unit.pending is not None and not async_op:
-            unit.pending.wait()
-            unit.pending = None
-        if unit.unsharded:
-            return
-        _alloc_storage(unit.gathered)
-        s = unit.shard_numel
-        if unit.param_dtype == unit.shard.dtype:
-            send = unit.shard.detach()
-        else:  # cast our shard into our own slot of the output (an in-place all-gather)
-            send = unit.gathered[self.rank * s:(self.rank + 1) * s]
-            send.copy_(unit.shard.detach())
-        work = all_gather_flat(unit.gathered, send, group=self.process_group, async_op=True)
-        self.recorder.collective("all_gather", work, nbytes=unit.gathered_bytes, unit=unit.name)
-        unit.unsharded = True
-        self._unsharded_bytes += unit.gathered_bytes
-        if self.recorder.enabled:
-            self.recorder.memory(unsharded_parameters=self._unsharded_bytes)
-        if async_op:
-            unit.pending = work
-        else:
-            work.wait()
-
-    def _reshard(self, unit: FlatParamUnit) -> None:
-        if unit.pending is not None:  # prefetched but never used: finish it before freeing
-            unit.pending.wait()
-            unit.pending = None
-        if not unit.unsharded:
-            return
-        unit.clear_views()
-        _free_storage(unit.gathered)
-        unit.unsharded = False
-        self._unsharded_bytes -= unit.gathered_bytes
-        if self.recorder.enabled:
-            self.recorder.memory(unsharded_parameters=self._unsharded_bytes)
-
-    def _use_full_params(self, unit: FlatParamUnit) -> None:
-        """Unshard and point the original parameter names at views of the full flat parameter."""
-        self._unshard(unit)
-        if torch.is_grad_enabled():
-            unit.set_views(_Unshard.apply(unit.shard, self, unit))
-        else:
-            unit.set_views(unit.make_views())
-
-    # ------------------------------------------------------------------ forward
+    # ================================================================== forward: all-gather
     def forward(self, *args, **kwargs):
         self._forward_order = []
         if self.param_dtype is not None:
-            args, kwargs = _cast_floats(args, self.param_dtype), _cast_floats(kwargs, self.param_dtype)
+            args, kwargs = cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
         if self.root_unit is not None:
             self._use_full_params(self.root_unit)  # stays gathered until the end of backward
         out = self.module(*args, **kwargs)
@@ -318,6 +172,33 @@ class FSDP(nn.Module):
             self._use_full_params(unit)  # all-gather (waits for it)
         return pre_forward
 
+    def _use_full_params(self, unit: FlatParamUnit) -> None:
+        """Unshard and point the original parameter names at views of the full flat parameter."""
+        self._unshard(unit)
+        if torch.is_grad_enabled():
+            unit.set_views(_Unshard.apply(unit.shard, self, unit))  # its backward: reduce-scatter
+        else:
+            unit.set_views(unit.make_views())
+
+    def _unshard(self, unit: FlatParamUnit, async_op: bool = False) -> None:
+        """All-gather the unit's shards into its full flat parameter (N * ceil(T/N) elements)."""
+        if unit.pending is not None and not async_op:
+            unit.pending.wait()
+            unit.pending = None
+        if unit.unsharded:
+            return
+        alloc_storage(unit.gathered)
+        work = all_gather_flat(unit.gathered, unit.all_gather_input(), group=self.process_group, async_op=True)
+        self.recorder.collective("all_gather", work, nbytes=unit.gathered_bytes, unit=unit.name)
+        unit.unsharded = True
+        self._unsharded_bytes += unit.gathered_bytes
+        if self.recorder.enabled:
+            self.recorder.memory(unsharded_parameters=self._unsharded_bytes)
+        if async_op:
+            unit.pending = work
+        else:
+            work.wait()
+
     def _make_post_forward(self, unit: FlatParamUnit):
         def post_forward(module, args, output):
             if not torch.is_grad_enabled():
@@ -331,7 +212,21 @@ class FSDP(nn.Module):
             return None
         return post_forward
 
-    # ------------------------------------------------------------------ backward
+    def _reshard(self, unit: FlatParamUnit) -> None:
+        """Free the full flat parameter (the shard stays)."""
+        if unit.pending is not None:  # prefetched but never used: finish it before freeing
+            unit.pending.wait()
+            unit.pending = None
+        if not unit.unsharded:
+            return
+        unit.clear_views()
+        free_storage(unit.gathered)
+        unit.unsharded = False
+        self._unsharded_bytes -= unit.gathered_bytes
+        if self.recorder.enabled:
+            self.recorder.memory(unsharded_parameters=self._unsharded_bytes)
+
+    # ================================================================== backward: reduce-scatter
     def _root_pre_backward(self, grad):
         if not self._in_backward:
             self._in_backward = True
@@ -351,29 +246,15 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def _post_backward(self, unit: FlatParamUnit, grads) -> None:
-        """This unit's parameter gradients are ready: reduce-scatter them (or keep them, no_sync)."""
-        if not self._sync:
+        """This unit's parameter gradients are ready (``_Unshard.backward`` below calls this):
+        reduce-scatter them, or keep them under no_sync()."""
+        if not self._require_sync:
             # no_sync(): accumulate the full unsharded gradient locally (T elements per unit in
             # the parameters' dtype: the whole model's gradient, as much memory as DDP's grads)
-            if unit.no_sync_grad is None:
-                unit.no_sync_grad = torch.zeros(unit.padded_numel, dtype=unit.shard.dtype,
-                                                device=unit.shard.device)
-            for g, off, n in zip(grads, unit.offsets, unit.numels):
-                if g is not None:
-                    unit.no_sync_grad[off:off + n].add_(g.reshape(-1))
+            unit.accumulate_no_sync(grads)
             self._reshard(unit)
             return
-        # pack the gradients into one padded flat buffer (N * ceil(T/N) elements, reduce_dtype)
-        flat = torch.empty(unit.padded_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
-        for g, off, n in zip(grads, unit.offsets, unit.numels):
-            if g is None:
-                flat[off:off + n].zero_()
-            else:
-                flat[off:off + n].copy_(g.reshape(-1))
-        flat[unit.numel:].zero_()
-        if unit.no_sync_grad is not None:
-            flat.add_(unit.no_sync_grad)
-            unit.no_sync_grad = None
+        flat = unit.flat_gradient(grads)  # (N * ceil(T/N),) reduce_dtype, padding zeroed
         # divide by N before the SUM (ReduceOp.AVG is not on every backend, and dividing first
         # keeps a low-precision sum from overflowing)
         if self.world_size > 1:
@@ -381,78 +262,76 @@ class FSDP(nn.Module):
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
         work = reduce_scatter_flat(out, flat, group=self.process_group, async_op=True)
         self.recorder.collective("reduce_scatter", work, nbytes=nbytes(flat), unit=unit.name)
-        self._pending_reduce.append((unit, work, out, flat))
+        self._pending_reduce.append(PendingReduce(unit, work, out, flat))
         self._reshard(unit)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the last reduce-scatters, write the shards' .grad, reshard everything."""
-        if self._sync:  # a unit used under no_sync() but not in the last backward: reduce it now
+        if self._require_sync:  # a unit used under no_sync() but not in the last backward: reduce it now
             for unit in self.units:
                 if unit.no_sync_grad is not None:
                     self._post_backward(unit, [None] * len(unit.names))
         pending, self._pending_reduce = self._pending_reduce, []
-        for unit, work, out, _ in pending:
-            work.wait()
-            grad = out if out.dtype == unit.shard.dtype else out.to(unit.shard.dtype)
-            if unit.shard.grad is None:
-                unit.shard.grad = grad
+        for p in pending:
+            p.work.wait()
+            grad = p.out if p.out.dtype == p.unit.shard.dtype else p.out.to(p.unit.shard.dtype)
+            if p.unit.shard.grad is None:
+                p.unit.shard.grad = grad
             else:
-                unit.shard.grad += grad
+                p.unit.shard.grad += grad
         for unit in self.units:
             self._reshard(unit)
         self._in_backward = False
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full (unsharded) gradients locally; the next backward outside syncs them.
-
-        Memory: each unit keeps a full gradient in the parameters' dtype (N * ceil(T/N) elements) until then, i.e.
-        the whole model's gradients on every rank, as much as DDP holds: gradient
-        accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
-        """
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
+    # no_sync(): accumulate full (unsharded) gradients locally; the next backward outside syncs
+    # them. Memory: each unit keeps a full gradient in the parameters' dtype (N * ceil(T/N)
+    # elements) until then, i.e. the whole model's gradients on every rank, as much as DDP holds:
+    # gradient accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
+    no_sync = no_sync
 
     # ------------------------------------------------------------------ state and sizes
     def comm_buffer_bytes(self) -> int:
         """Bytes held now in gathered flat parameters, pending reduce buffers and no_sync grads."""
         total = sum(u.gathered.untyped_storage().nbytes() for u in self.units)
-        total += sum(nbytes(out) + nbytes(flat) for _, _, out, flat in self._pending_reduce)
+        total += sum(nbytes(p.out) + nbytes(p.flat) for p in self._pending_reduce)
         return total + sum(nbytes(u.no_sync_grad) for u in self.units if u.no_sync_grad is not None)
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{original parameter name: full tensor}, on every rank (one all-gather per unit)."""
-        full = {}
-        for unit in self.units:
-            flat = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-            work = all_gather_flat(flat, unit.shard.detach(), group=self.process_group, async_op=True)
-            self.recorder.collective("all_gather", work, nbytes=nbytes(flat), unit=unit.name)
-            work.wait()
-            for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes):
-                full[name] = flat[off:off + n].view(shape).clone()
-        for name, p in self._frozen.items():
-            full[name] = p.detach().clone()
-        return {name: full[name] for name in self._names}
+        return flat_param.full_state_dict(self)
 
-    @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Inverse of full_state_dict(): every rank passes the same full tensors, keeps its shard."""
-        if set(state_dict) != set(self._names):
-            missing, extra = set(self._names) - set(state_dict), set(state_dict) - set(self._names)
-            raise ValueError(f"state dict does not match the model: missing {sorted(missing)}, "
-                             f"unexpected {sorted(extra)}")
-        for unit in self.units:
-            flat = torch.zeros(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-            for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes):
-                if tuple(state_dict[name].shape) != tuple(shape):
-                    raise ValueError(f"{name}: shape {list(state_dict[name].shape)} in the state "
-                                     f"dict, {list(shape)} in the model")
-                flat[off:off + n].copy_(state_dict[name].reshape(-1))
-            s = unit.shard_numel
-            unit.shard.copy_(flat[self.rank * s:(self.rank + 1) * s])
-        for name, p in self._frozen.items():
-            p.copy_(state_dict[name])
+        flat_param.load_full_state_dict(self, state_dict)
+
+
+class _Unshard(torch.autograd.Function):
+    """Shard -> the unit's full parameters in forward; in backward, their gradients -> FSDP.
+
+    The all-gather's gradient is a reduce-scatter: ``backward`` hands the unit's parameter
+    gradients to ``FSDP._post_backward`` (just above), which launches it asynchronously, so
+    autograd gets None and FSDP writes the shard's .grad itself when the reduce-scatter is done.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, unit):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient arrives as None
+        return tuple(unit.make_views())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fsdp._post_backward(ctx.unit, grads)
+        return None, None, None
+
+
+def _tensors(obj):
+    """Every tensor inside a (nested) tuple/list/dict output."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)

@@ -38,8 +38,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import DDPModule, queue_at_end_of_backward
+from ddpkit.strategies._common import DDPModule
 from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, make_buckets
+from ddpkit.torch_internals import queue_at_end_of_backward
 
 
 class OverlappedDDP(DDPModule):

@@ -23,6 +23,7 @@ assignment from the same parameter list, so no communication is needed to agree 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,32 @@ def _as_param_groups(params) -> list[dict]:
     if isinstance(params[0], dict):
         return [dict(g, params=list(g["params"])) for g in params]
     return [{"params": params}]
+
+
+@dataclass
+class GatherLayout:
+    """Where each parameter of one dtype sits in the all-gather's flat buffer.
+
+    Rank r's slot holds the parameters it owns back to back, padded to the largest rank's load
+    (an all-gather needs equal sizes): the buffer is (N * slot_numel,) elements.
+    """
+
+    dtype: torch.dtype
+    placed: list          # placed[r] = [(parameter, offset in rank r's slot)]
+    slot_numel: int
+
+    @classmethod
+    def of(cls, dtype, per_rank: list) -> GatherLayout:
+        """``per_rank[r]``: the parameters of this dtype rank r owns."""
+        placed = []
+        for params in per_rank:
+            offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+            placed.append(list(zip(params, offsets, strict=True)))
+        return cls(dtype, placed, max(sum(p.numel() for p in params) for params in per_rank))
+
+    @property
+    def device(self):
+        return next(p.device for row in self.placed for p, _ in row)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -87,23 +114,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # "lr" here; step() copies the hyperparameters into the local optimizer.
         super().__init__(groups, dict(self.local_optimizer.defaults))
 
-        # The all-gather works on flat buffers, one per dtype: rank r's slot holds its own
-        # parameters back to back, padded to the largest rank's load (all-gather needs equal
-        # sizes). Layout: (dtype, [[(param, offset)] per rank], slot numel).
+        # The all-gather works on flat buffers, one per dtype (see GatherLayout).
         by_dtype: dict = defaultdict(lambda: [[] for _ in range(self.world_size)])
-        for p, r in zip(all_params, self.owner):
+        for p, r in zip(all_params, self.owner, strict=True):
             by_dtype[p.dtype][r].append(p)
-        self._layouts = []
-        for dtype, per_rank in by_dtype.items():
-            placed, slot = [], 0
-            for ps in per_rank:
-                off, row = 0, []
-                for p in ps:
-                    row.append((p, off))
-                    off += p.numel()
-                placed.append(row)
-                slot = max(slot, off)
-            self._layouts.append((dtype, placed, slot))
+        self._layouts = [GatherLayout.of(dtype, per_rank) for dtype, per_rank in by_dtype.items()]
         self._consolidated: dict | None = None
 
     # ------------------------------------------------------------------ the step
@@ -131,17 +146,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # in one message: broadcasting each parameter from its owner moves the same bytes but
         # costs one collective (and its latency) per parameter. The buffer exists only during
         # the step, so ZeRO-1 adds no persistent communication memory.
-        for dtype, placed, slot in self._layouts:
-            device = next(p.device for row in placed for p, _ in row)
-            gathered = torch.empty(self.world_size * slot, dtype=dtype, device=device)
+        for layout in self._layouts:
+            slot = layout.slot_numel
+            gathered = torch.empty(self.world_size * slot, dtype=layout.dtype, device=layout.device)
             own = gathered[self.rank * slot:(self.rank + 1) * slot]
-            for p, off in placed[self.rank]:
+            for p, off in layout.placed[self.rank]:
                 own[off:off + p.numel()].copy_(p.reshape(-1))
             # in place: our own slot is the input (as torch FSDP does; no extra send buffer)
             work = all_gather_flat(gathered, own, group=self.process_group, async_op=True)
             self.recorder.collective("all_gather", work, nbytes=nbytes(gathered))
             work.wait()
-            for r, row in enumerate(placed):
+            for r, row in enumerate(layout.placed):
                 if r == self.rank:
                     continue
                 base = r * slot

@@ -1,0 +1,43 @@
+"""Every private (underscored) torch API ddpkit uses, in one place, each with why we need it.
+
+Private APIs may change between torch releases; keeping them here means one file to check when
+torch moves, and each one fails soft (returns False or raises a clear error) where it can.
+
+- ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
+- ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def queue_at_end_of_backward(fn) -> bool:
+    """Run ``fn`` once the backward pass running now has finished (after every hook); False if
+    torch cannot. Call it from a hook only.
+
+    torch's own DDP (in C++) and FSDP do the same. It lets ``loss.backward()`` itself wait for
+    the last collectives, so an explicit ``finish_gradient_synchronization()`` finds nothing left
+    to do; without it (a future torch) train_step's explicit call still finishes the work.
+    """
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):
+        return False
+    engine.queue_callback(fn)
+    return True
+
+
+def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:
+    """Start (``enabled``) or stop the CUDA allocator's history; on stop, write it to ``path``.
+
+    ``torch.cuda.memory._record_memory_history`` makes the caching allocator keep a stack trace
+    per allocation; ``_dump_snapshot`` writes them as a pickle that https://pytorch.org/memory_viz
+    draws.
+    """
+    from torch.cuda import memory as cuda_memory
+
+    if enabled:
+        cuda_memory._record_memory_history(max_entries=max_entries)
+    else:
+        if path is not None:
+            cuda_memory._dump_snapshot(str(path))
+        cuda_memory._record_memory_history(enabled=None)
