@@ -91,4 +91,3 @@ def _comm_tid(lane_ends: list, r: Record, events: list, rank: int) -> int:
 
 def _json_safe(d: dict) -> dict:
     return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in d.items()}
-

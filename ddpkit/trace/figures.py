@@ -1,36 +1,20 @@
 """Figures derived from records: bytes on the wire, collective counts, overlap, fill and launch order.
 
 Pure functions of the records (a Trace, a Recorder or a list of Records): nothing here times,
-draws or communicates. Bytes on the wire follow the ring algorithms (``ring_bytes``).
+draws or communicates. Bytes on the wire follow the ring algorithms (``ring_bytes``, from
+``ddpkit.network``, where what a link costs lives).
 """
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from ddpkit.network import ring_bytes
 from ddpkit.trace.records import Record, as_trace
 
 
 def _by_step(d: dict):
     """Items of a {step: ...} dict, setup (None) first, then steps in order."""
     return sorted(d.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
-
-
-def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends for a collective of full size S = ``nbytes`` (ring algorithms).
-
-    all-reduce 2(N-1)/N * S (a reduce-scatter then an all-gather); all-gather and
-    reduce-scatter (N-1)/N * S; broadcast S (the root sends everything once, pipelined).
-    """
-    n = world_size
-    if n <= 1:
-        return 0.0
-    if name == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
-    if name in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if name == "broadcast":
-        return float(nbytes)
-    raise ValueError(f"unknown collective {name!r}; known: all_reduce, all_gather, reduce_scatter, broadcast")
 
 
 def comm_bytes_per_step(trace) -> dict[int, dict[int, float]]:
@@ -144,5 +128,3 @@ def launch_order(trace, rank: int = 0, step: int = -1, name: str | None = None) 
     trace = as_trace(trace)
     comm = trace.select(rank=rank, step=step, kind="span", cat="comm", name=name)
     return sorted(comm, key=lambda r: r.start_ns)
-
-

@@ -290,4 +290,3 @@ class _CudaClock:
 
     def to_host_ns(self, ev) -> int:
         return self.host_ns + int(self.event.elapsed_time(ev) * 1e6)
-

@@ -115,4 +115,3 @@ def as_trace(trace_or_records) -> Trace:
     if items and all(isinstance(x, Record) for x in items):
         return Trace.merge([items])
     return Trace.merge(items)
-
