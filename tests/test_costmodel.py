@@ -69,9 +69,9 @@ def test_overlap_gain_shrinks_as_communication_dominates():
         assert gain <= p.backward_s * 1e3 + 1e-9  # it can hide at most the backward compute
         gains.append(gain / bucketed.ms_per_step)
         comm_over_backward.append(bucketed.comm_ms / (p.backward_s * 1e3))
-    dominated = [g for g, r in zip(gains, comm_over_backward) if r >= 1]
+    dominated = [g for g, r in zip(gains, comm_over_backward, strict=True) if r >= 1]
     assert len(dominated) >= 3, comm_over_backward
-    assert all(a > b for a, b in zip(dominated, dominated[1:])), gains
+    assert all(a > b for a, b in zip(dominated, dominated[1:], strict=False)), gains
     assert dominated[-1] < 0.2 * max(gains), gains
 
 
@@ -112,24 +112,26 @@ def test_profile_model_measures_each_layer():
     model = build_model("mlp", width=16, depth=3)
     x, y = local_batch(model, 8, 0, 0, 1)
     prof = cm.profile_model(model, x, y, repeats=2)
-    assert [l.name for l in prof.layers] == ["layers.0.0", "layers.1.0", "layers.2.0", "head"]
+    assert [layer.name for layer in prof.layers] == ["layers.0.0", "layers.1.0", "layers.2.0", "head"]
     assert prof.param_bytes == sum(p.numel() * 4 for p in model.parameters())
-    assert all(l.forward_s > 0 and l.backward_s > 0 for l in prof.layers)
-    assert [l.unit for l in prof.layers] == ["layers.0.0", "layers.1.0", "layers.2.0", "head"]
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in prof.layers)
+    assert [layer.unit for layer in prof.layers] == ["layers.0.0", "layers.1.0", "layers.2.0", "head"]
     gpt = build_model("gpt", dim=16, layers=2, heads=2, seq=8, vocab=16)
     x, y = local_batch(gpt, 4, 0, 0, 1)
     prof = cm.profile_model(gpt, x, y, repeats=1)
     # the tied head is counted once (with the token embedding); blocks are FSDP units
     assert prof.param_bytes == sum(p.numel() * 4 for p in gpt.parameters())
-    assert {l.unit for l in prof.layers} == {"", "blocks.0", "blocks.1"}
+    assert {layer.unit for layer in prof.layers} == {"", "blocks.0", "blocks.1"}
     assert cm.simulate("fsdp", prof, 2, NET).comm_bytes_per_step >= 1.5 * prof.param_bytes / 2
 
 
 def test_plot_scaling_draws_to_256():
     import matplotlib
 
+    from ddpkit.viz import plot_scaling
+
     matplotlib.use("Agg")
-    fig = cm.plot_scaling(_mlp_like(), strategies=("overlapped", "fsdp"), networks=("100GbE", NET))
+    fig = plot_scaling(_mlp_like(), strategies=("overlapped", "fsdp"), networks=("100GbE", NET))
     axes = fig.get_axes()
     assert len(axes) == 2
     xs = axes[0].get_lines()[0].get_xdata()
@@ -215,7 +217,7 @@ def test_measure_collectives_on_two_ranks(cluster_of):
             assert all(t > 0 and math.isfinite(t) for _, t in rows)
     slowest = cm.slowest_rank(out)
     for op, rows in slowest.items():
-        for i, (size, t) in enumerate(rows):
+        for i, (_size, t) in enumerate(rows):
             assert t == max(r[op][i][1] for r in out)
     net = cm.fit_network(slowest, 2)
     assert set(net.per_op) == {"all_reduce", "all_gather", "reduce_scatter"}

@@ -1,9 +1,11 @@
-"""Plots of recorded runs; each function takes records (a Trace) and returns a Figure.
+"""Plots: recorded runs (a Trace), compare results and the cost model's predictions; each returns a Figure.
 
     from ddpkit.viz import plot_bucket_fill, plot_timeline, plot_memory
     plot_bucket_fill(trace)          # which gradient was ready when, coloured by bucket
     plot_timeline(trace)             # per rank: compute and comm lanes, the overlap shaded
     plot_memory({"naive": [...], "zero1": [...], "fsdp": [...]}, predicted=...)
+    plot_compare(records)            # a compare run (ddpkit.compare): ms/step, bytes, state
+    plot_scaling(profile)            # the cost model's predicted scaling to 256 ranks
 
 matplotlib is imported inside the functions, never at import time, so ranks that only
 record never load it. Figures are built with the object API (no pyplot state), so they can
@@ -11,7 +13,9 @@ be drawn from a thread (the widget does) and saved with ``fig.savefig(path)``; i
 the returned figure displays itself as a PNG.
 """
 from ddpkit.viz.buckets import plot_bucket_fill
+from ddpkit.viz.compare import plot_compare
 from ddpkit.viz.memory import plot_memory
+from ddpkit.viz.scaling import plot_scaling
 from ddpkit.viz.timeline import plot_timeline
 
-__all__ = ["plot_bucket_fill", "plot_timeline", "plot_memory"]
+__all__ = ["plot_bucket_fill", "plot_timeline", "plot_memory", "plot_compare", "plot_scaling"]

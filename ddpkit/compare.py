@@ -1,0 +1,140 @@
+"""Compare every strategy on one cluster: interleaved timing rounds, one recorded run each, a table.
+
+    with ddpkit.Cluster(2) as cluster:
+        records = compare(cluster, ["naive", "overlapped", "fsdp", "torch_ddp"], steps=10, rounds=3)
+    print(format_table(records))       # or ddpkit.viz.plot_compare(records)
+
+``python -m ddpkit compare`` is this with arguments; notebook 06 calls it directly.
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
+    """Run a job; a failing strategy (e.g. not written yet) is reported and skipped, not fatal."""
+    import ddpkit
+
+    try:
+        return cluster.run(fn, *args, **kwargs), None
+    except ddpkit.RankError as exc:
+        last = next(iter(exc.failures.values())).strip().splitlines()[-1]
+        if any(r.status == "dead" for r in cluster.ranks):
+            cluster.restart()
+        return None, f"{label} failed: {last}"
+
+
+def time_round(cluster, strategies, r: int, steps: int, common: dict, per_round: dict, errors: dict,
+               progress=None) -> None:
+    """Round ``r`` of timing runs, recording off: each strategy once, the order rotated by ``r``
+    so slow spells of a shared machine hit every strategy alike. Appends the slowest rank's
+    median ms/step to ``per_round[s]``; a strategy that fails goes to ``errors`` and is skipped."""
+    from ddpkit.experiment import run_strategy
+
+    order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+    for s in order:
+        if s in errors:
+            continue
+        if progress:
+            progress.start(f"{s} (round {r + 1}, timing)")
+        results, err = _run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
+        if err:
+            errors[s] = err
+            continue
+        per_round[s].append(max(res["ms_per_step"] for res in results))  # as slow as the slowest rank
+
+
+def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
+            global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
+            progress=None) -> list[dict]:
+    """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
+    order rotates each round, so slow spells hit every strategy alike), then one short recorded
+    run each for bytes, overlap, memory and equality with one process. One dict per strategy.
+    ``progress``: a ``ddpkit.progressbar.ProgressBar`` subscribed to the cluster, or None."""
+    from ddpkit.experiment import run_strategy, train_single_process
+
+    n = cluster.world_size
+    common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
+                  optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+    per_round: dict = {s: [] for s in strategies}
+    errors: dict = {}
+    for r in range(rounds):
+        time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
+
+    warmup = 1
+    reference = train_single_process(model, optimizer, steps=warmup + record_steps,
+                                     global_batch_size=global_batch_size, **(model_kwargs or {}))
+    records = []
+    for s in strategies:
+        if s in errors:
+            records.append(dict(strategy=s, world_size=n, error=errors[s]))
+            continue
+        if progress:
+            progress.start(f"{s} (recorded)")
+        results, err = _run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
+                                    record=True, reference=reference, **common)
+        if err:
+            records.append(dict(strategy=s, world_size=n, error=err))
+            continue
+        r0 = results[0]
+        # torch's own wrappers report spans only (their collectives run inside torch), so their
+        # bytes and overlap are unknown here, not zero
+        reported = bool(r0["collectives_per_step"]) or n == 1
+        records.append(dict(
+            strategy=s, world_size=n, model=model, steps=steps, rounds=len(per_round[s]),
+            ms_per_step=statistics.median(per_round[s]),
+            ms_per_step_rounds=per_round[s],
+            ms_per_step_min=min(per_round[s]),
+            comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
+            collectives_per_step=r0["collectives_per_step"],
+            model_state_bytes=max(res["model_state_bytes"] for res in results),
+            peak_bytes=max(res["peak_bytes"] for res in results),
+            overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
+            max_param_diff=max(res["max_param_diff"] for res in results),
+        ))
+    _add_ratios(records)
+    return records
+
+
+def _add_ratios(records: list[dict]) -> None:
+    """ms_per_step relative to torch's own wrappers, where they ran (1.2 = 20% slower)."""
+    ok = {r["strategy"]: r for r in records if "error" not in r}
+    for ref in ("torch_ddp", "torch_fsdp"):
+        if ref in ok and ok[ref]["ms_per_step"] > 0:
+            for r in ok.values():
+                r[f"vs_{ref}"] = r["ms_per_step"] / ok[ref]["ms_per_step"]
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def format_table(records: list[dict]) -> str:
+    """The compare results as a fixed-width text table (bytes per rank; sent = ring cost)."""
+    cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch_ddp", "{:.2f}x"),
+            ("vs_torch_fsdp", "{:.2f}x"), ("comm_bytes_per_step", "bytes"), ("model_state_bytes", "bytes"),
+            ("peak_bytes", "bytes"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
+    heads = ["strategy", "ms/step", "vs torch_ddp", "vs torch_fsdp", "sent/step", "model state",
+             "peak", "overlap", "max |diff|"]
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["strategy"], r["error"]])
+            continue
+        row = []
+        for key, fmt in cols:
+            v = r.get(key)
+            row.append("-" if v is None else _human_bytes(v) if fmt == "bytes" else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows if len(row) == len(heads))) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
+    for row in rows:
+        if len(row) == len(heads):
+            lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        else:
+            lines.append(f"{row[0].rjust(widths[0])}  {row[1]}")
+    return "\n".join(lines)

@@ -1,0 +1,267 @@
+"""Measuring this machine: one rank's compute (a Profile), collective timings, and the lines fitted to them.
+
+``profile_model`` times one process's step per layer; ``profile_job`` does it inside every rank
+at once. ``measure_collectives`` times each collective back to back at several sizes and
+``fit_network`` fits each its own alpha-beta line (``Network.per_op``), keeping the timings too.
+``python -m ddpkit predict --fit`` and ``--validate`` (``costmodel.validate``) use them.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+from ddpkit.costmodel.simulate import Layer, MiB, Profile
+from ddpkit.network import RING_STEPS, Network, collective_time, ring_bytes
+
+
+# --------------------------------------------------------------------------- compute profile
+def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int = 5,
+                  units=None) -> Profile:
+    """Measure one process's step on ``module``: per-layer forward time (hooks), whole forward,
+    backward and optimizer step (median of ``repeats``).
+
+    Backward is not timed per layer (module backward hooks are fragile): each layer gets the
+    measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
+    forward times are scaled so they add up to the whole forward (activations, loss included).
+    ``units`` are the FSDP units (default: ``models.fsdp_units``). The optimizer steps, so
+    pass a model you do not need afterwards. Also timed, right after backward: scaling every
+    gradient into a flat buffer and copying it back, tensor by tensor, as bucketed DDP does
+    (``copy_s_per_byte`` is half that time per byte: one pass).
+    """
+    import torch
+
+    from ddpkit.experiment import make_optimizer
+    from ddpkit.models import fsdp_units, loss_fn
+
+    dev = next(module.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    seen: set = set()
+    owners = []  # (name, module, [param bytes]) for modules that own parameters directly
+    for name, m in module.named_modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            owners.append((name, m, [p.numel() * p.element_size() for p in own]))
+    unit_of = {}
+    for unit in (fsdp_units(module) if units is None else units):
+        uname = next(n for n, m in module.named_modules() if m is unit)
+        for m in unit.modules():
+            unit_of[id(m)] = uname
+
+    starts, fwd = {}, {name: [] for name, _, _ in owners}
+    handles = []
+    for name, m, _ in owners:
+        handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: starts.__setitem__(n, time.perf_counter())))
+        handles.append(m.register_forward_hook(
+            lambda mod, a, o, n=name: fwd[n].append(time.perf_counter() - starts[n])))
+    opt = make_optimizer(module.parameters(), optimizer)
+    params = [p for p in module.parameters() if p.requires_grad]
+    flat = torch.empty(sum(p.numel() for p in params), device=dev)
+    slots = flat.split([p.numel() for p in params])
+    totals = {"forward": [], "backward": [], "step": [], "copy": []}
+    try:
+        for _ in range(repeats + 1):  # the first is a warmup
+            sync()
+            t0 = time.perf_counter()
+            loss = loss_fn(module(inputs), targets)
+            sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            sync()
+            t2 = time.perf_counter()
+            for p, slot in zip(params, slots, strict=True):  # what a bucketed DDP does with each gradient:
+                if p.grad is not None:              # scale it into its bucket slot ...
+                    torch.mul(p.grad.reshape(-1), 0.5, out=slot)
+            for p, slot in zip(params, slots, strict=True):  # ... and copy the slot back out
+                if p.grad is not None:
+                    p.grad.view(-1).copy_(slot)
+            sync()
+            t3 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            t4 = time.perf_counter()
+            for k, v in zip(totals, (t1 - t0, t2 - t1, t4 - t3, t3 - t2), strict=True):
+                totals[k].append(v)
+    finally:
+        for h in handles:
+            h.remove()
+    med = {k: statistics.median(v[1:]) for k, v in totals.items()}
+    layer_fwd = {n: statistics.median(v[1:]) if len(v) > 1 else 0.0 for n, v in fwd.items()}
+    total = sum(layer_fwd.values()) or 1.0
+    layers = [Layer(name, pb, med["forward"] * layer_fwd[name] / total,
+                    med["backward"] * layer_fwd[name] / total, unit_of.get(id(m), ""))
+              for name, m, pb in owners]
+    return Profile(layers, med["step"], copy_s_per_byte=med["copy"] / (2 * flat.numel() * flat.element_size()))
+
+
+def profile_job(model: str = "mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
+                model_kwargs: dict | None = None, repeats: int = 5) -> Profile:
+    """A Cluster job: ``profile_model`` on every rank at once, without communicating, so
+    ranks that share a machine's cores contend for them as they do in training."""
+    import ddpkit
+    from ddpkit.experiment import local_batch
+    from ddpkit.models import build_model
+
+    module = build_model(model, **(model_kwargs or {})).to(ddpkit.device())
+    x, y = local_batch(module, batch_per_rank, 0, 0, 1)
+    return profile_model(module, x.to(ddpkit.device()), y.to(ddpkit.device()), optimizer, repeats)
+
+def profile_for(model: str, batch_per_rank: int, optimizer: str = "sgd", model_kwargs: dict | None = None,
+                ranks: int | None = None, threads: int | None = None) -> Profile:
+    """One rank's compute at ``batch_per_rank``: profiled in this process, or, with ``ranks``,
+    inside that many ranks at once (a Cluster with ``threads`` torch threads each; the slowest
+    rank), so ranks sharing this machine's cores slow each other down as in a real run."""
+    if ranks is None:
+        return profile_job(model, batch_per_rank, optimizer, model_kwargs)
+    import ddpkit
+
+    with ddpkit.Cluster(ranks, backend="auto", threads_per_rank=threads) as cluster:
+        return slowest_profile(cluster.run(profile_job, model, batch_per_rank, optimizer, model_kwargs))
+
+
+def slowest_profile(profiles: list[Profile]) -> Profile:
+    """The rank whose forward and backward took longest: every rank waits for it."""
+    return max(profiles, key=lambda p: p.forward_s + p.backward_s)
+
+
+def median_profile(profiles: list[Profile]) -> Profile:
+    """The profile whose compute total is the median of ``profiles`` (one per round)."""
+    ranked = sorted(profiles, key=lambda p: p.forward_s + p.backward_s + p.optimizer_s)
+    return ranked[len(ranked) // 2]
+
+
+# --------------------------------------------------------------------------- collectives
+CALIBRATION_SIZES = (1024, 16 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+
+
+def calibration_sizes(largest_bytes: float) -> tuple[int, ...]:
+    """The sizes worth timing for collectives of up to ``largest_bytes`` (e.g. a model's
+    parameter bytes: the largest bucket, unit or all-gather): ``CALIBRATION_SIZES`` up to twice
+    that, at least three of them."""
+    sizes = [s for s in CALIBRATION_SIZES if s <= 2 * largest_bytes]
+    return tuple(sizes) if len(sizes) >= 3 else CALIBRATION_SIZES[:3]
+
+def model_calibration_sizes(model: str, model_kwargs: dict | None = None) -> tuple[int, ...]:
+    """The collective sizes worth timing for this model: up to its parameter bytes, and beyond."""
+    from ddpkit.models import build_model
+
+    module = build_model(model, **(model_kwargs or {}))
+    return calibration_sizes(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
+def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=CALIBRATION_SIZES[:6],
+                        repeats: int = 3, calls_bytes: float = 32 * MiB) -> dict:
+    """A Cluster job: time each collective at each full size S (bytes, fp32) on this rank;
+    returns ``{op: [(bytes, seconds per call)]}``, the median of ``repeats``.
+
+    Calls are timed *back to back*, the way a strategy issues them (a barrier before each row,
+    none between calls), so alpha includes what each call costs the host: on gloo over loopback
+    waking the sending and receiving threads, which on a busy CPU is most of a small collective's
+    time (a 4 KiB all-reduce: ~0.2 ms alone after a barrier, 0.4-1.5 ms in a row). A row holds
+    about ``calls_bytes`` bytes (4 to 32 calls). Each size runs once untimed first: gloo's first
+    collectives on a group pay for connections and buffers.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import ddpkit
+    from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
+
+    dev, n = ddpkit.device(), dist.get_world_size()
+    unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
+    if unknown:
+        raise ValueError(f"cannot measure {unknown}; valid: all_reduce, all_gather, reduce_scatter")
+    out: dict = {op: [] for op in ops}
+    for op in ops:
+        for size in sizes:
+            numel = max(n, size // 4) // n * n  # divisible by N, as the sharded collectives need
+            full = torch.zeros(numel, device=dev)
+            shard = torch.zeros(numel // n, device=dev)
+            call = {"all_reduce": partial(dist.all_reduce, full, async_op=True),
+                    "all_gather": partial(all_gather_flat, full, shard, async_op=True),
+                    "reduce_scatter": partial(reduce_scatter_flat, shard, full, async_op=True)}[op]
+            call().wait()  # warm-up, untimed
+            calls = max(4, min(32, int(calls_bytes // max(size, 1))))
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call().wait()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / calls)
+            out[op].append((numel * 4, statistics.median(times)))
+    return out
+
+
+def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), repeats: int = 3) -> list:
+    """A Cluster job: ``[(bytes, seconds)]`` for all-reduces in a row (``measure_collectives``)."""
+    return measure_collectives(("all_reduce",), sizes, repeats)["all_reduce"]
+
+
+def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
+    """alpha, beta for one collective: t = steps x alpha + bytes sent x beta, a straight line in
+    S fitted for *relative* error (weights 1/t^2), both kept >= 0."""
+    xs = [ring_bytes(op, s, world_size) for s, _ in samples]
+    ys = [t for _, t in samples]
+    ws = [1 / (t * t) if t > 0 else 0.0 for t in ys]
+    sw = sum(ws)
+    if not sw:
+        raise ValueError(f"{op}: every timing is 0")
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx if sxx else 0.0
+    beta = max(slope, 0.0)
+    alpha = max(my - beta * mx, 0.0) / RING_STEPS[op](world_size)
+    return alpha, beta
+
+
+def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
+    """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
+    or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
+    rank's per size), which fits each collective its own line (``Network.per_op``). The timings
+    are kept too (``Network.measured``): at N ranks predictions interpolate them.
+
+    Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
+    fitted for *relative* error; a plain least-squares fit would let the largest size decide
+    alone and leave alpha at zero. The network's own alpha and beta are the all-reduce's.
+    """
+    if world_size < 2:
+        raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
+    by_op = samples if isinstance(samples, dict) else {"all_reduce": samples}
+    for op, rows in by_op.items():
+        if op not in RING_STEPS:
+            raise ValueError(f"unknown collective {op!r}; valid: {', '.join(RING_STEPS)}")
+        if len({s for s, _ in rows}) < 2:
+            raise ValueError(f"fitting {op} needs timings at two sizes or more")
+    per_op = {op: _fit_line(rows, op, world_size) for op, rows in by_op.items()}
+    alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
+    measured = {op: tuple(sorted((float(s), float(t)) for s, t in rows)) for op, rows in by_op.items()}
+    return Network(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
+                   measured=measured, measured_world_size=world_size)
+
+
+def slowest_rank(per_rank: list[dict]) -> dict:
+    """``measure_collectives`` from every rank -> the slowest rank's time per (op, size): a
+    collective ends for all when it ends on the last."""
+    return {op: [max(col, key=lambda st: st[1]) for col in zip(*(r[op] for r in per_rank), strict=True)]
+            for op in per_rank[0]}
+
+def format_fit(network: Network) -> str:
+    """Each collective's fitted line, and the timings it was fitted to (``network.measured``)."""
+    n, line = network.measured_world_size, network.line()
+    lines = [f"fitted on {n} ranks (collectives timed in a row, slowest rank):"]
+    for op, rows in network.measured.items():
+        alpha, beta = network.alpha_beta(op)
+        lines.append(
+            f"  {op:<14} alpha {alpha * 1e6:7.1f} us, {1e-9 / beta if beta else float('inf'):6.2f} GB/s;  "
+            + "  ".join(f"{size / 1024:.0f} {sec * 1e3:.2f}/{collective_time(op, size, n, line) * 1e3:.2f}"
+                        for size, sec in rows) + "  (KiB measured/fitted ms)")
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""The cost model proper: a profile of one rank's compute, and one training step simulated on it.
+
+Compute comes from a ``Profile``: per layer, its parameters' bytes and its forward and backward
+time (measured with ``profile_model``, or given), plus what one pass over gradient memory costs
+(bucketed DDP copies every gradient into its bucket and back). Communication costs what
+``ddpkit.network`` says a collective costs. Overlap is *simulated*, not assumed: backward runs
+the layers in reverse, a gradient is ready when its layer's backward ends, a bucket's all-reduce
+is launched when its last gradient is ready, buckets go in order on one communication stream,
+and the step ends when both compute and the stream are done. So a bucket too small pays alpha
+too often, a bucket too large waits for the whole backward (the U-shaped curve of the DDP
+paper), and overlap cannot hide more than the backward compute there is.
+
+How each strategy communicates is read from the table of strategies (``strategy(name).cost``,
+plain data): nothing here switches on a strategy's name.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ddpkit.network import NETWORKS, Network, collective_time, ring_bytes
+from ddpkit.strategies.buckets import assign_buckets  # the same rule the strategies use
+from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import strategy as strategy_row
+
+MiB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- compute profile
+@dataclass
+class Layer:
+    """One module with parameters of its own: their bytes, and its compute time in seconds."""
+
+    name: str
+    param_bytes: list[int]          # one entry per parameter tensor, registration order
+    forward_s: float
+    backward_s: float
+    unit: str = ""                  # the FSDP unit it belongs to ("" = the root)
+
+
+@dataclass
+class Profile:
+    """The compute of one training step on one rank: layers in forward order, plus the optimizer."""
+
+    layers: list[Layer]
+    optimizer_s: float = 0.0        # one optimizer step over every parameter
+    elem_bytes: int = 4             # for FSDP padding (fp32)
+    copy_s_per_byte: float = 0.0    # one pass over memory (copy_ of a flat buffer), per byte
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(sum(layer.param_bytes) for layer in self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds for one pass over ``nbytes`` (a bucket's copy in or out)."""
+        return nbytes * self.copy_s_per_byte
+
+
+def uniform_profile(layers: int, param_bytes: int, forward_ms: float, backward_ms: float | None = None,
+                    optimizer_ms: float = 0.0) -> Profile:
+    """``layers`` equal layers (one parameter tensor each): the model the tests and examples use."""
+    bwd = 2 * forward_ms if backward_ms is None else backward_ms
+    return Profile([Layer(f"layer{i}", [param_bytes], forward_ms / 1e3, bwd / 1e3, unit=f"layer{i}")
+                    for i in range(layers)], optimizer_ms / 1e3)
+
+
+# --------------------------------------------------------------------------- simulation
+@dataclass
+class Prediction:
+    """One predicted step. Times in milliseconds; bytes per rank per step."""
+
+    strategy: str
+    world_size: int
+    network: str
+    ms_per_step: float
+    compute_ms: float               # forward + backward + optimizer with no communication
+    comm_ms: float                  # time the communication stream is busy
+    exposed_comm_ms: float          # ms_per_step - compute_ms: what overlap failed to hide
+    comm_bytes_per_step: float
+    collectives: int
+
+
+class _Stream:
+    """One communication stream: collectives run one at a time, in the order issued."""
+
+    def __init__(self, world_size: int, network: Network):
+        self.n, self.net = world_size, network
+        self.free = 0.0
+        self.busy = 0.0
+        self.bytes = 0.0
+        self.count = 0
+
+    def issue(self, name: str, nbytes: float, at: float) -> float:
+        """Launch at time ``at`` (or when the stream frees up); returns the completion time."""
+        if self.n == 1:
+            return at
+        start = max(at, self.free)
+        dur = collective_time(name, nbytes, self.n, self.net)
+        self.free = start + dur
+        self.busy += dur
+        self.bytes += ring_bytes(name, nbytes, self.n)
+        self.count += 1
+        return self.free
+
+
+def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
+              first_cap_bytes: float | None = None) -> float:
+    """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
+    copies, one after another) beside the communication stream. Returns when both are done.
+
+    ``cap_bytes`` 0 is NaiveDDP: after backward, each gradient is scaled in place (one pass over
+    its bytes) and all-reduced, one at a time. Otherwise gradients go into buckets: each is
+    copied into its bucket slot (scaled, one pass) and copied back after its bucket's all-reduce
+    (another pass) -- the two passes every bucketed DDP pays, torch's included unless gradients
+    are views of the buckets. With ``overlap`` the copy in happens in the gradient's hook, during
+    backward, and a bucket is launched as soon as its last gradient is in; without, all of it
+    starts when backward ends.
+    """
+    flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
+    t = profile.forward_s
+    if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
+        t += profile.backward_s
+        for b in reversed(flat):
+            t = stream.issue("all_reduce", b, t + profile.copy_s(b))
+        return t
+    buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
+    sizes = [sum(flat[i] for i in b) for b in buckets]
+    if overlap:
+        ready = []  # when each gradient is in its bucket slot, in backward order
+        for layer in reversed(profile.layers):  # backward runs the layers in reverse
+            t += layer.backward_s
+            for b in reversed(layer.param_bytes):  # its hook copies it in, delaying what follows
+                t += profile.copy_s(b)
+                ready.append(t)
+        ready.reverse()  # registration order, as the bucket indices are
+        launched = [stream.issue("all_reduce", size, max(ready[i] for i in b))
+                    for b, size in zip(buckets, sizes, strict=True)]
+    else:
+        t += profile.backward_s
+        launched = []
+        for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
+            t += profile.copy_s(size)
+            launched.append(stream.issue("all_reduce", size, t))
+    for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
+        t = max(t, done) + profile.copy_s(size)
+    return t
+
+
+def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch: bool = True) -> float:
+    """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
+    resharded), reduce-scatter its gradient after its backward, the optimizer over 1/N shards.
+
+    With ``prefetch`` the next unit's all-gather is issued when the current unit's compute starts
+    (FSDP's forward and backward prefetch); without, only when the compute needs it.
+    """
+    n = stream.n
+    units: dict[str, list[Layer]] = {}
+    for layer in profile.layers:
+        units.setdefault(layer.unit, []).append(layer)
+    names = [u for u in units if u != ""]
+    pad = n * profile.elem_bytes
+    size = {u: math.ceil(sum(sum(layer.param_bytes) for layer in ls) / pad) * pad for u, ls in units.items()}
+    fwd = {u: sum(layer.forward_s for layer in ls) for u, ls in units.items()}
+    bwd = {u: sum(layer.backward_s for layer in ls) for u, ls in units.items()}
+
+    t = 0.0
+    if "" in units:  # the root's own parameters: gathered once, kept until its backward
+        t = stream.issue("all_gather", size[""], 0.0)
+    order = names
+    gathered = {}
+    for i, u in enumerate(order):
+        if u not in gathered:
+            gathered[u] = stream.issue("all_gather", size[u], t)
+        start = max(t, gathered[u])
+        if prefetch and i + 1 < len(order):
+            nxt = order[i + 1]
+            gathered[nxt] = stream.issue("all_gather", size[nxt], start)
+        t = start + fwd[u]
+    t += fwd.get("", 0.0)  # root-level compute (embeddings, head) in forward
+    t += bwd.get("", 0.0)  # ... and its backward, first
+    back = list(reversed(order))
+    regathered: dict = {}
+    for i, u in enumerate(back):
+        if reshard and u not in regathered:
+            regathered[u] = stream.issue("all_gather", size[u], t)
+        start = max(t, regathered.get(u, t))
+        if reshard and prefetch and i + 1 < len(back):
+            nxt = back[i + 1]
+            regathered[nxt] = stream.issue("all_gather", size[nxt], start)
+        t = start + bwd[u]
+        stream.issue("reduce_scatter", size[u], t)
+    if "" in units:
+        stream.issue("reduce_scatter", size[""], t)
+    return max(t, stream.free)
+
+
+def simulate(strategy: str, profile: Profile, world_size: int, network: Network | str = "loopback",
+             bucket_cap_mb: float = 25.0) -> Prediction:
+    """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network``."""
+    step = strategy_row(strategy).cost  # how the table says this strategy communicates
+    if isinstance(network, str):
+        if network not in NETWORKS:
+            raise ValueError(f"unknown network {network!r}; valid: {', '.join(NETWORKS)}")
+        network = NETWORKS[network]
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = world_size
+    stream = _Stream(n, network)
+    opt = profile.optimizer_s / n if step.sharded_optimizer else profile.optimizer_s
+    if step.algorithm == "fsdp":
+        end = _fsdp_step(profile, stream, reshard=step.reshard, prefetch=step.prefetch) + opt
+    else:
+        cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
+        # torch caps its first bucket at 1 MiB when the cap is left at its default
+        first = 1 * MiB if step.torch_first_bucket and bucket_cap_mb == 25.0 else None
+        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first) + opt
+        if step.gather_params:
+            # each rank stepped 1/N of the parameters; the updated ones are shared with one
+            # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
+            # ones back out
+            p_bytes = profile.param_bytes
+            end = stream.issue("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)) + profile.copy_s(p_bytes)
+    compute = profile.forward_s + profile.backward_s + opt
+    return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
+                      max(0.0, end - compute) * 1e3, stream.bytes, stream.count)
+
+
+def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
+            bucket_cap_mb: float = 25.0) -> list[Prediction]:
+    """Every (strategy, world size) pair, world sizes outermost."""
+    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies]
+
+
+def format_predictions(predictions: list[Prediction]) -> str:
+    """``python -m ddpkit predict``'s table: one line per prediction (bytes: sent by one rank)."""
+    lines = [f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  "
+             f"{'sent kB/step':>12}"]
+    for p in predictions:
+        lines.append(f"{p.world_size:>5}  {p.strategy:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  "
+                     f"{p.exposed_comm_ms:12.2f}  {p.comm_bytes_per_step / 1e3:12.1f}")
+    return "\n".join(lines)

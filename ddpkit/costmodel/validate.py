@@ -1,0 +1,95 @@
+"""The cost model against measurement on one cluster: calibrate, profile, time, predict; a table.
+
+    with ddpkit.Cluster(2) as cluster:
+        records, network, profile = validate(cluster, ["naive", "overlapped", "fsdp"])
+    print(format_validation(records))
+
+``python -m ddpkit predict --validate`` runs this once per world size; notebook 07 calls it.
+"""
+from __future__ import annotations
+
+import statistics
+
+from ddpkit.compare import time_round
+from ddpkit.costmodel.measure import (
+    fit_network, measure_collectives, median_profile, model_calibration_sizes, profile_job, slowest_profile,
+    slowest_rank,
+)
+from ddpkit.costmodel.simulate import Profile, simulate
+from ddpkit.network import NETWORKS
+
+
+def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
+             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None):
+    """The cost model against measurement on one cluster: each round calibrates the collectives
+    (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
+    times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
+    machine hits calibration and measurement alike. The model sees only the calibration and
+    the profile, never a strategy's timing. Returns ``(records, network, profile)``: one record
+    per strategy with ``predicted_ms`` (each collective on its fitted alpha-beta line),
+    ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
+    ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
+    the calibration's timings instead, ``Network.measured``, which holds them). A strategy that
+    fails has ``error`` instead."""
+    n = cluster.world_size
+    sizes = model_calibration_sizes(model, model_kwargs)
+    common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
+                  optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+    per_round: dict = {s: [] for s in strategies}
+    errors: dict = {}
+    calibrations, profiles = [], []
+    for r in range(rounds):
+        if n > 1:
+            if progress:
+                progress.start(f"calibrating collectives (round {r + 1})")
+            calibrations.append(slowest_rank(cluster.run(measure_collectives, sizes=sizes)))
+        if progress:
+            progress.start(f"profiling compute (round {r + 1})")
+        ranks = cluster.run(profile_job, model, global_batch_size // n, optimizer, model_kwargs)
+        profiles.append(slowest_profile(ranks))
+        time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
+
+    network = NETWORKS["loopback"]
+    if calibrations:  # per collective and size, the median over rounds
+        merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
+                       for rows in zip(*(c[op] for c in calibrations), strict=True)] for op in calibrations[0]}
+        network = fit_network(merged, n, name=f"fitted on {n} ranks")
+    profile = median_profile(profiles)
+    records = []
+    for s in strategies:
+        if s in errors:
+            records.append(dict(strategy=s, world_size=n, error=errors[s]))
+            continue
+        pred = simulate(s, profile, n, network.line(), bucket_cap_mb)
+        interpolated = simulate(s, profile, n, network, bucket_cap_mb)
+        measured = statistics.median(per_round[s])
+        records.append(dict(strategy=s, world_size=n, model=model, predicted_ms=pred.ms_per_step,
+                            predicted_from_timings_ms=interpolated.ms_per_step,
+                            measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
+                            measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
+                            exposed_comm_ms=pred.exposed_comm_ms))
+    return records, network, profile
+
+
+def format_validation(records: list[dict]) -> str:
+    """predict --validate's table: predicted (alpha-beta lines) and measured ms/step, the error,
+    the rounds' spread; then the prediction from the calibration's timings, interpolated."""
+    heads = (f"{'ranks':>5}  {'strategy':>10}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
+             f"{'rounds (min-max)':>16}  {'from timings':>12}  {'error':>6}")
+    lines = [heads]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['error']}")
+            continue
+        spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
+        lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
+                     f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_from_timings_ms']:12.2f}  "
+                     f"{r['predicted_from_timings_ms'] / r['measured_ms'] - 1:+6.0%}")
+    return "\n".join(lines)
+
+
+def format_profile(profile: Profile) -> str:
+    """The compute the model was given: what every prediction of ``validate`` rests on."""
+    return (f"compute {(profile.forward_s + profile.backward_s) * 1e3:.2f} ms "
+            f"+ optimizer {profile.optimizer_s * 1e3:.2f} ms per step (slowest rank, all ranks computing), "
+            f"gradient copies {1e-9 / profile.copy_s_per_byte if profile.copy_s_per_byte else float('inf'):.1f} GB/s")

@@ -1,0 +1,24 @@
+"""The recorder: plain records of what each rank did, merged into a Trace, exported for Perfetto.
+
+    rec = Recorder()                           # inside a rank (recorder.py: the hot path)
+    model = OverlappedDDP(module, recorder=rec)
+    ...
+    trace = Trace.merge(cluster.run(job))      # all ranks' records in one Trace (records.py)
+    trace.to_chrome_trace("trace.json")        # open in ui.perfetto.dev (chrome.py)
+    overlap_fraction(trace)                    # figures derived from records (figures.py)
+
+Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
+"""
+from ddpkit.trace.chrome import LANES, to_chrome_trace
+from ddpkit.trace.figures import (
+    bucket_fill_order, collective_bytes, collective_counts, comm_bytes_per_step, launch_order,
+    overlap_fraction, overlap_intervals, ring_bytes,
+)
+from ddpkit.trace.recorder import Recorder
+from ddpkit.trace.records import Record, Trace, as_trace
+
+__all__ = [
+    "Record", "Recorder", "Trace", "as_trace", "to_chrome_trace", "ring_bytes",
+    "comm_bytes_per_step", "collective_counts", "collective_bytes", "overlap_fraction",
+    "overlap_intervals", "bucket_fill_order", "launch_order", "LANES",
+]

@@ -1,0 +1,93 @@
+"""Chrome trace JSON of a Trace, for Perfetto (ui.perfetto.dev) and chrome://tracing.
+
+    trace.to_chrome_trace("trace.json")        # or to_chrome_trace(trace, "trace.json")
+
+One process per rank (pid = rank, named "rank N"), one thread per lane (``LANES``), complete
+events for spans, instants for gradients becoming ready, counters for memory; the rank list in
+top-level ``distributedInfo``, as torch's profiler writes it.
+"""
+from __future__ import annotations
+
+import json
+
+from ddpkit.trace.records import Record, as_trace
+
+# Lanes become Chrome "threads" (tid) inside each rank's "process" (pid = rank).
+LANES = {"compute": 0, "comm": 1, "buckets": 2}
+_COMM_EXTRA_TID = 10  # overlapping collectives go to extra comm lanes 10, 11, ...
+
+
+def to_chrome_trace(trace, path=None) -> dict:
+    """Chrome trace JSON (``traceEvents``) for Perfetto / chrome://tracing; written if ``path``.
+
+    pid = rank (named "rank N"); tid = lane: compute (forward/backward/sync/step), comm
+    (each collective from launch to completion; collectives in flight at the same time are
+    put on extra "comm 2", "comm 3" lanes, since Chrome's "X" events on one thread must
+    nest), buckets (an instant per gradient becoming ready). Memory samples are "C"
+    counters. Times are microseconds since the first record.
+    """
+    trace = as_trace(trace)
+    t_zero = min((r.start_ns for r in trace.records), default=0)
+    us = lambda ns: (ns - t_zero) / 1e3  # noqa: E731
+    events: list[dict] = []
+    for rank in trace.ranks:
+        events.append(dict(ph="M", name="process_name", pid=rank, tid=0, args={"name": f"rank {rank}"}))
+        events.append(dict(ph="M", name="process_sort_index", pid=rank, tid=0, args={"sort_index": rank}))
+        for lane, tid in LANES.items():
+            events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": lane}))
+            # the buckets lane goes last, so extra comm lanes ("comm 2", ...) sit under "comm"
+            order = 100 if lane == "buckets" else tid
+            events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": order}))
+        comm_lane_ends: list[int] = []  # end time of the last collective on each comm lane
+        for r in sorted(trace.select(rank=rank), key=lambda r: r.start_ns):
+            args = {"step": r.step, **_json_safe(r.args)}
+            if r.kind == "span":
+                if r.cat == "comm":
+                    args.update(bytes=r.nbytes, bucket=r.bucket, unit=r.unit,
+                                completed=r.end_ns is not None)
+                    tid = _comm_tid(comm_lane_ends, r, events, rank)
+                else:
+                    tid = LANES.get(r.cat, LANES["compute"])
+                end = r.end_ns if r.end_ns is not None else r.start_ns
+                events.append(dict(ph="X", name=r.name, cat=r.cat, pid=rank, tid=tid,
+                                   ts=us(r.start_ns), dur=(end - r.start_ns) / 1e3, args=args))
+            elif r.kind == "instant":
+                args.update(bucket=r.bucket)
+                events.append(dict(ph="i", s="t", name=r.name, cat=r.cat, pid=rank,
+                                   tid=LANES["buckets"], ts=us(r.start_ns), args=args))
+            else:
+                events.append(dict(ph="C", name=r.name, cat=r.cat, pid=rank, tid=0,
+                                   ts=us(r.start_ns), args={k: int(v) for k, v in r.args.items()}))
+    ranks = trace.ranks
+    out = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        # as torch.profiler writes it (one rank per file there; a merged trace lists them all)
+        "distributedInfo": {"backend": trace.backend, "rank": ranks[0] if ranks else 0,
+                            "world_size": trace.world_size, "ranks": ranks},
+    }
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    return out
+
+
+def _comm_tid(lane_ends: list, r: Record, events: list, rank: int) -> int:
+    """The first comm lane free at r's launch (greedy interval colouring)."""
+    end = r.end_ns if r.end_ns is not None else r.start_ns
+    for i, last in enumerate(lane_ends):
+        if last <= r.start_ns:
+            lane_ends[i] = end
+            return LANES["comm"] if i == 0 else _COMM_EXTRA_TID + i
+    lane_ends.append(end)
+    i = len(lane_ends) - 1
+    if i == 0:
+        return LANES["comm"]
+    tid = _COMM_EXTRA_TID + i
+    events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": f"comm {i + 1}"}))
+    events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": 1 + i}))
+    return tid
+
+
+def _json_safe(d: dict) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in d.items()}

@@ -1,0 +1,292 @@
+"""The Recorder: each rank's hot path of appending tuples, resolved into Records when read.
+
+Strategies talk to a recorder through four calls (see ``ddpkit/strategies/_common.py``):
+``span``, ``collective``, ``grad_ready`` and ``memory``. ``Recorder`` implements them by
+appending a tuple to a list -- nothing else happens on the hot path. Turning tuples into
+``Record`` dataclasses (completion times, CUDA event times, the clock offset to rank 0) is
+done later, when ``.records`` is read.
+
+    rec = Recorder()                   # inside a rank; rank/world size from the process group
+    rec.align_clocks()                 # optional: put every rank on rank 0's clock
+    model = OverlappedDDP(module, recorder=rec)
+    for i in range(3):
+        rec.next_step()                # records carry the step index (None before step 0)
+        train_step(model, opt, x, y, recorder=rec)
+    return rec.trace()                 # picklable: a Cluster job can return it
+"""
+from __future__ import annotations
+
+import time
+
+from ddpkit.trace.records import Record, Trace
+
+
+class _Span:
+    """The ``with recorder.span(...)`` context: two clock reads and one list append."""
+
+    __slots__ = ("_rec", "_cat", "_name", "_fields", "_t0", "_ev0")
+
+    def __init__(self, rec, cat, name, fields):
+        self._rec, self._cat, self._name, self._fields = rec, cat, name, fields
+
+    def __enter__(self):
+        rec = self._rec
+        self._ev0 = rec._cuda_event() if rec._cuda else None
+        self._t0 = rec._clock()
+        return self
+
+    def __exit__(self, *exc):
+        rec = self._rec
+        t1 = rec._clock()
+        ev1 = rec._cuda_event() if rec._cuda else None
+        rec._raw.append(("span", self._cat, self._name, rec._step, self._t0, t1,
+                         self._fields, self._ev0, ev1))
+        return False
+
+
+class Recorder:
+    """Implements the recorder seam and keeps every call as a plain record (``.records``)."""
+
+    enabled = True
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None, device=None,
+                 clock=time.perf_counter_ns):
+        import torch
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        self.world_size = world_size if world_size is not None else (
+            dist.get_world_size() if initialized else 1)
+        self.backend = str(dist.get_backend()) if initialized else "none"
+        if device is None:
+            device = "cuda" if self.backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+        self.clock_offset_ns = 0   # this rank's clock minus rank 0's (align_clocks sets it)
+        self.clock_rtt_ns = 0      # the bound on that estimate's error
+        self._clock = clock
+        self._step = None  # None until next_step(): construction broadcasts etc. ("setup")
+        self._raw: list[tuple] = []
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            self._cuda_anchor = _CudaClock(self.device, clock)
+        self._resolved: list[Record] | None = None
+        self._resolved_len = -1
+        self._watched = None  # works without a future, waited on by a thread (see _watch)
+
+    def _watch(self, work, on_done) -> None:
+        """Call ``on_done`` when ``work`` finishes, for collectives whose Work has no future.
+
+        One daemon thread per recorder waits on them in launch order (a backend runs a group's
+        collectives in that order). ``wait`` blocks without spinning, so watching costs no CPU;
+        a collective that fails is the strategy's to report, so the watcher just moves on.
+        """
+        if self._watched is None:
+            import queue
+            import threading
+
+            self._watched = queue.SimpleQueue()
+
+            def watch(q=self._watched):
+                while True:
+                    work, callback = q.get()
+                    try:
+                        work.wait()
+                    except Exception:  # noqa: BLE001 - the strategy's own wait() reports it
+                        continue
+                    callback()
+
+            threading.Thread(target=watch, name="ddpkit-recorder-watch", daemon=True).start()
+        self._watched.put((work, on_done))
+
+    # --- the seam ------------------------------------------------------------------
+    def span(self, name: str, cat: str = "compute", **fields):
+        return _Span(self, cat, name, fields)
+
+    def collective(self, name: str, work, nbytes: int, **fields) -> None:
+        """Note an async collective launched just now; its completion is noted by a callback.
+
+        What "completion" means depends on the backend:
+        - gloo: the future completes when the collective has finished on gloo's own worker
+          thread, so the callback's host time is when the bytes had all arrived.
+        - NCCL: ``work.get_future()`` completes once NCCL's stream has been made to wait for
+          the collective -- right after launch, *not* when the GPU has finished it (torch's
+          docs for ``Work.get_future``). The host time is then meaningless, so on CUDA we
+          also record CUDA events: one on the current stream at launch, one on the stream the
+          callback runs on (which is synchronised with NCCL's stream, so it fires after the
+          collective ends). Their GPU times are resolved lazily in ``.records``.
+        """
+        t0 = self._clock()
+        ev0 = self._cuda_event() if self._cuda else None
+        done = [None, None]  # [host ns at completion, CUDA event after the collective]
+        if work is None:     # a synchronous call: it has already finished
+            done[0] = t0
+        else:
+            clock, cuda, event = self._clock, self._cuda, self._cuda_event
+
+            def on_done(fut):  # runs on gloo's thread (gloo) or inline (NCCL)
+                done[0] = clock()
+                if cuda:
+                    done[1] = event()
+
+            try:
+                work.get_future().then(on_done)
+            except RuntimeError:  # no future for this op (gloo's reduce-scatter): a thread waits
+                self._watch(work, lambda: on_done(None))
+        self._raw.append(("comm", name, self._step, t0, done, int(nbytes), fields, ev0))
+
+    def grad_ready(self, param_name: str, **fields) -> None:
+        # On CUDA the hook runs when autograd *queued* the gradient's kernels; an event on
+        # the current stream marks when the GPU actually produced it.
+        ev = self._cuda_event() if self._cuda else None
+        self._raw.append(("ready", param_name, self._step, self._clock(), fields, ev))
+
+    def memory(self, **bytes_by_category: int) -> None:
+        self._raw.append(("mem", self._step, self._clock(), bytes_by_category))
+
+    # --- steps and clocks ------------------------------------------------------------
+    def next_step(self) -> int:
+        """Start the next training step (the first call makes it step 0); returns its index."""
+        self._step = 0 if self._step is None else self._step + 1
+        return self._step
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    def align_clocks(self, group=None, rounds: int = 8) -> int:
+        """Estimate this rank's clock offset to rank 0 of ``group``; returns it in ns.
+
+        Each round: a barrier, then every rank reads its clock (t_a), joins an all-gather,
+        and reads it again (t_b). The all-gather ends on every rank at about the same real
+        time: every rank's window [t_a, t_b] contains the moment the last rank entered (no
+        one can leave before that). So the midpoints (t_a + t_b) / 2 are readings of one
+        instant, each off by at most half its round trip. We keep the round whose slowest
+        rank had the smallest round trip and take offset = my midpoint - rank 0's midpoint;
+        its error is at most that round trip (``clock_rtt_ns``). Every rank must call it.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            self.clock_offset_ns = 0
+            return 0
+        n = dist.get_world_size(group)
+        dev = self.device if str(dist.get_backend(group)) == "nccl" else torch.device("cpu")
+        probe = torch.zeros(1, dtype=torch.int64, device=dev)
+        out = [torch.zeros_like(probe) for _ in range(n)]
+        mine = []  # (round trip, midpoint) per round
+        for _ in range(rounds):
+            dist.barrier(group=group)
+            t_a = self._clock()
+            dist.all_gather(out, probe, group=group)
+            t_b = self._clock()
+            mine.append((t_b - t_a, (t_a + t_b) // 2))
+        # share every rank's rounds: (n, rounds, 2) int64
+        local = torch.tensor(mine, dtype=torch.int64, device=dev)
+        every = [torch.zeros_like(local) for _ in range(n)]
+        dist.all_gather(every, local, group=group)
+        every = torch.stack(every).cpu()
+        best = int(every[:, :, 0].max(dim=0).values.argmin())
+        me = dist.get_rank(group)
+        self.clock_offset_ns = int(every[me, best, 1] - every[0, best, 1])
+        self.clock_rtt_ns = int(every[:, best, 0].max())
+        return self.clock_offset_ns
+
+    # --- reading back ----------------------------------------------------------------
+    def _cuda_event(self):
+        """A timing event on this rank's device's current stream (also right from a callback
+        thread whose current device is another GPU)."""
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    @property
+    def records(self) -> list[Record]:
+        """Every call so far as a ``Record`` (picklable plain data), in call order."""
+        if self._resolved is not None and self._resolved_len == len(self._raw):
+            return self._resolved
+        if self._cuda:
+            self._cuda_anchor.synchronize()
+        off, rank, gpu = self.clock_offset_ns, self.rank, self._cuda
+        out = []
+        for raw in self._raw:
+            kind = raw[0]
+            if kind == "span":
+                _, cat, name, step, t0, t1, fields, ev0, ev1 = raw
+                clock = "host"
+                if gpu:  # GPU time of the work launched inside the span
+                    t0, t1 = self._cuda_anchor.to_host_ns(ev0), self._cuda_anchor.to_host_ns(ev1)
+                    clock = "cuda"
+                out.append(Record("span", cat, name, rank, step, t0 - off, t1 - off,
+                                  clock=clock, **_split_fields(fields)))
+            elif kind == "comm":
+                _, name, step, t0, done, nbytes, fields, ev0 = raw
+                t1, clock = done[0], "host"
+                if gpu and done[1] is not None:
+                    t0, t1 = self._cuda_anchor.to_host_ns(ev0), self._cuda_anchor.to_host_ns(done[1])
+                    clock = "cuda"
+                out.append(Record("span", "comm", name, rank, step, t0 - off,
+                                  None if t1 is None else t1 - off, nbytes=nbytes,
+                                  clock=clock, **_split_fields(fields)))
+            elif kind == "ready":
+                _, name, step, t, fields, ev = raw
+                clock = "host"
+                if gpu:
+                    t, clock = self._cuda_anchor.to_host_ns(ev), "cuda"
+                out.append(Record("instant", "grad_ready", name, rank, step, t - off,
+                                  clock=clock, **_split_fields(fields)))
+            else:
+                _, step, t, values = raw
+                out.append(Record("counter", "memory", "memory", rank, step, t - off,
+                                  args=dict(values)))
+        # Keep the result only if no collective is still waiting for its completion callback
+        # (gloo runs it on its own thread, a moment after work.wait() may have returned).
+        if all(r.end_ns is not None for r in out if r.kind == "span"):
+            self._resolved, self._resolved_len = out, len(self._raw)
+        return out
+
+    def trace(self) -> Trace:
+        """This rank's records as a Trace (merge the ranks' with ``Trace.merge``)."""
+        return Trace(list(self.records), self.world_size, self.backend)
+
+    def clear(self) -> None:
+        """Forget every record (the step counter and clock offset are kept)."""
+        self._raw = []
+        self._resolved, self._resolved_len = None, -1
+
+
+def _split_fields(fields: dict) -> dict:
+    """Record keyword arguments: bucket and unit have their own attributes, the rest -> args."""
+    out = {k: fields[k] for k in ("bucket", "unit") if k in fields}
+    out["args"] = {k: v for k, v in fields.items() if k not in ("bucket", "unit")}
+    return out
+
+
+class _CudaClock:
+    """Converts CUDA event times to host ns: one (event, host time) anchor taken at start.
+
+    ``event.elapsed_time(other)`` gives GPU milliseconds between two events; with an anchor
+    event whose host time we know, any later event's GPU time maps onto the host clock.
+    """
+
+    def __init__(self, device, clock):
+        import torch
+
+        self.device = device
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+            torch.cuda.synchronize()  # the stream was idle: the anchor fired just now
+            self.host_ns = clock()
+
+    def synchronize(self):
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
+    def to_host_ns(self, ev) -> int:
+        return self.host_ns + int(self.event.elapsed_time(ev) * 1e6)
