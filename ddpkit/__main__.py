@@ -25,14 +25,21 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 
 # --------------------------------------------------------------------------- argument types
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+def _number(convert, lowest, what: str):
+    """An argparse type: ``convert(text)``, at least ``lowest``; the message says ``what``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= lowest:  # `not >=` also refuses NaN
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _number(int, 1, "a whole number >= 1")
+_bucket_cap = _number(float, 0, "a number of MiB >= 0")
 
 
 def _int_list(text: str) -> list[int]:
@@ -47,16 +54,6 @@ def _strategy_list(text: str) -> list[str]:
             f"unknown strateg{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown)) or '(none given)'}; "
             f"valid: {', '.join(STRATEGIES)}")
     return list(dict.fromkeys(names))  # keep order, drop repeats
-
-
-def _bucket_cap(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB >= 0, got {value}")
-    return value
 
 
 def _check_writable(parser, option: str, path: str | None) -> None:

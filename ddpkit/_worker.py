@@ -237,7 +237,7 @@ def main() -> None:
         conn.send(("ready", rank, {"pid": os.getpid(), "device": device}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
     import cloudpickle
 
@@ -257,7 +257,8 @@ def main() -> None:
             _context.running = False
         except BaseException as exc:  # KeyboardInterrupt too: the parent asked us to stop
             _context.running = False
-            sys.stdout.flush(); sys.stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
             # The traceback starts at the job's own frame: this loop's frame is noise to a learner.
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
             conn_msg = ("error", tb, type(exc).__name__, _is_distributed_failure(exc))
@@ -268,7 +269,8 @@ def main() -> None:
                 conn_msg = ("error", f"the result of rank {rank} (a {type(result).__name__}) "
                             f"cannot be pickled to send back: {type(exc).__name__}: {exc}",
                             "PicklingError", False)
-        sys.stdout.flush(); sys.stderr.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
         _context.send(conn_msg)
 
     try:

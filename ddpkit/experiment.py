@@ -212,7 +212,7 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     times = timer.result()
     out = dict(strategy=strategy, rank=rank, world_size=world, model=model, steps=steps,
                step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
-               losses=[float(l) for l in losses])
+               losses=[float(loss) for loss in losses])
     if record:
         # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
         # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the

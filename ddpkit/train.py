@@ -67,7 +67,7 @@ def parse_args(argv=None):
 
 def _model_kwargs(args) -> dict:
     names = ("width", "depth") if args.model == "mlp" else ("dim", "layers")
-    return {k: v for k, v in zip(names, (args.width, args.depth)) if v is not None}
+    return {k: v for k, v in zip(names, (args.width, args.depth), strict=True) if v is not None}
 
 
 def load_full(module, full: dict) -> None:

@@ -182,7 +182,7 @@ class ClusterWidget(widgets.VBox):
                 s.add_class("ddpkit-rank-status")
             for lg in self.rank_logs:
                 lg.add_class("ddpkit-rank-log")
-            self.rank_box.children = [w for pair in zip(self.rank_status, self.rank_logs) for w in pair]
+            self.rank_box.children = [w for pair in zip(self.rank_status, self.rank_logs, strict=True) for w in pair]
         devices = ", ".join(d for d in c.devices if d) or "none (stopped)"
         self.header.value = (f"<b>ddpkit cluster</b> &middot; world size {c.world_size} &middot; "
                              f"backend {html.escape(c.backend)} &middot; devices {html.escape(devices)}")

@@ -46,10 +46,10 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
         raise ValueError("need as many positive times as sizes, and at least two different sizes")
     w = [1.0 / t ** 2 for t in times]  # relative error: each point counts alike
     total = sum(w)
-    ms = sum(wi * s for wi, s in zip(w, sizes)) / total
-    mt = sum(wi * t for wi, t in zip(w, times)) / total
-    var = sum(wi * (s - ms) ** 2 for wi, s in zip(w, sizes))
-    cov = sum(wi * (s - ms) * (t - mt) for wi, s, t in zip(w, sizes, times))
+    ms = sum(wi * s for wi, s in zip(w, sizes, strict=True)) / total
+    mt = sum(wi * t for wi, t in zip(w, times, strict=True)) / total
+    var = sum(wi * (s - ms) ** 2 for wi, s in zip(w, sizes, strict=True))
+    cov = sum(wi * (s - ms) * (t - mt) for wi, s, t in zip(w, sizes, times, strict=True))
     beta = cov / var
     return mt - beta * ms, beta
 

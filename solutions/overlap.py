@@ -10,7 +10,8 @@ every launched all-reduce. This file is the bookkeeping; the hooks call ``mark_r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 @dataclass

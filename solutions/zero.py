@@ -44,7 +44,7 @@ def sharded_step(params: list[torch.Tensor], owners: list[int], optimizer, group
     """
     optimizer.step()
     works = []
-    for p, owner in zip(params, owners):
+    for p, owner in zip(params, owners, strict=True):
         src = owner if group is None else dist.get_global_rank(group, owner)
         works.append(dist.broadcast(p.data, src=src, group=group, async_op=True))
     for w in works:

@@ -29,7 +29,7 @@ This module sits in the strategy layer and imports nothing from later layers
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
                 f"rank 0 has {len(mine)} parameters and buffers, rank {other_rank} has "
                 f"{len(theirs)}: every rank must wrap the same model"
             )
-        for (name, s0, d0), (_, s1, d1) in zip(mine, theirs):
+        for (name, s0, d0), (_, s1, d1) in zip(mine, theirs, strict=True):
             if (s0, d0) != (s1, d1):
                 raise ValueError(
                     f"{name} has shape {list(s0)} ({d0}) on rank 0 but "
@@ -154,7 +154,8 @@ def no_sync(wrapper):
 class DDPModule(nn.Module):
     """What every DDP-style wrapper shares: construction, forward, no_sync, full_state_dict.
 
-    A subclass implements ``_sync_gradients()`` (average every gradient across ranks).
+    A subclass implements ``_sync_gradients()`` (average every gradient across ranks). With
+    ``bucketed=True`` construction also builds ``self.buckets`` (``buckets.make_buckets``).
 
     When does a backward need a sync? As in torch DDP (``require_backward_grad_sync``), the
     *forward* decides: a forward run with gradients enabled outside ``no_sync()`` marks a sync
@@ -164,7 +165,12 @@ class DDPModule(nn.Module):
     wrapper (``model(x)``, not ``model.module(x)``), one backward per forward.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, recorder=None):
+    def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
+                 bucket_cap_mb: float = 25.0):
+        from ddpkit.strategies.buckets import bucket_cap_bytes, make_buckets
+
+        if bucketed:
+            bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
         super().__init__()
         prepare_module(type(self).__name__, module, process_group)
         self.module = module
@@ -175,6 +181,9 @@ class DDPModule(nn.Module):
         self.named_grads = list(unique_named_parameters(module))
         self._require_sync = True   # False inside no_sync()
         self._sync_pending = False  # set by a forward that needs a sync, cleared when done
+        if bucketed:  # the flat buckets, in the order they fill (buckets.py)
+            self.bucket_cap_mb = bucket_cap_mb
+            self.buckets = make_buckets(self.named_grads, bucket_cap_mb)
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing

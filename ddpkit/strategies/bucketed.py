@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ddpkit.strategies._common import DDPModule
-from ddpkit.strategies.buckets import bucket_cap_bytes, make_buckets
 
 
 class BucketedDDP(DDPModule):
@@ -37,10 +36,7 @@ class BucketedDDP(DDPModule):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
                  recorder=None):
-        bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
-        super().__init__(module, process_group, recorder)
-        self.bucket_cap_mb = bucket_cap_mb
-        self.buckets = make_buckets(self.named_grads, bucket_cap_mb)
+        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb)
         if self.recorder.enabled:
             # Hooks only to *record* when each gradient becomes ready (the bucket fill order);
             # the reduction itself still waits for the end of backward. Recording off: no hooks.

@@ -45,7 +45,7 @@ dicts live in ``flat_param.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -40,7 +40,7 @@ class NaiveDDP(DDPModule):
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:
-        for i, (name, p) in enumerate(self.named_grads):
+        for i, (_, p) in enumerate(self.named_grads):
             if p.grad is None:
                 # Not used in this step's forward on this rank: contribute zeros, so every
                 # rank still calls the same collectives in the same order (else: a hang).

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ddpkit.strategies._common import DDPModule
-from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, make_buckets
+from ddpkit.strategies.buckets import Bucket
 from ddpkit.torch_internals import queue_at_end_of_backward
 
 
@@ -48,10 +48,7 @@ class OverlappedDDP(DDPModule):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
                  recorder=None):
-        bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
-        super().__init__(module, process_group, recorder)
-        self.bucket_cap_mb = bucket_cap_mb
-        self.buckets = make_buckets(self.named_grads, bucket_cap_mb)
+        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb)
         self._next_bucket = 0      # the next bucket to launch, in bucket order
         self._end_queued = False   # the end-of-backward callback is queued for this step
         for bucket in self.buckets:

@@ -12,7 +12,7 @@ around forward/backward/step; there are no per-collective records for these two.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

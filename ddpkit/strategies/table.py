@@ -12,7 +12,7 @@ equals one process). Adding a strategy is its file plus one entry here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from ddpkit.models import fsdp_units
 

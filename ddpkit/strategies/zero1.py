@@ -129,7 +129,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for mine, local in zip(self.param_groups, self.local_optimizer.param_groups):
+        for mine, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             for key, value in mine.items():  # the LR scheduler writes to *our* groups
                 if key != "params":
                     local[key] = value
@@ -214,9 +214,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("the state dict's parameter groups do not match this optimizer's")
         # Saved indices may be any ids in group order (torch uses 0..P-1): map them by position.
         saved_ids = [i for g in saved_groups for i in g["params"]]
-        global_to_local = {g: l for l, g in enumerate(self._local_to_global)}
+        global_to_local = {g: k for k, g in enumerate(self._local_to_global)}
         local_state, local_groups = {}, []
-        for mine, saved, local in zip(self.param_groups, saved_groups, self.local_optimizer.param_groups):
+        for mine, saved in zip(self.param_groups, saved_groups, strict=True):
             hyper = {k: v for k, v in saved.items() if k != "params"}
             mine.update(hyper)
             local_groups.append({**hyper, "params": []})
@@ -224,9 +224,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             for _ in g["params"]:
                 if i in global_to_local:
-                    l = global_to_local[i]
-                    local_groups[gi]["params"].append(l)
+                    k = global_to_local[i]
+                    local_groups[gi]["params"].append(k)
                     if saved_ids[i] in state_dict["state"]:
-                        local_state[l] = state_dict["state"][saved_ids[i]]
+                        local_state[k] = state_dict["state"][saved_ids[i]]
                 i += 1
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})

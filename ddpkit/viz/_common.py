@@ -13,7 +13,7 @@ COMM_COLOURS = {"all_reduce": "#8172b3", "broadcast": "#937860", "all_gather": "
 OVERLAP_COLOUR = "#2ca02c"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _figure_class():
     from matplotlib.figure import Figure
 
