@@ -7,7 +7,8 @@ zero1.py       ShardedOptimizer  ZeRO-1: each rank keeps and steps 1/N of the op
 fsdp.py        FSDP              ZeRO-3: flat parameters sharded 1/N, gathered just in time
 reference.py   torch's own DistributedDataParallel and fully_shard, same interface
 
-What they share: ``_common.py`` (the recorder seam, construction checks, ``DDPModule``),
+What they share: ``_common.py`` (the recorder seam, construction checks), ``ddp_module.py``
+(``DDPModule``, the base of the three DDP wrappers),
 ``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed and overlapped DDP),
 ``flat_param.py`` (an FSDP unit's flat parameter, mixed precision, state dicts).
 ``table.py`` is the table of strategies by name that experiments, the cost model and the

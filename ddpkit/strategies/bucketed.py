@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import DDPModule
+from ddpkit.strategies.ddp_module import DDPModule
 
 
 class BucketedDDP(DDPModule):

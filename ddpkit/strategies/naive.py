@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import DDPModule, nbytes
+from ddpkit.strategies._common import nbytes
+from ddpkit.strategies.ddp_module import DDPModule
 
 
 class NaiveDDP(DDPModule):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import DDPModule
+from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.buckets import Bucket
 from ddpkit.torch_internals import queue_at_end_of_backward
 

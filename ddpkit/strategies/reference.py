@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import (DDPModule, NULL_RECORDER, default_units, nbytes, prepare_module,
+from ddpkit.strategies._common import (NULL_RECORDER, default_units, nbytes, prepare_module,
                                        require_process_group, unique_named_parameters)
+from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.buckets import bucket_cap_bytes
 
 

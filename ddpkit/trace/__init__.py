@@ -4,7 +4,7 @@
     model = OverlappedDDP(module, recorder=rec)
     ...
     trace = Trace.merge(cluster.run(job))      # all ranks' records in one Trace (records.py)
-    trace.to_chrome_trace("trace.json")        # open in ui.perfetto.dev (chrome.py)
+    to_chrome_trace(trace, "trace.json")       # open in ui.perfetto.dev (chrome.py)
     overlap_fraction(trace)                    # figures derived from records (figures.py)
 
 Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.

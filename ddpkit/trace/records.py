@@ -99,11 +99,6 @@ class Trace:
             raise IndexError(f"step {step} is not in the trace; steps: {steps}")
         return step
 
-    def to_chrome_trace(self, path=None) -> dict:
-        from ddpkit.trace.chrome import to_chrome_trace  # the export reads Traces: import it late
-
-        return to_chrome_trace(self, path)
-
 
 def as_trace(trace_or_records) -> Trace:
     """Accept a Trace, a Recorder, a list of Records, or a list of per-rank parts."""
