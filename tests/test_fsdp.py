@@ -1,11 +1,15 @@
-"""FSDP (ZeRO-3): equal to one process, shards of the right size, the right collectives, state dicts.
+"""FSDP (ZeRO-3): its options equal one process, shards of the right size, the right collectives, state dicts.
 
 Every job runs on a shared gloo Cluster (``cluster_of(n)``); ranks build their model with
 seed=rank, so they start different and the wrapper's rank-0 broadcast must make them equal.
-The reference is plain single-process training on the whole global batch.
+The reference is plain single-process training on the whole global batch. FSDP as the table of
+strategies builds it (one unit per Linear or block, defaults otherwise) is proven equal to it at
+1, 2, 3 and 4 ranks, MLP and TinyGPT, SGD and AdamW, in ``test_equivalence.py``; here only the
+options it does not use.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,77 +18,45 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.models import fsdp_units
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
-from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
-from ddpkit.strategies._common import NullRecorder, all_gather_flat
-from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
+from ddpkit.models import build_model, fsdp_units, loss_fn, make_batch
+from ddpkit.strategies._common import all_gather_flat
+from helpers import SMALL_GPT, SMALL_MLP, TOL, CountingRecorder, ranks, reference_params, train_on_rank
 
 BATCH = 24  # splits evenly over 1, 2, 3 and 4 ranks
+MODELS = {"mlp": SMALL_MLP, "gpt": SMALL_GPT}
 
 
-class CountingRecorder(NullRecorder):
-    """Every collective (name, nbytes, unit) and every unsharded-parameter memory sample."""
-
-    enabled = True
-
-    def __init__(self):
-        self.events, self.unsharded = [], []
-
-    def collective(self, name, work, nbytes, **fields):
-        self.events.append((name, nbytes, fields.get("unit")))
-
-    def memory(self, **by_category):
-        self.unsharded.append(by_category["unsharded_parameters"])
-
-    def mark(self, what):
-        self.events.append((what, 0, None))
-
-
-def _units(module, how):
-    if how == "default":
-        return None
-    return fsdp_units(module)  # one per Linear (MLP), one per block (TinyGPT)
-
-
-def _train(model_name, optimizer, model_kwargs, units="per_layer", steps=5, **fsdp_kwargs):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(model_name, seed=rank, **model_kwargs)  # ranks start different
-    model = ddpkit.FSDP(module, units=_units(module, units), **fsdp_kwargs)
-    opt = make_optimizer(model.parameters(), optimizer)
-    for step in range(steps):
-        x, y = local_batch(module, BATCH, step, rank, world)
-        train_step(model, opt, x, y)
+def _train(model_name, optimizer, default_units=False, **fsdp_kwargs):
+    rank = dist.get_rank()
+    module = build_model(model_name, seed=rank, **MODELS[model_name])  # ranks start different
+    model = ddpkit.FSDP(module, units=None if default_units else fsdp_units(module), **fsdp_kwargs)
+    train_on_rank(model, module, make_optimizer(model.parameters(), optimizer), 5, BATCH)
     return model.full_state_dict()
 
 
-def _train_all(cases):
-    return [_train(*case[:3], **case[3]) for case in cases]
+# (name, model, optimizer, FSDP options, world sizes). Default units: each child with parameters
+# (MLP: `layers` and `head`; TinyGPT: its children, the tied weight left to the root)
+OPTIONS = [
+    ("default_units", "mlp", "sgd", dict(default_units=True), (2, 4)),
+    ("default_units", "mlp", "adamw", dict(default_units=True), (2, 3)),
+    ("default_units", "gpt", "sgd", dict(default_units=True), (1, 2, 4)),
+    ("no_reshard", "mlp", "sgd", dict(reshard_after_forward=False), (2, 3)),
+    ("no_prefetch", "mlp", "adamw", dict(prefetch=False), (2, 4)),
+    ("no_reshard_no_prefetch", "gpt", "sgd", dict(reshard_after_forward=False, prefetch=False), (2, 3)),
+]
+OPTION_CASES = [pytest.param(n, model, opt, kwargs, id=f"{name}-{ranks(n)}-{model}-{opt}")
+                for name, model, opt, kwargs, sizes in OPTIONS for n in sizes]
 
 
-# AdamW on TinyGPT is left out: attention's key bias has a gradient that is exactly zero in
-# exact arithmetic, so its fp32 value is rounding noise that Adam normalises to +-lr; any
-# change of summation order moves it by ~lr per step in every correct implementation.
-ALL_CASES = [("mlp", opt, SMALL_MLP, dict(units=u)) for opt in ("sgd", "adamw") for u in ("per_layer", "default")] \
-    + [("gpt", "sgd", SMALL_GPT, dict(units=u)) for u in ("per_layer", "default")] \
-    + [("mlp", "sgd", SMALL_MLP, dict(reshard_after_forward=False)),
-       ("mlp", "adamw", SMALL_MLP, dict(prefetch=False)),
-       ("gpt", "sgd", SMALL_GPT, dict(reshard_after_forward=False, prefetch=False))]
-# every case at 2 ranks; a spread at 1, 3 (uneven shards, padding) and 4, to keep the suite fast
-CASES = {1: [ALL_CASES[i] for i in (0, 5)], 2: ALL_CASES,
-         3: [ALL_CASES[i] for i in (0, 3, 4, 6, 8)], 4: [ALL_CASES[i] for i in (1, 2, 5, 7)]}
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_equal_to_single_process(cluster_of, world_size):
-    cases = CASES[world_size]
-    per_rank = cluster_of(world_size).run(_train_all, cases)
-    for i, (model_name, optimizer, kwargs, fsdp_kwargs) in enumerate(cases):
-        reference = reference_params(model_name, optimizer, batch=BATCH, **kwargs)
-        for rank, results in enumerate(per_rank):
-            assert list(results[i]) == list(reference)  # original names, original order
-            diff = max_abs_diff(results[i], reference)
-            assert diff < TOL, f"{model_name} {optimizer} {fsdp_kwargs}: rank {rank} off by {diff}"
+@pytest.mark.parametrize("world_size,model_name,optimizer,fsdp_kwargs", OPTION_CASES)
+def test_options_equal_single_process(cluster_of, world_size, model_name, optimizer, fsdp_kwargs):
+    per_rank = cluster_of(world_size).run(_train, model_name, optimizer, **fsdp_kwargs)
+    reference = reference_params(model_name, optimizer, batch=BATCH, **MODELS[model_name])
+    for rank, full in enumerate(per_rank):
+        assert list(full) == list(reference)  # original names, original order
+        diff = max_abs_diff(full, reference)
+        assert diff < TOL, f"{model_name} {optimizer} {fsdp_kwargs}: rank {rank} off by {diff}"
 
 
 class Odd(nn.Module):
@@ -117,7 +89,7 @@ def _shards():
         g = torch.empty(unit.padded_numel)
         all_gather_flat(g, unit.shard.grad)
         grads_full.update({n: g[o:o + k].view(s) for n, o, k, s in
-                           zip(unit.names, unit.offsets, unit.numels, unit.shapes)})
+                           zip(unit.names, unit.offsets, unit.numels, unit.shapes, strict=True)})
     # every rank sees the mean of the ranks' gradients; all ranks used the same x here
     ref = {n: p.grad for n, p in single.named_parameters()}
     return sizes, list(full), [p.shape for p in model.parameters()], max_abs_diff(grads_full, ref)
@@ -128,7 +100,7 @@ def test_shard_sizes_padding_and_names(cluster_of):
     expected = {"a": 4, "b": 8, "tail": 14}
     for sizes, names, param_shapes, grad_diff in per_rank:
         assert {name: t for name, t, *_ in sizes} == expected
-        for name, total, shard, padded, actual in sizes:
+        for _, total, shard, padded, actual in sizes:
             assert shard == math.ceil(total / 3) == actual
             assert padded == 3 * shard and 0 <= padded - total <= 2
         assert names == [n for n, _ in Odd().named_parameters()]
@@ -145,15 +117,15 @@ def _counts(reshard, prefetch, param_dtype=None):
     opt = make_optimizer(model.parameters(), "sgd")
     x, y = local_batch(module, BATCH, 0, rank, world)
     train_step(model, opt, x, y)  # step 0 learns the forward order; count step 1
-    rec.events.clear()
-    rec.unsharded.clear()
+    rec.clear()
     x, y = local_batch(module, BATCH, 1, rank, world)
     logits = model(x)
     rec.mark("backward")
     loss_fn(logits, y).backward()
     rec.mark("end")
     model.finish_gradient_synchronization()
-    return rec.events, rec.unsharded, [u.name for u in model.units], [u.gathered_bytes for u in model.units], \
+    unsharded = [sample["unsharded_parameters"] for sample in rec.memory_samples]
+    return rec.events, unsharded, [u.name for u in model.units], [u.gathered_bytes for u in model.units], \
         model.comm_buffer_bytes()
 
 
@@ -164,10 +136,10 @@ def test_collectives_per_step_and_bytes(cluster_of, reshard, prefetch):
     events, unsharded, names, gathered, comm_after = cluster_of(world).run(_counts, reshard, prefetch)[0]
     n_units = len(names)
     assert n_units == 5  # 4 hidden Linears + head, no root parameters
-    cut = events.index(("backward", 0, None))
+    cut = events.index(("mark", "backward", None))
     forward, backward = events[:cut], events[cut + 1:-1]
     # forward: one all-gather per unit, in forward order
-    assert forward == [("all_gather", g, n) for n, g in zip(names, gathered)]
+    assert forward == [("all_gather", g, n) for n, g in zip(names, gathered, strict=True)]
     ag_back = [e for e in backward if e[0] == "all_gather"]
     rs = [e for e in backward if e[0] == "reduce_scatter"]
     assert [e[2] for e in rs] == names[::-1]  # every unit reduced once, in backward order
@@ -176,11 +148,13 @@ def test_collectives_per_step_and_bytes(cluster_of, reshard, prefetch):
     params = build_model("mlp", seed=0, **SMALL_MLP).parameters()
     model_bytes = sum(p.numel() * 4 for p in params)
     assert sum(gathered) == model_bytes
-    ring = lambda evs: sum((world - 1) / world * b for _, b, _ in evs)  # all-gather / reduce-scatter
-    ddp_ring = 2 * (world - 1) / world * model_bytes                    # one all-reduce of S
+    def ring(evs):  # all-gather / reduce-scatter: (N-1)/N of the full size per rank
+        return sum((world - 1) / world * b for _, b, _ in evs)
+
+    ddp_ring = 2 * (world - 1) / world * model_bytes  # one all-reduce of S
     assert ring(forward + backward) == pytest.approx((1.5 if reshard else 1.0) * ddp_ring)
     if prefetch and reshard:  # the next unit's all-gather is issued before this unit's reduce-scatter
-        for later, earlier in zip(names[::-1], names[::-1][1:]):
+        for later, earlier in itertools.pairwise(names[::-1]):
             assert backward.index(("all_gather", gathered[names.index(earlier)], earlier)) < \
                 backward.index(("reduce_scatter", gathered[names.index(later)], later))
     elif reshard:  # without prefetch: gather, reduce, gather, reduce, ...
@@ -202,13 +176,9 @@ def test_mixed_precision_halves_all_gather_bytes_and_keeps_fp32_shards(cluster_o
 
 
 def _mixed(param_dtype, reduce_dtype):
-    rank, world = dist.get_rank(), dist.get_world_size()
     module = build_model("mlp", seed=0, **SMALL_MLP)
     model = ddpkit.FSDP(module, units=fsdp_units(module), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    opt = make_optimizer(model.parameters(), "sgd")
-    for step in range(5):
-        x, y = local_batch(module, BATCH, step, rank, world)
-        train_step(model, opt, x, y)
+    train_on_rank(model, module, make_optimizer(model.parameters(), "sgd"), 5, BATCH)
     return model.full_state_dict(), {p.dtype for p in model.parameters()}
 
 
@@ -292,7 +262,7 @@ def test_tied_weight_goes_to_the_unit_containing_every_use(cluster_of):
     owner, names = cluster_of(2).run(_tied)[0]
     assert owner["tok.weight"] == "(root)"  # used by `tok` and by `head`: only the root has both
     assert "head.weight" not in names and owner["pos.weight"] == "pos"
-    # and training through it equals one process: CASES trains TinyGPT with default units
+    # and training through it equals one process: test_options_equal_single_process[default_units-*-gpt-sgd]
 
 
 class WithBuffer(nn.Module):
@@ -349,12 +319,11 @@ def _resume(k, m, optimizer):
     """k steps, checkpoint (full params + this rank's optimizer shard state), fresh model, m more."""
     import io
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     module = build_model("mlp", seed=rank, **SMALL_MLP)
     model = ddpkit.FSDP(module, units=fsdp_units(module))
     opt = make_optimizer(model.parameters(), optimizer)
-    for step in range(k):
-        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    train_on_rank(model, module, opt, k, BATCH)
     buf = io.BytesIO()
     torch.save({"model": model.full_state_dict(), "optim": opt.state_dict()}, buf)
     buf.seek(0)
@@ -365,8 +334,7 @@ def _resume(k, m, optimizer):
     model.load_full_state_dict(ckpt["model"])
     opt = make_optimizer(model.parameters(), optimizer)
     opt.load_state_dict(ckpt["optim"])
-    for step in range(k, k + m):
-        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    train_on_rank(model, module, opt, m, BATCH, first_step=k)
     return model.full_state_dict()
 
 
@@ -385,13 +353,13 @@ def _backward_finishes_itself():
     loss_fn(model(x), y).backward()
     ready = all(p.grad is not None for p in model.parameters())
     grads = [p.grad.clone() for p in model.parameters()]
-    n = len(rec.events)
+    n = len(rec.collectives())
     model.finish_gradient_synchronization()
     model.finish_gradient_synchronization()
-    same = all(g.equal(p.grad) for g, p in zip(grads, model.parameters()))
+    same = all(g.equal(p.grad) for g, p in zip(grads, model.parameters(), strict=True))
     with torch.no_grad():  # an eval forward gathers and frees again, nothing left behind
         model(x)
-    return ready, same, n == len(rec.events) - len(model.units), model.comm_buffer_bytes()
+    return ready, same, n == len(rec.collectives()) - len(model.units), model.comm_buffer_bytes()
 
 
 def test_backward_finishes_sync_and_finish_is_idempotent(cluster_of):

@@ -1,49 +1,39 @@
-"""TorchDDP and TorchFSDP (torch's own DDP and fully_shard) equal one process, behind ddpkit's interface."""
+"""TorchDDP and TorchFSDP (torch's own DDP and fully_shard) behind ddpkit's interface.
+
+That both equal one process (``torch_ddp`` and ``torch_fsdp`` in the table of strategies, at 1, 2
+and 4 ranks, MLP and TinyGPT, SGD and AdamW) is tested in ``test_equivalence.py``.
+"""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.models import fsdp_units
-from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
-from ddpkit.models import build_model, loss_fn
+from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff
+from ddpkit.models import build_model, fsdp_units, loss_fn
 from ddpkit.strategies.reference import TorchDDP, TorchFSDP
-from helpers import SMALL_GPT, SMALL_MLP, TOL, reference_params
+from helpers import SMALL_CAP, SMALL_GPT, SMALL_MLP, TOL, reference_params, train_on_rank
 
 BATCH = 24
 
 
-def _train(kind, model_name, model_kwargs, steps=5):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(model_name, seed=rank, **model_kwargs)  # ranks start different
-    model = TorchDDP(module, bucket_cap_mb=0.001) if kind == "ddp" else TorchFSDP(module, units=fsdp_units(module))
-    opt = make_optimizer(model.parameters(), "sgd")
-    for step in range(steps):
-        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+def _interface(kind, model_name, model_kwargs):
+    rank = dist.get_rank()
+    module = build_model(model_name, seed=rank, **model_kwargs)
+    model = TorchDDP(module, bucket_cap_mb=SMALL_CAP) if kind == "ddp" else TorchFSDP(module, units=fsdp_units(module))
+    train_on_rank(model, module, make_optimizer(model.parameters(), "sgd"), 1, BATCH)
     model.finish_gradient_synchronization()  # a no-op, callable any time
-    return model.full_state_dict(), model.module is module, model.comm_buffer_bytes()
+    unique_bytes = sum(4 * p.numel() for p in module.parameters())  # tied weights once
+    return model.module is module, model.comm_buffer_bytes(), unique_bytes
 
 
-def _train_all(cases):
-    return [_train(*c) for c in cases]
-
-
-CASES = [(k, m, kw) for k in ("ddp", "fsdp") for m, kw in (("mlp", SMALL_MLP), ("gpt", SMALL_GPT))]
-
-
-def test_torch_wrappers_equal_one_process(cluster_of):
-    per_rank = cluster_of(2).run(_train_all, CASES)
-    for i, (kind, model_name, kwargs) in enumerate(CASES):
-        reference = reference_params(model_name, "sgd", batch=BATCH, **kwargs)
-        for rank, results in enumerate(per_rank):
-            full, same_module, comm = results[i]
-            assert list(full) == list(reference)
-            assert max_abs_diff(full, reference) < TOL, (kind, model_name, rank)
-            assert same_module
-            # TorchDDP: its buckets hold every trainable parameter once; fully_shard exposes none
-            assert comm == (sum(4 * t.numel() for t in reference.values()) if kind == "ddp" else 0)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("model_name,model_kwargs", [("mlp", SMALL_MLP), ("gpt", SMALL_GPT)], ids=["mlp", "gpt"])
+def test_module_and_comm_buffer_bytes(cluster_of, kind, model_name, model_kwargs):
+    for same_module, comm, unique_bytes in cluster_of(2).run(_interface, kind, model_name, model_kwargs):
+        assert same_module
+        # TorchDDP: its buckets hold every trainable parameter once; fully_shard exposes none
+        assert comm == (unique_bytes if kind == "ddp" else 0)
 
 
 def _no_sync(kind):

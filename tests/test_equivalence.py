@@ -1,0 +1,113 @@
+"""Every strategy equals single-process training: the table of strategies x world sizes x models x optimizers.
+
+Each case is its own named test (``fsdp-4ranks-gpt-adamw``): on every rank the model is built
+with ``seed=rank`` (ranks start different, so the wrapper's rank-0 broadcast is exercised),
+wrapped by ``experiment.wrap`` from ``ddpkit.strategies.table``, trained ``STEPS`` steps with
+``train_step`` on the rank's slice of each global batch, and its ``full_state_dict()`` compared
+with ``train_single_process`` on the whole batch. The strategies are read from the table, so a
+new row there gets its cases here without an edit. What is particular to one strategy (no_sync,
+frozen and tied parameters, collective counts, options such as FSDP's resharding) is tested in
+its own file.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit.experiment import max_abs_diff, optimizer_class, wrap
+from ddpkit.models import build_model, loss_fn, make_batch
+from ddpkit.strategies.table import NAMES, STRATEGIES
+from helpers import SMALL_CAP, SMALL_GPT, SMALL_MLP, TOL, ranks, reference_params, train_on_rank
+
+MODELS = {"mlp": SMALL_MLP, "gpt": SMALL_GPT}
+OPTIMIZERS = ("sgd", "adamw")
+STEPS = 3
+BATCH = 24  # splits evenly over 1, 2, 3 and 4 ranks
+
+
+class Case(NamedTuple):
+    strategy: str
+    world_size: int
+    model: str
+    optimizer: str
+
+    def __str__(self):
+        return f"{self.strategy}-{ranks(self.world_size)}-{self.model}-{self.optimizer}"
+
+
+def _world_sizes(name):
+    """1, 2 and 4 for every strategy; 3 as well where ddpkit's own code splits state across ranks
+    (ZeRO-1 partitions whole parameters, FSDP pads each flat parameter to a multiple of N): 3
+    leaves uneven partitions and padding that 2 and 4 may not. (torch's own sharding is torch's
+    to test.)"""
+    row = STRATEGIES[name]
+    return (1, 2, 3, 4) if row.zero_stage != "DDP" and not row.torch_native else (1, 2, 4)
+
+
+CASES = [Case(s, n, m, o) for s in NAMES for n in _world_sizes(s) for m in MODELS for o in OPTIMIZERS]
+
+
+def _train(strategy, model_name, optimizer):
+    """On every rank: build with seed=rank, wrap as the table says, train, return full parameters."""
+    module = build_model(model_name, seed=dist.get_rank(), **MODELS[model_name])
+    model, opt = wrap(strategy, module, optimizer, bucket_cap_mb=SMALL_CAP)  # several buckets
+    train_on_rank(model, module, opt, STEPS, BATCH)
+    return {k: v.detach().cpu() for k, v in model.full_state_dict().items()}
+
+
+# AdamW on TinyGPT: attention's key bias (the middle third of each ``qkv.bias``) has a gradient
+# that is exactly zero in exact arithmetic, because softmax ignores a shift shared by all keys
+# (q . (k_j + b) = q . k_j + q . b for every key j). Its fp32 gradient is rounding noise, which
+# Adam normalises to a step of about +-lr; N processes sum in another order than one process, so
+# the noise and the step differ, in every correct implementation alike (torch's own included).
+# So that slice is checked apart: it may differ by at most what Adam can move it in STEPS steps
+# (2 x STEPS x lr: each side about lr per step), and everything else must equal one process
+# within TOL as in every other case. ``test_key_bias_gradient_is_zero`` shows the premise; with
+# SGD the slice moves by lr x noise (~1e-10) and is checked within TOL with the rest.
+def _without_key_bias(params: dict) -> tuple[dict, dict]:
+    """(params with each key-bias slice zeroed, {name: that slice})."""
+    dim = SMALL_GPT["dim"]
+    rest, key_bias = dict(params), {}
+    for name, t in params.items():
+        if name.endswith("qkv.bias"):
+            key_bias[name] = t[dim:2 * dim]
+            rest[name] = torch.cat([t[:dim], torch.zeros(dim), t[2 * dim:]])
+    return rest, key_bias
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_equal_to_single_process(cluster_of, case):
+    per_rank = cluster_of(case.world_size).run(_train, case.strategy, case.model, case.optimizer)
+    reference = reference_params(case.model, case.optimizer, steps=STEPS, batch=BATCH, **MODELS[case.model])
+    adam_on_gpt = case.model == "gpt" and case.optimizer == "adamw"
+    if adam_on_gpt:
+        reference, reference_key_bias = _without_key_bias(reference)
+    for rank, full in enumerate(per_rank):
+        assert list(full) == list(reference), f"rank {rank}: not the original names in their order"
+        if adam_on_gpt:
+            full, key_bias = _without_key_bias(full)
+            diff = max_abs_diff(key_bias, reference_key_bias)
+            reach = 2 * STEPS * optimizer_class("adamw")[1]["lr"]
+            assert diff <= reach, f"{case}: rank {rank}'s key bias off by {diff}, more than Adam's noise moves it"
+        diff = max_abs_diff(full, reference)
+        assert diff < TOL, f"{case}: rank {rank} off by {diff}"
+
+
+def test_key_bias_gradient_is_zero():
+    """The premise of the AdamW-on-TinyGPT check above, in one process: in float64 the key
+    bias's gradient is zero up to float64 rounding; in float32 it is rounding noise, tiny but
+    not zero, so Adam (which divides by its root mean square) turns it into steps of ~lr."""
+    dim = SMALL_GPT["dim"]
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        model = build_model("gpt", **SMALL_GPT).to(dtype)
+        x, y = make_batch(model, BATCH, 0)
+        loss_fn(model(x), y).backward()
+        grads[dtype] = model.blocks[0].qkv.bias.grad
+    g64, g32 = grads[torch.float64], grads[torch.float32]
+    assert g64[dim:2 * dim].abs().max() < 1e-15               # keys: zero in exact arithmetic
+    assert g64[:dim].abs().min() > 1e-6 and g64[2 * dim:].abs().max() > 1e-3  # queries, values: not
+    assert 0 < g32[dim:2 * dim].abs().max() < 1e-6             # fp32: rounding noise
