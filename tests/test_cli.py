@@ -85,9 +85,9 @@ def test_predict_prints_a_table_and_plots(tmp_path, capsys):
     assert main(["predict", "--width", "16", "--depth", "3", "--world-sizes", "2,4",
                  "--strategies", "bucketed,overlapped,fsdp", "--network", "20,10", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    lines = [l.split() for l in out.splitlines() if l.split()[:1] in (["2"], ["4"])]
-    assert [(l[0], l[1]) for l in lines] == [(n, s) for n in ("2", "4") for s in ("bucketed", "overlapped", "fsdp")]
-    by = {(l[0], l[1]): float(l[-1]) for l in lines}  # kB sent per step
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["2"], ["4"])]
+    assert [(r[0], r[1]) for r in rows] == [(n, s) for n in ("2", "4") for s in ("bucketed", "overlapped", "fsdp")]
+    by = {(r[0], r[1]): float(r[-1]) for r in rows}  # kB sent per step
     assert by[("2", "fsdp")] == pytest.approx(1.5 * by[("2", "overlapped")], rel=0.05)
     assert png.stat().st_size > 5000
 
@@ -143,7 +143,8 @@ def test_compare_short_run_writes_sane_records(tmp_path):
         if r["strategy"] == "fsdp":
             assert r["comm_bytes_per_step"] == pytest.approx(1.5 * param_bytes, rel=0.05)
         if "torch_ddp" in strategies:
-            assert r["vs_torch_ddp"] == pytest.approx(r["ms_per_step"] / records[strategies.index("torch_ddp")]["ms_per_step"])
+            torch_ms = records[strategies.index("torch_ddp")]["ms_per_step"]
+            assert r["vs_torch_ddp"] == pytest.approx(r["ms_per_step"] / torch_ms)
 
 
 def test_trace_writes_a_chrome_trace(tmp_path):

@@ -70,7 +70,8 @@ def _shapes(kind):
 
 @pytest.mark.parametrize("kind,message", [
     ("count", "rank 0 has 2 parameters and buffers, rank 1 has 4"),
-    ("dtype", r"parameter 'weight' has shape \[2, 2\] \(torch.float32\) on rank 0 but \[2, 2\] \(torch.float64\) on rank 1"),
+    ("dtype", r"parameter 'weight' has shape \[2, 2\] \(torch.float32\) on rank 0 "
+              r"but \[2, 2\] \(torch.float64\) on rank 1"),
     ("buffer", r"buffer 'stats' has shape \[3\] \(torch.float32\) on rank 0 but \[4\]"),
 ])
 def test_check_same_shapes_names_what_differs(cluster_of, kind, message):

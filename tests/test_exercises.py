@@ -235,7 +235,7 @@ def test_an_edited_exercise_reaches_running_ranks(tmp_path, monkeypatch, cluster
 
 # ----------------------------------------------------------------------------- collectives
 def _job_ring(fn, lengths):
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     errors = []
     for length in lengths:
         x = torch.randn(length, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * rank + length))
@@ -307,12 +307,13 @@ def test_assign_buckets():
     with pytest.raises(ValueError):
         call(fn, [4, 4], -1)
     rng = random.Random(0)
-    for trial in range(200):
+    for _ in range(200):
         sizes = [rng.choice([0, 4, 16, 100, 1000, 40000]) for _ in range(rng.randint(1, 12))]
         cap = rng.choice([0, 1, 64, 1000, 50000, 10**9])
         buckets = call(fn, sizes, cap)
         where = f"sizes={sizes} cap={cap} -> {buckets}"
-        assert [i for b in buckets for i in b] == list(reversed(range(len(sizes)))), "reverse order, each once: " + where
+        assert [i for b in buckets for i in b] == list(reversed(range(len(sizes)))), \
+            "reverse order, each once: " + where
         assert all(buckets), "no empty buckets: " + where
         for b in buckets:
             total = sum(sizes[i] for i in b)
@@ -334,7 +335,8 @@ def _job_reduce_bucket(fn, shapes):
     with CountCollectives() as counter:
         fn(grads)
     expected = [sum(_grad_on(r, s, k) for r in range(n)) / n for k, s in enumerate(shapes)]
-    bad = [k for k, (g, e) in enumerate(zip(grads, expected)) if g.shape != e.shape or not torch.allclose(g, e, atol=1e-6)]
+    bad = [k for k, (g, e) in enumerate(zip(grads, expected, strict=True))
+           if g.shape != e.shape or not torch.allclose(g, e, atol=1e-6)]
     return bad, counter.calls
 
 
@@ -373,7 +375,7 @@ def test_mark_ready_launches_complete_buckets_in_order():
     module = importlib.import_module(f"{TARGET}.overlap")
     rng = random.Random(1)
     bucket_of = [2, 2, 1, 1, 1, 0, 0]  # registration order; bucket 0 holds the last parameters
-    for trial in range(50):
+    for _ in range(50):
         log, handles = [], []
         state = _overlap_state(module, bucket_of, log, handles)
         order = list(range(len(bucket_of)))
@@ -490,7 +492,8 @@ def test_shard_flat():
             flat = torch.arange(1, numel + 1, dtype=torch.float32)
             shards = [call(fn, flat, r, world) for r in range(world)]
             per = math.ceil(numel / world)
-            assert all(s.shape == (per,) for s in shards), f"numel {numel}, world {world}: shapes {[s.shape for s in shards]}"
+            assert all(s.shape == (per,) for s in shards), \
+                f"numel {numel}, world {world}: shapes {[s.shape for s in shards]}"
             joined = torch.cat(shards)
             assert torch.equal(joined[:numel], flat) and not joined[numel:].any(), f"numel {numel}, world {world}"
             shards[0].fill_(-1.0)
@@ -520,7 +523,7 @@ def _job_reduce_scatter(fn, numels):
     rank, n = dist.get_rank(), dist.get_world_size()
     errors = []
     for numel in numels:
-        def grad_of(r):
+        def grad_of(r, numel=numel):
             return torch.randn(numel, generator=torch.Generator().manual_seed(10 * numel + r))
         with CountCollectives() as counter:
             got = fn(grad_of(rank))
@@ -544,13 +547,13 @@ def test_reduce_scatter_grad_gives_this_ranks_shard_of_the_mean(cluster_of, worl
 def test_partition_parameters_balances_elements():
     fn = target("zero", "partition_parameters")
     rng = random.Random(2)
-    for trial in range(100):
+    for _ in range(100):
         numels = [rng.choice([1, 10, 100, 1000, 4096]) for _ in range(rng.randint(1, 20))]
         world = rng.randint(1, 5)
         owners = call(fn, numels, world)
         assert len(owners) == len(numels) and all(0 <= o < world for o in owners), (numels, world, owners)
         load = [0] * world
-        for numel, owner in zip(numels, owners):
+        for numel, owner in zip(numels, owners, strict=True):
             assert load[owner] == min(load), f"parameter went to a busier rank: {numels}, {world} -> {owners}"
             load[owner] += numel
         assert max(load) - min(load) <= max(numels), (numels, world, owners)
@@ -565,7 +568,7 @@ def _job_zero(fn, steps):
     model = build_model("mlp", seed=3, width=12, depth=3)
     params = list(model.parameters())
     owners = [i % n for i in range(len(params))]  # the grader's own partition, not the exercise's
-    mine = [p for p, o in zip(params, owners) if o == rank]
+    mine = [p for p, o in zip(params, owners, strict=True) if o == rank]
     opt = torch.optim.AdamW(mine, lr=1e-2)
     for step in range(steps):
         x, y = local_batch(model, 12, step, rank, n, seed=5)

@@ -46,7 +46,7 @@ def finish(procs, timeout=240) -> list[str]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
     return outs
 

@@ -156,7 +156,7 @@ def test_a_real_gloo_collective_gets_a_completion_time(cluster_of, op):
             work = reduce_scatter_flat(torch.empty(1000 // dist.get_world_size()), t, async_op=True)
         rec.collective(op, work, nbytes=t.numel() * 4, bucket=0)
         work.wait()
-        rec.records  # resolve once before completion is certain ...
+        _ = rec.records  # resolve once before completion is certain ...
         dist.barrier()
         for _ in range(100):  # ... the callback runs on another thread, a moment after wait()
             if all(r.end_ns is not None for r in rec.records):
@@ -205,7 +205,8 @@ def test_chrome_trace_schema(tmp_path):
         assert {"ph", "name", "pid", "tid"} <= e.keys()
         assert e["pid"] in (0, 1)
     meta = [e for e in events if e["ph"] == "M"]
-    assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "process_name"} == {(0, "rank 0"), (1, "rank 1")}
+    names = {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "process_name"}
+    assert names == {(0, "rank 0"), (1, "rank 1")}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     for rank in (0, 1):
         for lane, tid in LANES.items():
@@ -238,7 +239,7 @@ def test_x_events_on_one_lane_never_partly_overlap():
     assert len(by_tid) == 4  # at most 4 collectives are in flight at once here
     for spans in by_tid.values():
         spans.sort()
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=True))
 
 
 # ----------------------------------------------------------------------------- derived figures

@@ -48,7 +48,7 @@ def test_header_and_rank_rows_show_the_cluster(widget):
     assert "backend gloo" in widget.header.value
     assert "devices cpu, cpu" in widget.header.value
     assert statuses(widget) == ["idle", "idle"]
-    for r, row in zip(c.ranks, widget.rank_status):
+    for r, row in zip(c.ranks, widget.rank_status, strict=True):
         assert f"rank {r.rank}" in row.value and f"pid {r.pid}" in row.value
     assert widget.start_button.disabled and not widget.restart_button.disabled
 
@@ -60,7 +60,7 @@ def test_buttons_restart_stop_start(widget):
     assert statuses(widget) == ["idle", "idle"]
     new_pids = [r.pid for r in c.ranks]
     assert set(new_pids).isdisjoint(old_pids)  # fresh processes
-    assert all(f"pid {p}" in row.value for p, row in zip(new_pids, widget.rank_status))
+    assert all(f"pid {p}" in row.value for p, row in zip(new_pids, widget.rank_status, strict=True))
 
     widget.stop_button.click()
     assert statuses(widget) == ["stopped", "stopped"]
@@ -142,7 +142,7 @@ def test_log_shows_the_tail_of_what_each_rank_printed(widget):
 
     widget.cluster.run(job)
     for r in (0, 1):
-        assert wait_for(lambda: f"line 29 of rank {r}" in widget.rank_logs[r].value, 2.0)
+        assert wait_for(lambda r=r: f"line 29 of rank {r}" in widget.rank_logs[r].value, 2.0)
         text = widget.rank_logs[r].value
         assert f"line 20 of rank {r}" in text and f"line 19 of rank {r}" not in text  # 10 lines kept
         assert f"of rank {1 - r}" not in text
