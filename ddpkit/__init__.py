@@ -13,11 +13,31 @@ Inside a rank (a Cluster job, a torchrun script, a test)::
 Plots (``ddpkit.viz``) and the widget (``ddpkit.widget``) are imported on first use, so a
 rank never pays for matplotlib or ipywidgets.
 """
+import sys
+
 from ddpkit.cluster import Cluster, RankError
 from ddpkit.rankside import device, progress, rank, world_size
 from ddpkit.strategies import BucketedDDP, FSDP, NaiveDDP, OverlappedDDP, ShardedOptimizer
 
 __version__ = "0.1.0"
+
+
+def _show_clusters_as_widgets() -> None:
+    """In IPython (a notebook), display a Cluster as its widget. The cluster knows nothing of
+    widgets (they are a later layer): the formatter imports ``ddpkit.widget`` on first display,
+    so a rank, which has no IPython, never loads ipywidgets."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None:
+        def display_cluster(cluster):
+            from ddpkit.widget import show
+
+            show(cluster)
+
+        shell.display_formatter.ipython_display_formatter.for_type(Cluster, display_cluster)
+
+
+_show_clusters_as_widgets()
 
 __all__ = [
     "Cluster", "RankError", "rank", "world_size", "device", "progress",
@@ -30,3 +50,4 @@ def load_ipython_extension(ipython):
     from ddpkit.magic import register
 
     register(ipython)
+    _show_clusters_as_widgets()

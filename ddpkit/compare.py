@@ -13,11 +13,11 @@ import statistics
 
 def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
     """Run a job; a failing strategy (e.g. not written yet) is reported and skipped, not fatal."""
-    import ddpkit
+    from ddpkit.cluster import RankError
 
     try:
         return cluster.run(fn, *args, **kwargs), None
-    except ddpkit.RankError as exc:
+    except RankError as exc:
         last = next(iter(exc.failures.values())).strip().splitlines()[-1]
         if any(r.status == "dead" for r in cluster.ranks):
             cluster.restart()

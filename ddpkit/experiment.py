@@ -179,10 +179,10 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     """
     import torch.distributed as dist
 
-    import ddpkit
+    from ddpkit.rankside import device, progress
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = ddpkit.device()
+    dev = device()
     module = build_model(model, seed=seed, **(model_kwargs or {}))
     recorder = NULL_RECORDER
     if record:
@@ -208,7 +208,7 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
             timer.stop()
         losses.append(loss)
         if report_progress:
-            ddpkit.progress(step + 1, total)
+            progress(step + 1, total)
     times = timer.result()
     out = dict(strategy=strategy, rank=rank, world_size=world, model=model, steps=steps,
                step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,

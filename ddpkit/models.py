@@ -80,19 +80,6 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
-def fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The FSDP units for the course's models: one per Linear of the MLP, one per block of
-    TinyGPT (the root keeps embeddings, final norm and the tied head); any other model gets
-    FSDP's own default (each child with trainable parameters)."""
-    from ddpkit.strategies._common import default_units
-
-    if isinstance(module, MLP):
-        return [block[0] for block in module.layers] + [module.head]
-    if isinstance(module, TinyGPT):
-        return list(module.blocks)
-    return default_units(module)
-
-
 def build_model(name: str = "mlp", seed: int = 0, **kwargs) -> nn.Module:
     """A freshly initialised model, the same for the same seed on every process."""
     models = {"mlp": MLP, "gpt": TinyGPT}

@@ -26,6 +26,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 
 import ipywidgets as widgets
 
@@ -293,6 +294,22 @@ class ClusterWidget(widgets.VBox):
         finally:
             if generation == self._plot_generation:
                 self.plots_done.set()
+
+
+_SHOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cluster -> its open widget
+
+
+def show(cluster) -> ClusterWidget:
+    """Display ``cluster``'s widget in the notebook: one per cluster while it is open, a new one
+    once it was closed. A Cluster shown as a cell's value comes here (``ddpkit`` registers this
+    with IPython: the cluster itself knows nothing of widgets)."""
+    from IPython.display import display
+
+    widget = _SHOWN.get(cluster)
+    if widget is None or widget._closed:
+        widget = _SHOWN[cluster] = ClusterWidget(cluster)
+    display(widget)
+    return widget
 
 
 def _png(fig) -> bytes:

@@ -10,9 +10,10 @@ import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_single_process, train_step
 from ddpkit.models import build_model
 from ddpkit.strategies._common import (
-    NULL_RECORDER, DDPModule, NullRecorder, broadcast_from_rank0, check_same_shapes, nbytes,
+    NULL_RECORDER, NullRecorder, broadcast_from_rank0, check_same_shapes, nbytes,
     prepare_module, require_process_group, unique_named_parameters,
 )
+from ddpkit.strategies.ddp_module import DDPModule
 
 
 def test_null_recorder_is_off_and_accepts_the_four_calls():

@@ -8,7 +8,8 @@ import pytest
 import ddpkit
 from ddpkit.experiment import (STRATEGIES, run_strategy, summarize_records,
                                train_single_process)
-from ddpkit.models import build_model, fsdp_units
+from ddpkit.models import build_model
+from ddpkit.strategies.table import fsdp_units
 
 TINY = dict(width=16, depth=3)  # Linear(16,16) x3 + head(16->10): 986 parameters, 3944 bytes
 TINY_BYTES = 4 * (3 * (16 * 16 + 16) + 16 * 10 + 10)

@@ -19,7 +19,8 @@ from torch import nn
 
 import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
-from ddpkit.models import build_model, fsdp_units, loss_fn, make_batch
+from ddpkit.models import build_model, loss_fn, make_batch
+from ddpkit.strategies.table import fsdp_units
 from ddpkit.strategies._common import all_gather_flat
 from helpers import SMALL_GPT, SMALL_MLP, TOL, CountingRecorder, ranks, reference_params, train_on_rank
 

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff
-from ddpkit.models import build_model, fsdp_units, loss_fn
+from ddpkit.models import build_model, loss_fn
+from ddpkit.strategies.table import fsdp_units
 from ddpkit.strategies.reference import TorchDDP, TorchFSDP
 from helpers import SMALL_CAP, SMALL_GPT, SMALL_MLP, TOL, reference_params, train_on_rank
 

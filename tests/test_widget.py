@@ -13,7 +13,7 @@ import pytest
 import ddpkit
 
 pytest.importorskip("ipywidgets")
-from ddpkit.widget import ClusterWidget, trace_of  # noqa: E402
+from ddpkit.widget import ClusterWidget, show, trace_of  # noqa: E402
 
 
 def statuses(w: ClusterWidget) -> list[str]:
@@ -229,13 +229,31 @@ def test_a_closed_widget_stops_following_and_display_makes_a_new_one(cluster_of,
     c = cluster_of(2)
     shown = []
     monkeypatch.setattr(IPython.display, "display", shown.append)
-    c._ipython_display_()
-    c._ipython_display_()
+    show(c)
+    show(c)
     assert shown[0] is shown[1]  # one widget per cluster while it is open
     first = shown[0]
     assert first._on_event in c._events.observers
     first.close()
     assert first._on_event not in c._events.observers
-    c._ipython_display_()
+    show(c)
     assert shown[-1] is not first and not shown[-1]._closed
     shown[-1].close()
+
+
+def test_ipython_displays_a_cluster_as_its_widget(cluster_of, monkeypatch):
+    """A Cluster as a cell's value shows its widget, though the cluster imports no widget code."""
+    import IPython.display
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import ddpkit
+
+    shell = InteractiveShell.instance()
+    ddpkit._show_clusters_as_widgets()
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    c = cluster_of(2)
+    assert shell.display_formatter.ipython_display_formatter(c) is True
+    assert isinstance(shown[-1], ClusterWidget) and shown[-1].cluster is c
+    shown[-1].close()
+    assert "ddpkit.widget" not in open(ddpkit.cluster.__file__).read()

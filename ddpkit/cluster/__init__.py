@@ -127,17 +127,6 @@ class Cluster:
         """Stop calling ``callback`` (a closed widget stops following the cluster)."""
         self._events.unsubscribe(callback)
 
-    def _ipython_display_(self):
-        # The widget is a later layer (it draws); imported here, on display, and only then.
-        from ddpkit.widget import ClusterWidget
-
-        widget = getattr(self, "_widget", None)
-        if widget is None or widget._closed:  # one widget per cluster, a new one once closed
-            self._widget = ClusterWidget(self)
-        from IPython.display import display
-
-        display(self._widget)
-
     def __repr__(self) -> str:
         states = ", ".join(r.status for r in self.ranks)
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "

@@ -24,7 +24,7 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     Backward is not timed per layer (module backward hooks are fragile): each layer gets the
     measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
     forward times are scaled so they add up to the whole forward (activations, loss included).
-    ``units`` are the FSDP units (default: ``models.fsdp_units``). The optimizer steps, so
+    ``units`` are the FSDP units (default: ``strategies.table.fsdp_units``). The optimizer steps, so
     pass a model you do not need afterwards. Also timed, right after backward: scaling every
     gradient into a flat buffer and copying it back, tensor by tensor, as bucketed DDP does
     (``copy_s_per_byte`` is half that time per byte: one pass).
@@ -32,7 +32,8 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     import torch
 
     from ddpkit.experiment import make_optimizer
-    from ddpkit.models import fsdp_units, loss_fn
+    from ddpkit.models import loss_fn
+    from ddpkit.strategies.table import fsdp_units
 
     dev = next(module.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from ddpkit.models import fsdp_units
+from ddpkit.models import MLP, TinyGPT
+from ddpkit.strategies._common import default_units
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ class Strategy:
 
 
 # ----------------------------------------------------------------------------- how to build
+def fsdp_units(module) -> list:
+    """The FSDP units for the course's models: one per Linear of the MLP, one per block of
+    TinyGPT (the root keeps embeddings, final norm and the tied head); any other model gets
+    FSDP's own default (each child with trainable parameters). Used by fsdp and torch_fsdp alike,
+    and by the cost model's profile."""
+    if isinstance(module, MLP):
+        return [block[0] for block in module.layers] + [module.head]
+    if isinstance(module, TinyGPT):
+        return list(module.blocks)
+    return default_units(module)
+
+
 def _naive(module, bucket_cap_mb, **common):
     from ddpkit.strategies.naive import NaiveDDP
 
