@@ -18,13 +18,16 @@ from __future__ import annotations
 import torch
 
 from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
-from ddpkit.strategies._common import NULL_RECORDER
+from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies.table import NAMES as STRATEGIES  # noqa: F401  (the names, for callers)
 from ddpkit.strategies.table import strategy as strategy_row
 
 
-def train_step(model, optimizer, inputs, targets, recorder=NULL_RECORDER):
-    """Forward, backward, finish gradient sync, optimizer step; returns the local loss."""
+def train_step(model, optimizer, inputs, targets, recorder=None):
+    """Forward, backward, finish gradient sync, optimizer step; returns the local loss.
+    ``recorder``: where the four spans go (default: the rank's, off unless recording)."""
+    if recorder is None:
+        recorder = rank_recorder()
     with recorder.span("forward", cat="compute"):
         loss = loss_fn(model(inputs), targets)
     with recorder.span("backward", cat="compute"):
@@ -82,7 +85,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 25.0,
-         recorder=NULL_RECORDER, process_group=None):
+         recorder=None, process_group=None):
     """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them; the
     model is moved to this rank's device first. Nothing else in a training loop depends on the name."""
     from ddpkit.rankside import device
@@ -179,68 +182,71 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     """
     import torch.distributed as dist
 
-    from ddpkit.rankside import device, progress
+    from ddpkit.rankside import device, progress, recording
+    from ddpkit.rankside import recorder as rank_recorder
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
     module = build_model(model, seed=seed, **(model_kwargs or {}))
-    recorder = NULL_RECORDER
+    recorder = rank_recorder()  # recording off, unless the cluster is recording (cluster.recording())
     if record:
         from ddpkit.trace import Recorder
 
         recorder = Recorder(rank=rank, world_size=world, device=str(dev))
         recorder.align_clocks()  # so the ranks' records share rank 0's clock in a trace
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder)
-    timer = _StepTimer(dev)
-    losses = []
-    total = warmup + steps
-    for step in range(total):
-        if record:
-            recorder.next_step()  # records carry the step index (construction is "setup")
-        x, y = local_batch(module, global_batch_size, step, rank, world, seed)
-        x, y = x.to(dev), y.to(dev)
-        if step >= warmup:
-            timer.start()
-        loss = train_step(wrapped, opt, x, y, recorder)
-        if step >= warmup:
-            timer.stop()
-        losses.append(loss)
-        if report_progress:
-            progress(step + 1, total)
-    times = timer.result()
-    out = dict(strategy=strategy, rank=rank, world_size=world, model=model, steps=steps,
-               step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
-               losses=[float(loss) for loss in losses])
-    if record:
-        # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
-        # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the
-        # memory pass) is put in a step of its own so it is not counted.
-        out.update(summarize_records(recorder.records, world, list(range(warmup, total)) or [0]))
-        recorder.next_step()
-    if reference is not None:
-        out["max_param_diff"] = _diff_to(reference, wrapped)
-    if record:
-        from ddpkit.memory import ActivationMeter, record_memory
-
-        # Memory is measured in one more forward/backward/sync (no optimizer step), with the
-        # gradients present as in the middle of a step (train_step ends by dropping them).
-        x, y = local_batch(module, global_batch_size, total, rank, world, seed)
-        with ActivationMeter(wrapped) as act:  # skips the parameters autograd saves
-            loss = loss_fn(wrapped(x.to(dev)), y.to(dev))
-        loss.backward()
-        wrapped.finish_gradient_synchronization()
-        sample = record_memory(recorder, wrapped, opt, act)
-        opt.zero_grad(set_to_none=True)
-        out["memory"] = sample
-        out["model_state_bytes"] = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
-        peak_sample = out.pop("peak_memory_sample")
+    # everything the job builds records into it: the strategy, and ddpkit's process group
+    with recording(recorder):
         if dev.type == "cuda":
-            out["peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
-        else:  # CPU: what one step holds at once, or the largest sample a strategy reported
-            out["peak_bytes"] = max(sum(v for k, v in sample.items() if not k.startswith("cuda")),
-                                    peak_sample)
-        if return_records:
-            out["records"] = recorder.records
-    return out
+            torch.cuda.reset_peak_memory_stats(dev)
+        wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder)
+        timer = _StepTimer(dev)
+        losses = []
+        total = warmup + steps
+        for step in range(total):
+            if record:
+                recorder.next_step()  # records carry the step index (construction is "setup")
+            x, y = local_batch(module, global_batch_size, step, rank, world, seed)
+            x, y = x.to(dev), y.to(dev)
+            if step >= warmup:
+                timer.start()
+            loss = train_step(wrapped, opt, x, y, recorder)
+            if step >= warmup:
+                timer.stop()
+            losses.append(loss)
+            if report_progress:
+                progress(step + 1, total)
+        times = timer.result()
+        out = dict(strategy=strategy, rank=rank, world_size=world, model=model, steps=steps,
+                   step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
+                   losses=[float(loss) for loss in losses])
+        if record:
+            # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
+            # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the
+            # memory pass) is put in a step of its own so it is not counted.
+            out.update(summarize_records(recorder.records, world, list(range(warmup, total)) or [0]))
+            recorder.next_step()
+        if reference is not None:
+            out["max_param_diff"] = _diff_to(reference, wrapped)
+        if record:
+            from ddpkit.memory import ActivationMeter, record_memory
+
+            # Memory is measured in one more forward/backward/sync (no optimizer step), with the
+            # gradients present as in the middle of a step (train_step ends by dropping them).
+            x, y = local_batch(module, global_batch_size, total, rank, world, seed)
+            with ActivationMeter(wrapped) as act:  # skips the parameters autograd saves
+                loss = loss_fn(wrapped(x.to(dev)), y.to(dev))
+            loss.backward()
+            wrapped.finish_gradient_synchronization()
+            sample = record_memory(recorder, wrapped, opt, act)
+            opt.zero_grad(set_to_none=True)
+            out["memory"] = sample
+            out["model_state_bytes"] = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
+            peak_sample = out.pop("peak_memory_sample")
+            if dev.type == "cuda":
+                out["peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
+            else:  # CPU: what one step holds at once, or the largest sample a strategy reported
+                out["peak_bytes"] = max(sum(v for k, v in sample.items() if not k.startswith("cuda")),
+                                        peak_sample)
+            if return_records:
+                out["records"] = recorder.records
+        return out

@@ -181,3 +181,26 @@ def test_ddp_module_forward_no_sync_finish_and_state(cluster_of):
     assert out["after_eval_forward"] == 2
     assert out["state"] == (["w"], [1.0, 1.0])
     assert out["buffers"] == 0 and out["world_size"] == 1
+
+
+def _built_inside_recording():
+    from ddpkit.rankside import recorder, recording
+    from ddpkit.strategies.table import NAMES
+    from ddpkit.trace import Recorder
+
+    rec = Recorder()
+    taken = {}
+    with recording(rec):
+        assert recorder() is rec
+        for name in NAMES:
+            model, opt = ddpkit.experiment.wrap(name, build_model("mlp", seed=0, width=8, depth=2))
+            taken[name] = model.recorder is rec if hasattr(model, "recorder") else None
+    outside = ddpkit.experiment.wrap("naive", build_model("mlp", seed=0, width=8, depth=2))[0].recorder
+    # (not `is NULL_RECORDER`: this test file travels to the ranks by value, with a copy of it)
+    return taken, outside.enabled is False, recorder().enabled is False
+
+
+def test_strategies_built_while_recording_take_the_ranks_recorder(cluster_of):
+    taken, outside_is_null, restored = cluster_of(2).run(_built_inside_recording)[0]
+    assert taken and all(taken.values()), taken
+    assert outside_is_null and restored

@@ -14,7 +14,7 @@ Strategies *report* what happens; they never store or draw it. Every wrapper tak
     recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
     recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
 
-``NullRecorder`` below is the default: each call does nothing, so recording off costs one
+``NullRecorder`` (``ddpkit.rankside``) is the default: each call does nothing, so recording off costs one
 attribute lookup and an empty ``with``. ``ddpkit.trace.Recorder`` implements the same calls
 and keeps plain records. Strategies check ``recorder.enabled`` before doing extra work that
 only recording needs (e.g. registering hooks just to time gradient readiness).
@@ -34,32 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_NO_SPAN = contextlib.nullcontext()
+from ddpkit.rankside import NULL_RECORDER, NullRecorder  # noqa: F401  (the seam's do-nothing side)
+
 
 # torch 2.12+ renamed the flat collectives (*_into_tensor / *_tensor -> *_single); same meaning.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class NullRecorder:
-    """The recorder that records nothing (the default for every strategy)."""
-
-    enabled = False
-
-    def span(self, name: str, cat: str = "compute", **fields):
-        return _NO_SPAN
-
-    def collective(self, name: str, work, nbytes: int, **fields) -> None:
-        pass
-
-    def grad_ready(self, param_name: str, **fields) -> None:
-        pass
-
-    def memory(self, **bytes_by_category: int) -> None:
-        pass
-
-
-NULL_RECORDER = NullRecorder()
 
 
 def require_process_group(strategy: str, group=None) -> None:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import NULL_RECORDER, no_sync, prepare_module, unique_named_parameters
+from ddpkit.rankside import recorder as rank_recorder
+from ddpkit.strategies._common import no_sync, prepare_module, unique_named_parameters
 from ddpkit.strategies.buckets import bucket_cap_bytes, make_buckets
 
 
@@ -36,7 +37,7 @@ class DDPModule(nn.Module):
         prepare_module(type(self).__name__, module, process_group)
         self.module = module
         self.process_group = process_group
-        self.recorder = NULL_RECORDER if recorder is None else recorder
+        self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.world_size = dist.get_world_size(process_group)
         # The gradients to reduce: trainable parameters, tied ones once, in registration order.
         self.named_grads = list(unique_named_parameters(module))

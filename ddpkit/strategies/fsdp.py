@@ -52,7 +52,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.strategies import flat_param
-from ddpkit.strategies._common import (NULL_RECORDER, all_gather_flat, default_units, nbytes, no_sync,
+from ddpkit.rankside import recorder as rank_recorder
+from ddpkit.strategies._common import (all_gather_flat, default_units, nbytes, no_sync,
                                        prepare_module, reduce_scatter_flat)
 from ddpkit.strategies.flat_param import FlatParamUnit, alloc_storage, cast_floats, free_storage
 from ddpkit.torch_internals import queue_at_end_of_backward
@@ -79,7 +80,7 @@ class FSDP(nn.Module):
         prepare_module("FSDP", module, process_group)  # checks, then rank 0's values everywhere
         self.module = module
         self.process_group = process_group
-        self.recorder = recorder or NULL_RECORDER
+        self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.param_dtype = param_dtype

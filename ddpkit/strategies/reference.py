@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import (NULL_RECORDER, default_units, nbytes, prepare_module,
+from ddpkit.rankside import recorder as rank_recorder
+from ddpkit.strategies._common import (default_units, nbytes, prepare_module,
                                        require_process_group, unique_named_parameters)
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.buckets import bucket_cap_bytes
@@ -32,7 +33,7 @@ class TorchDDP(nn.Module):
         super().__init__()
         require_process_group("TorchDDP", process_group)
         bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
-        self.recorder = recorder or NULL_RECORDER
+        self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
         # DDP broadcasts rank 0's parameters and buffers at construction, as ours do.
         self.ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group,
@@ -79,7 +80,7 @@ class TorchFSDP(nn.Module):
         prepare_module("TorchFSDP", module, process_group)
         from torch.distributed.device_mesh import DeviceMesh
 
-        self.recorder = recorder or NULL_RECORDER
+        self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
         device = next(module.parameters()).device
         # A 1-D mesh over the ranks of the group (on CPU: a "cpu" mesh, gloo underneath).

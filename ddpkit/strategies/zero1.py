@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.strategies._common import NULL_RECORDER, all_gather_flat, nbytes, require_process_group
+from ddpkit.rankside import recorder as rank_recorder
+from ddpkit.strategies._common import all_gather_flat, nbytes, require_process_group
 
 
 def partition_by_size(sizes: list[int], world_size: int) -> list[int]:
@@ -84,7 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls, process_group=None, recorder=None, **defaults):
         require_process_group("ShardedOptimizer", process_group)
         self.process_group = process_group
-        self.recorder = recorder or NULL_RECORDER
+        self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         groups = _as_param_groups(params)
