@@ -69,6 +69,21 @@ def _check_writable(parser, option: str, path: str | None) -> None:
         parser.error(f"{option} {path!r} is not writable")
 
 
+def _network(parser, args, world_sizes):
+    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, checked against every world size."""
+    from ddpkit.network import Network
+
+    try:
+        network = Network.of(args.network, gpus_per_node=args.gpus_per_node)
+    except ValueError as exc:
+        parser.error(f"--network: {exc}")
+    bad = [n for n in world_sizes if args.gpus_per_node and n % args.gpus_per_node]
+    if bad:
+        parser.error(f"--gpus-per-node {args.gpus_per_node} does not divide the world size {bad[0]}: "
+                     "every node must hold the same number of ranks")
+    return network
+
+
 def _check_run_args(parser, args) -> None:
     """Checks shared by compare and trace, before any process starts."""
     if args.threads_per_rank is not None and args.threads_per_rank < 0:
@@ -83,6 +98,7 @@ def _check_run_args(parser, args) -> None:
         if gpus < args.world_size:
             parser.error(f"--backend nccl needs one GPU per rank: --world-size {args.world_size} but "
                          f"{gpus} CUDA GPU(s) are visible; use --backend gloo")
+    args.network = _network(parser, args, [args.world_size])
 
 
 def _model_kwargs(args) -> dict:
@@ -118,6 +134,17 @@ def _add_run_args(p, steps: int) -> None:
     p.add_argument("--threads-per-rank", type=int, default=None,
                    help="torch CPU threads in each rank (default: cores / ranks, at least 1; "
                         "0 leaves torch's default, which oversubscribes the cores)")
+    _add_network_args(p)
+
+
+def _add_network_args(p) -> None:
+    from ddpkit.network import LINKS
+
+    p.add_argument("--network", default="loopback",
+                   help=f"the emulated network: a preset ({', '.join(LINKS)}) or ALPHA_US,GBYTES_PER_S, "
+                        "e.g. 20,10 (default loopback: no emulated delay)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="two tiers: this many ranks share a node (nvlink inside a node, --network between)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,8 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "implementation overheads the model does not know)")
     p.add_argument("--world-sizes", type=_int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
-    p.add_argument("--network", default="loopback",
-                   help="a preset (loopback, 100GbE, nvlink) or ALPHA_US,GBYTES_PER_S, e.g. 20,10")
+    _add_network_args(p)
     p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0)
     p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--width", type=_positive_int, default=None)
@@ -182,7 +208,8 @@ def _start_cluster(args):
     """The Cluster for compare/trace; its ranks split the CPU cores between them (see Cluster)."""
     import ddpkit
 
-    cluster = ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank)
+    cluster = ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
+                             network=args.network)
     args.threads_per_rank = cluster.threads_per_rank
     return cluster
 
@@ -209,7 +236,8 @@ def cmd_compare(args, parser) -> int:
                           steps=args.steps, rounds=args.rounds, global_batch_size=args.global_batch_size,
                           optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     progress.close()
-    print(f"{args.world_size} ranks ({cluster.backend}), model {args.model}, {args.steps} steps x "
+    print(f"{args.world_size} ranks ({cluster.backend}) on {args.network.describe()}, model {args.model}, "
+          f"{args.steps} steps x "
           f"{args.rounds} rounds, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.threads_per_rank} torch thread(s) per rank; "
           f"{time.perf_counter() - t0:.0f} s")
@@ -250,21 +278,6 @@ def cmd_trace(args, parser) -> int:
 
 
 # --------------------------------------------------------------------------- predict
-def _network(parser, text: str):
-    from ddpkit import costmodel
-
-    if text in costmodel.NETWORKS:
-        return costmodel.NETWORKS[text]
-    try:
-        alpha_us, gbps = (float(t) for t in text.split(","))
-        if alpha_us < 0 or gbps <= 0:
-            raise ValueError
-        return costmodel.Network(f"alpha {alpha_us:g} us, {gbps:g} GB/s", alpha_us * 1e-6, 1 / (gbps * 1e9))
-    except ValueError:
-        parser.error(f"--network {text!r}: valid presets: {', '.join(costmodel.NETWORKS)}, "
-                     "or ALPHA_US,GBYTES_PER_S with both > 0 (e.g. 20,10)")
-
-
 def _cmd_validate(args, parser) -> int:
     """predict --validate: the model against measurement, one cluster per world size."""
     _check_writable(parser, "--json", args.json)
@@ -279,24 +292,24 @@ def _cmd_validate(args, parser) -> int:
     t0 = time.perf_counter()
     records = []
     for n in args.world_sizes:
-        with ddpkit.Cluster(n, backend="auto") as cluster:
+        with ddpkit.Cluster(n, backend="auto", network=args.network) as cluster:
             cluster.subscribe(progress)
-            recs, network, profile = validate(
+            recs, transport, profile = validate(
                 cluster, args.strategies, model=args.model, model_kwargs=kwargs, steps=args.steps,
                 rounds=args.rounds, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
                 bucket_cap_mb=args.bucket_cap_mb, progress=progress)
         progress.close()
         records.extend(recs)
-        print(f"{n} ranks ({cluster.backend}): {format_profile(profile)}")
-        if network.measured:
-            print(costmodel.format_fit(network))
+        print(f"{n} ranks ({cluster.backend}) on {args.network.describe()}: {format_profile(profile)}")
+        if transport.measured:
+            print(costmodel.format_fit(transport))
     print(f"model {args.model} {kwargs or ''}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
-    if "torch_fsdp" in args.strategies:
-        print("torch_fsdp: the model predicts the ZeRO-3 algorithm with prefetching, as for fsdp; "
-              "what torch's fully_shard adds on top (its hooks and copies per unit, on the host) "
-              "is not in the model")
+    for s in args.strategies:
+        if not strategy_row(s).predictable:
+            print(f"{s}: the model predicts the algorithm it runs ({strategy_row(s).summary}); what "
+                  "the implementation adds on top on the host (hooks, copies per unit) is not in the model")
     if args.json:
         _write_json(args.json, records)
     return 1 if all("error" in r for r in records) else 0
@@ -309,7 +322,8 @@ def cmd_predict(args, parser) -> int:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
     if args.strategies is None:
         args.strategies = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
-    network = _network(parser, args.network)  # replaced by the fitted one with --fit
+    network = _network(parser, args, args.world_sizes)  # --fit: the fitted transport instead
+    args.network = network
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "
                      "global batch split as compare does: leave out --fit, --batch-per-rank, --plot, "
@@ -331,16 +345,15 @@ def cmd_predict(args, parser) -> int:
         sizes = costmodel.model_calibration_sizes(args.model, kwargs)
         with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
-        network = costmodel.fit_network(samples, args.fit_ranks, name="fitted here")
-        print(costmodel.format_fit(network))
-        network = network.line()  # the alpha-beta lines, for every world size alike
+        fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here")
+        print(costmodel.format_fit(fitted))
+        network = costmodel.as_network(fitted.line())  # the alpha-beta lines, for every world size alike
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    print(f"network {network.name}: alpha {network.alpha * 1e6:.1f} us, {network.gbytes_per_s:.2f} GB/s; "
-          f"bucket cap {args.bucket_cap_mb:g} MiB; model {args.model} {kwargs or ''}")
+    print(f"network {network.describe()}; bucket cap {args.bucket_cap_mb:g} MiB; model {args.model} {kwargs or ''}")
     profiles: dict = {}  # one rank's compute per (batch per rank, ranks profiled at once)
     predictions = []
     for n in args.world_sizes:

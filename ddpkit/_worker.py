@@ -231,7 +231,12 @@ def main() -> None:
         # different speeds on a loaded machine must still meet.
         store = dist.TCPStore(cfg["store_host"], cfg["store_port"], is_master=False,
                               timeout=timedelta(seconds=max(cfg["timeout"], 60.0)))
-        dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world_size,
+        # ddpkit's own process group over the real backend: it counts, records and (on an
+        # emulated network) delays every collective, torch's wrappers' included
+        from ddpkit import rankside
+
+        rankside.use_ddpkit_process_group(cfg["network"], cfg["backend"])
+        dist.init_process_group("ddpkit", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["timeout"]))
         device = f"cuda:{rank}" if cfg["backend"] == "nccl" else "cpu"
         conn.send(("ready", rank, {"pid": os.getpid(), "device": device}))

@@ -77,8 +77,8 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
             records.append(dict(strategy=s, world_size=n, error=err))
             continue
         r0 = results[0]
-        # torch's own wrappers report spans only (their collectives run inside torch), so their
-        # bytes and overlap are unknown here, not zero
+        # every collective passes through ddpkit's process group, torch's wrappers' too; without
+        # it (a plain gloo group) torch's collectives run out of sight: unknown, not zero
         reported = bool(r0["collectives_per_step"]) or n == 1
         records.append(dict(
             strategy=s, world_size=n, model=model, steps=steps, rounds=len(per_round[s]),
@@ -86,6 +86,7 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
             ms_per_step_rounds=per_round[s],
             ms_per_step_min=min(per_round[s]),
             comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
+            inter_node_bytes_per_step=r0["inter_node_bytes_per_step"] if reported else None,
             collectives_per_step=r0["collectives_per_step"],
             model_state_bytes=max(res["model_state_bytes"] for res in results),
             peak_bytes=max(res["peak_bytes"] for res in results),

@@ -108,6 +108,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
     t = tr.Trace(list(records), world_size)
     rank = t.ranks[0] if t.ranks else 0
     per_bytes = tr.comm_bytes_per_step(t)
+    inter_node = tr.comm_bytes_per_step(t, link="inter-node")
     per_count = tr.collective_counts(t)
     counts: dict = {}
     comm_ns = hidden_ns = 0
@@ -121,6 +122,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
                        for r in t.records if r.kind == "counter"), default=0)
     return dict(
         comm_bytes_per_step=sum(per_bytes.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
+        inter_node_bytes_per_step=sum(inter_node.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
         collectives_per_step=counts,
         comm_ms_per_step=comm_ns / 1e6 / len(steps),
         overlap_fraction=hidden_ns / comm_ns if comm_ns else 0.0,

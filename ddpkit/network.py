@@ -1,14 +1,23 @@
-"""What a link costs: the alpha-beta description of a network and the time of one ring collective.
+"""What a link costs, and what the ranks are connected by: ``Link``, ``Network`` and their presets.
 
-Each collective costs what the ring algorithms cost (PAPERS.md), with alpha the latency of one
-message (seconds) and beta the time per byte (seconds per byte, 1 / bandwidth):
+A ``Link`` is the alpha-beta description of one kind of connection, with alpha the latency of
+one message (seconds) and beta the time per byte (seconds per byte, 1 / bandwidth). A ring
+collective on it costs (docs/papers.md, "cost of collectives"):
 
     all-reduce of S bytes on N ranks       2(N-1) alpha + 2(N-1)/N S beta
     all-gather / reduce-scatter (full S)    (N-1) alpha +  (N-1)/N S beta
+    broadcast                               (N-1) alpha +           S beta
 
-``Network`` holds alpha and beta (and, once fitted, each collective's own line and the timings
-it was fitted to); ``NETWORKS`` are named presets; ``collective_time`` prices one collective.
-The cost model (``ddpkit.costmodel``) and the traces' byte counts (``ddpkit.trace``) read these.
+A ``Network`` is what a cluster's ranks are connected by: one link between every pair of ranks,
+or two tiers (``gpus_per_node=k``: ranks r // k share a node, joined by a fast ``intra`` link;
+nodes are joined by the slow ``inter`` link). A collective whose group spans nodes runs at the
+pace of the inter-node link, one inside a node at the intra-node link's. Two consumers read it:
+
+- the emulator (``ddpkit.emulator``), which makes a collective on this laptop last as long as it
+  would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
+- the cost model (``ddpkit.costmodel``), which predicts a step (``Network.collective_time``). On
+  an emulated network a collective lasts at least what the real transport underneath takes (gloo
+  over loopback here): that transport is the network's ``floor``, a Link fitted on this machine.
 """
 from __future__ import annotations
 
@@ -18,7 +27,8 @@ from itertools import pairwise
 
 # Messages in a row of the ring algorithm on N ranks: the multiple of alpha a collective pays.
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
-              "reduce_scatter": lambda n: n - 1, "broadcast": lambda n: n - 1}
+              "reduce_scatter": lambda n: n - 1, "broadcast": lambda n: n - 1,
+              "barrier": lambda n: 2 * (n - 1)}  # a barrier is an all-reduce of nothing
 
 
 def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
@@ -36,14 +46,17 @@ def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
         return (n - 1) / n * nbytes
     if name == "broadcast":
         return float(nbytes)
-    raise ValueError(f"unknown collective {name!r}; known: all_reduce, all_gather, reduce_scatter, broadcast")
+    if name == "barrier":
+        return 0.0
+    raise ValueError(f"unknown collective {name!r}; known: all_reduce, all_gather, reduce_scatter, "
+                     "broadcast, barrier")
 
 
 @dataclass(frozen=True)
-class Network:
-    """A fabric for the alpha-beta model: ``alpha`` seconds per message, ``beta`` seconds per byte.
+class Link:
+    """One kind of connection for the alpha-beta model: ``alpha`` s per message, ``beta`` s per byte.
 
-    ``per_op`` optionally gives some collectives their own ``(alpha, beta)``: ``costmodel.fit_network``
+    ``per_op`` optionally gives some collectives their own ``(alpha, beta)``: ``costmodel.fit_link``
     fills it when it has timings of several collectives (on gloo over loopback a small
     reduce-scatter costs more than a small all-gather, not the ring formulas' same alpha).
 
@@ -52,7 +65,7 @@ class Network:
     instead of using the straight line. A machine's curve is not quite a line (on the
     development machine the all-reduce line could miss 16 MiB by 20-35%), but one timing is
     noisier than a line through six: ``predict --validate`` shows both. Every other world size
-    uses the lines. ``line()`` is the same network without the timings.
+    uses the lines. ``line()`` is the same link without the timings.
     """
 
     name: str
@@ -65,7 +78,7 @@ class Network:
     def __post_init__(self):
         for a, b in [(self.alpha, self.beta), *self.per_op.values()]:
             if not (a >= 0 and b >= 0):
-                raise ValueError(f"alpha and beta must be >= 0, got {a}, {b}")
+                raise ValueError(f"a link's alpha and beta must be >= 0, got {a}, {b}")
         unknown = (set(self.per_op) | set(self.measured)) - set(RING_STEPS)
         if unknown:
             raise ValueError(f"unknown collective(s) {sorted(unknown)}; valid: {', '.join(RING_STEPS)}")
@@ -75,38 +88,27 @@ class Network:
     def alpha_beta(self, op: str) -> tuple[float, float]:
         return self.per_op.get(op, (self.alpha, self.beta))
 
-    def line(self) -> Network:
-        """This network's straight lines only, without the measured timings."""
+    def line(self) -> Link:
+        """This link's straight lines only, without the measured timings."""
         return replace(self, measured={}, measured_world_size=0)
 
     @property
     def gbytes_per_s(self) -> float:
         return 1e-9 / self.beta if self.beta else math.inf
 
-
-# Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,
-# gloo over loopback, collectives timed back to back) by `python -m ddpkit predict --fit
-# --fit-ranks 2`: alpha 280-710 us and 1.7-2.3 GB/s over several runs (a small collective's
-# latency there drifts from second to second). Fit your own machine the same way. The others are
-# round figures for the order of magnitude, not measurements: 100 GbE moves at most 12.5 GB/s,
-# ~10 GB/s in practice, with tens of microseconds per message over TCP; NVLink (A100/H100 class)
-# moves a few hundred GB/s per GPU, a few microseconds per hop.
-NETWORKS = {
-    "loopback": Network("loopback", alpha=500e-6, beta=1 / 2e9),
-    "100GbE": Network("100GbE", alpha=20e-6, beta=1 / 10e9),
-    "nvlink": Network("nvlink", alpha=5e-6, beta=1 / 200e9),
-}
+    def describe(self) -> str:
+        return f"{self.name} (alpha {self.alpha * 1e6:.3g} us, {self.gbytes_per_s:.3g} GB/s)"
 
 
-def collective_time(name: str, nbytes: float, world_size: int, network: Network) -> float:
-    """Seconds for one ring collective of full size S: steps x alpha + bytes sent x beta, or,
-    where ``network`` holds timings of this collective at this world size, interpolated."""
+def collective_time(name: str, nbytes: float, world_size: int, link: Link) -> float:
+    """Seconds for one ring collective of full size S on ``link``: steps x alpha + bytes sent x
+    beta, or, where ``link`` holds timings of this collective at this world size, interpolated."""
     n = world_size
     if n == 1:
         return 0.0
     steps = RING_STEPS[name](n)
-    alpha, beta = network.alpha_beta(name)
-    table = network.measured.get(name) if n == network.measured_world_size else None
+    alpha, beta = link.alpha_beta(name)
+    table = link.measured.get(name) if n == link.measured_world_size else None
     if table:
         return _interpolate(table, nbytes, ring_bytes(name, 1.0, n) * beta)
     return steps * alpha + ring_bytes(name, nbytes, n) * beta
@@ -124,3 +126,167 @@ def _interpolate(table, nbytes: float, slope: float) -> float:
         if a <= nbytes <= b:
             return ta if b == a else ta + (tb - ta) * (nbytes - a) / (b - a)
     raise AssertionError("unreachable: table sizes are sorted")
+
+
+# Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,
+# gloo over loopback, collectives timed back to back) by `python -m ddpkit predict --fit
+# --fit-ranks 2`: alpha 280-710 us and 1.7-2.3 GB/s over several runs (a small collective's
+# latency there drifts from second to second). Fit your own machine the same way. The others are
+# round figures for the order of magnitude, not measurements: Ethernet moves at most its line
+# rate (1 GbE 0.125 GB/s, 10 GbE 1.25 GB/s, 100 GbE 12.5 GB/s), 85-90% of it in practice, with
+# tens of microseconds per message over TCP; NVLink (A100/H100 class) moves a few hundred GB/s
+# per GPU, a few microseconds per hop.
+LINKS = {
+    "loopback": Link("loopback", alpha=500e-6, beta=1 / 2e9),
+    "nvlink": Link("nvlink", alpha=5e-6, beta=1 / 200e9),
+    "100GbE": Link("100GbE", alpha=20e-6, beta=1 / 10e9),
+    "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),
+    "1GbE": Link("1GbE", alpha=50e-6, beta=1 / 0.11e9),
+    # The papers' regime on this laptop: with the course's default MLP (8.4 MB of gradients) on
+    # 2 CPU ranks, one all-reduce of all gradients takes about as long as its backward pass
+    # (~20 ms on the development machine), as communication and compute compare on the DDP
+    # paper's clusters, where overlapping them gained 21-38% (docs/papers.md).
+    "paper": Link("paper", alpha=100e-6, beta=1 / 0.45e9),
+}
+
+
+@dataclass(frozen=True)
+class Network:
+    """What the ranks are connected by: one link, or two tiers (see the module docstring).
+
+        Network("10GbE")                       # a preset: the same link between every pair
+        Network.of(alpha_us=20, gbytes_per_s=5)  # explicit latency and bandwidth
+        Network("10GbE", gpus_per_node=2)      # two tiers: nvlink inside a node, 10GbE between
+        Network("loopback")                    # no emulated link: what this machine does
+
+    ``inter`` is the link between nodes (every pair of ranks when ``gpus_per_node`` is None),
+    ``intra`` the one inside a node, ``floor`` the real transport an emulated collective can never
+    beat (the cost model's business; None where it predicts a real cluster).
+    """
+
+    name: str = "loopback"
+    gpus_per_node: int | None = None
+    intra_name: str = "nvlink"
+    inter: Link | None = field(default=None, compare=False)
+    intra: Link | None = field(default=None, compare=False)
+    floor: Link | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.inter is None and self.name != "loopback":
+            object.__setattr__(self, "inter", _link(self.name, "network"))
+        if self.gpus_per_node is not None:
+            k = self.gpus_per_node
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"gpus_per_node must be a whole number >= 1, got {k!r}")
+            if self.intra is None:
+                object.__setattr__(self, "intra", _link(self.intra_name, "intra-node link"))
+        if self.name == "loopback" and self.floor is None:
+            object.__setattr__(self, "floor", LINKS["loopback"])
+
+    @classmethod
+    def of(cls, spec: Network | str | None = None, *, alpha_us: float | None = None,
+           gbytes_per_s: float | None = None, gpus_per_node: int | None = None,
+           intra: str = "nvlink") -> Network:
+        """A Network from what a user may pass: a Network, a preset name, ``"ALPHA_US,GBYTES_PER_S"``
+        (e.g. ``"20,10"``), or ``alpha_us=`` and ``gbytes_per_s=``; ``None`` is loopback."""
+        if isinstance(spec, Network):
+            if gpus_per_node is not None and gpus_per_node != spec.gpus_per_node:
+                return replace(spec, gpus_per_node=gpus_per_node, intra=None)
+            return spec
+        if alpha_us is not None or gbytes_per_s is not None:
+            if spec is not None:
+                raise ValueError("give a preset name or alpha_us= and gbytes_per_s=, not both")
+            spec = f"{alpha_us},{gbytes_per_s}"
+        spec = "loopback" if spec is None else spec
+        if not isinstance(spec, str):
+            raise TypeError(f"a network is a ddpkit.Network, a preset name or 'ALPHA_US,GBYTES_PER_S', "
+                            f"got a {type(spec).__name__}")
+        link = _link(spec, "network") if spec != "loopback" else None
+        return cls(spec if link is None else link.name, gpus_per_node, intra, inter=link)
+
+    # --- which link a collective runs on --------------------------------------------------
+    def node_of(self, rank: int) -> int:
+        """The node a (global) rank sits on: each rank its own node unless ``gpus_per_node``."""
+        return rank // (self.gpus_per_node or 1)
+
+    def crosses_nodes(self, ranks) -> bool:
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def link_for(self, ranks) -> tuple[str, Link | None]:
+        """(``"inter-node"`` or ``"intra-node"``, the emulated link) for a group of global ranks."""
+        if self.crosses_nodes(ranks):
+            return "inter-node", self.inter
+        return "intra-node", self.intra if self.gpus_per_node is not None else self.inter
+
+    def emulated_time(self, op: str, nbytes: float, ranks) -> float:
+        """Seconds the emulated link takes for this collective (0 on loopback): the emulator's."""
+        _, link = self.link_for(ranks)
+        return 0.0 if link is None else collective_time(op, nbytes, len(ranks), link)
+
+    def collective_time(self, op: str, nbytes: float, world_size: int) -> float:
+        """Seconds for a collective over all ``world_size`` ranks: the cost model's. On an emulated
+        network, the longer of the emulated link's time and the floor's (the real transport)."""
+        emulated = self.emulated_time(op, nbytes, range(world_size))
+        floor = collective_time(op, nbytes, world_size, self.floor) if self.floor is not None else 0.0
+        return max(emulated, floor)
+
+    def with_floor(self, floor: Link | None) -> Network:
+        """The same network over another real transport (e.g. one fitted on this machine)."""
+        return replace(self, floor=floor)
+
+    @property
+    def emulated(self) -> bool:
+        return self.inter is not None or self.intra is not None
+
+    def describe(self) -> str:
+        if not self.emulated:
+            return "loopback (no emulated link)"
+        if self.gpus_per_node is None:
+            return self.inter.describe()
+        return (f"{self.gpus_per_node} ranks per node: {self.intra.describe()} inside a node, "
+                f"{self.inter.describe()} between nodes")
+
+    # --- crossing a process boundary (a rank's configuration is JSON) ---------------------
+    def to_dict(self) -> dict:
+        return dict(name=self.name, gpus_per_node=self.gpus_per_node, intra_name=self.intra_name,
+                    inter=_link_dict(self.inter), intra=_link_dict(self.intra))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Network:
+        return cls(d["name"], d["gpus_per_node"], d["intra_name"], inter=_from_link_dict(d["inter"]),
+                   intra=_from_link_dict(d["intra"]))
+
+
+def _link(spec: str, what: str) -> Link:
+    """A preset name or ``"ALPHA_US,GBYTES_PER_S"`` as a Link; a ValueError naming the valid ones."""
+    if spec in LINKS:
+        return LINKS[spec]
+    try:
+        alpha_us, gbps = (float(t) for t in spec.split(","))
+    except ValueError:
+        raise ValueError(f"unknown {what} {spec!r}; valid presets: {', '.join(LINKS)}, or "
+                         "'ALPHA_US,GBYTES_PER_S' with both > 0 (e.g. '20,10')") from None
+    if not (alpha_us >= 0 and gbps > 0 and math.isfinite(gbps)):
+        raise ValueError(f"{what} {spec!r}: latency must be >= 0 us and bandwidth > 0 GB/s "
+                         f"(or use one of the valid presets: {', '.join(LINKS)})")
+    return Link(f"alpha {alpha_us:g} us, {gbps:g} GB/s", alpha_us * 1e-6, 1 / (gbps * 1e9))
+
+
+def _link_dict(link: Link | None):
+    return None if link is None else dict(name=link.name, alpha=link.alpha, beta=link.beta)
+
+
+def _from_link_dict(d):
+    return None if d is None else Link(d["name"], d["alpha"], d["beta"])
+
+
+NETWORKS = {name: Network.of(name) for name in LINKS}
+
+
+def as_network(spec) -> Network:
+    """Anything a caller may give for a network: a Network, a Link (every pair of ranks joined by
+    it, nothing underneath: the cost model then prices collectives on that link alone), a preset
+    name, ``"ALPHA_US,GBYTES_PER_S"``, or None (loopback)."""
+    if isinstance(spec, Link):
+        return Network(spec.name, inter=spec)
+    return Network.of(spec)

@@ -41,6 +41,7 @@ class _Rank:
     """This process's rank-wide settings (one instance, ``_RANK``)."""
 
     recorder = NULL_RECORDER
+    comm = None  # ddpkit.process_group.Comm, once this process joined with backend "ddpkit"
 
 
 _RANK = _Rank()
@@ -77,14 +78,72 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
+def backend() -> str | None:
+    """The real backend under this rank's process group ("gloo" or "nccl"; under ddpkit's own
+    group, the one it wraps), or None before ``init_process_group``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    return _RANK.comm.real_backend if _RANK.comm is not None else str(dist.get_backend())
+
+
 def device():
     """This rank's device: its GPU under NCCL, else the CPU."""
     import torch
-    import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- the network
+def use_ddpkit_process_group(network, real_backend: str) -> None:
+    """Before ``init_process_group("ddpkit", ...)``: let ddpkit's process group (counting,
+    recording, emulating ``network``, a ``Network`` or its ``to_dict()``) wrap ``real_backend``."""
+    from ddpkit.network import Network
+    from ddpkit.process_group import install
+
+    if isinstance(network, dict):
+        network = Network.from_dict(network)
+    install(Network.of(network), real_backend, _RANK)
+
+
+def network():
+    """The network this rank's collectives are emulated on (``ddpkit.Network``; None outside a
+    ddpkit process group, e.g. under torchrun)."""
+    return _RANK.comm.network if _RANK.comm is not None else None
+
+
+def set_network(network) -> None:
+    """Emulate ``network`` from the next collective on (every rank must call this, between
+    collectives: ``cluster.network = ...`` does)."""
+    from ddpkit.network import Network
+
+    if _RANK.comm is None:
+        raise RuntimeError("this rank's process group is not ddpkit's: start it from a ddpkit.Cluster")
+    _RANK.comm.network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
+
+
+@contextlib.contextmanager
+def real_transport():
+    """Inside the block, collectives take what the real transport takes (no emulated delay):
+    for measuring the transport itself, e.g. the cost model's calibration."""
+    comm = _RANK.comm
+    if comm is None:
+        yield
+        return
+    previous, comm.emulator.enabled = comm.emulator.enabled, False
+    try:
+        yield
+    finally:
+        comm.emulator.enabled = previous
+
+
+def comm_counts() -> dict:
+    """``{(collective, link): (calls, bytes sent, bytes the transport moved)}`` so far on this
+    rank (empty outside a ddpkit process group). Subtract two snapshots to count a window."""
+    return _RANK.comm.snapshot() if _RANK.comm is not None else {}
 
 
 def progress(done: int, total: int) -> None:

@@ -4,7 +4,9 @@ Private APIs may change between torch releases; keeping them here means one file
 torch moves, and each one fails soft (returns False or raises a clear error) where it can.
 
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
-- ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots).
+- ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
+- ``register_real_backend``, ``work_from_future``, ``backend_registered``: what ddpkit's own
+  process group (``ddpkit.process_group``) needs to stand in for gloo or NCCL.
 """
 from __future__ import annotations
 
@@ -41,3 +43,35 @@ def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> N
         if path is not None:
             cuda_memory._dump_snapshot(str(path))
         cuda_memory._record_memory_history(enabled=None)
+
+
+def register_real_backend(group, real, real_backend: str) -> None:
+    """Register the real backend (gloo, NCCL) on ddpkit's Python process group ``group``.
+
+    A group's name lives on its registered backend in C++; a Python group with none has no
+    name, and ``DeviceMesh`` (so ``fully_shard``) refuses it ("ProcessGroup name not set").
+    ``_register_backend`` is underscored. Collectives still come to ``group``'s Python methods:
+    ``torch.distributed`` calls those, and torch DDP's C++ reducer reaches them through the
+    binding's virtual methods.
+    """
+    import torch.distributed as dist
+
+    kind = dist.ProcessGroup.BackendType.NCCL if real_backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
+    device = torch.device("cuda" if real_backend == "nccl" else "cpu")
+    group._register_backend(device, kind, real)
+
+
+def work_from_future(future):
+    """A ``Work`` that completes with ``future`` (what a Python process group returns when the
+    result comes later, e.g. at an emulated link's pace). ``_create_work_from_future`` is
+    underscored; torch's own tests of Python process groups use it."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    return _create_work_from_future(future)
+
+
+def backend_registered(name: str) -> bool:
+    """Has a backend plugin called ``name`` been registered in this process (``Backend._plugins``)?"""
+    import torch.distributed as dist
+
+    return name.upper() in dist.Backend._plugins

@@ -7,7 +7,7 @@ import pytest
 
 from ddpkit import costmodel as cm
 
-NET = cm.Network("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
+NET = cm.Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
 
 
 def test_collective_times_follow_the_ring_formulas():
@@ -61,7 +61,7 @@ def test_overlap_gain_shrinks_as_communication_dominates():
     p = _mlp_like()
     gains, comm_over_backward = [], []
     for gbps in (10, 3, 1, 0.3, 0.1, 0.03):  # slower and slower network
-        net = cm.Network(f"{gbps}", alpha=20e-6, beta=1 / (gbps * 1e9))
+        net = cm.Link(f"{gbps}", alpha=20e-6, beta=1 / (gbps * 1e9))
         bucketed = cm.simulate("bucketed", p, 8, net, 2)
         overlapped = cm.simulate("overlapped", p, 8, net, 2)
         assert overlapped.ms_per_step <= bucketed.ms_per_step + 1e-9
@@ -95,14 +95,14 @@ def test_naive_is_one_all_reduce_per_tensor_and_slowest_on_latency():
 
 
 def test_fit_recovers_alpha_and_beta():
-    true = cm.Network("true", alpha=50e-6, beta=1 / 2e9)
+    true = cm.Link("true", alpha=50e-6, beta=1 / 2e9)
     sizes = [4096, 65536, 1 << 20, 1 << 22, 1 << 24]
     samples = [(s, cm.collective_time("all_reduce", s, 4, true)) for s in sizes]
-    fit = cm.fit_network(samples, 4)
+    fit = cm.fit_link(samples, 4)
     assert fit.alpha == pytest.approx(true.alpha, rel=1e-6)
     assert fit.beta == pytest.approx(true.beta, rel=1e-6)
     with pytest.raises(ValueError):
-        cm.fit_network(samples, 1)
+        cm.fit_link(samples, 1)
 
 
 def test_profile_model_measures_each_layer():
@@ -143,29 +143,29 @@ def test_plot_scaling_draws_to_256():
 def test_fit_gives_each_collective_its_own_line():
     truth = {"all_reduce": (300e-6, 1 / 1.5e9), "all_gather": (100e-6, 1 / 1e9),
              "reduce_scatter": (600e-6, 1 / 0.7e9)}
-    true = cm.Network("true", *truth["all_reduce"], per_op=truth)
+    true = cm.Link("true", *truth["all_reduce"], per_op=truth)
     sizes = [1024, 16384, 1 << 18, 1 << 20, 1 << 22]
     samples = {op: [(s, cm.collective_time(op, s, 2, true)) for s in sizes] for op in truth}
-    fit = cm.fit_network(samples, 2)
+    fit = cm.fit_link(samples, 2)
     for op, (alpha, beta) in truth.items():
         assert fit.alpha_beta(op) == pytest.approx((alpha, beta), rel=1e-6)
     assert (fit.alpha, fit.beta) == pytest.approx(truth["all_reduce"], rel=1e-6)
     # a network without per-collective lines uses its own alpha and beta for every collective
     assert NET.alpha_beta("reduce_scatter") == (NET.alpha, NET.beta)
     with pytest.raises(ValueError, match="two sizes or more"):
-        cm.fit_network({"all_gather": [(1024, 1e-3)]}, 2)
+        cm.fit_link({"all_gather": [(1024, 1e-3)]}, 2)
     with pytest.raises(ValueError, match="unknown collective"):
-        cm.fit_network({"all_to_all": samples["all_gather"]}, 2)
+        cm.fit_link({"all_to_all": samples["all_gather"]}, 2)
     with pytest.raises(ValueError, match=">= 0"):
-        cm.Network("bad", 1e-6, 1e-9, per_op={"all_gather": (-1.0, 1e-9)})
+        cm.Link("bad", 1e-6, 1e-9, per_op={"all_gather": (-1.0, 1e-9)})
     with pytest.raises(ValueError, match="unknown collective"):
-        cm.Network("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
+        cm.Link("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
 
 
 def test_measured_timings_are_interpolated_at_their_world_size_only():
     samples = {"all_reduce": [(1024, 1e-3), (1 << 20, 2e-3), (1 << 22, 8e-3)],
                "all_gather": [(1024, 0.5e-3), (1 << 22, 4e-3)]}
-    net = cm.fit_network(samples, 2)
+    net = cm.fit_link(samples, 2)
     assert net.measured_world_size == 2
     t = lambda op, s, n=2, network=net: cm.collective_time(op, s, n, network)  # noqa: E731
     assert t("all_reduce", 1 << 20) == pytest.approx(2e-3)                     # a measured point
@@ -180,7 +180,7 @@ def test_measured_timings_are_interpolated_at_their_world_size_only():
     assert t("all_reduce", 1 << 20, 4) == pytest.approx(6 * alpha + 1.5 * (1 << 20) * beta)  # other N: line
     assert t("all_reduce", 1 << 20, network=line) == pytest.approx(2 * alpha + (1 << 20) * beta)
     with pytest.raises(ValueError, match="world size"):
-        cm.Network("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
+        cm.Link("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
 
 
 def test_calibration_sizes_reach_the_largest_collective():
@@ -219,7 +219,7 @@ def test_measure_collectives_on_two_ranks(cluster_of):
     for op, rows in slowest.items():
         for i, (_size, t) in enumerate(rows):
             assert t == max(r[op][i][1] for r in out)
-    net = cm.fit_network(slowest, 2)
+    net = cm.fit_link(slowest, 2)
     assert set(net.per_op) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert [s for s, _ in cluster_of(2).run(cm.measure_all_reduce, sizes, 1)[0]] == list(sizes)
     with pytest.raises(Exception, match="cannot measure"):

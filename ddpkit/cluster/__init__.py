@@ -37,7 +37,7 @@ class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 threads_per_rank: int | None = None):
+                 threads_per_rank: int | None = None, network=None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or
@@ -47,6 +47,7 @@ class Cluster:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.world_size = world_size
+        self._network = _check_network(network, world_size)
         self.backend = _resolve_backend(backend, world_size)
         self.timeout = float(timeout)
         # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
@@ -71,13 +72,29 @@ class Cluster:
     def devices(self) -> list[str]:
         return [r.device for r in self.ranks]
 
+    @property
+    def network(self):
+        """The network the ranks' collectives are emulated on (a ``ddpkit.Network``). Assign a
+        ``Network`` or a preset name to switch it between runs, without restarting the ranks."""
+        return self._network
+
+    @network.setter
+    def network(self, network) -> None:
+        new = _check_network(network, self.world_size)
+        if self._workers.alive:
+            from ddpkit.rankside import set_network
+
+            self.run(set_network, new.to_dict())
+        self._network = new
+
     def _alive(self) -> bool:
         return self._workers.alive
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
-        self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank))
+        self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
+                                     self._network.to_dict()))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -131,6 +148,18 @@ class Cluster:
         states = ", ".join(r.status for r in self.ranks)
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
                 f"devices={self.devices}, ranks=[{states}])")
+
+
+def _check_network(network, world_size: int):
+    """A ``ddpkit.Network`` for ``network`` (None: loopback), checked against the world size."""
+    from ddpkit.network import Network
+
+    net = Network.of(network)
+    k = net.gpus_per_node
+    if k is not None and world_size % k:
+        raise ValueError(f"gpus_per_node={k} does not divide world_size={world_size}: every node "
+                         f"must hold the same number of ranks")
+    return net
 
 
 def _resolve_backend(backend: str, world_size: int) -> str:

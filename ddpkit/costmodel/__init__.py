@@ -4,15 +4,15 @@
     costmodel.simulate("overlapped", profile, 64, "100GbE")    # one step predicted (simulate.py)
     costmodel.predict(profile, world_sizes=(8, 64, 256))       # every strategy x world size
 
-What a collective costs on a network is ``ddpkit.network``'s (re-exported here: ``Network``,
-``NETWORKS``, ``collective_time``). On a real machine, ``measure_collectives`` times each
-collective back to back at several sizes and ``fit_network`` fits each its own line.
+What a collective costs on a network is ``ddpkit.network``'s (re-exported here: ``Link``,
+``Network``, their presets, ``collective_time``). On a real machine, ``measure_collectives``
+times each collective back to back at several sizes and ``fit_link`` fits each its own line.
 ``python -m ddpkit predict --validate`` (``ddpkit.costmodel.validate``) puts the model's
 predictions beside measured steps; ``python -m ddpkit predict`` prints predictions for any
 network, and ``ddpkit.viz.plot_scaling`` draws them up to 256 ranks. Nothing here draws.
 """
 from ddpkit.costmodel.measure import (
-    CALIBRATION_SIZES, calibration_sizes, fit_network, format_fit, measure_all_reduce, measure_collectives,
+    CALIBRATION_SIZES, calibration_sizes, fit_link, format_fit, measure_all_reduce, measure_collectives,
     median_profile, model_calibration_sizes, profile_for, profile_job, profile_model, slowest_profile,
     slowest_rank,
 )
@@ -20,12 +20,13 @@ from ddpkit.costmodel.simulate import (
     STRATEGIES, Layer, MiB, Prediction, Profile, assign_buckets, format_predictions, predict, simulate,
     uniform_profile,
 )
-from ddpkit.network import NETWORKS, RING_STEPS, Network, collective_time, ring_bytes
+from ddpkit.network import LINKS, NETWORKS, RING_STEPS, Link, Network, as_network, collective_time, ring_bytes
 
 __all__ = [
-    "MiB", "RING_STEPS", "Network", "NETWORKS", "collective_time", "ring_bytes", "STRATEGIES",
+    "MiB", "RING_STEPS", "Link", "LINKS", "Network", "NETWORKS", "as_network", "collective_time", "ring_bytes",
+    "STRATEGIES",
     "assign_buckets", "Layer", "Profile", "uniform_profile", "Prediction", "simulate", "predict",
     "format_predictions", "profile_model", "profile_job", "profile_for", "slowest_profile",
     "median_profile", "CALIBRATION_SIZES", "calibration_sizes", "model_calibration_sizes",
-    "measure_collectives", "measure_all_reduce", "fit_network", "slowest_rank", "format_fit",
+    "measure_collectives", "measure_all_reduce", "fit_link", "slowest_rank", "format_fit",
 ]

@@ -2,7 +2,7 @@
 
 ``profile_model`` times one process's step per layer; ``profile_job`` does it inside every rank
 at once. ``measure_collectives`` times each collective back to back at several sizes and
-``fit_network`` fits each its own alpha-beta line (``Network.per_op``), keeping the timings too.
+``fit_link`` fits each its own alpha-beta line (``Link.per_op``), keeping the timings too.
 ``python -m ddpkit predict --fit`` and ``--validate`` (``costmodel.validate``) use them.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from functools import partial
 
 from ddpkit.costmodel.simulate import Layer, MiB, Profile
-from ddpkit.network import RING_STEPS, Network, collective_time, ring_bytes
+from ddpkit.network import RING_STEPS, Link, collective_time, ring_bytes
 
 
 # --------------------------------------------------------------------------- compute profile
@@ -164,14 +164,25 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
     time (a 4 KiB all-reduce: ~0.2 ms alone after a barrier, 0.4-1.5 ms in a row). A row holds
     about ``calls_bytes`` bytes (4 to 32 calls). Each size runs once untimed first: gloo's first
     collectives on a group pay for connections and buffers.
+
+    On an emulated network (``ddpkit.Cluster(network=...)``) the emulation is switched off
+    while timing: this measures the real transport underneath (the cost model adds the emulated
+    links, whose parameters it knows).
     """
+    import torch.distributed as dist
+
+    from ddpkit.rankside import device, real_transport
+
+    with real_transport():
+        return _time_collectives(ops, sizes, repeats, calls_bytes, device(), dist.get_world_size())
+
+
+def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    import ddpkit
     from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
 
-    dev, n = ddpkit.device(), dist.get_world_size()
     unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
     if unknown:
         raise ValueError(f"cannot measure {unknown}; valid: all_reduce, all_gather, reduce_scatter")
@@ -224,15 +235,15 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
+def fit_link(samples, world_size: int, name: str = "fitted") -> Link:
     """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
     or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
-    rank's per size), which fits each collective its own line (``Network.per_op``). The timings
-    are kept too (``Network.measured``): at N ranks predictions interpolate them.
+    rank's per size), which fits each collective its own line (``Link.per_op``). The timings
+    are kept too (``Link.measured``): at N ranks predictions interpolate them.
 
     Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
     fitted for *relative* error; a plain least-squares fit would let the largest size decide
-    alone and leave alpha at zero. The network's own alpha and beta are the all-reduce's.
+    alone and leave alpha at zero. The link's own alpha and beta are the all-reduce's.
     """
     if world_size < 2:
         raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
@@ -245,7 +256,7 @@ def fit_network(samples, world_size: int, name: str = "fitted") -> Network:
     per_op = {op: _fit_line(rows, op, world_size) for op, rows in by_op.items()}
     alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
     measured = {op: tuple(sorted((float(s), float(t)) for s, t in rows)) for op, rows in by_op.items()}
-    return Network(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
+    return Link(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
                    measured=measured, measured_world_size=world_size)
 
 
@@ -255,7 +266,7 @@ def slowest_rank(per_rank: list[dict]) -> dict:
     return {op: [max(col, key=lambda st: st[1]) for col in zip(*(r[op] for r in per_rank), strict=True)]
             for op in per_rank[0]}
 
-def format_fit(network: Network) -> str:
+def format_fit(network: Link) -> str:
     """Each collective's fitted line, and the timings it was fitted to (``network.measured``)."""
     n, line = network.measured_world_size, network.line()
     lines = [f"fitted on {n} ranks (collectives timed in a row, slowest rank):"]

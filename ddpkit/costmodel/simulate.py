@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ddpkit.network import NETWORKS, Network, collective_time, ring_bytes
+from ddpkit.network import Network, as_network, ring_bytes
 from ddpkit.strategies.buckets import assign_buckets  # the same rule the strategies use
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
@@ -91,7 +91,7 @@ class Prediction:
 class _Stream:
     """One communication stream: collectives run one at a time, in the order issued."""
 
-    def __init__(self, world_size: int, network: Network):
+    def __init__(self, world_size: int, network: Network):  # collectives over all world_size ranks
         self.n, self.net = world_size, network
         self.free = 0.0
         self.busy = 0.0
@@ -103,7 +103,7 @@ class _Stream:
         if self.n == 1:
             return at
         start = max(at, self.free)
-        dur = collective_time(name, nbytes, self.n, self.net)
+        dur = self.net.collective_time(name, nbytes, self.n)
         self.free = start + dur
         self.busy += dur
         self.bytes += ring_bytes(name, nbytes, self.n)
@@ -202,14 +202,12 @@ def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch
     return max(t, stream.free)
 
 
-def simulate(strategy: str, profile: Profile, world_size: int, network: Network | str = "loopback",
+def simulate(strategy: str, profile: Profile, world_size: int, network="loopback",
              bucket_cap_mb: float = 25.0) -> Prediction:
-    """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network``."""
+    """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network`` (a
+    ``Network``, a ``Link``, a preset name: see ``ddpkit.network.as_network``)."""
     step = strategy_row(strategy).cost  # how the table says this strategy communicates
-    if isinstance(network, str):
-        if network not in NETWORKS:
-            raise ValueError(f"unknown network {network!r}; valid: {', '.join(NETWORKS)}")
-        network = NETWORKS[network]
+    network = as_network(network)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size

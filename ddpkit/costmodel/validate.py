@@ -12,11 +12,11 @@ import statistics
 
 from ddpkit.compare import time_round
 from ddpkit.costmodel.measure import (
-    fit_network, measure_collectives, median_profile, model_calibration_sizes, profile_job, slowest_profile,
+    fit_link, measure_collectives, median_profile, model_calibration_sizes, profile_job, slowest_profile,
     slowest_rank,
 )
 from ddpkit.costmodel.simulate import Profile, simulate
-from ddpkit.network import NETWORKS
+from ddpkit.network import LINKS
 
 
 def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
@@ -25,8 +25,11 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
     times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
     machine hits calibration and measurement alike. The model sees only the calibration and
-    the profile, never a strategy's timing. Returns ``(records, network, profile)``: one record
-    per strategy with ``predicted_ms`` (each collective on its fitted alpha-beta line),
+    the profile, never a strategy's timing. On an emulated network (``cluster.network``) the
+    collectives are calibrated with the emulation switched off: the fit is the real transport
+    underneath, and the model adds the emulated links, whose parameters it knows. Returns
+    ``(records, transport, profile)``: one record per strategy with ``predicted_ms`` (each
+    collective the longer of the emulated link's and the transport's fitted line),
     ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
     ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
     the calibration's timings instead, ``Network.measured``, which holds them). A strategy that
@@ -49,26 +52,27 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
         profiles.append(slowest_profile(ranks))
         time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
 
-    network = NETWORKS["loopback"]
+    transport = LINKS["loopback"]  # the real transport under any emulated link: fitted when we can
     if calibrations:  # per collective and size, the median over rounds
         merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
                        for rows in zip(*(c[op] for c in calibrations), strict=True)] for op in calibrations[0]}
-        network = fit_network(merged, n, name=f"fitted on {n} ranks")
+        transport = fit_link(merged, n, name=f"fitted on {n} ranks")
     profile = median_profile(profiles)
+    emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     records = []
     for s in strategies:
         if s in errors:
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
-        pred = simulate(s, profile, n, network.line(), bucket_cap_mb)
-        interpolated = simulate(s, profile, n, network, bucket_cap_mb)
+        pred = simulate(s, profile, n, emulated.with_floor(transport.line()), bucket_cap_mb)
+        interpolated = simulate(s, profile, n, emulated.with_floor(transport), bucket_cap_mb)
         measured = statistics.median(per_round[s])
         records.append(dict(strategy=s, world_size=n, model=model, predicted_ms=pred.ms_per_step,
                             predicted_from_timings_ms=interpolated.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
                             exposed_comm_ms=pred.exposed_comm_ms))
-    return records, network, profile
+    return records, transport, profile
 
 
 def format_validation(records: list[dict]) -> str:

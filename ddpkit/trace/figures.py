@@ -17,13 +17,16 @@ def _by_step(d: dict):
     return sorted(d.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
 
 
-def comm_bytes_per_step(trace) -> dict[int, dict[int, float]]:
-    """``{step: {rank: bytes sent by that rank}}`` by the ring formulas (``ring_bytes``; None = setup)."""
+def comm_bytes_per_step(trace, link: str | None = None) -> dict[int, dict[int, float]]:
+    """``{step: {rank: bytes sent by that rank}}`` by the ring formulas (``ring_bytes``; None = setup).
+
+    A collective over a subgroup (hybrid sharding) counts at its group's size, where ddpkit's
+    process group recorded it; ``link`` ("inter-node", "intra-node") keeps only that link's."""
     trace = as_trace(trace)
     out: dict = defaultdict(lambda: defaultdict(float))
     for r in trace.records:
-        if r.cat == "comm" and r.kind == "span":
-            out[r.step][r.rank] += ring_bytes(r.name, r.nbytes, trace.world_size)
+        if r.cat == "comm" and r.kind == "span" and (link is None or r.args.get("link") == link):
+            out[r.step][r.rank] += ring_bytes(r.name, r.nbytes, r.args.get("group_size", trace.world_size))
     return {s: dict(v) for s, v in _by_step(out)}
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 
+from ddpkit import rankside
 from ddpkit.trace.records import Record, Trace
 
 
@@ -58,7 +59,7 @@ class Recorder:
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
-        self.backend = str(dist.get_backend()) if initialized else "none"
+        self.backend = (rankside.backend() or "none") if initialized else "none"
         if device is None:
             device = "cuda" if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
@@ -73,6 +74,7 @@ class Recorder:
         self._resolved: list[Record] | None = None
         self._resolved_len = -1
         self._watched = None  # works without a future, waited on by a thread (see _watch)
+        self._by_work: dict = {}  # id(work) -> (work, raw record): the process group's last few
 
     def _watch(self, work, on_done) -> None:
         """Call ``on_done`` when ``work`` finishes, for collectives whose Work has no future.
@@ -116,6 +118,13 @@ class Recorder:
           callback runs on (which is synchronised with NCCL's stream, so it fires after the
           collective ends). Their GPU times are resolved lazily in ``.records``.
         """
+        labelled = self._by_work.pop(id(work), None) if work is not None else None
+        if labelled is not None and labelled[0] is work:
+            # ddpkit's process group recorded this collective as it was issued (every collective
+            # passes there); the strategy that issued it only adds what it knows (bucket, unit)
+            labelled[1][6].update(fields)
+            self._resolved = None  # a record read before this label must be read again
+            return
         t0 = self._clock()
         ev0 = self._cuda_event() if self._cuda else None
         done = [None, None]  # [host ns at completion, CUDA event after the collective]
@@ -133,7 +142,12 @@ class Recorder:
                 work.get_future().then(on_done)
             except RuntimeError:  # no future for this op (gloo's reduce-scatter): a thread waits
                 self._watch(work, lambda: on_done(None))
-        self._raw.append(("comm", name, self._step, t0, done, int(nbytes), fields, ev0))
+        raw = ("comm", name, self._step, t0, done, int(nbytes), dict(fields), ev0)
+        self._raw.append(raw)
+        if fields.get("via") == "process_group":  # a strategy may label it next (see above)
+            self._by_work[id(work)] = (work, raw)  # holding work keeps its id from being reused
+            if len(self._by_work) > 16:  # labels come right after the issue: keep the last few
+                self._by_work.pop(next(iter(self._by_work)))
 
     def grad_ready(self, param_name: str, **fields) -> None:
         # On CUDA the hook runs when autograd *queued* the gradient's kernels; an event on

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ddpkit.costmodel.simulate import MiB, Profile, simulate
-from ddpkit.network import NETWORKS
+from ddpkit.network import as_network
 from ddpkit.viz._common import new_figure  # shows in a notebook without pyplot
 
 
@@ -18,7 +18,7 @@ def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), n
     fig = new_figure(3.6)
     axes = fig.subplots(1, len(networks), sharey=True, squeeze=False)[0]
     for ax, net in zip(axes, networks, strict=True):
-        net = NETWORKS[net] if isinstance(net, str) else net
+        net = as_network(net)
         for s in strategies:
             base = simulate(s, profile, 1, net, bucket_cap_mb).ms_per_step
             eff = [100 * base / simulate(s, profile, n, net, bucket_cap_mb).ms_per_step for n in world_sizes]
@@ -27,7 +27,7 @@ def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), n
         ax.set_xticks(list(world_sizes), [str(n) for n in world_sizes], fontsize=8)
         ax.minorticks_off()
         ax.set_ylim(0, 105)
-        ax.set_title(f"{net.name}: alpha {net.alpha * 1e6:.3g} us, {net.gbytes_per_s:.3g} GB/s", fontsize=10)
+        ax.set_title(net.describe(), fontsize=10)
         ax.set_xlabel("ranks (GPUs)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("scaling efficiency (%)")

@@ -1,0 +1,249 @@
+"""ddpkit's process group: the real one underneath, every collective counted, recorded and timed.
+
+A Cluster's ranks join ``torch.distributed`` with backend ``"ddpkit"`` (``install``): a Python
+``ProcessGroup`` that hands each collective to the real backend (gloo on CPU, NCCL on GPUs) and,
+on the way, for *every* caller -- our strategies, torch's ``DistributedDataParallel`` (its C++
+reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimizer`` alike:
+
+1. counts it: collectives and the bytes one rank sends by the ring algorithm (ring all-reduce
+   2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S), per kind and per link (intra-node or
+   inter-node, see ``ddpkit.Network``), in ``Comm.counts``;
+2. records a span in the rank's recorder when recording is on (``rankside.recorder()``), from
+   issue to completion, with its link; a strategy that issued it adds its bucket or unit;
+3. on an emulated network, hands it to the link emulator (``ddpkit.emulator``) and returns a
+   ``Work`` that completes when the emulated link would have delivered it.
+
+The group needs a name for torch's ``DeviceMesh`` (``fully_shard`` builds one): in C++ a
+group's name lives on its registered backend, so the real backend is registered on this one too
+(``torch_internals.register_real_backend``). Methods that are not collectives (send, recv, ...)
+pass through uncounted.
+
+gloo has no reduce-scatter of its own for flat tensors: ``_reduce_scatter_base`` runs an
+all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs. The counts
+keep both: ``bytes`` is what the algorithm sends (what the emulated link is charged, what the
+papers count), ``transport_bytes`` what the real backend moved.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ddpkit.emulator import Emulator
+from ddpkit.network import Network, ring_bytes
+from ddpkit.rankside import recorder as rank_recorder
+from ddpkit.torch_internals import backend_registered, register_real_backend, work_from_future
+
+BACKEND_NAME = "ddpkit"
+
+
+@dataclass
+class Count:
+    """Collectives of one kind on one link: how many, and the bytes this rank sent."""
+
+    calls: int = 0
+    bytes: float = 0.0            # by the algorithm (ring formulas): what the link is charged
+    transport_bytes: float = 0.0  # what the real backend moved (gloo's reduce-scatter: 2x)
+
+
+@dataclass
+class Comm:
+    """What every ddpkit group of this rank shares: the network, its emulator and the counts."""
+
+    network: Network
+    real_backend: str                         # "gloo" or "nccl": what runs underneath
+    emulator: Emulator = field(init=False)
+    counts: dict = field(default_factory=lambda: defaultdict(Count))  # (op, link) -> Count
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        self.emulator = Emulator()
+
+    def count(self, op: str, link: str, sent: float, moved: float) -> None:
+        with self.lock:  # collectives are issued from autograd's threads too
+            c = self.counts[(op, link)]
+            c.calls += 1
+            c.bytes += sent
+            c.transport_bytes += moved
+
+    def snapshot(self) -> dict:
+        """``{(op, link): (calls, bytes, transport_bytes)}`` now; subtract two to get a window."""
+        with self.lock:
+            return {k: (c.calls, c.bytes, c.transport_bytes) for k, c in self.counts.items()}
+
+
+def _finished(value):
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class DdpkitProcessGroup(dist.ProcessGroup):
+    """A process group over the real one: each collective counted, recorded, maybe delayed."""
+
+    def __init__(self, comm: Comm, real, rank: int, size: int, global_ranks: list[int]):
+        super().__init__(rank, size)
+        self.comm, self.real = comm, real
+        self.global_ranks = global_ranks
+        register_real_backend(self, real, comm.real_backend)
+
+    @property
+    def link(self) -> str:
+        """``"intra-node"`` or ``"inter-node"``: where this group's collectives travel."""
+        return self.comm.network.link_for(self.global_ranks)[0]
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND_NAME
+
+    # --- the one path every collective takes ---------------------------------------------
+    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
+        """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
+        (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
+        issued = time.perf_counter()
+        work = launch()
+        n = self.size()
+        comm = self.comm
+        link, emulated = comm.network.link_for(self.global_ranks)
+        comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
+        link_s = comm.network.emulated_time(op, full_bytes, self.global_ranks) if emulated else 0.0
+        if comm.emulator.delays(link_s):
+            work = work_from_future(comm.emulator.submit(link, work, link_s, issued, result))
+        rec = rank_recorder()
+        if rec.enabled:
+            rec.collective(op, work, full_bytes, link=link, group_size=n, via="process_group")
+        return work
+
+    # --- collectives: the names torch.distributed calls on a group ------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._issue("all_reduce", _nbytes(tensors), lambda: self.real.allreduce(tensors, opts), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._issue("all_reduce", _nbytes(tensors),
+                           lambda: self.real.allreduce_coalesced(tensors, opts), tensors)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._issue("broadcast", _nbytes(tensors), lambda: self.real.broadcast(tensors, opts), tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._issue("all_gather", _nbytes(inputs) * self.size(),
+                           lambda: self.real.allgather(output_lists, inputs, opts), output_lists)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._issue("all_gather", _nbytes([output]),
+                           lambda: self.real._allgather_base(output, input, opts), [output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._issue("all_gather", _nbytes(outputs),
+                           lambda: self._one_by_one(self.real._allgather_base, outputs, inputs, opts), outputs)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        return self._issue("reduce_scatter", _nbytes(outputs) * self.size(),
+                           lambda: self.real.reduce_scatter(outputs, input_lists, opts), outputs)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        moved = "all_reduce" if self.comm.real_backend == "gloo" else None  # see the docstring
+        return self._issue("reduce_scatter", _nbytes([input]),
+                           lambda: self.real._reduce_scatter_base(output, input, opts), [output], moved)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        moved = "all_reduce" if self.comm.real_backend == "gloo" else None
+        return self._issue("reduce_scatter", _nbytes(inputs),
+                           lambda: self._one_by_one(self.real._reduce_scatter_base, outputs, inputs, opts),
+                           outputs, moved)
+
+    @staticmethod
+    def _one_by_one(op, outputs, inputs, opts):
+        """A coalesced collective the real backend's binding lacks (gloo: DTensor's full_tensor
+        asks for them), done tensor by tensor; returns a finished Work."""
+        for out, inp in zip(outputs, inputs, strict=True):
+            op(out, inp, opts).wait()
+        future = _finished(outputs)
+        return work_from_future(future)
+
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._issue("barrier", 0, lambda: self.real.barrier(opts), [])
+
+    # --- the rest passes through, uncounted ----------------------------------------------
+    def reduce(self, *args):
+        return self.real.reduce(*args)
+
+    def gather(self, *args):
+        return self.real.gather(*args)
+
+    def scatter(self, *args):
+        return self.real.scatter(*args)
+
+    def alltoall(self, *args):
+        return self.real.alltoall(*args)
+
+    def alltoall_base(self, *args):
+        return self.real.alltoall_base(*args)
+
+    def send(self, *args):
+        return self.real.send(*args)
+
+    def recv(self, *args):
+        return self.real.recv(*args)
+
+    def recv_anysource(self, *args):
+        return self.real.recv_anysource(*args)
+
+    def monitored_barrier(self, *args):
+        return self.real.monitored_barrier(*args)
+
+
+def install(network: Network, real_backend: str, comm_holder) -> None:
+    """Register backend ``"ddpkit"`` with torch (once per process): every group then created
+    with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend``.
+    ``comm_holder.comm`` receives the rank's ``Comm`` (the counts, the emulator)."""
+    comm = Comm(network, real_backend)
+    comm_holder.comm = comm
+
+    def create(opts, _backend_options):
+        # one call per group: its store, its rank and size, and the global ranks it spans
+        real = _real_backend(real_backend, opts)
+        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        return DdpkitProcessGroup(comm_holder.comm, real, opts.group_rank, opts.group_size, ranks)
+
+    if not backend_registered(BACKEND_NAME):  # torch keeps its backend plugins per process
+        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def _real_backend(name: str, opts):
+    if name == "nccl":
+        return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size)
+    return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+def comm_of(group=None) -> Comm | None:
+    """The ``Comm`` behind ``group`` (default: the world), or None if it is not ddpkit's."""
+    if not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    return pg.comm if isinstance(pg, DdpkitProcessGroup) else None
+
+
+__all__ = ["BACKEND_NAME", "Comm", "Count", "DdpkitProcessGroup", "install", "comm_of"]
