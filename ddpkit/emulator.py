@@ -4,12 +4,13 @@ A laptop's ranks talk over loopback, where moving a gradient costs almost nothin
 computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The emulator
 makes every collective take as long as it would on a chosen network (``ddpkit.Network``):
 
-- a collective on a link starts when it is issued or when the link is free, whichever is later:
-  collectives on one link run one after another, in issue order;
-- it completes no earlier than the real collective did (the bytes really moved, over loopback)
-  and no earlier than its start plus what the link takes for the algorithm's bytes and latency
-  (``Network.emulated_time``: ring all-reduce 2(N-1)/N S, all-gather and reduce-scatter
-  (N-1)/N S, and (N-1) or 2(N-1) alphas);
+- the real collective runs first (the bytes really move, over loopback, on the real backend's
+  own thread); then the emulated link carries it: it completes when the real one did (or, if the
+  link is still busy, when the link frees up) plus what the link takes for the algorithm's bytes
+  and latency (``Network.emulated_time``: ring all-reduce 2(N-1)/N S, all-gather and
+  reduce-scatter (N-1)/N S, and (N-1) or 2(N-1) alphas). Collectives on one link therefore run
+  one after another, in issue order, and every rank sees a collective end at about the same
+  time (the real one ends together everywhere);
 - waiting sleeps: the link's thread blocks in ``Work.wait`` and ``time.sleep``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
   overlaps backward exactly as it would on a real network.
@@ -33,7 +34,6 @@ class _Transfer:
 
     work: object            # the real collective's Work
     future: object          # completed at the emulated time (torch.futures.Future)
-    issued_s: float         # time.perf_counter() at issue
     link_s: float           # what the emulated link takes for it
     result: object          # the future's value if the Work has none (e.g. gloo's reduce-scatter)
     on_done: object = None  # called with the completion time (perf_counter ns), or None
@@ -58,8 +58,7 @@ class _Link:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            start = max(t.issued_s, self.free_s)
-            done = max(time.perf_counter(), start + t.link_s)
+            done = max(time.perf_counter(), self.free_s) + t.link_s
             self.free_s = done
             delay = done - time.perf_counter()
             if delay > 0:
@@ -89,13 +88,13 @@ class Emulator:
         """Does a collective that takes ``link_s`` on its link need to wait on the emulator?"""
         return self.enabled and link_s > 0
 
-    def submit(self, kind: str, work, link_s: float, issued_s: float, result, on_done=None):
+    def submit(self, kind: str, work, link_s: float, result, on_done=None):
         """Queue a collective already launched on the real backend; returns a ``Future`` that
         completes at its emulated completion time."""
         import torch
 
         future = torch.futures.Future()
-        self._link(kind).queue.put(_Transfer(work, future, issued_s, link_s, result, on_done))
+        self._link(kind).queue.put(_Transfer(work, future, link_s, result, on_done))
         return future
 
     def _link(self, kind: str) -> _Link:

@@ -15,9 +15,10 @@ pace of the inter-node link, one inside a node at the intra-node link's. Two con
 
 - the emulator (``ddpkit.emulator``), which makes a collective on this laptop last as long as it
   would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
-- the cost model (``ddpkit.costmodel``), which predicts a step (``Network.collective_time``). On
-  an emulated network a collective lasts at least what the real transport underneath takes (gloo
-  over loopback here): that transport is the network's ``floor``, a Link fitted on this machine.
+- the cost model (``ddpkit.costmodel``), which predicts a step. On an emulated network a
+  collective first takes what the real transport underneath takes (gloo over loopback here), then
+  what the emulated link adds: that transport is the network's ``floor``, a Link fitted on this
+  machine (``Network.transport_time`` and ``Network.emulated_time``).
 """
 from __future__ import annotations
 
@@ -223,12 +224,14 @@ class Network:
         _, link = self.link_for(ranks)
         return 0.0 if link is None else collective_time(op, nbytes, len(ranks), link)
 
+    def transport_time(self, op: str, nbytes: float, world_size: int) -> float:
+        """Seconds the real transport under an emulated network takes (0 without a ``floor``)."""
+        return collective_time(op, nbytes, world_size, self.floor) if self.floor is not None else 0.0
+
     def collective_time(self, op: str, nbytes: float, world_size: int) -> float:
-        """Seconds for a collective over all ``world_size`` ranks: the cost model's. On an emulated
-        network, the longer of the emulated link's time and the floor's (the real transport)."""
-        emulated = self.emulated_time(op, nbytes, range(world_size))
-        floor = collective_time(op, nbytes, world_size, self.floor) if self.floor is not None else 0.0
-        return max(emulated, floor)
+        """Seconds for one collective over all ``world_size`` ranks on its own: the real transport's
+        time, then the emulated link's (the emulator runs them in that order)."""
+        return self.transport_time(op, nbytes, world_size) + self.emulated_time(op, nbytes, range(world_size))
 
     def with_floor(self, floor: Link | None) -> Network:
         """The same network over another real transport (e.g. one fitted on this machine)."""

@@ -26,7 +26,6 @@ papers count), ``transport_bytes`` what the real backend moved.
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -108,7 +107,6 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
         """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
         (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
-        issued = time.perf_counter()
         work = launch()
         n = self.size()
         comm = self.comm
@@ -116,7 +114,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         link_s = comm.network.emulated_time(op, full_bytes, self.global_ranks) if emulated else 0.0
         if comm.emulator.delays(link_s):
-            work = work_from_future(comm.emulator.submit(link, work, link_s, issued, result))
+            work = work_from_future(comm.emulator.submit(link, work, link_s, result))
         rec = rank_recorder()
         if rec.enabled:
             rec.collective(op, work, full_bytes, link=link, group_size=n, via="process_group")

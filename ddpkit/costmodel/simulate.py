@@ -89,10 +89,16 @@ class Prediction:
 
 
 class _Stream:
-    """One communication stream: collectives run one at a time, in the order issued."""
+    """One communication stream: collectives run one at a time, in the order issued.
+
+    On an emulated network it is two stages in a row, as the emulator runs them: the real
+    transport (one at a time, on the backend's thread), then the emulated link (one at a time),
+    so collective k may be on the link while collective k+1 moves on the transport.
+    """
 
     def __init__(self, world_size: int, network: Network):  # collectives over all world_size ranks
         self.n, self.net = world_size, network
+        self.transport_free = 0.0
         self.free = 0.0
         self.busy = 0.0
         self.bytes = 0.0
@@ -102,10 +108,11 @@ class _Stream:
         """Launch at time ``at`` (or when the stream frees up); returns the completion time."""
         if self.n == 1:
             return at
-        start = max(at, self.free)
-        dur = self.net.collective_time(name, nbytes, self.n)
-        self.free = start + dur
-        self.busy += dur
+        real = self.net.transport_time(name, nbytes, self.n)
+        link = self.net.emulated_time(name, nbytes, range(self.n))
+        self.transport_free = max(at, self.transport_free) + real
+        self.free = max(self.transport_free, self.free) + link
+        self.busy += real + link
         self.bytes += ring_bytes(name, nbytes, self.n)
         self.count += 1
         return self.free
