@@ -49,6 +49,7 @@ class Strategy:
     optimizer: Callable               # (params, cls, defaults, *, recorder, process_group) -> optimizer
     zero_stage: str                   # "DDP", "ZeRO-1", "ZeRO-3": the memory formula it follows
     cost: CostStep
+    bytes_vs_ddp: float = 1.0         # bytes sent per step in theory, relative to DDP's all-reduce
     torch_native: bool = False        # torch's own implementation, for side-by-side comparison
     family: str = "ddp"               # "ddp" or "fsdp": which torch wrapper it is compared with
     predictable: bool = True          # the cost model covers all it does (torch_fsdp's host-side
@@ -126,13 +127,13 @@ _ROWS = [
              _local_optimizer, "DDP", CostStep("ddp", overlap=True)),
     Strategy("zero1", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
              _overlapped, _sharded_optimizer, "ZeRO-1",
-             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True)),
+             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True), bytes_vs_ddp=1.5),
     Strategy("fsdp", "ZeRO-3: flat parameters sharded 1/N, gathered just in time", _fsdp,
-             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), family="fsdp"),
+             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, family="fsdp"),
     Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
              CostStep("ddp", overlap=True, torch_first_bucket=True), torch_native=True),
     Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
-             CostStep("fsdp", sharded_optimizer=True), torch_native=True, family="fsdp",
+             CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, torch_native=True, family="fsdp",
              predictable=False),
 ]
 STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}

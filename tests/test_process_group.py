@@ -1,0 +1,269 @@
+"""ddpkit's process group and the emulated network: every collective counted at ring theory (torch's
+wrappers included), recorded once, delayed as the network says, without burning the CPU."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.network import LINKS, Link, Network, collective_time
+from ddpkit.strategies.table import NAMES, strategy
+from helpers import SMALL_MLP
+
+# A slow link on purpose: 2 ms per message, 0.1 GB/s (an all-reduce of 400 kB on 2 ranks: 8 ms).
+SLOW = "2000,0.1"
+
+
+@contextlib.contextmanager
+def on_network(cluster, network):
+    """Emulate ``network`` on a shared cluster for the block, then back to loopback."""
+    cluster.network = network
+    try:
+        yield cluster
+    finally:
+        cluster.network = None
+
+
+# ----------------------------------------------------------------------------- counting
+def _bytes_per_step(name, steps=3):
+    from ddpkit.experiment import local_batch, train_step, wrap
+    from ddpkit.models import build_model
+    from ddpkit.rankside import comm_counts
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    model, opt = wrap(name, module, bucket_cap_mb=0.001)
+    train_step(model, opt, *local_batch(module, 12, 0, rank, n))  # warm-up: torch DDP rebuilds buckets
+    before = comm_counts()
+    for step in range(1, 1 + steps):
+        train_step(model, opt, *local_batch(module, 12, step, rank, n))
+    after = comm_counts()
+    sent = {op: (calls - before.get((op, link), (0, 0, 0))[0], b - before.get((op, link), (0, 0, 0))[1])
+            for (op, link), (calls, b, _) in after.items()}
+    param_bytes = sum(p.numel() * p.element_size() for p in build_model("mlp", **SMALL_MLP).parameters())
+    return {op: (c / steps, b / steps) for op, (c, b) in sent.items() if c}, param_bytes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bytes_per_step_equal_ring_theory_for_every_strategy(cluster_of, name):
+    per_op, param_bytes = cluster_of(2).run(_bytes_per_step, name)[0]
+    total = sum(b for _, b in per_op.values())
+    ddp = 2 * (2 - 1) / 2 * param_bytes  # a ring all-reduce of every gradient, per rank
+    # DDP moves exactly its gradients; sharded strategies pad: FSDP each unit's flat parameter to
+    # a multiple of N, ZeRO-1's all-gather every rank's slot to the largest rank's share
+    rel = 1e-9 if strategy(name).zero_stage == "DDP" else 0.05
+    assert total == pytest.approx(strategy(name).bytes_vs_ddp * ddp, rel=rel), per_op
+
+
+def _one_all_reduce_counted():
+    from ddpkit.rankside import comm_counts
+
+    before = comm_counts().get(("all_reduce", "inter-node"), (0, 0.0, 0.0))
+    dist.all_reduce(torch.ones(1000))
+    after = comm_counts()[("all_reduce", "inter-node")]
+    return after[0] - before[0], after[1] - before[1], type(dist.group.WORLD).__name__
+
+
+def test_a_cluster_runs_on_ddpkits_process_group(cluster_of):
+    for calls, sent, kind in cluster_of(4).run(_one_all_reduce_counted):
+        assert (calls, sent, kind) == (1, 2 * 3 / 4 * 4000, "DdpkitProcessGroup")
+
+
+def _reduce_scatter_counts():
+    from ddpkit.rankside import comm_counts
+    from ddpkit.strategies._common import reduce_scatter_flat
+
+    before = comm_counts().get(("reduce_scatter", "inter-node"), (0, 0.0, 0.0))
+    reduce_scatter_flat(torch.empty(500), torch.ones(1000))
+    _, sent, moved = comm_counts()[("reduce_scatter", "inter-node")]
+    return sent - before[1], moved - before[2]
+
+
+def test_glooss_reduce_scatter_counts_the_algorithm_and_what_gloo_moved(cluster_of):
+    # gloo reduce-scatters a flat tensor by an all-reduce and a chunk: twice the algorithm's bytes
+    for sent, moved in cluster_of(2).run(_reduce_scatter_counts):
+        assert sent == 1 / 2 * 4000 and moved == 2 * sent
+
+
+# ----------------------------------------------------------------------------- recording
+def _recorded_bucketed():
+    from ddpkit.experiment import local_batch, train_step, wrap
+    from ddpkit.models import build_model
+    from ddpkit.rankside import recording
+    from ddpkit.trace import Recorder
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    rec = Recorder()
+    with recording(rec):
+        model, opt = wrap("bucketed", module, bucket_cap_mb=0.001)
+        rec.next_step()
+        train_step(model, opt, *local_batch(module, 12, 0, rank, n))
+    comm = [r for r in rec.records if r.cat == "comm" and r.step == 0]
+    return [(r.name, r.bucket, r.args.get("link"), r.args.get("via"), r.end_ns is not None) for r in comm], \
+        len(model.buckets)
+
+
+def test_each_collective_is_recorded_once_with_its_link_and_bucket(cluster_of):
+    comm, buckets = cluster_of(2).run(_recorded_bucketed)[0]
+    assert len(comm) == buckets  # one record per bucket's all-reduce, not two (strategy + group)
+    assert [c[1] for c in comm] == list(range(buckets))
+    assert all(c[0] == "all_reduce" and c[2] == "inter-node" and c[3] == "process_group" and c[4] for c in comm)
+
+
+# ----------------------------------------------------------------------------- emulation
+def _timed_all_reduce(numel, calls=3):
+    from ddpkit.rankside import network
+
+    t = torch.ones(numel)
+    dist.all_reduce(t)  # warm-up
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(t)
+    return (time.perf_counter() - t0) / calls, network().emulated_time("all_reduce", numel * 4, [0, 1])
+
+
+def test_a_collective_takes_at_least_what_the_emulated_link_takes(cluster_of):
+    with on_network(cluster_of(2), SLOW) as c:
+        for took, link_s in c.run(_timed_all_reduce, 100_000):
+            assert link_s == pytest.approx(2 * 2e-3 + 400_000 / 0.1e9)  # 2 alphas + 2(N-1)/N S beta
+            assert link_s <= took < link_s + 0.05
+
+
+def _async_overlaps_compute_and_sleeps():
+    """Launch an all-reduce on a slow link, compute while it travels, then wait."""
+    t = torch.ones(100_000)
+    dist.barrier()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    work = dist.all_reduce(t, async_op=True)
+    x = torch.randn(200, 200)
+    busy_until = time.perf_counter() + 0.006
+    while time.perf_counter() < busy_until:  # ~6 ms of "backward"
+        x = x @ x.T / 200
+    work.wait()
+    return time.perf_counter() - wall0, time.process_time() - cpu0, t[0].item()
+
+
+def test_an_async_collective_overlaps_compute_and_waiting_does_not_burn_the_cpu(cluster_of):
+    with on_network(cluster_of(2), SLOW) as c:
+        for wall, cpu, value in c.run(_async_overlaps_compute_and_sleeps):
+            assert value == 2.0
+            assert 0.008 <= wall < 0.008 + 0.006 + 0.05  # the link's 8 ms, the compute hidden under it
+            assert cpu < wall / 2 + 0.01  # the rest of the wait was spent sleeping
+
+
+def _three_async_in_a_row():
+    ts = [torch.ones(100_000) for _ in range(3)]
+    dist.barrier()
+    t0 = time.perf_counter()
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - t0
+
+
+def test_collectives_on_one_link_run_one_after_another(cluster_of):
+    with on_network(cluster_of(2), SLOW) as c:
+        link_s = Network.of(SLOW).emulated_time("all_reduce", 400_000, [0, 1])
+        for took in c.run(_three_async_in_a_row):
+            assert took >= 3 * link_s
+
+
+def _links_of_groups():
+    from ddpkit.rankside import comm_counts
+
+    rank = dist.get_rank()
+    node = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates every group
+    across = dist.new_group([0, 2]), dist.new_group([1, 3])
+    before = comm_counts()
+    dist.all_reduce(torch.ones(100), group=node[rank // 2])
+    dist.all_reduce(torch.ones(100), group=across[rank % 2])
+    after = comm_counts()
+    grew = {k for k in after if after[k][0] > before.get(k, (0,))[0]}
+    return sorted(grew), type(node[rank // 2]).__name__
+
+
+def test_two_tiers_put_a_nodes_group_on_the_fast_link_and_others_on_the_slow_one(cluster_of):
+    with on_network(cluster_of(4), Network.of("10GbE", gpus_per_node=2)) as c:
+        for grew, kind in c.run(_links_of_groups):
+            assert kind == "DdpkitProcessGroup"  # subgroups are ddpkit's too
+            assert grew == [("all_reduce", "inter-node"), ("all_reduce", "intra-node")]
+
+
+def test_switching_the_network_keeps_the_ranks(cluster_of):
+    c = cluster_of(2)
+    pids = [r.pid for r in c.ranks]
+    with on_network(c, "10GbE"):
+        assert c.network.inter.name == "10GbE"
+        assert c.run(lambda: ddpkit.rankside.network().inter.name) == ["10GbE", "10GbE"]
+    assert c.run(lambda: ddpkit.rankside.network().emulated) == [False, False]
+    assert [r.pid for r in c.ranks] == pids
+
+
+def _hang_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(30)
+    dist.all_reduce(torch.ones(10))
+
+
+def test_a_rank_that_dies_under_emulation_is_a_rank_error_and_the_cluster_recovers():
+    with ddpkit.Cluster(2, timeout=3, network="10GbE") as c:
+        def die():
+            import os
+
+            if dist.get_rank() == 1:
+                os._exit(3)
+            dist.all_reduce(torch.ones(10))
+
+        with pytest.raises(ddpkit.RankError) as info:
+            c.run(die)
+        assert 1 in info.value.ranks
+        assert c.run(lambda: dist.get_world_size()) == [2, 2]  # restarted, still emulating
+        assert c.run(lambda: ddpkit.rankside.network().inter.name) == ["10GbE", "10GbE"]
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("spec, message", [
+    ("carrier-pigeon", "valid presets: loopback, nvlink, 100GbE, 10GbE, 1GbE, paper"),
+    ("20,0", "bandwidth > 0"),
+    ("-1,10", "latency must be >= 0"),
+    ("20,nan", "bandwidth > 0"),
+])
+def test_a_bad_network_is_a_value_error_naming_what_is_valid(spec, message):
+    with pytest.raises(ValueError, match=message):
+        Network.of(spec)
+
+
+def test_a_bad_cluster_network_fails_before_any_rank_starts(monkeypatch):
+    from ddpkit.cluster.processes import Workers
+
+    monkeypatch.setattr(Workers, "start", lambda *a: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError, match="gpus_per_node=2 does not divide world_size=3"):
+        ddpkit.Cluster(3, network=Network.of("10GbE", gpus_per_node=2))
+    with pytest.raises(ValueError, match="valid presets"):
+        ddpkit.Cluster(2, network="56k-modem")
+    with pytest.raises(ValueError, match="gpus_per_node must be a whole number >= 1"):
+        Network.of("10GbE", gpus_per_node=0)
+    with pytest.raises(TypeError, match="a network is"):
+        ddpkit.Cluster(2, network=10)
+
+
+# ----------------------------------------------------------------------------- the model of it
+def test_network_times_follow_the_ring_formulas_and_the_tiers():
+    net = Network.of("10GbE", gpus_per_node=2)
+    s = 1e6
+    inter, intra = LINKS["10GbE"], LINKS["nvlink"]
+    assert net.link_for([0, 1]) == ("intra-node", intra)
+    assert net.link_for([0, 2]) == ("inter-node", inter)
+    assert net.emulated_time("all_reduce", s, [0, 1, 2, 3]) == pytest.approx(collective_time("all_reduce", s, 4, inter))
+    assert net.emulated_time("all_gather", s, [2, 3]) == pytest.approx(intra.alpha + s / 2 * intra.beta)
+    assert Network.of("loopback").emulated_time("all_reduce", s, [0, 1]) == 0.0
+    floor = Link("floor", alpha=1e-3, beta=0.0)
+    assert Network.of("10GbE").with_floor(floor).collective_time("all_reduce", s, 2) == pytest.approx(
+        2e-3 + collective_time("all_reduce", s, 2, inter))
+    assert Network.from_dict(net.to_dict()) == net
