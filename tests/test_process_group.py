@@ -51,6 +51,9 @@ def _bytes_per_step(name, steps=3):
 @pytest.mark.parametrize("name", NAMES)
 def test_bytes_per_step_equal_ring_theory_for_every_strategy(cluster_of, name):
     per_op, param_bytes = cluster_of(2).run(_bytes_per_step, name)[0]
+    if name == "torch_ddp":  # rank 0 broadcasts the buckets it rebuilt after the first step: a few bytes
+        calls, sent = per_op.pop("broadcast")
+        assert calls * 3 == 2 and sent < 100
     total = sum(b for _, b in per_op.values())
     ddp = 2 * (2 - 1) / 2 * param_bytes  # a ring all-reduce of every gradient, per rank
     # DDP moves exactly its gradients; sharded strategies pad: FSDP each unit's flat parameter to
