@@ -35,9 +35,38 @@ class TorchDDP(nn.Module):
         bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
-        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do.
+        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do. At the
+        # default cap torch is left to its defaults, which cap the first bucket at 1 MiB (the
+        # first gradients start travelling early); a cap given explicitly applies to every bucket.
         self.ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group,
-                                                       bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+                                                       bucket_cap_mb=None if bucket_cap_mb == 25.0 else bucket_cap_mb,
+                                                       **ddp_kwargs)
+        if self.recorder.enabled:
+            self._look_inside()
+
+    def _look_inside(self) -> None:
+        """Recording: torch's reducer, seen through our records. Gradient hooks note when each
+        gradient is ready (as in our wrappers); a communication hook (torch's public way to
+        replace a bucket's all-reduce) does what the default one does -- divide by N, all-reduce,
+        hand the averaged bucket back -- and labels the collective with torch's bucket index and
+        the parameters in it. So the bucket fill plot shows torch's own buckets: a first bucket
+        capped at 1 MiB, and from the second step the buckets it rebuilt in the order the
+        gradients arrived."""
+        rec, group = self.recorder, self.process_group
+        names = {id(p): name for name, p in unique_named_parameters(self.module)}
+        for p_id, name in names.items():
+            p = next(q for q in self.module.parameters() if id(q) == p_id)
+            p.register_post_accumulate_grad_hook(lambda _p, name=name: rec.grad_ready(name, bucket=None))
+        world = dist.get_world_size(group)
+
+        def labelled_all_reduce(_state, bucket):
+            flat = bucket.buffer().div_(world)
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            rec.collective("all_reduce", work, nbytes(flat), bucket=bucket.index(),
+                           params=[names[id(p)] for p in bucket.parameters()])
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        self.ddp.register_comm_hook(None, labelled_all_reduce)
 
     @property
     def module(self) -> nn.Module:

@@ -120,10 +120,17 @@ def overlap_fraction(trace, rank: int | None = None, step: int | None = None,
 
 
 def bucket_fill_order(trace, rank: int = 0, step: int = -1) -> list[tuple[str, int | None, int]]:
-    """``[(parameter name, bucket, time ns)]`` in the order the gradients became ready."""
+    """``[(parameter name, bucket, time ns)]`` in the order the gradients became ready.
+
+    A gradient whose hook did not know its bucket (torch DDP's: the reducer decides, and rebuilds
+    its buckets after the first step) takes it from the step's collective whose ``params`` name
+    it (``TorchDDP`` labels each bucket's all-reduce so while recording)."""
     trace = as_trace(trace)
     ready = trace.select(rank=rank, step=step, kind="instant", cat="grad_ready")
-    return [(r.name, r.bucket, r.start_ns) for r in sorted(ready, key=lambda r: r.start_ns)]
+    bucket_of = {name: r.bucket for r in trace.select(rank=rank, step=step, kind="span", cat="comm")
+                 for name in r.args.get("params", ())}
+    return [(r.name, r.bucket if r.bucket is not None else bucket_of.get(r.name), r.start_ns)
+            for r in sorted(ready, key=lambda r: r.start_ns)]
 
 
 def launch_order(trace, rank: int = 0, step: int = -1, name: str | None = None) -> list[Record]:
