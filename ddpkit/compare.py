@@ -44,6 +44,37 @@ def time_round(cluster, strategies, r: int, steps: int, common: dict, per_round:
         per_round[s].append(max(res["ms_per_step"] for res in results))  # as slow as the slowest rank
 
 
+def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: int = 1, **common) -> dict:
+    """Time several configurations fairly on one (shared, noisy) machine: ``rounds`` rounds, each
+    running every configuration once, the order rotated each round; returns ``{label: [ms/step of
+    each round]}`` (each the slowest rank's median over ``steps`` steps). ``runs`` maps a label to
+    ``run_strategy`` keywords (at least ``strategy``), on top of ``common``; a ``network`` in them
+    is switched to on the cluster for that run (and loopback after). Take the median of the rounds
+    and show their spread: one round on a shared machine proves little."""
+    from ddpkit.experiment import run_strategy
+
+    labels = list(runs)
+    out: dict = {label: [] for label in labels}
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            kwargs = {**common, **runs[label]}
+            network = kwargs.pop("network", None)
+            if network is not None:
+                cluster.network = network
+            try:
+                results = cluster.run(run_strategy, steps=steps, warmup=warmup, report_progress=False, **kwargs)
+            finally:
+                if network is not None:
+                    cluster.network = None
+            out[label].append(max(res["ms_per_step"] for res in results))
+    return out
+
+
+def spread(times: list[float]) -> str:
+    """``"median ms (min-max over n rounds)"``: how a timing from ``interleaved`` should be shown."""
+    return f"{statistics.median(times):.1f} ms ({min(times):.1f}-{max(times):.1f} over {len(times)} rounds)"
+
+
 def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
             progress=None) -> list[dict]:

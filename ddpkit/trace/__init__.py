@@ -11,8 +11,8 @@ Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
 """
 from ddpkit.trace.chrome import LANES, to_chrome_trace
 from ddpkit.trace.figures import (
-    bucket_fill_order, collective_bytes, collective_counts, comm_bytes_per_step, launch_order,
-    overlap_fraction, overlap_intervals, ring_bytes,
+    bucket_fill_order, collective_bytes, collective_counts, comm_after_backward_ms, comm_bytes_per_step,
+    launch_order, overlap_fraction, overlap_intervals, ring_bytes,
 )
 from ddpkit.trace.recorder import Recorder
 from ddpkit.trace.records import Record, Trace, as_trace
@@ -20,5 +20,5 @@ from ddpkit.trace.records import Record, Trace, as_trace
 __all__ = [
     "Record", "Recorder", "Trace", "as_trace", "to_chrome_trace", "ring_bytes",
     "comm_bytes_per_step", "collective_counts", "collective_bytes", "overlap_fraction",
-    "overlap_intervals", "bucket_fill_order", "launch_order", "LANES",
+    "overlap_intervals", "comm_after_backward_ms", "bucket_fill_order", "launch_order", "LANES",
 ]

@@ -99,6 +99,18 @@ def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
     return comm, busy, _intersect(comm, busy)
 
 
+def comm_after_backward_ms(trace, rank: int = 0, step: int = -1) -> float:
+    """Milliseconds of communication still going when backward's compute has ended: what the step
+    waits for after its last gradient is ready (0: every collective finished under backward). The
+    overlap a strategy achieved, read off the trace rather than from step times."""
+    trace = as_trace(trace)
+    s = trace.resolve_step(step)
+    comm, busy, _ = overlap_intervals(trace.records, rank, s)
+    if not comm or not busy:
+        return 0.0
+    return max(0.0, comm[-1][1] - busy[-1][1]) / 1e6
+
+
 def overlap_fraction(trace, rank: int | None = None, step: int | None = None,
                      compute: str = "backward") -> float:
     """Share of communication time hidden under backward compute (0 = none, 1 = all).
