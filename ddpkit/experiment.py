@@ -94,7 +94,7 @@ def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 2
     cls, defaults = optimizer_class(optimizer)
     common = dict(recorder=recorder, process_group=process_group)
     model = row.wrap(module.to(device()), bucket_cap_mb=bucket_cap_mb, **common)
-    return model, row.optimizer(model.parameters(), cls, defaults, **common)
+    return model, row.optimizer(model, cls, defaults, **common)
 
 
 # ---------------------------------------------------------------------------------------------

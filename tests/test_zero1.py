@@ -16,7 +16,7 @@ from torch import nn
 import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, optimizer_class, train_step
 from ddpkit.models import build_model, loss_fn, make_batch
-from ddpkit.strategies.zero1 import partition_by_size
+from ddpkit.strategies.sharded_optimizer import partition_by_size
 from helpers import SMALL_CAP, SMALL_MLP, TOL, CountingRecorder, reference_params, train_on_rank
 
 BATCH = 24

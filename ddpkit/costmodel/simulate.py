@@ -112,7 +112,7 @@ class _Stream:
 
 
 def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
-              first_cap_bytes: float | None = None) -> float:
+              first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True) -> float:
     """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
     copies, one after another) beside the communication stream. Returns when both are done.
 
@@ -122,7 +122,9 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     (another pass) -- the two passes every bucketed DDP pays, torch's included unless gradients
     are views of the buckets. With ``overlap`` the copy in happens in the gradient's hook, during
     backward, and a bucket is launched as soon as its last gradient is in; without, all of it
-    starts when backward ends.
+    starts when backward ends. ``reduce`` is the buckets' collective: DDP's all-reduce, or ZeRO-1/2's
+    reduce-scatter (half the bytes; the other half is the parameters' all-gather after the step),
+    whose result is stepped where it landed: no copy back out (``copy_out`` False).
     """
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
     t = profile.forward_s
@@ -141,16 +143,16 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
                 t += profile.copy_s(b)
                 ready.append(t)
         ready.reverse()  # registration order, as the bucket indices are
-        launched = [stream.issue("all_reduce", size, max(ready[i] for i in b))
+        launched = [stream.issue(reduce, size, max(ready[i] for i in b))
                     for b, size in zip(buckets, sizes, strict=True)]
     else:
         t += profile.backward_s
         launched = []
         for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
             t += profile.copy_s(size)
-            launched.append(stream.issue("all_reduce", size, t))
+            launched.append(stream.issue(reduce, size, t))
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
-        t = max(t, done) + profile.copy_s(size)
+        t = max(t, done) + (profile.copy_s(size) if copy_out else 0.0)
     return t
 
 
@@ -221,12 +223,19 @@ def simulate(strategy: str, profile: Profile, world_size: int, network: Network 
         cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         # torch caps its first bucket at 1 MiB when the cap is left at its default
         first = 1 * MiB if step.torch_first_bucket and bucket_cap_mb == 25.0 else None
-        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first) + opt
-        if step.gather_params:
+        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
+                        reduce=step.grad_reduce, copy_out=step.copy_out) + opt
+        p_bytes = profile.param_bytes
+        if step.gather_params and step.gather_in_place:
+            # ZeRO-1/2: each bucket's flat parameters are all-gathered in place (the module's
+            # parameters view them), all launched at once, no copies
+            flat = [b for layer in profile.layers for b in layer.param_bytes]
+            sizes = [sum(flat[i] for i in b) for b in assign_buckets(flat, cap or 1, first_cap_bytes=first)]
+            end = max([stream.issue("all_gather", size, end) for size in sizes], default=end)
+        elif step.gather_params:
             # each rank stepped 1/N of the parameters; the updated ones are shared with one
             # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
             # ones back out
-            p_bytes = profile.param_bytes
             end = stream.issue("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)) + profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
