@@ -58,6 +58,8 @@ class Strategy:
                                       # "fsdp" or "hsdp"
     predictable: bool = True          # the cost model covers all it does (torch_fsdp's host-side
                                       # overheads per unit it does not)
+    shard_group_size: int | None = None  # ranks its state is sharded over (hsdp: a node's);
+                                         # None: all of them
 
 
 # ----------------------------------------------------------------------------- how to build
