@@ -224,8 +224,11 @@ def shard_group_size(strategy: str, world_size: int) -> int:
     """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
     hybrid sharding, which shards inside a node of ``shard_group_size`` ranks (the table's) and
     replicates across nodes, so its state is everything / k, not / N."""
-    k = STRATEGIES[strategy].shard_group_size
-    return world_size if k is None else min(k, world_size)
+    row = STRATEGIES[strategy]
+    if not row.fits(world_size):
+        raise ValueError(f"{strategy} shards over nodes of {row.shard_group_size} ranks; world_size "
+                         f"{world_size} is not a multiple of it")
+    return world_size if row.shard_group_size is None else row.shard_group_size
 
 
 def predicted_model_state(strategy: str, num_params: int, world_size: int, **bytes_per_param) -> dict[str, float]:

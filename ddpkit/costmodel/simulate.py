@@ -98,15 +98,18 @@ class _Stream:
         self.bytes = 0.0
         self.count = 0
 
-    def issue(self, name: str, nbytes: float, at: float) -> float:
-        """Launch at time ``at`` (or when the stream frees up); returns the completion time."""
-        if self.n == 1:
+    def issue(self, name: str, nbytes: float, at: float, group: int | None = None) -> float:
+        """Launch at time ``at`` (or when the stream frees up) on ``group`` ranks (default: all of
+        them; hybrid sharding's collectives run in a node's or a replica's group); returns the
+        completion time."""
+        g = self.n if group is None else group
+        if g == 1:
             return at
         start = max(at, self.free)
-        dur = collective_time(name, nbytes, self.n, self.net)
+        dur = collective_time(name, nbytes, g, self.net)
         self.free = start + dur
         self.busy += dur
-        self.bytes += ring_bytes(name, nbytes, self.n)
+        self.bytes += ring_bytes(name, nbytes, g)
         self.count += 1
         return self.free
 
@@ -156,58 +159,75 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     return t
 
 
-def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch: bool = True) -> float:
+def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, forward_prefetch: bool = False,
+               backward_prefetch: bool = True, limit: int | None = None, shard_group: int | None = None) -> float:
     """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
     resharded), reduce-scatter its gradient after its backward, the optimizer over 1/N shards.
 
-    With ``prefetch`` the next unit's all-gather is issued when the current unit's compute starts
-    (FSDP's forward and backward prefetch); without, only when the compute needs it.
+    Prefetch as our FSDP does it: with ``forward_prefetch`` / ``backward_prefetch`` the next unit's
+    all-gather is issued when the current unit's compute starts; without, only when its compute
+    needs it. The rate limiter ``limit`` lets a prefetch go only while fewer than ``limit`` units
+    are unsharded (the current one, and with ``reshard`` False every unit gathered so far).
+    ``shard_group`` k < N is hybrid sharding: all-gathers and reduce-scatters among the k ranks of a
+    node, then each unit's gradient shard (1/k of it) all-reduced among the N/k replicas once
+    backward is done.
     """
     n = stream.n
+    k = n if shard_group is None else shard_group
     units: dict[str, list[Layer]] = {}
     for layer in profile.layers:
         units.setdefault(layer.unit, []).append(layer)
     names = [u for u in units if u != ""]
-    pad = n * profile.elem_bytes
+    pad = k * profile.elem_bytes
     size = {u: math.ceil(sum(sum(layer.param_bytes) for layer in ls) / pad) * pad for u, ls in units.items()}
     fwd = {u: sum(layer.forward_s for layer in ls) for u, ls in units.items()}
     bwd = {u: sum(layer.backward_s for layer in ls) for u, ls in units.items()}
 
+    def may_prefetch(held: int) -> bool:
+        return limit is None or held < limit
+
     t = 0.0
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
-        t = stream.issue("all_gather", size[""], 0.0)
+        t = stream.issue("all_gather", size[""], 0.0, k)
     order = names
     gathered = {}
     for i, u in enumerate(order):
         if u not in gathered:
-            gathered[u] = stream.issue("all_gather", size[u], t)
+            gathered[u] = stream.issue("all_gather", size[u], t, k)
         start = max(t, gathered[u])
-        if prefetch and i + 1 < len(order):
+        held = 1 if reshard else i + 1  # units unsharded now, the root not counted
+        if forward_prefetch and i + 1 < len(order) and may_prefetch(held):
             nxt = order[i + 1]
-            gathered[nxt] = stream.issue("all_gather", size[nxt], start)
+            gathered[nxt] = stream.issue("all_gather", size[nxt], start, k)
         t = start + fwd[u]
     t += fwd.get("", 0.0)  # root-level compute (embeddings, head) in forward
     t += bwd.get("", 0.0)  # ... and its backward, first
     back = list(reversed(order))
     regathered: dict = {}
+    reduced = []
     for i, u in enumerate(back):
         if reshard and u not in regathered:
-            regathered[u] = stream.issue("all_gather", size[u], t)
+            regathered[u] = stream.issue("all_gather", size[u], t, k)
         start = max(t, regathered.get(u, t))
-        if reshard and prefetch and i + 1 < len(back):
+        if reshard and backward_prefetch and i + 1 < len(back) and may_prefetch(1):
             nxt = back[i + 1]
-            regathered[nxt] = stream.issue("all_gather", size[nxt], start)
+            regathered[nxt] = stream.issue("all_gather", size[nxt], start, k)
         t = start + bwd[u]
-        stream.issue("reduce_scatter", size[u], t)
+        reduced.append((u, stream.issue("reduce_scatter", size[u], t, k)))
     if "" in units:
-        stream.issue("reduce_scatter", size[""], t)
+        reduced.append(("", stream.issue("reduce_scatter", size[""], t, k)))
+    if k < n:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
+        for u, done in reduced:
+            stream.issue("all_reduce", size[u] / k, max(t, done), n // k)
     return max(t, stream.free)
 
 
 def simulate(strategy: str, profile: Profile, world_size: int, network: Network | str = "loopback",
-             bucket_cap_mb: float = 25.0) -> Prediction:
-    """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network``."""
-    step = strategy_row(strategy).cost  # how the table says this strategy communicates
+             bucket_cap_mb: float = 25.0, cost=None) -> Prediction:
+    """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network``. ``cost``:
+    another ``CostStep`` to simulate instead of the table's, e.g. FSDP with a switch flipped
+    (``dataclasses.replace(strategy("fsdp").cost, forward_prefetch=True)``)."""
+    step = strategy_row(strategy).cost if cost is None else cost  # how the strategy communicates
     if isinstance(network, str):
         if network not in NETWORKS:
             raise ValueError(f"unknown network {network!r}; valid: {', '.join(NETWORKS)}")
@@ -217,8 +237,18 @@ def simulate(strategy: str, profile: Profile, world_size: int, network: Network 
     n = world_size
     stream = _Stream(n, network)
     opt = profile.optimizer_s / n if step.sharded_optimizer else profile.optimizer_s
+    row = strategy_row(strategy)
+    shard_group = row.shard_group_size
+    if not row.fits(n):
+        raise ValueError(f"{strategy} shards over nodes of {shard_group} ranks: world_size {n} is not a "
+                         f"multiple of {shard_group}")
+    if shard_group is not None:
+        # hybrid sharding: the optimizer steps 1/k of the parameters, not 1/N
+        opt = profile.optimizer_s / shard_group
     if step.algorithm == "fsdp":
-        end = _fsdp_step(profile, stream, reshard=step.reshard, prefetch=step.prefetch) + opt
+        end = _fsdp_step(profile, stream, reshard=step.reshard, forward_prefetch=step.forward_prefetch,
+                         backward_prefetch=step.backward_prefetch, limit=step.limit_all_gathers,
+                         shard_group=shard_group) + opt
     else:
         cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         # torch caps its first bucket at 1 MiB when the cap is left at its default
@@ -244,8 +274,10 @@ def simulate(strategy: str, profile: Profile, world_size: int, network: Network 
 
 def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
             bucket_cap_mb: float = 25.0) -> list[Prediction]:
-    """Every (strategy, world size) pair, world sizes outermost."""
-    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies]
+    """Every (strategy, world size) pair the strategy can run at (hybrid sharding: whole nodes),
+    world sizes outermost."""
+    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies
+            if strategy_row(s).fits(n)]
 
 
 def format_predictions(predictions: list[Prediction]) -> str:

@@ -62,7 +62,7 @@ def materialize_by_unit(module: nn.Module, owned: dict[str, list], on_unit_ready
     real: dict[int, nn.Parameter] = {}
     for _, m in module.named_modules():
         fresh = []
-        for attr, p in list(m._parameters.items()):
+        for p in list(m._parameters.values()):
             if p is None or not p.is_meta:  # real already (or tied to one materialized earlier)
                 continue
             new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
