@@ -83,6 +83,12 @@ class ZeRO1(DDPModule):
             bucket.out = None
         self._reduced = True
 
+    def join_hook(self, **kwargs):
+        """Uneven inputs are not supported here: a rank that finished early would also have to step
+        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
+        raise ValueError("ZeRO1 does not support Join (uneven inputs): give every rank the same number "
+                         "of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
+
     def comm_buffer_bytes(self) -> int:
         """0: the flat gradients are the module's ``.grad`` (counted as gradients), and the
         reduce-scatter's output lives only during the synchronisation."""

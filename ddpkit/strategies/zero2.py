@@ -125,6 +125,12 @@ class ZeRO2(DDPModule):
         self._launch_complete_buckets()
         self._collect_finished(block=True)
 
+    def join_hook(self, **kwargs):
+        """Uneven inputs are not supported here: a rank that finished early would also have to step
+        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
+        raise ValueError("ZeRO2 does not support Join (uneven inputs): give every rank the same number "
+                         "of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
+
     def comm_buffer_bytes(self) -> int:
         """Bytes of flat gradients held right now (only while buckets are being reduced)."""
         return sum(b.gradient_bytes for b in self.buckets)
