@@ -105,9 +105,18 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
     counts, comm time and the share of it hidden under backward (``ddpkit.trace``'s definitions)."""
     from ddpkit import trace as tr
 
+    from ddpkit.network import ring_bytes
+
     t = tr.Trace(list(records), world_size)
     rank = t.ranks[0] if t.ranks else 0
-    per_bytes = tr.comm_bytes_per_step(t)
+    # bytes sent by the ring formulas over the group each collective ran in: hybrid sharding's
+    # collectives run among a node's ranks or a shard's replicas (their records say group_size)
+    per_bytes: dict = {}
+    for r in t.records:
+        if r.cat == "comm" and r.kind == "span" and r.rank == rank:
+            group = r.args.get("group_size", world_size)
+            per_bytes.setdefault(r.step, {}).setdefault(rank, 0.0)
+            per_bytes[r.step][rank] += ring_bytes(r.name, r.nbytes, group)
     per_count = tr.collective_counts(t)
     counts: dict = {}
     comm_ns = hidden_ns = 0

@@ -209,6 +209,9 @@ _ROWS = [
     Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
              CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), torch_native=True, family="fsdp",
              predictable=False),
+    Strategy("torch_hsdp", "torch's fully_shard on a 2-D (replicate, shard) DeviceMesh", _torch_hsdp,
+             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True),
+             torch_native=True, family="hsdp", predictable=False, shard_group_size=HSDP_GPUS_PER_NODE),
 ]
 STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
