@@ -7,7 +7,7 @@ In the notebook (the parent process)::
 
 Inside a rank (a Cluster job, a torchrun script, a test)::
 
-    model = ddpkit.OverlappedDDP(module)     # or NaiveDDP, BucketedDDP, FSDP
+    model = ddpkit.OverlappedDDP(module)     # or NaiveDDP, BucketedDDP, ZeRO1, ZeRO2, FSDP, HSDP
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
 Plots (``ddpkit.viz``) and the widget (``ddpkit.widget``) are imported on first use, so a
@@ -17,7 +17,8 @@ import sys
 
 from ddpkit.cluster import Cluster, RankError
 from ddpkit.rankside import device, progress, rank, world_size
-from ddpkit.strategies import BucketedDDP, FSDP, NaiveDDP, OverlappedDDP, ShardedOptimizer
+from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
+                               ZeRO2)
 
 __version__ = "0.1.0"
 
@@ -41,7 +42,7 @@ _show_clusters_as_widgets()
 
 __all__ = [
     "Cluster", "RankError", "rank", "world_size", "device", "progress",
-    "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "FSDP",
+    "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
 ]
 
 

@@ -94,7 +94,7 @@ def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 2
     cls, defaults = optimizer_class(optimizer)
     common = dict(recorder=recorder, process_group=process_group)
     model = row.wrap(module.to(device()), bucket_cap_mb=bucket_cap_mb, **common)
-    return model, row.optimizer(model.parameters(), cls, defaults, **common)
+    return model, row.optimizer(model, cls, defaults, **common)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
 
     t = tr.Trace(list(records), world_size)
     rank = t.ranks[0] if t.ranks else 0
-    per_bytes = tr.comm_bytes_per_step(t)
+    per_bytes = tr.comm_bytes_per_step(t)  # over each collective's own group (hybrid sharding)
     inter_node = tr.comm_bytes_per_step(t, link="inter-node")
     per_count = tr.collective_counts(t)
     counts: dict = {}

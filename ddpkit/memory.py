@@ -17,7 +17,9 @@ On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocate
 
 or, to catch gradients before ``zero_grad`` frees them, ``step_memory(model, opt, x, y, loss_fn)``.
 
-``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run.
+``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run;
+``predicted_model_state(strategy, ...)`` the one a strategy follows (hybrid sharding: over its
+shard group, not the world).
 """
 from __future__ import annotations
 
@@ -35,33 +37,47 @@ STAGE_OF_STRATEGY = {name: row.zero_stage for name, row in STRATEGIES.items()}
 
 
 def _tensor_bytes(tensors) -> int:
-    """Bytes of distinct tensors (a tensor seen twice, e.g. a tied weight, counts once)."""
+    """Bytes of the distinct storages behind ``tensors``: a tensor seen twice (a tied weight), or
+    several views of one flat buffer (ZeRO-1/2's parameters and the shards their optimizer steps),
+    count once; a freed storage (FSDP's resharded buffers) counts nothing."""
     seen, total = set(), 0
     for t in tensors:
-        if t is None or id(t) in seen:
+        if t is None:
             continue
-        seen.add(id(t))
         if hasattr(t, "to_local"):  # a DTensor (fully_shard's parameters): this rank's shard
             t = t.to_local()
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), str(t.device))
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
     return total
 
 
 def _optimizer_state_tensors(optimizer):
     """Per-element state tensors of an optimizer (or of the optimizer a wrapper holds)."""
     state = getattr(optimizer, "state", None)
-    for inner in ("local_optimizer", "optimizer"):  # a wrapper (ZeRO-1's ShardedOptimizer)
-        if not state and hasattr(optimizer, inner):  # keeps its state in the inner optimizer
-            state = getattr(optimizer, inner).state
+    for inner in ("local_optimizer", "optimizer", "optim"):  # a wrapper (ShardedOptimizer, torch's
+        if not state and hasattr(optimizer, inner):           # ZeroRedundancyOptimizer) keeps its
+            state = getattr(optimizer, inner).state          # state in the inner optimizer
     for per_param in (state or {}).values():
         for v in per_param.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:  # skip 0-dim "step" counters
                 yield v
 
 
+def _optimizer_params(optimizer) -> list:
+    """The tensors an optimizer steps (ZeRO-1/2: this rank's shards, whose ``.grad`` is all that
+    is left of the gradients once ZeRO-2 has freed the full ones)."""
+    return [p for group in getattr(optimizer, "param_groups", None) or () for p in group["params"]]
+
+
 def model_state_bytes(model, optimizer=None) -> dict[str, int]:
-    """``{parameters, gradients, optimizer_state}`` bytes held by this rank right now."""
-    params = list(model.parameters())
+    """``{parameters, gradients, optimizer_state}`` bytes held by this rank right now: the
+    model's parameters and the optimizer's (distinct storages, see ``_tensor_bytes``), their
+    ``.grad``, and the optimizer's per-element state."""
+    params = list(model.parameters()) + (_optimizer_params(optimizer) if optimizer is not None else [])
     return {
         "parameters": _tensor_bytes(params),
         "gradients": _tensor_bytes(p.grad for p in params),
@@ -182,13 +198,14 @@ def cuda_memory_snapshot(path, max_entries: int = 100_000):
 # ----------------------------------------------------------------------------- ZeRO formulas
 def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes: float = 4,
                      grad_bytes: float = 4) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank for DDP and ZeRO-1/2/3 (Rajbhandari et al., 2020).
+    """Model-state bytes per rank for DDP and ZeRO-1/2/3 (Rajbhandari et al., 2020, section 5;
+    ``docs/papers.md``).
 
-    Ψ = ``num_params``, N = ``world_size``, K = optimizer-state bytes per parameter. The
-    defaults are fp32 with Adam, as on CPU: parameters 4Ψ, gradients 4Ψ, Adam's two moments
-    8Ψ. The paper's mixed-precision case is ``param_bytes=2, grad_bytes=2, k=12`` (K counts
-    the fp32 master copy too), giving DDP 16Ψ, ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N,
-    ZeRO-3 16Ψ/N.
+    Ψ = ``num_params``, N = ``world_size`` (the ranks the state is sharded over), K =
+    optimizer-state bytes per parameter. The defaults are fp32 with Adam, as on CPU: parameters
+    4Ψ, gradients 4Ψ, Adam's two moments 8Ψ. The paper's mixed-precision case is
+    ``param_bytes=2, grad_bytes=2, k=12`` (K counts the fp32 master copy too), giving DDP 16Ψ,
+    ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3 16Ψ/N.
     """
     if world_size < 1 or num_params < 0:
         raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
@@ -203,7 +220,26 @@ def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes
             for name, (a, b, c) in stages.items()}
 
 
+def shard_group_size(strategy: str, world_size: int) -> int:
+    """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
+    hybrid sharding, which shards inside a node of ``shard_group_size`` ranks (the table's) and
+    replicates across nodes, so its state is everything / k, not / N."""
+    row = STRATEGIES[strategy]
+    if not row.fits(world_size):
+        raise ValueError(f"{strategy} shards over nodes of {row.shard_group_size} ranks; world_size "
+                         f"{world_size} is not a multiple of it")
+    return world_size if row.shard_group_size is None else row.shard_group_size
+
+
+def predicted_model_state(strategy: str, num_params: int, world_size: int, **bytes_per_param) -> dict[str, float]:
+    """The ZeRO formula ``strategy`` follows (its table row's stage), sharded over its shard group:
+    ``{parameters, gradients, optimizer_state, total}`` bytes per rank."""
+    stage = STRATEGIES[strategy].zero_stage
+    return zero_predictions(num_params, shard_group_size(strategy, world_size), **bytes_per_param)[stage]
+
+
 __all__ = [
     "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
     "step_memory", "ActivationMeter", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
+    "shard_group_size", "predicted_model_state",
 ]

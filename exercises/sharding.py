@@ -6,6 +6,9 @@ one chunk of ``ceil(numel / N)`` elements per rank: the *shard*. Before the unit
 all-gather rebuilds the full flat parameter (*unshard*); afterwards it is freed (*reshard*).
 Gradients go the other way: a reduce-scatter sums the full gradients and leaves each rank only
 the sum over its own chunk.
+
+Hybrid sharding (FSDP paper, section 3.2.2) shards only inside a node and keeps one copy of the
+model per node: ``hybrid_layout`` says which ranks shard together and which hold the same shard.
 """
 from __future__ import annotations
 
@@ -58,3 +61,18 @@ def reduce_scatter_grad(flat_grad: torch.Tensor, group=None) -> torch.Tensor:
     ``shard_flat(mean of every rank's flat_grad, rank, N)``.
     """
     raise NotImplementedError("exercise: sharding.reduce_scatter_grad (see the docstring)")
+
+
+def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Hybrid sharding's 2-D layout of ``world_size`` ranks into nodes of ``gpus_per_node``.
+
+    Rank ``node * k + local`` (k = ``gpus_per_node``) is GPU ``local`` of node ``node``. Return
+    ``(shard_groups, replicate_groups)``, lists of lists of ranks: shard group ``node`` holds the
+    k ranks of that node, ``[node*k, ..., node*k + k-1]`` (FULL_SHARD runs inside it); replicate
+    group ``local`` holds the ranks with that local index, one per node, ``[local, local+k,
+    local+2k, ...]`` (the copies of one shard, whose gradients are all-reduced across nodes).
+    Raise ``ValueError`` if ``gpus_per_node`` is not a whole number >= 1 or does not divide
+    ``world_size`` (before any rank creates a group). Check: 4 ranks as 2 x 2 give
+    ``([[0, 1], [2, 3]], [[0, 2], [1, 3]])``; every rank is in exactly one group of each kind.
+    """
+    raise NotImplementedError("exercise: sharding.hybrid_layout (see the docstring)")

@@ -6,6 +6,11 @@ parameter gets an *owner* rank; only the owner holds its optimizer state and ste
 the owner broadcasts the updated parameter so every rank has the whole model again. The
 gradients are still averaged over all ranks first (as in DDP); the communication per step
 stays the same, the optimizer memory drops to 1/N.
+
+ZeRO stage 2 (section 5.2) partitions the gradients too: each rank only needs the averaged gradient
+of what it owns, so a bucket of gradients is *reduce-scattered* as soon as it is complete (1/N of it
+lands on each rank) and the full gradients are freed. ``reduce_scatter_bucket`` is that step for one
+bucket, with flat shards (as ``ddpkit.ZeRO2`` does) instead of whole owned parameters.
 """
 from __future__ import annotations
 
@@ -35,3 +40,19 @@ def sharded_step(params: list[torch.Tensor], owners: list[int], optimizer, group
     equals single-process training, and every rank ends with the same parameters.
     """
     raise NotImplementedError("exercise: zero.sharded_step (see the docstring)")
+
+
+@torch.no_grad()
+def reduce_scatter_bucket(params: list[torch.Tensor], group=None) -> torch.Tensor:
+    """ZeRO-2's step for one bucket: reduce-scatter the bucket's gradients, keep only this rank's shard.
+
+    ``params`` are one bucket's parameters, each with its full local ``.grad``. Pack the gradients,
+    divided by N (before the SUM, as DDP does), into one flat buffer of T elements (in the order
+    given), padded with zeros to N * ceil(T / N); ONE reduce-scatter (SUM) of it gives this rank
+    its ``ceil(T / N)`` elements of the average (``dist.reduce_scatter_tensor``, named
+    ``reduce_scatter_single`` in newer torch). Then free the full gradients (``p.grad = None``):
+    ZeRO-2 keeps only the shard, 1/N of the gradient memory. Return the shard. Check: it equals
+    this rank's slice of the mean of every rank's packed gradients; each ``.grad`` is None after;
+    exactly one collective ran.
+    """
+    raise NotImplementedError("exercise: zero.reduce_scatter_bucket (see the docstring)")

@@ -1,6 +1,6 @@
 """Collectives by hand: a ring all-reduce built from point-to-point sends and receives.
 
-The ring (Patarasuk & Yuan's bandwidth-optimal all-reduce; the cost is in PAPERS.md): N ranks
+The ring (Patarasuk & Yuan's bandwidth-optimal all-reduce; the cost is in docs/papers.md): N ranks
 stand in a circle, each sends only to its right neighbour (rank + 1) and receives only from its
 left one (rank - 1). The flat tensor of S bytes is cut into N chunks of about S/N bytes.
 

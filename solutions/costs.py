@@ -2,7 +2,7 @@
 
 A message of S bytes between two ranks takes alpha + S * beta seconds: alpha is the latency
 (start-up) per message, beta the seconds per byte (1 / bandwidth). The ring algorithms
-(PAPERS.md, "Cost of collectives") on N ranks cost:
+(docs/papers.md, "Collectives and their cost") on N ranks cost:
     all-reduce:                     2(N-1) alpha + 2(N-1)/N * S * beta
     all-gather, reduce-scatter:      (N-1) alpha +  (N-1)/N * S * beta
 where S is the full size (all-reduce: the buffer; all-gather: the gathered output).

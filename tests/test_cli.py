@@ -42,7 +42,7 @@ def error_of(argv, capsys) -> str:
     (["compare", "--world-size", "3", "--global-batch-size", "32"], "does not split evenly over --world-size 3"),
     (["compare", "--json", "/nonexistent-dir/out.json"], "the folder '/nonexistent-dir' does not exist"),
     (["trace", "--strategy", "overlapped", "--out", "/nonexistent-dir/t.json"], "does not exist"),
-    (["trace", "--strategy", "zero2", "--out", "t.json"], "invalid choice: 'zero2'"),
+    (["trace", "--strategy", "zero9", "--out", "t.json"], "invalid choice: 'zero9'"),
     (["trace", "--strategy", "naive"], "the following arguments are required: --out"),
     (["predict", "--network", "carrier-pigeon"], "valid presets: loopback, nvlink, 100GbE, 10GbE, 1GbE, paper"),
     (["predict", "--world-sizes", "2,0"], "expected a whole number >= 1"),

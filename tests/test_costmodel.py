@@ -6,6 +6,7 @@ import math
 import pytest
 
 from ddpkit import costmodel as cm
+from ddpkit.strategies.table import strategy
 
 NET = cm.Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
 
@@ -39,6 +40,10 @@ def _mlp_like():
 def test_one_rank_costs_exactly_the_compute():
     p = _mlp_like()
     for s in cm.STRATEGIES:
+        if not strategy(s).fits(1):  # hybrid sharding: nodes of 2 ranks
+            with pytest.raises(ValueError, match="not a multiple"):
+                cm.simulate(s, p, 1, NET)
+            continue
         pred = cm.simulate(s, p, 1, NET)
         assert pred.comm_bytes_per_step == 0 and pred.collectives == 0
         assert pred.ms_per_step == pytest.approx(pred.compute_ms)
@@ -224,3 +229,34 @@ def test_measure_collectives_on_two_ranks(cluster_of):
     assert [s for s, _ in cluster_of(2).run(cm.measure_all_reduce, sizes, 1)[0]] == list(sizes)
     with pytest.raises(Exception, match="cannot measure"):
         cluster_of(2).run(cm.measure_collectives, ("broadcast",), sizes)
+
+
+def test_the_zero_ladder_moves_ddp_bytes_or_one_and_a_half_times():
+    p = _mlp_like()
+    ddp = cm.simulate("overlapped", p, 4, NET).comm_bytes_per_step
+    assert cm.simulate("zero1", p, 4, NET).comm_bytes_per_step == pytest.approx(ddp)
+    assert cm.simulate("zero2", p, 4, NET).comm_bytes_per_step == pytest.approx(ddp)
+    assert cm.simulate("sharded_optimizer", p, 4, NET).comm_bytes_per_step == pytest.approx(1.5 * ddp)
+    # hybrid, 2 nodes x 2: 3 collectives among 2 ranks of a node, plus an all-reduce of half the model
+    # between 2 replicas: 3 * 1/2 * S + 2 * 1/2 * S / 2 = 2 S, against FSDP's 3 * 3/4 * S
+    s = p.param_bytes
+    assert cm.simulate("hsdp", p, 4, NET).comm_bytes_per_step == pytest.approx(2 * s)
+    assert cm.simulate("fsdp", p, 4, NET).comm_bytes_per_step == pytest.approx(2.25 * s)
+
+
+def test_fsdp_switches_are_what_the_simulation_runs():
+    """The table's fsdp row describes what our FSDP does (backward prefetch only); flipping a
+    switch changes the prediction the way it changes the run."""
+    from dataclasses import replace
+
+    p = cm.uniform_profile(8, 4 * 1024 * 1024, forward_ms=2.0)  # big layers: communication matters
+    row = strategy("fsdp").cost
+    assert (row.forward_prefetch, row.backward_prefetch, row.limit_all_gathers) == (False, True, None)
+
+    def ms(**switches):
+        return cm.simulate("fsdp", p, 4, NET, cost=replace(row, **switches)).ms_per_step
+
+    assert ms(forward_prefetch=True) < ms()                  # forward all-gathers hidden too
+    assert ms(backward_prefetch=False) > ms()
+    assert ms(forward_prefetch=True, limit_all_gathers=1) == pytest.approx(ms(backward_prefetch=False))
+    assert ms(forward_prefetch=True, limit_all_gathers=2) == pytest.approx(ms(forward_prefetch=True))

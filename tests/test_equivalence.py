@@ -40,11 +40,13 @@ class Case(NamedTuple):
 
 def _world_sizes(name):
     """1, 2 and 4 for every strategy; 3 as well where ddpkit's own code splits state across ranks
-    (ZeRO-1 partitions whole parameters, FSDP pads each flat parameter to a multiple of N): 3
-    leaves uneven partitions and padding that 2 and 4 may not. (torch's own sharding is torch's
-    to test.)"""
+    (ShardedOptimizer partitions whole parameters, ZeRO-1/2 and FSDP pad flat buffers to a
+    multiple of N): 3 leaves uneven partitions and padding that 2 and 4 may not. (torch's own
+    sharding is torch's to test.) Hybrid sharding only where its node size divides the world size
+    (4 ranks: 2 nodes x 2; 2 ranks: one node, i.e. FSDP)."""
     row = STRATEGIES[name]
-    return (1, 2, 3, 4) if row.zero_stage != "DDP" and not row.torch_native else (1, 2, 4)
+    sizes = (1, 2, 3, 4) if row.zero_stage != "DDP" and not row.torch_native else (1, 2, 4)
+    return tuple(n for n in sizes if row.fits(n))
 
 
 CASES = [Case(s, n, m, o) for s in NAMES for n in _world_sizes(s) for m in MODELS for o in OPTIMIZERS]

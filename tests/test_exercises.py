@@ -543,6 +543,24 @@ def test_reduce_scatter_grad_gives_this_ranks_shard_of_the_mean(cluster_of, worl
     assert on_ranks(cluster_of(world), _job_reduce_scatter, fn, [1, 6, 7, 100]) == [[]] * world
 
 
+def test_hybrid_layout_nodes_and_replicas():
+    fn = target("sharding", "hybrid_layout")
+    assert call(fn, 4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert call(fn, 6, 3) == ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
+    assert call(fn, 2, 2) == ([[0, 1]], [[0], [1]])      # one node: nothing to replicate
+    assert call(fn, 3, 1) == ([[0], [1], [2]], [[0, 1, 2]])  # nodes of one GPU: plain replication
+    for world, k in [(8, 2), (8, 4), (12, 3)]:
+        shard, replicate = call(fn, world, k)
+        assert sorted(r for g in shard for r in g) == list(range(world)), (world, k, shard)
+        assert sorted(r for g in replicate for r in g) == list(range(world)), (world, k, replicate)
+        assert all(len(g) == k for g in shard) and all(len(g) == world // k for g in replicate)
+        for g in replicate:  # one rank per node, all with the same local index
+            assert len({r // k for r in g}) == len(g) and len({r % k for r in g}) == 1, (world, k, g)
+    for world, k in [(3, 2), (4, 0), (4, -2)]:
+        with pytest.raises(ValueError):
+            call(fn, world, k)
+
+
 # ----------------------------------------------------------------------------- zero
 def test_partition_parameters_balances_elements():
     fn = target("zero", "partition_parameters")
@@ -599,6 +617,38 @@ def test_sharded_step_equals_one_process(cluster_of, world):
         assert states == owned, f"rank {rank}: optimizer state for {states} parameters, owns {owned}"
         for name, p in model.named_parameters():
             assert torch.allclose(params[name], p.detach(), atol=1e-5), f"rank {rank}: {name}"
+
+
+def _job_bucket(fn, shapes):
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def grads_of(r):
+        g = torch.Generator().manual_seed(100 + r)
+        return [torch.randn(shape, generator=g) for shape in shapes]
+
+    params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
+    for p, g in zip(params, grads_of(rank), strict=True):
+        p.grad = g
+    with CountCollectives() as counter:
+        got = fn(params)
+    mean = sum(torch.cat([g.reshape(-1) for g in grads_of(r)]) for r in range(n)) / n
+    per = math.ceil(mean.numel() / n)
+    expected = torch.cat([mean, torch.zeros(per * n - mean.numel())])[rank * per:(rank + 1) * per]
+    errors = []
+    if got.shape != expected.shape or not torch.allclose(got, expected, atol=1e-6):
+        errors.append(f"shard of shape {tuple(got.shape)}, expected {tuple(expected.shape)}, or wrong values")
+    if any(p.grad is not None for p in params):
+        errors.append("the full gradients were not freed (p.grad = None)")
+    if sum(counter.calls.values()) != 1 or not any(k.startswith("reduce_scatter") for k in counter.calls):
+        errors.append(f"expected one reduce-scatter, got {counter.calls}")
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_bucket_keeps_only_this_ranks_shard(cluster_of, world):
+    fn = target("zero", "reduce_scatter_bucket")
+    shapes = [(3, 4), (4,), (5,)]  # 21 elements: padded to 22 on 2 ranks, 21 on 3
+    assert on_ranks(cluster_of(world), _job_bucket, fn, shapes) == [[]] * world
 
 
 # ----------------------------------------------------------------------------- costs

@@ -43,8 +43,12 @@ OPTIONS = [
     ("default_units", "mlp", "adamw", dict(default_units=True), (2, 3)),
     ("default_units", "gpt", "sgd", dict(default_units=True), (1, 2, 4)),
     ("no_reshard", "mlp", "sgd", dict(reshard_after_forward=False), (2, 3)),
-    ("no_prefetch", "mlp", "adamw", dict(prefetch=False), (2, 4)),
-    ("no_reshard_no_prefetch", "gpt", "sgd", dict(reshard_after_forward=False, prefetch=False), (2, 3)),
+    ("no_prefetch", "mlp", "adamw", dict(backward_prefetch=False), (2, 4)),
+    ("no_reshard_no_prefetch", "gpt", "sgd", dict(reshard_after_forward=False, backward_prefetch=False), (2, 3)),
+    ("forward_prefetch", "gpt", "sgd", dict(forward_prefetch=True), (2, 3)),
+    ("forward_prefetch_no_reshard_limit_2", "mlp", "sgd",
+     dict(forward_prefetch=True, reshard_after_forward=False, limit_all_gathers=2), (2,)),
+    ("limit_1", "mlp", "adamw", dict(forward_prefetch=True, limit_all_gathers=1), (2,)),
 ]
 OPTION_CASES = [pytest.param(n, model, opt, kwargs, id=f"{name}-{ranks(n)}-{model}-{opt}")
                 for name, model, opt, kwargs, sizes in OPTIONS for n in sizes]
@@ -114,7 +118,7 @@ def _counts(reshard, prefetch, param_dtype=None):
     module = build_model("mlp", seed=0, **SMALL_MLP)
     rec = CountingRecorder()
     model = ddpkit.FSDP(module, units=fsdp_units(module), reshard_after_forward=reshard,
-                        prefetch=prefetch, param_dtype=param_dtype, recorder=rec)
+                        backward_prefetch=prefetch, param_dtype=param_dtype, recorder=rec)
     opt = make_optimizer(model.parameters(), "sgd")
     x, y = local_batch(module, BATCH, 0, rank, world)
     train_step(model, opt, x, y)  # step 0 learns the forward order; count step 1
@@ -423,3 +427,170 @@ def test_unit_used_only_under_no_sync_is_still_reduced(cluster_of):
         ref = torch.cat([sub.weight.grad.reshape(-1), sub.bias.grad])
         assert torch.allclose(full[:ref.numel()], ref, atol=1e-6), name
     assert all(comm == 0 for _, comm in per_rank)
+
+
+# ----------------------------------------------------------------------------- the FSDP paper's switches
+def _unsharded_in_forward_and_backward_order(**fsdp_kwargs):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    rec = CountingRecorder()
+    model = ddpkit.FSDP(module, units=fsdp_units(module), recorder=rec, **fsdp_kwargs)
+    opt = make_optimizer(model.parameters(), "sgd")
+    train_step(model, opt, *local_batch(module, BATCH, 0, rank, world))  # step 0: learns the order
+    rec.clear()
+    x, y = local_batch(module, BATCH, 1, rank, world)
+    logits = model(x)
+    forward_peak = max(s["unsharded_parameters"] for s in rec.memory_samples)
+    n_forward = len(rec.memory_samples)
+    rec.mark("backward")
+    loss_fn(logits, y).backward()
+    backward = [e[0] for e in rec.events[rec.index("backward") + 1:]]
+    backward_peak = max(s["unsharded_parameters"] for s in rec.memory_samples[n_forward:])
+    return forward_peak, backward_peak, backward, max(u.gathered_bytes for u in model.units)
+
+
+@pytest.mark.parametrize("forward_prefetch,limit,forward_units,backward_units", [
+    (False, None, 1, 2),   # backward prefetch only (the default): one unit ahead in backward
+    (True, None, 2, 2),    # forward prefetch: the next unit gathered while this one computes
+    (True, 2, 2, 2),       # a limit of 2 allows one unit ahead
+    (True, 1, 1, 1),       # the rate limiter at 1: no prefetch at all, one unit at a time
+])
+def test_forward_prefetch_and_rate_limiter(cluster_of, forward_prefetch, limit, forward_units, backward_units):
+    fwd, bwd, order, unit_bytes = cluster_of(2).run(
+        _unsharded_in_forward_and_backward_order, forward_prefetch=forward_prefetch, limit_all_gathers=limit)[0]
+    assert fwd <= forward_units * unit_bytes and fwd > (forward_units - 1) * unit_bytes
+    assert bwd <= backward_units * unit_bytes and bwd > (backward_units - 1) * unit_bytes
+    if limit == 1:  # nothing ahead: gather, reduce, gather, reduce, ...
+        assert order == ["all_gather", "reduce_scatter"] * 5
+
+
+def _bad_limit(limit):
+    try:
+        ddpkit.FSDP(build_model("mlp", **SMALL_MLP), limit_all_gathers=limit)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5])
+def test_rate_limit_below_one_is_a_value_error_before_any_collective(limit):
+    # checked before anything else, so it fails the same on every rank, with no process group even
+    assert "limit_all_gathers must be a whole number >= 1" in _bad_limit(limit)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Watches every tensor an operator creates; ``peak`` = the most bytes alive at once among
+    them (their storages' current sizes, so a freed FSDP buffer counts 0), ``largest`` = the
+    largest single one."""
+
+    def __init__(self):
+        super().__init__()
+        import weakref
+
+        self._live = weakref.WeakValueDictionary()
+        self.peak = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if torch.is_tensor(t) and not t.is_meta:
+                self._live[id(t)] = t
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
+        self.peak = max(self.peak, sum(live.values()))
+        return out
+
+
+def _deferred(model_name, **kwargs):
+    from ddpkit.models import MLP, TinyGPT
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):  # shapes and dtypes only: no storage anywhere
+        module = {"mlp": MLP, "gpt": TinyGPT}[model_name](**kwargs)
+    torch.manual_seed(0)  # the eager reference is build_model(seed=0): the same draws, in order
+    with _LiveBytes() as watch:
+        model = ddpkit.FSDP(module, units=fsdp_units(module))
+    opt = make_optimizer(model.parameters(), "sgd")
+    for step in range(5):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    return watch.peak, watch.largest, max(u.gathered_bytes for u in model.units), model.full_state_dict()
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_deferred_init_never_holds_the_full_model_and_equals_one_process(cluster_of, model_name):
+    kwargs = dict(width=64, depth=6) if model_name == "mlp" else SMALL_GPT
+    model_bytes = 4 * sum(p.numel() for p in build_model(model_name, **kwargs).parameters())
+    reference = reference_params(model_name, "sgd", batch=BATCH, **kwargs)
+    for peak, largest, unit_bytes, full in cluster_of(2).run(_deferred, model_name, **kwargs):
+        assert max_abs_diff(full, reference) < TOL  # initialized exactly as build_model(seed=0)
+        assert largest <= unit_bytes + 64   # no tensor bigger than a unit (a flat unit + padding)
+        if model_name == "mlp":             # six units and a head: never more than half (shards),
+            assert peak < 0.75 * model_bytes, (peak, model_bytes)  # plus a unit or two, at once
+
+
+# ----------------------------------------------------------------------------- hybrid sharding
+def test_hybrid_layout_nodes_and_replicas():
+    from ddpkit.strategies.hsdp import hybrid_layout
+
+    assert hybrid_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert hybrid_layout(6, 3) == ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
+    assert hybrid_layout(2, 2) == ([[0, 1]], [[0], [1]])
+    for world, k in [(3, 2), (4, 0), (4, True)]:
+        with pytest.raises(ValueError, match="gpus_per_node"):
+            hybrid_layout(world, k)
+
+
+def _hsdp_on(strategy, gpus_per_node):
+    from ddpkit.strategies.hsdp import HSDP
+    from ddpkit.strategies.reference import TorchHSDP
+
+    cls = HSDP if strategy == "hsdp" else TorchHSDP
+    try:
+        cls(build_model("mlp", **SMALL_MLP), gpus_per_node=gpus_per_node)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "torch_hsdp"])
+def test_hsdp_on_a_world_the_node_size_does_not_divide_is_a_value_error(cluster_of, strategy):
+    for msg in cluster_of(3).run(_hsdp_on, strategy, 2):  # every rank raises, none waits
+        assert "3 is not a multiple of 2" in msg
+
+
+def _hybrid_bytes(strategy):
+    from ddpkit.strategies.hsdp import HSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=rank, **SMALL_MLP)
+    rec = CountingRecorder()
+    units = fsdp_units(module)
+    model = HSDP(module, 2, units, recorder=rec) if strategy == "hsdp" else ddpkit.FSDP(module, units, recorder=rec)
+    opt = make_optimizer(model.parameters(), "adamw")
+    train_step(model, opt, *local_batch(module, BATCH, 0, rank, world))
+    rec.clear()
+    train_step(model, opt, *local_batch(module, BATCH, 1, rank, world))
+    shard_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return rec.collectives(), shard_bytes
+
+
+def test_hsdp_moves_one_all_reduce_of_a_shard_across_nodes(cluster_of):
+    """4 ranks as 2 nodes x 2: all-gathers and reduce-scatters stay inside a node (2 ranks: per
+    rank 3 * 1/2 * S);
+    across nodes only each unit's gradient shard (1/2 of it) is all-reduced between 2 replicas.
+    Per rank that sends 2(2-1)/2 * S/2 = S/2 across nodes, against FSDP's 3 * 3/4 * S = 2.25 S
+    over a ring of 4 of which (ring 0-1-2-3-0, nodes {0,1} {2,3}) half the hops cross nodes: 1.125 S.
+    State per rank: everything / 2, against FSDP's / 4."""
+    world, k = 4, 2
+    model_bytes = 4 * sum(p.numel() for p in build_model("mlp", **SMALL_MLP).parameters())
+    hsdp = cluster_of(world).run(_hybrid_bytes, "hsdp")
+    fsdp = cluster_of(world).run(_hybrid_bytes, "fsdp")
+    for (events, shard), (fsdp_events, fsdp_shard) in zip(hsdp, fsdp, strict=True):
+        names = [e[0] for e in events]
+        assert names.count("all_gather") == 2 * names.count("reduce_scatter") == 2 * names.count("all_reduce") == 10
+        inter = sum(2 * (world // k - 1) / (world // k) * b for name, b, _ in events if name == "all_reduce")
+        intra = sum((k - 1) / k * b for name, b, _ in events if name != "all_reduce")
+        fsdp_total = sum((world - 1) / world * b for _, b, _ in fsdp_events)
+        assert inter == pytest.approx(model_bytes / 2, rel=0.01) and intra == pytest.approx(1.5 * model_bytes, rel=0.01)
+        assert fsdp_total == pytest.approx(2.25 * model_bytes, rel=0.01)
+        assert inter / (fsdp_total / 2) < 0.6
+        assert shard == pytest.approx(model_bytes / k, rel=0.01)
+        assert fsdp_shard == pytest.approx(model_bytes / world, rel=0.01)

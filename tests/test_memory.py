@@ -149,7 +149,7 @@ def _per_rank_memory(strategy: str):
         if strategy == "fsdp":
             model = ddpkit.FSDP(module)
             opt = torch.optim.AdamW(model.parameters())
-        elif strategy == "zero1":
+        elif strategy == "sharded_optimizer":
             model = ddpkit.BucketedDDP(module)
             opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW)
         else:
@@ -167,10 +167,10 @@ def test_sharding_shrinks_memory_per_rank_as_zero_predicts(cluster_of):
     for sample, comm in ddp:
         assert sample["parameters"] == 4 * n and sample["optimizer_state"] == 8 * n
         assert sample["communication_buffers"] == comm == 4 * n  # one flat copy of the gradients
-    zero1 = cluster_of(2).run(_per_rank_memory("zero1"))
-    # ZeRO-1: whole parameters are assigned to ranks, so each rank's share is near 1/2
-    assert sum(s["optimizer_state"] for s, _ in zero1) == 8 * n
-    assert all(s["optimizer_state"] < 0.75 * 8 * n for s, _ in zero1)
+    sharded = cluster_of(2).run(_per_rank_memory("sharded_optimizer"))
+    # whole parameters are assigned to ranks, so each rank's share is near 1/2
+    assert sum(s["optimizer_state"] for s, _ in sharded) == 8 * n
+    assert all(s["optimizer_state"] < 0.75 * 8 * n for s, _ in sharded)
     fsdp = cluster_of(2).run(_per_rank_memory("fsdp"))
     for sample, _ in fsdp:
         # 1/N of the flat parameters (padding adds at most N-1 elements per unit)

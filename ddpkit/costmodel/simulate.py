@@ -104,22 +104,25 @@ class _Stream:
         self.bytes = 0.0
         self.count = 0
 
-    def issue(self, name: str, nbytes: float, at: float) -> float:
-        """Launch at time ``at`` (or when the stream frees up); returns the completion time."""
-        if self.n == 1:
+    def issue(self, name: str, nbytes: float, at: float, ranks=None) -> float:
+        """Launch at time ``at`` (or when the stream frees up) among ``ranks`` (default: all of
+        them; hybrid sharding's collectives run in a node's group or across nodes); returns the
+        completion time."""
+        ranks = range(self.n) if ranks is None else ranks
+        if len(ranks) == 1:
             return at
-        real = self.net.transport_time(name, nbytes, self.n)
-        link = self.net.emulated_time(name, nbytes, range(self.n))
+        real = self.net.transport_time(name, nbytes, len(ranks))
+        link = self.net.emulated_time(name, nbytes, ranks)
         self.transport_free = max(at, self.transport_free) + real
         self.free = max(self.transport_free, self.free) + link
         self.busy += real + link
-        self.bytes += ring_bytes(name, nbytes, self.n)
+        self.bytes += ring_bytes(name, nbytes, len(ranks))
         self.count += 1
         return self.free
 
 
 def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
-              first_cap_bytes: float | None = None) -> float:
+              first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True) -> float:
     """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
     copies, one after another) beside the communication stream. Returns when both are done.
 
@@ -129,7 +132,9 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     (another pass) -- the two passes every bucketed DDP pays, torch's included unless gradients
     are views of the buckets. With ``overlap`` the copy in happens in the gradient's hook, during
     backward, and a bucket is launched as soon as its last gradient is in; without, all of it
-    starts when backward ends.
+    starts when backward ends. ``reduce`` is the buckets' collective: DDP's all-reduce, or ZeRO-1/2's
+    reduce-scatter (half the bytes; the other half is the parameters' all-gather after the step),
+    whose result is stepped where it landed: no copy back out (``copy_out`` False).
     """
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
     t = profile.forward_s
@@ -148,90 +153,126 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
                 t += profile.copy_s(b)
                 ready.append(t)
         ready.reverse()  # registration order, as the bucket indices are
-        launched = [stream.issue("all_reduce", size, max(ready[i] for i in b))
+        launched = [stream.issue(reduce, size, max(ready[i] for i in b))
                     for b, size in zip(buckets, sizes, strict=True)]
     else:
         t += profile.backward_s
         launched = []
         for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
             t += profile.copy_s(size)
-            launched.append(stream.issue("all_reduce", size, t))
+            launched.append(stream.issue(reduce, size, t))
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
-        t = max(t, done) + profile.copy_s(size)
+        t = max(t, done) + (profile.copy_s(size) if copy_out else 0.0)
     return t
 
 
-def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, prefetch: bool = True) -> float:
+def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, forward_prefetch: bool = False,
+               backward_prefetch: bool = True, limit: int | None = None, shard_group: int | None = None) -> float:
     """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
     resharded), reduce-scatter its gradient after its backward, the optimizer over 1/N shards.
 
-    With ``prefetch`` the next unit's all-gather is issued when the current unit's compute starts
-    (FSDP's forward and backward prefetch); without, only when the compute needs it.
+    Prefetch as our FSDP does it: with ``forward_prefetch`` / ``backward_prefetch`` the next unit's
+    all-gather is issued when the current unit's compute starts; without, only when its compute
+    needs it. The rate limiter ``limit`` lets a prefetch go only while fewer than ``limit`` units
+    are unsharded (the current one, and with ``reshard`` False every unit gathered so far).
+    ``shard_group`` k < N is hybrid sharding: all-gathers and reduce-scatters among the k ranks of a
+    node, then each unit's gradient shard (1/k of it) all-reduced among the N/k replicas once
+    backward is done.
     """
     n = stream.n
+    k = n if shard_group is None else shard_group
+    node = list(range(k))              # the shard group: one node's ranks (all of them for fsdp)
+    replicas = list(range(0, n, k))    # hybrid sharding: one rank of every node
     units: dict[str, list[Layer]] = {}
     for layer in profile.layers:
         units.setdefault(layer.unit, []).append(layer)
     names = [u for u in units if u != ""]
-    pad = n * profile.elem_bytes
+    pad = k * profile.elem_bytes
     size = {u: math.ceil(sum(sum(layer.param_bytes) for layer in ls) / pad) * pad for u, ls in units.items()}
     fwd = {u: sum(layer.forward_s for layer in ls) for u, ls in units.items()}
     bwd = {u: sum(layer.backward_s for layer in ls) for u, ls in units.items()}
 
+    def may_prefetch(held: int) -> bool:
+        return limit is None or held < limit
+
     t = 0.0
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
-        t = stream.issue("all_gather", size[""], 0.0)
+        t = stream.issue("all_gather", size[""], 0.0, node)
     order = names
     gathered = {}
     for i, u in enumerate(order):
         if u not in gathered:
-            gathered[u] = stream.issue("all_gather", size[u], t)
+            gathered[u] = stream.issue("all_gather", size[u], t, node)
         start = max(t, gathered[u])
-        if prefetch and i + 1 < len(order):
+        held = 1 if reshard else i + 1  # units unsharded now, the root not counted
+        if forward_prefetch and i + 1 < len(order) and may_prefetch(held):
             nxt = order[i + 1]
-            gathered[nxt] = stream.issue("all_gather", size[nxt], start)
+            gathered[nxt] = stream.issue("all_gather", size[nxt], start, node)
         t = start + fwd[u]
     t += fwd.get("", 0.0)  # root-level compute (embeddings, head) in forward
     t += bwd.get("", 0.0)  # ... and its backward, first
     back = list(reversed(order))
     regathered: dict = {}
+    reduced = []
     for i, u in enumerate(back):
         if reshard and u not in regathered:
-            regathered[u] = stream.issue("all_gather", size[u], t)
+            regathered[u] = stream.issue("all_gather", size[u], t, node)
         start = max(t, regathered.get(u, t))
-        if reshard and prefetch and i + 1 < len(back):
+        if reshard and backward_prefetch and i + 1 < len(back) and may_prefetch(1):
             nxt = back[i + 1]
-            regathered[nxt] = stream.issue("all_gather", size[nxt], start)
+            regathered[nxt] = stream.issue("all_gather", size[nxt], start, node)
         t = start + bwd[u]
-        stream.issue("reduce_scatter", size[u], t)
+        reduced.append((u, stream.issue("reduce_scatter", size[u], t, node)))
     if "" in units:
-        stream.issue("reduce_scatter", size[""], t)
+        reduced.append(("", stream.issue("reduce_scatter", size[""], t, node)))
+    if k < n:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
+        for u, done in reduced:
+            stream.issue("all_reduce", size[u] / k, max(t, done), replicas)
     return max(t, stream.free)
 
 
 def simulate(strategy: str, profile: Profile, world_size: int, network="loopback",
-             bucket_cap_mb: float = 25.0) -> Prediction:
+             bucket_cap_mb: float = 25.0, cost=None) -> Prediction:
     """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network`` (a
-    ``Network``, a ``Link``, a preset name: see ``ddpkit.network.as_network``)."""
-    step = strategy_row(strategy).cost  # how the table says this strategy communicates
+    ``Network``, a ``Link``, a preset name: see ``ddpkit.network.as_network``). ``cost``: another
+    ``CostStep`` to simulate instead of the table's, e.g. FSDP with a switch flipped
+    (``dataclasses.replace(strategy("fsdp").cost, forward_prefetch=True)``)."""
+    step = strategy_row(strategy).cost if cost is None else cost  # how the strategy communicates
     network = as_network(network)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
     stream = _Stream(n, network)
     opt = profile.optimizer_s / n if step.sharded_optimizer else profile.optimizer_s
+    row = strategy_row(strategy)
+    shard_group = row.shard_group_size
+    if not row.fits(n):
+        raise ValueError(f"{strategy} shards over nodes of {shard_group} ranks: world_size {n} is not a "
+                         f"multiple of {shard_group}")
+    if shard_group is not None:
+        # hybrid sharding: the optimizer steps 1/k of the parameters, not 1/N
+        opt = profile.optimizer_s / shard_group
     if step.algorithm == "fsdp":
-        end = _fsdp_step(profile, stream, reshard=step.reshard, prefetch=step.prefetch) + opt
+        end = _fsdp_step(profile, stream, reshard=step.reshard, forward_prefetch=step.forward_prefetch,
+                         backward_prefetch=step.backward_prefetch, limit=step.limit_all_gathers,
+                         shard_group=shard_group) + opt
     else:
         cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         # torch caps its first bucket at 1 MiB when the cap is left at its default
         first = 1 * MiB if step.torch_first_bucket and bucket_cap_mb == 25.0 else None
-        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first) + opt
-        if step.gather_params:
+        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
+                        reduce=step.grad_reduce, copy_out=step.copy_out) + opt
+        p_bytes = profile.param_bytes
+        if step.gather_params and step.gather_in_place:
+            # ZeRO-1/2: each bucket's flat parameters are all-gathered in place (the module's
+            # parameters view them), all launched at once, no copies
+            flat = [b for layer in profile.layers for b in layer.param_bytes]
+            sizes = [sum(flat[i] for i in b) for b in assign_buckets(flat, cap or 1, first_cap_bytes=first)]
+            end = max([stream.issue("all_gather", size, end) for size in sizes], default=end)
+        elif step.gather_params:
             # each rank stepped 1/N of the parameters; the updated ones are shared with one
             # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
             # ones back out
-            p_bytes = profile.param_bytes
             end = stream.issue("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)) + profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
@@ -240,8 +281,10 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
 
 def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
             bucket_cap_mb: float = 25.0) -> list[Prediction]:
-    """Every (strategy, world size) pair, world sizes outermost."""
-    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies]
+    """Every (strategy, world size) pair the strategy can run at (hybrid sharding: whole nodes),
+    world sizes outermost."""
+    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies
+            if strategy_row(s).fits(n)]
 
 
 def format_predictions(predictions: list[Prediction]) -> str:

@@ -1,23 +1,35 @@
 """The strategies, one file each, in the order the course teaches them.
 
-naive.py       NaiveDDP          all-reduce every gradient after backward
-bucketed.py    BucketedDDP       pack gradients into flat buckets, one all-reduce per bucket
-overlapped.py  OverlappedDDP     launch each bucket's all-reduce from autograd hooks
-zero1.py       ShardedOptimizer  ZeRO-1: each rank keeps and steps 1/N of the optimizer state
-fsdp.py        FSDP              ZeRO-3: flat parameters sharded 1/N, gathered just in time
-reference.py   torch's own DistributedDataParallel and fully_shard, same interface
+naive.py              NaiveDDP          all-reduce every gradient after backward
+bucketed.py           BucketedDDP       pack gradients into flat buckets, one all-reduce per bucket
+overlapped.py         OverlappedDDP     launch each bucket's all-reduce from autograd hooks
+sharded_optimizer.py  ShardedOptimizer  each rank keeps and steps 1/N of the optimizer state, over
+                                        any DDP wrapper (torch's ZeroRedundancyOptimizer design: 1.5x bytes)
+zero1.py              ZeRO1             ZeRO stage 1: reduce-scatter gradients, step 1/N, all-gather parameters
+zero2.py              ZeRO2             stage 2: reduce-scatter in buckets during backward, free full gradients
+fsdp.py               FSDP              ZeRO-3: flat parameters sharded 1/N, gathered just in time
+                                        (forward/backward prefetch, rate limiter, deferred init)
+hsdp.py               HSDP              hybrid sharding: FSDP inside a node, replicated across nodes
+reference.py          torch's own DistributedDataParallel, ZeroRedundancyOptimizer and fully_shard
+                      (1-D, and 2-D for hybrid sharding)
 
 What they share: ``_common.py`` (the recorder seam, construction checks), ``ddp_module.py``
 (``DDPModule``, the base of the three DDP wrappers),
 ``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed and overlapped DDP),
-``flat_param.py`` (an FSDP unit's flat parameter, mixed precision, state dicts).
+``zero_buckets.py`` (ZeRO-1/2's buckets padded to N shards, and which optimizers can be sharded),
+``flat_param.py`` (an FSDP unit's flat parameter, mixed precision, state dicts),
+``deferred_init.py`` (FSDP's unit-by-unit materialization of a model built on the meta device),
+``comm_hooks.py`` (how a DDP bucket is reduced: all-reduce, fp16 or bf16 compression).
 ``table.py`` is the table of strategies by name that experiments, the cost model and the
 command line read; the strategy files themselves know nothing of it.
 """
 from ddpkit.strategies.bucketed import BucketedDDP
 from ddpkit.strategies.fsdp import FSDP
+from ddpkit.strategies.hsdp import HSDP
 from ddpkit.strategies.naive import NaiveDDP
 from ddpkit.strategies.overlapped import OverlappedDDP
-from ddpkit.strategies.zero1 import ShardedOptimizer
+from ddpkit.strategies.sharded_optimizer import ShardedOptimizer
+from ddpkit.strategies.zero1 import ZeRO1
+from ddpkit.strategies.zero2 import ZeRO2
 
-__all__ = ["NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "FSDP"]
+__all__ = ["NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP"]

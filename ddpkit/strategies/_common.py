@@ -101,10 +101,12 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
 
 @torch.no_grad()
 def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
-    """Copy rank 0's values into every rank's tensors, so all ranks start equal."""
+    """Copy rank 0's values into every rank's tensors, so all ranks start equal. Tensors on the
+    meta device have no values yet: FSDP's deferred initialization broadcasts them once real."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for t in tensors:
-        dist.broadcast(t.data, src=src, group=group)
+        if not t.is_meta:
+            dist.broadcast(t.data, src=src, group=group)
 
 
 def prepare_module(strategy: str, module: nn.Module, group=None) -> None:

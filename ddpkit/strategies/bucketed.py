@@ -35,8 +35,9 @@ class BucketedDDP(DDPModule):
     """Copy gradients into flat buckets after backward and all-reduce each bucket once."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-                 recorder=None):
-        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb)
+                 recorder=None, find_unused_parameters: bool = False):
+        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
+                         find_unused_parameters=find_unused_parameters)
         if self.recorder.enabled:
             # Hooks only to *record* when each gradient becomes ready (the bucket fill order);
             # the reduction itself still waits for the end of backward. Recording off: no hooks.
@@ -47,11 +48,15 @@ class BucketedDDP(DDPModule):
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:
+        has_grad = self._has_grad()
         scale = 1.0 / self.world_size  # gradients enter the buckets pre-averaged
         for bucket in self.buckets:
             for j in range(len(bucket.params)):
                 bucket.copy_in(j, scale)
-            bucket.all_reduce(self.process_group, self.recorder)  # async: packing the next one
-        for bucket in self.buckets:                                 # overlaps this one's send
+            # async: packing the next bucket overlaps this one's send (a comm hook, if
+            # registered, does the reducing: register_comm_hook)
+            bucket.all_reduce(self.process_group, self.recorder, self._comm_hook)
+        for bucket in self.buckets:
             bucket.wait()
             bucket.copy_out()
+        self._settle_unused(has_grad)  # find_unused_parameters: None back where no rank had one

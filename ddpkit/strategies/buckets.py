@@ -7,7 +7,9 @@
 
 ``BucketedDDP`` fills every bucket after backward; ``OverlappedDDP`` fills them from gradient
 hooks during backward and launches each as soon as it is full. Both talk to a bucket through
-the same four calls: ``copy_in``, ``all_reduce``, ``wait``, ``copy_out``. The cost model
+the same four calls: ``copy_in``, ``all_reduce``, ``wait``, ``copy_out``. A communication hook
+(``comm_hooks.py``, registered with the wrapper's ``register_comm_hook``) replaces how
+``all_reduce`` reduces the flat buffer, e.g. in fp16 to halve the bytes. The cost model
 (``ddpkit.costmodel``) assigns buckets with the same ``assign_buckets``.
 """
 from __future__ import annotations
@@ -88,7 +90,8 @@ class Bucket:
         """A new step: every gradient missing, nothing launched."""
         self.ready = [False] * len(self.params)
         self.missing = len(self.params)
-        self.work = None
+        self.work = None     # the all-reduce's handle, or
+        self.future = None   # a comm hook's future of the reduced buffer
 
     def copy_in(self, j: int, scale: float) -> None:
         """Gradient j into its slot, times ``scale``; zeros if it has none (unused this step)."""
@@ -104,16 +107,27 @@ class Bucket:
         self.ready[j] = True
         self.missing -= 1
 
-    def all_reduce(self, group, recorder) -> None:
-        """Launch the async all-reduce (SUM) of the whole buffer; ``wait()`` finishes it."""
+    def all_reduce(self, group, recorder, hook=None) -> None:
+        """Launch the async all-reduce (SUM) of the whole buffer, or hand the bucket to a comm
+        ``hook(bucket, group, recorder)``, which launches its own reduction and returns a future
+        of the reduced buffer; ``wait()`` finishes either."""
+        if hook is not None:
+            self.future = hook(self, group, recorder)
+            return
         self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         recorder.collective("all_reduce", self.work, nbytes=self.nbytes, bucket=self.index)
 
     def wait(self) -> None:
-        self.work.wait()
+        if self.future is None:
+            self.work.wait()
+            return
+        reduced = self.future.wait()  # e.g. an fp16 sum decompressed back to the buffer's dtype
+        if reduced is not self.flat:
+            self.flat.copy_(reduced)
 
     def copy_out(self) -> None:
-        """The reduced slots back into ``.grad`` (a parameter unused here gets the average too)."""
+        """The reduced slots back into ``.grad`` (a parameter unused here gets the average too;
+        with ``find_unused_parameters`` one no rank used is set back to None afterwards)."""
         for p, slot in zip(self.params, self.slots, strict=True):
             if p.grad is None:
                 p.grad = slot.clone()

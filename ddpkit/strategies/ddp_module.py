@@ -1,21 +1,33 @@
-"""DDPModule: what the three DDP wrappers (naive, bucketed, overlapped) share.
+"""DDPModule: what the DDP wrappers (naive, bucketed, overlapped; ZeRO-1 and ZeRO-2) share.
 
 Construction (checks, rank 0's parameters and buffers broadcast, the list of gradients to
 reduce, the buckets when bucketed), ``forward``, ``no_sync()`` and the "does this backward need
-a sync?" flag. Each strategy file only adds how it reduces gradients.
+a sync?" flag. Each strategy file only adds how it reduces gradients. Besides, three things
+torch's DDP has (``docs/papers.md``, DDP section), each small:
+
+- ``find_unused_parameters`` (the DDP paper, section 3.2.3): which parameters got a gradient on
+  *some* rank is one more all-reduce per step, of a bitmap; a parameter no rank has a gradient
+  for keeps ``.grad`` None, as in one process (else momentum and weight decay would move it).
+- uneven inputs: torch's ``Join`` protocol (``Joinable``), so that
+  ``with torch.distributed.algorithms.Join([model]):`` lets a rank run out of batches early:
+  it then shadows the others' collectives with zeros instead of leaving them waiting.
+- ``register_comm_hook``: replace how a bucket is reduced (``comm_hooks.py``: fp16, bf16).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms import Join, Joinable, JoinHook
 
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import no_sync, prepare_module, unique_named_parameters
 from ddpkit.strategies.buckets import bucket_cap_bytes, make_buckets
 
 
-class DDPModule(nn.Module):
+class DDPModule(nn.Module, Joinable):
     """What every DDP-style wrapper shares: construction, forward, no_sync, full_state_dict.
 
     A subclass implements ``_sync_gradients()`` (average every gradient across ranks). With
@@ -27,13 +39,20 @@ class DDPModule(nn.Module):
     second call is a no-op. A forward inside ``no_sync()`` leaves gradients to accumulate
     locally; the next forward outside it syncs the sum. So: run the forward through the
     wrapper (``model(x)``, not ``model.module(x)``), one backward per forward.
+
+    A gradient missing on a rank (its parameter not used in this rank's forward) is reduced as
+    zeros, so every rank still issues the same collectives (torch's DDP instead raises at the next
+    step unless ``find_unused_parameters=True``). The average is then right for a parameter used
+    on *some* rank. One used on *no* rank would get a zero ``.grad`` where one process has None:
+    with ``find_unused_parameters=True`` it keeps None; without, a warning names it once.
     """
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False):
         if bucketed:
             bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
         super().__init__()
+        Joinable.__init__(self)
         prepare_module(type(self).__name__, module, process_group)
         self.module = module
         self.process_group = process_group
@@ -41,14 +60,19 @@ class DDPModule(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         # The gradients to reduce: trainable parameters, tied ones once, in registration order.
         self.named_grads = list(unique_named_parameters(module))
+        self.find_unused_parameters = find_unused_parameters
+        self._warned_unused = False
         self._require_sync = True   # False inside no_sync()
         self._sync_pending = False  # set by a forward that needs a sync, cleared when done
+        self._comm_hook = None      # register_comm_hook: how a bucket is reduced
         if bucketed:  # the flat buckets, in the order they fill (buckets.py)
             self.bucket_cap_mb = bucket_cap_mb
             self.buckets = make_buckets(self.named_grads, bucket_cap_mb)
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
+            if self._join_config.enable:
+                self._tell_finished_ranks()
             self._start_step(sync=self._require_sync)
         return self.module(*args, **kwargs)
 
@@ -76,3 +100,102 @@ class DDPModule(nn.Module):
     def comm_buffer_bytes(self) -> int:
         """Bytes of communication buffers this wrapper holds: its flat buckets, if any."""
         return sum(b.nbytes for b in self.buckets)
+
+    # ------------------------------------------------------------------ unused parameters
+    def _has_grad(self) -> list[bool]:
+        """Which gradients this rank has now (before a sync fills the missing ones with zeros)."""
+        return [p.grad is not None for _, p in self.named_grads]
+
+    @torch.no_grad()
+    def _settle_unused(self, has_grad: list[bool]) -> None:
+        """After the gradients were reduced. With ``find_unused_parameters``: one all-reduce of the
+        bitmap ``has_grad`` (int32, one per gradient), and a parameter no rank had a gradient for
+        gets ``.grad`` None back, as one process leaves it. Without: warn once if some is missing."""
+        if not self.find_unused_parameters:
+            if not all(has_grad) and not self._warned_unused:
+                self._warned_unused = True
+                missing = [name for (name, _), has in zip(self.named_grads, has_grad, strict=True) if not has]
+                warnings.warn(f"{type(self).__name__}: {', '.join(missing[:5])} got no gradient on rank "
+                              f"{dist.get_rank()}; reduced as zeros. If no rank uses it, its .grad becomes "
+                              "zeros (one process leaves it None): pass find_unused_parameters=True", stacklevel=3)
+            return
+        device = self.named_grads[0][1].device if self.named_grads else None
+        used = torch.tensor(has_grad, dtype=torch.int32, device=device)
+        work = dist.all_reduce(used, group=self.process_group, async_op=True)
+        self.recorder.collective("all_reduce", work, nbytes=used.numel() * 4)
+        work.wait()
+        for (_, p), count in zip(self.named_grads, used.tolist(), strict=True):
+            if count == 0:
+                p.grad = None
+
+    # ------------------------------------------------------------------ communication hooks
+    def register_comm_hook(self, hook) -> None:
+        """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` instead of
+        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``). Once, before training."""
+        if not self.buckets:
+            raise TypeError(f"{type(self).__name__} has no buckets to hook; use BucketedDDP or OverlappedDDP")
+        if not callable(hook):
+            raise TypeError(f"a comm hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once (as torch's)")
+        self._comm_hook = hook
+
+    # ------------------------------------------------------------------ uneven inputs: Join
+    # torch's protocol (torch.distributed.algorithms.Join): every step, a rank still training
+    # all-reduces a 1 (``notify_join_context``), which the finished ranks' Join loop matches with
+    # a 0 and so learns that a step is coming; then ``main_hook`` below repeats that step's
+    # collectives with zeros on the finished ranks. The gradients are therefore summed over the
+    # ranks still training and divided by the *initial* world size, as torch's DDP does by default.
+    def _tell_finished_ranks(self) -> None:
+        work = Join.notify_join_context(self)
+        if work is not None:
+            work.wait()
+        # ... and whether this step synchronises (inside no_sync() it does not): finished ranks add 0
+        flag = torch.tensor([1 if self._require_sync else 0], device=self.join_device)
+        dist.all_reduce(flag, group=self.process_group)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.named_grads[0][1].device if self.named_grads else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+
+class _ShadowSteps(JoinHook):
+    """What a rank that ran out of inputs does while the others still train (torch's Join)."""
+
+    def __init__(self, ddp: DDPModule):
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        """One step of the others: learn whether it syncs, then the same collectives, with zeros."""
+        ddp = self.ddp
+        flag = torch.zeros(1, dtype=torch.int64, device=ddp.join_device)
+        dist.all_reduce(flag, group=ddp.process_group)
+        if flag.item() == 0:  # the others are inside no_sync(): no gradient collectives
+            return
+        for _, p in ddp.named_grads:
+            p.grad = None     # no gradient here: the sync contributes zeros (and "unused" bits)
+        ddp._warned_unused = True  # ... which is expected here, not worth a warning
+        ddp._start_step(sync=True)
+        ddp.finish_gradient_synchronization()
+        for _, p in ddp.named_grads:
+            p.grad = None
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has finished. The ones that finished early stopped stepping: copy the
+        parameters and buffers of the last rank to finish (agreed with one all-reduce MAX)."""
+        ddp = self.ddp
+        rank = dist.get_rank(ddp.process_group)
+        last = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        src = int(last.item())
+        src = dist.get_global_rank(ddp.process_group, src) if ddp.process_group is not None else src
+        with torch.no_grad():
+            for t in list(ddp.module.parameters()) + list(ddp.module.buffers()):
+                dist.broadcast(t.data, src=src, group=ddp.process_group)

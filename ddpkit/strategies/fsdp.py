@@ -12,7 +12,7 @@ DDP keeps the whole model (parameters, gradients, optimizer state) on every rank
    After the unit ran, *reshard*: free the full flat parameter (``reshard_after_forward``).
 3. Backward: when the gradient reaches the unit's output, unshard it again (the backward of a
    Linear needs its weight), and prefetch the all-gather of the unit that comes next in
-   backward. When the unit's parameter gradients are ready, pack them into one flat gradient,
+   backward (``backward_prefetch``). When the unit's parameter gradients are ready, pack them into one flat gradient,
    divide by N, and *reduce-scatter* it: rank r receives the sum of everyone's shard r, which
    is exactly the gradient of its shard. Then reshard.
 
@@ -23,6 +23,23 @@ away (ZeRO-2-like: parameters stay gathered from forward to backward, 1x DDP's v
 
 Peak parameter memory is the shards (sum of T_i / N) plus the largest gathered units.
 
+The FSDP paper's switches (its section 3.3-3.4 and 4; ``docs/papers.md``), each off or on so its
+effect can be seen:
+- ``backward_prefetch`` (default on): in backward, issue the next unit's all-gather before this
+  unit's gradient computation, so it travels meanwhile.
+- ``forward_prefetch`` (default off, as in torch): in forward, issue the next unit's all-gather
+  (in the previous forward's order: the first step has none) before this unit computes.
+- ``limit_all_gathers=L`` (the *rate limiter*; default None, no limit; True means torch's 2): a
+  prefetch is only issued while fewer than L units (the root not counted) are unsharded or being
+  gathered, which bounds the memory that prefetching can hold. The all-gather of the unit about to
+  compute always goes ahead: on the host there is no later free to wait for. L=1 turns prefetching
+  off; with ``reshard_after_forward=False`` units stay gathered, so it also stops prefetches there.
+- deferred initialization: pass a module built on the ``meta`` device; it is materialized unit by
+  unit on ``device``, each unit sharded at once (``deferred_init.py``).
+- hybrid sharding (``hsdp.py``): ``process_group`` is the shard group (the ranks of a node) and
+  ``replicate_group`` the ranks holding the same shard on the other nodes; after a unit's
+  reduce-scatter in the node, its gradient shard is all-reduced across nodes.
+
 Rules worth knowing:
 - The root (the wrapped module itself) keeps the parameters that are in no unit. It is
   gathered at the start of forward and stays gathered until the end of backward (its
@@ -32,7 +49,8 @@ Rules worth knowing:
   containing only one use would reshard it while another unit still needs it.
 - Frozen parameters (requires_grad=False) are not flattened: they stay whole, ordinary
   parameters on every rank (broadcast from rank 0 at construction, never reduced).
-- Buffers are broadcast from rank 0 at construction and otherwise left alone.
+- Buffers are broadcast from rank 0 at construction and otherwise left alone. (With a
+  ``replicate_group`` the construction broadcast runs over the default group, every rank.)
 - Between steps the original parameters do not exist as attributes (they are views into a
   freed buffer): use ``full_state_dict()`` to read them.
 
@@ -52,9 +70,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.strategies import flat_param
+from ddpkit.rankside import device as rank_device
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import (all_gather_flat, default_units, nbytes, no_sync,
                                        prepare_module, reduce_scatter_flat)
+from ddpkit.strategies.deferred_init import is_deferred, materialize_by_unit
 from ddpkit.strategies.flat_param import FlatParamUnit, alloc_storage, cast_floats, free_storage
 from ddpkit.torch_internals import queue_at_end_of_backward
 
@@ -73,19 +93,27 @@ class FSDP(nn.Module):
     """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
-                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 reshard_after_forward: bool = True, backward_prefetch: bool = True,
+                 forward_prefetch: bool = False, limit_all_gathers: int | bool | None = None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 process_group=None, recorder=None):
+                 param_init_fn=None, device=None, process_group=None, replicate_group=None,
+                 recorder=None):
         super().__init__()
-        prepare_module("FSDP", module, process_group)  # checks, then rank 0's values everywhere
+        self.limit_all_gathers = _check_limit(limit_all_gathers)  # before any communication
+        # checks, then rank 0's values everywhere (meta tensors: once materialized, below)
+        prepare_module(type(self).__name__, module, None if replicate_group is not None else process_group)
         self.module = module
-        self.process_group = process_group
+        self.process_group = process_group        # the ranks a unit is sharded over
+        self.replicate_group = replicate_group    # hybrid sharding: the same shard on other nodes
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self.param_dtype = param_dtype
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        # gradients are averaged over every rank: the shard group times its replicas
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
 
         # --- which unit owns which parameter ------------------------------------------------
         module_names = {id(m): name for name, m in module.named_modules()}
@@ -125,32 +153,48 @@ class FSDP(nn.Module):
         # --- flatten, shard, and take the original parameters out of the module -------------
         self.units: list[FlatParamUnit] = []
         self.root_unit: FlatParamUnit | None = None
-        for name, params in owned.items():
-            if not params:
-                continue
-            unit = FlatParamUnit(name, unit_names[name], params, self.rank, self.world_size,
-                                 param_dtype, reduce_dtype)
-            for _, _, aliases in params:
-                for mod, attr in aliases:
-                    if attr in mod._parameters:
-                        del mod._parameters[attr]
-            if name == "":
-                self.root_unit = unit
-            else:
-                unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
-                unit.module.register_forward_hook(self._make_post_forward(unit))
-            self.units.append(unit)
+        self._unit_modules = unit_names
+        owned = {name: params for name, params in owned.items() if params}
+        if is_deferred(module):  # built on the meta device: materialize unit by unit
+            group = None if replicate_group is not None else process_group
+            real = materialize_by_unit(module, owned, self._add_unit, device or rank_device(),
+                                       param_init_fn, group)
+            self.frozen = {name: real.get(id(p), p) for name, p in self.frozen.items()}
+            order = list(owned)
+            self.units.sort(key=lambda u: order.index("" if u is self.root_unit else u.name))
+        else:
+            for name, params in owned.items():
+                self._add_unit(name, params)
         # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
 
         self._require_sync = True  # False inside no_sync()
         self._in_backward = False
         self._forward_order: list[FlatParamUnit] = []
+        self._last_forward_order: list[FlatParamUnit] = []  # forward prefetch follows it
         self._pending_reduce: list[PendingReduce] = []
         self._unsharded_bytes = 0
 
+    def _add_unit(self, name: str, params: list) -> None:
+        """Flatten ``params`` into a unit, keep this rank's shard, and take the originals out of
+        the module (from here on they exist only as views into the gathered buffer)."""
+        unit = FlatParamUnit(name, self._unit_modules[name], params, self.rank, self.world_size,
+                             self.param_dtype, self.reduce_dtype)
+        for _, _, aliases in params:
+            for mod, attr in aliases:
+                if attr in mod._parameters:
+                    del mod._parameters[attr]
+        if name == "":
+            self.root_unit = unit
+        else:
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
+        self.units.append(unit)
+
     # ================================================================== forward: all-gather
     def forward(self, *args, **kwargs):
+        if self._forward_order:
+            self._last_forward_order = self._forward_order
         self._forward_order = []
         if self.param_dtype is not None:
             args, kwargs = cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
@@ -162,8 +206,9 @@ class FSDP(nn.Module):
             for t in _tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._root_pre_backward)
-        elif self.root_unit is not None:
-            self._reshard(self.root_unit)
+        else:  # no backward will come: free everything (a forward prefetch too)
+            for unit in self.units:
+                self._reshard(unit)
         return out
 
     def _make_pre_forward(self, unit: FlatParamUnit):
@@ -171,7 +216,20 @@ class FSDP(nn.Module):
             unit.forward_index = len(self._forward_order)
             self._forward_order.append(unit)
             self._use_full_params(unit)  # all-gather (waits for it)
+            if self.forward_prefetch:
+                # the unit that ran after this one in the last forward: launch its all-gather now,
+                # so it travels while this unit computes
+                last = self._last_forward_order
+                if unit in last and last.index(unit) + 1 < len(last):
+                    self._prefetch(last[last.index(unit) + 1])
         return pre_forward
+
+    def _prefetch(self, unit: FlatParamUnit) -> None:
+        """Launch ``unit``'s all-gather early, unless it is gathered already or the rate limiter
+        says enough units are unsharded (``limit_all_gathers``)."""
+        in_flight = sum(u.unsharded for u in self.units if u is not self.root_unit)
+        if not unit.unsharded and (self.limit_all_gathers is None or in_flight < self.limit_all_gathers):
+            self._unshard(unit, async_op=True)
 
     def _use_full_params(self, unit: FlatParamUnit) -> None:
         """Unshard and point the original parameter names at views of the full flat parameter."""
@@ -190,7 +248,8 @@ class FSDP(nn.Module):
             return
         alloc_storage(unit.gathered)
         work = all_gather_flat(unit.gathered, unit.all_gather_input(), group=self.process_group, async_op=True)
-        self.recorder.collective("all_gather", work, nbytes=unit.gathered_bytes, unit=unit.name)
+        self.recorder.collective("all_gather", work, nbytes=unit.gathered_bytes, unit=unit.name,
+                                 group_size=self.world_size)
         unit.unsharded = True
         self._unsharded_bytes += unit.gathered_bytes
         if self.recorder.enabled:
@@ -238,12 +297,10 @@ class FSDP(nn.Module):
         """The gradient reached this unit's output: gather it (again) and prefetch the next."""
         self._root_pre_backward(None)
         self._unshard(unit)
-        if self.prefetch and unit.forward_index > 0:
+        if self.backward_prefetch and unit.forward_index > 0:
             # backward runs the units in reverse forward order: launch the next one's
             # all-gather now, so it travels while this unit's backward computes
-            nxt = self._forward_order[unit.forward_index - 1]
-            if not nxt.unsharded:
-                self._unshard(nxt, async_op=True)
+            self._prefetch(self._forward_order[unit.forward_index - 1])
 
     @torch.no_grad()
     def _post_backward(self, unit: FlatParamUnit, grads) -> None:
@@ -257,12 +314,13 @@ class FSDP(nn.Module):
             return
         flat = unit.flat_gradient(grads)  # (N * ceil(T/N),) reduce_dtype, padding zeroed
         # divide by N before the SUM (ReduceOp.AVG is not on every backend, and dividing first
-        # keeps a low-precision sum from overflowing)
-        if self.world_size > 1:
-            flat.div_(self.world_size)
+        # keeps a low-precision sum from overflowing); hybrid: by every rank, N x replicas
+        if self.world_size * self.replicas > 1:
+            flat.div_(self.world_size * self.replicas)
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
         work = reduce_scatter_flat(out, flat, group=self.process_group, async_op=True)
-        self.recorder.collective("reduce_scatter", work, nbytes=nbytes(flat), unit=unit.name)
+        self.recorder.collective("reduce_scatter", work, nbytes=nbytes(flat), unit=unit.name,
+                                 group_size=self.world_size)
         self._pending_reduce.append(PendingReduce(unit, work, out, flat))
         self._reshard(unit)
 
@@ -273,6 +331,14 @@ class FSDP(nn.Module):
                 if unit.no_sync_grad is not None:
                     self._post_backward(unit, [None] * len(unit.names))
         pending, self._pending_reduce = self._pending_reduce, []
+        if self.replicate_group is not None:
+            # hybrid sharding: the shard's gradient summed inside the node, now across nodes
+            # (every node holds the same shard r): all-reduce it in the replicate group
+            for p in pending:
+                p.work.wait()
+                p.work = dist.all_reduce(p.out, group=self.replicate_group, async_op=True)
+                self.recorder.collective("all_reduce", p.work, nbytes=nbytes(p.out), unit=p.unit.name,
+                                         group_size=self.replicas)
         for p in pending:
             p.work.wait()
             grad = p.out if p.out.dtype == p.unit.shard.dtype else p.out.to(p.unit.shard.dtype)
@@ -336,3 +402,15 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+
+
+def _check_limit(limit):
+    """``limit_all_gathers``: None/False (no limit), True (torch's 2) or a whole number >= 1."""
+    if limit is None or limit is False:
+        return None
+    if limit is True:
+        return 2
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit_all_gathers must be a whole number >= 1 (at most that many units "
+                         f"unsharded at once), True (2) or None (no limit), got {limit!r}")
+    return limit

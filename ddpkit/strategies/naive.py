@@ -27,8 +27,8 @@ from ddpkit.strategies.ddp_module import DDPModule
 class NaiveDDP(DDPModule):
     """All-reduce each gradient separately, after backward (in finish_gradient_synchronization)."""
 
-    def __init__(self, module: nn.Module, process_group=None, recorder=None):
-        super().__init__(module, process_group, recorder)
+    def __init__(self, module: nn.Module, process_group=None, recorder=None, find_unused_parameters: bool = False):
+        super().__init__(module, process_group, recorder, find_unused_parameters=find_unused_parameters)
         if self.recorder.enabled:
             # Hooks only to *record* when each gradient becomes ready (the bucket fill order
             # plot); with recording off there are no hooks at all, so nothing to pay.
@@ -41,6 +41,7 @@ class NaiveDDP(DDPModule):
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:
+        has_grad = self._has_grad()
         for i, (_, p) in enumerate(self.named_grads):
             if p.grad is None:
                 # Not used in this step's forward on this rank: contribute zeros, so every
@@ -52,3 +53,4 @@ class NaiveDDP(DDPModule):
             work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
             self.recorder.collective("all_reduce", work, nbytes=nbytes(p.grad), bucket=i)
             work.wait()  # naive: one at a time, nothing overlaps
+        self._settle_unused(has_grad)  # find_unused_parameters: None back where no rank had one

@@ -17,8 +17,10 @@ Rules that keep every rank issuing identical collectives in identical order:
 - a parameter that got no gradient in this backward (unused in the forward on this rank)
   never fires its hook. At the end of backward it is treated as ready: it contributes its
   locally accumulated ``.grad`` (from ``no_sync()`` steps) or zeros, and its ``.grad`` becomes
-  the ranks' average (zeros if no rank used it). This costs nothing when every parameter is
-  used, but such a bucket can only launch at the end of backward, losing its overlap.
+  the ranks' average (zeros if no rank used it; with ``find_unused_parameters=True`` one more
+  all-reduce, of a bitmap, tells which no rank used, and those keep ``.grad`` None). This costs
+  nothing when every parameter is used, but such a bucket can only launch at the end of
+  backward, losing its overlap.
 
 Inside ``no_sync()`` the hooks return at once: gradients accumulate in ``.grad`` and the
 first backward after it syncs the sum.
@@ -47,8 +49,9 @@ class OverlappedDDP(DDPModule):
     """Bucketed all-reduce launched from per-parameter gradient hooks, overlapping backward."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-                 recorder=None):
-        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb)
+                 recorder=None, find_unused_parameters: bool = False):
+        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
+                         find_unused_parameters=find_unused_parameters)
         self._next_bucket = 0      # the next bucket to launch, in bucket order
         self._end_queued = False   # the end-of-backward callback is queued for this step
         for bucket in self.buckets:
@@ -84,7 +87,7 @@ class OverlappedDDP(DDPModule):
             # Launch every complete bucket in bucket order, starting from the next one due:
             # async, so autograd goes on computing earlier layers while the bytes travel.
             while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
-                self.buckets[self._next_bucket].all_reduce(self.process_group, self.recorder)
+                self.buckets[self._next_bucket].all_reduce(self.process_group, self.recorder, self._comm_hook)
                 self._next_bucket += 1
 
         return hook
@@ -93,12 +96,14 @@ class OverlappedDDP(DDPModule):
     def _sync_gradients(self) -> None:
         # Runs at the end of backward (queued by the first hook), or from an explicit
         # finish_gradient_synchronization() when no hook fired at all.
+        has_grad = self._has_grad()  # the hooks copy, they leave .grad alone
         for bucket in self.buckets[self._next_bucket:]:
             for j, ready in enumerate(bucket.ready):
                 if not ready:  # no gradient in this backward: see the docstring
                     bucket.copy_in(j, 1.0 / self.world_size)
-            bucket.all_reduce(self.process_group, self.recorder)
+            bucket.all_reduce(self.process_group, self.recorder, self._comm_hook)
         self._next_bucket = len(self.buckets)
         for bucket in self.buckets:
             bucket.wait()
             bucket.copy_out()  # the averaged bucket back into .grad
+        self._settle_unused(has_grad)  # find_unused_parameters: None back where no rank had one

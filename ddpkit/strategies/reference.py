@@ -2,6 +2,9 @@
 
     TorchDDP(module, bucket_cap_mb=25.0)   torch.nn.parallel.DistributedDataParallel
     TorchFSDP(module, units=None)          torch.distributed.fsdp.fully_shard (FSDP2)
+    TorchHSDP(module, gpus_per_node, units=None)   fully_shard on a 2-D (replicate, shard) DeviceMesh
+
+(and torch's ZeroRedundancyOptimizer, an optimizer, built over TorchDDP by the table of strategies)
 
 Both have ``.module``, ``no_sync()``, ``finish_gradient_synchronization()`` (a no-op: torch
 finishes the reduction when ``backward()`` returns), ``full_state_dict()`` and
@@ -103,17 +106,17 @@ class TorchFSDP(nn.Module):
     """torch's FSDP2 (``fully_shard``) on each unit, then on the root, with ddpkit's interface."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
-                 reshard_after_forward: bool = True, process_group=None, recorder=None):
+                 reshard_after_forward: bool = True, process_group=None, recorder=None, mesh=None):
         super().__init__()
         # fully_shard shards whatever each rank holds: make ranks start equal first (as ours do)
-        prepare_module("TorchFSDP", module, process_group)
+        prepare_module(type(self).__name__, module, process_group)
         from torch.distributed.device_mesh import DeviceMesh
 
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
         device = next(module.parameters()).device
-        # A 1-D mesh over the ranks of the group (on CPU: a "cpu" mesh, gloo underneath).
-        mesh = DeviceMesh.from_group(process_group or dist.group.WORLD, device.type)
+        if mesh is None:  # a 1-D mesh over the ranks of the group (on CPU: a "cpu" mesh, gloo underneath)
+            mesh = DeviceMesh.from_group(process_group or dist.group.WORLD, device.type)
         inside = {id(m) for m in module.modules()}
         if units is None:  # the same default as ours: every child with trainable parameters
             units = default_units(module)
@@ -148,3 +151,30 @@ class TorchFSDP(nn.Module):
     def comm_buffer_bytes(self) -> int:
         """0: fully_shard allocates and frees its all-gather buffers internally, out of view."""
         return 0
+
+
+class TorchHSDP(TorchFSDP):
+    """torch's hybrid sharding: ``fully_shard`` on a 2-D DeviceMesh, (replicate, shard) = (nodes,
+    ranks per node), built from the same process groups as our HSDP (``hsdp.hybrid_layout``)."""
+
+    def __init__(self, module: nn.Module, gpus_per_node: int, units: Iterable[nn.Module] | None = None,
+                 reshard_after_forward: bool = True, process_group=None, recorder=None):
+        if process_group is not None:
+            raise ValueError("TorchHSDP lays out every rank of the default process group; it takes no process_group")
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ddpkit.strategies.hsdp import hybrid_groups, hybrid_layout
+
+        require_process_group("TorchHSDP")
+        shard_ranks, _ = hybrid_layout(dist.get_world_size(), gpus_per_node)  # ValueError first
+        shard_group, replicate_group = hybrid_groups(gpus_per_node)
+        device = next(module.parameters()).device
+        layout = torch.tensor(shard_ranks)  # (nodes, gpus_per_node): row = node, column = local rank
+        if replicate_group is None:  # a single node: nothing to replicate, a 1-D mesh (FSDP)
+            mesh = DeviceMesh.from_group(shard_group, device.type)
+        else:
+            mesh = DeviceMesh.from_group([replicate_group, shard_group], device.type, mesh=layout,
+                                         mesh_dim_names=("replicate", "shard"))
+        super().__init__(module, units, reshard_after_forward, recorder=recorder, mesh=mesh)
+        self.gpus_per_node = gpus_per_node

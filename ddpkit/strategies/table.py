@@ -1,7 +1,7 @@
 """The table of strategies: one entry per name, read by everything that runs or reasons about them.
 
     STRATEGIES["overlapped"].wrap(module, bucket_cap_mb=1.0)   # the wrapped model
-    STRATEGIES["zero1"].zero_stage                              # "ZeRO-1": its memory formula
+    STRATEGIES["zero2"].zero_stage                              # "ZeRO-2": its memory formula
     STRATEGIES["fsdp"].cost                                     # its step, for the cost model
 
 The strategy files know nothing of this table; its *consumers* read it: ``experiment`` (build a
@@ -22,21 +22,30 @@ from ddpkit.strategies._common import default_units
 class CostStep:
     """How the cost model (``ddpkit.costmodel``) simulates one step: plain data, no code.
 
-    ``algorithm`` "ddp": gradients all-reduced (per gradient when ``bucketed`` is False, else
-    in buckets, launched during backward when ``overlap``), torch's 1 MiB first bucket when
-    ``torch_first_bucket``, the parameters all-gathered after a sharded optimizer step when
-    ``gather_params``. "fsdp": ZeRO-3, all-gathers before forward and backward (``reshard``),
-    ``prefetch`` of the next unit, a reduce-scatter per unit.
+    ``algorithm`` "ddp": gradients reduced with ``grad_reduce`` (DDP's "all_reduce", or ZeRO-1/2's
+    "reduce_scatter"), per gradient when ``bucketed`` is False, else in buckets, launched during
+    backward when ``overlap``; torch's 1 MiB first bucket when ``torch_first_bucket``; the
+    parameters all-gathered after a sharded optimizer step when ``gather_params``.
+    "fsdp": ZeRO-3, all-gathers before forward and (``reshard``) backward, the next unit's
+    all-gather issued early with ``forward_prefetch`` / ``backward_prefetch``, at most
+    ``limit_all_gathers`` units unsharded when prefetching, a reduce-scatter per unit (and, for
+    hybrid sharding, the row's ``shard_group_size``, an all-reduce of each shard across nodes).
     """
 
     algorithm: str                    # "ddp" | "fsdp"
     bucketed: bool = True
+    grad_reduce: str = "all_reduce"   # "all_reduce" | "reduce_scatter" (ZeRO-1/2)
     overlap: bool = False
     torch_first_bucket: bool = False
     gather_params: bool = False
+    gather_in_place: bool = False     # per bucket, into the parameters (ZeRO-1/2); else one buffer,
+                                      # our 1/N copied in and the rest copied out (ShardedOptimizer)
+    copy_out: bool = True             # the reduced bucket copied back into .grad (ZeRO-1/2: not)
     sharded_optimizer: bool = False   # the optimizer steps 1/N of the parameters
     reshard: bool = True
-    prefetch: bool = True
+    forward_prefetch: bool = False    # our FSDP's defaults, as torch's: backward prefetch only
+    backward_prefetch: bool = True
+    limit_all_gathers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,14 +55,22 @@ class Strategy:
     name: str
     summary: str                      # one line, for tables and --help
     wrap: Callable                    # (module, *, bucket_cap_mb, recorder, process_group) -> model
-    optimizer: Callable               # (params, cls, defaults, *, recorder, process_group) -> optimizer
-    zero_stage: str                   # "DDP", "ZeRO-1", "ZeRO-3": the memory formula it follows
+    optimizer: Callable               # (model, cls, defaults, *, recorder, process_group) -> optimizer
+    zero_stage: str                   # "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3": the memory formula it follows
     cost: CostStep
-    bytes_vs_ddp: float = 1.0         # bytes sent per step in theory, relative to DDP's all-reduce
+    bytes_vs_ddp: float | None = 1.0  # bytes sent per step in theory, relative to DDP's all-reduce
+                                      # (None: it depends on the layout, e.g. hybrid sharding's nodes)
     torch_native: bool = False        # torch's own implementation, for side-by-side comparison
-    family: str = "ddp"               # "ddp" or "fsdp": which torch wrapper it is compared with
+    family: str = "ddp"               # which torch wrapper it is compared with: "ddp", "zero",
+                                      # "fsdp" or "hsdp"
     predictable: bool = True          # the cost model covers all it does (torch_fsdp's host-side
                                       # overheads per unit it does not)
+    shard_group_size: int | None = None  # ranks its state is sharded over (hsdp: a node's);
+                                         # None: all of them
+
+    def fits(self, world_size: int) -> bool:
+        """Whether it can run on ``world_size`` ranks: hybrid sharding needs whole nodes."""
+        return self.shard_group_size is None or world_size % self.shard_group_size == 0
 
 
 # ----------------------------------------------------------------------------- how to build
@@ -87,10 +104,40 @@ def _overlapped(module, bucket_cap_mb, **common):
     return OverlappedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
 
 
+def _zero1(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.zero1 import ZeRO1
+
+    return ZeRO1(module, bucket_cap_mb=bucket_cap_mb, **common)
+
+
+def _zero2(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.zero2 import ZeRO2
+
+    return ZeRO2(module, bucket_cap_mb=bucket_cap_mb, **common)
+
+
 def _fsdp(module, bucket_cap_mb, **common):
     from ddpkit.strategies.fsdp import FSDP
 
     return FSDP(module, units=fsdp_units(module), **common)
+
+
+# The node size hybrid sharding uses when built by name (compare, predict, the tests): 4 CPU ranks
+# are laid out as 2 nodes x 2. A two-tier network sets its own gpus_per_node; pass that to
+# HSDP / TorchHSDP directly, or change it here.
+HSDP_GPUS_PER_NODE = 2
+
+
+def _hsdp(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.hsdp import HSDP
+
+    return HSDP(module, gpus_per_node=HSDP_GPUS_PER_NODE, units=fsdp_units(module), **common)
+
+
+def _torch_hsdp(module, bucket_cap_mb, **common):
+    from ddpkit.strategies.reference import TorchHSDP
+
+    return TorchHSDP(module, gpus_per_node=HSDP_GPUS_PER_NODE, units=fsdp_units(module), **common)
 
 
 def _torch_ddp(module, bucket_cap_mb, **common):
@@ -105,16 +152,30 @@ def _torch_fsdp(module, bucket_cap_mb, **common):
     return TorchFSDP(module, units=fsdp_units(module), **common)
 
 
-def _local_optimizer(params, cls, defaults, recorder=None, process_group=None):
+def _local_optimizer(model, cls, defaults, recorder=None, process_group=None):
     """A plain torch optimizer over what the wrapper exposes (FSDP: the local shards)."""
-    return cls(params, **defaults)
+    return cls(model.parameters(), **defaults)
 
 
-def _sharded_optimizer(params, cls, defaults, recorder=None, process_group=None):
-    """ZeRO-1's ShardedOptimizer: ``cls`` over this rank's 1/N of the parameters."""
-    from ddpkit.strategies.zero1 import ShardedOptimizer
+def _sharded_optimizer(model, cls, defaults, recorder=None, process_group=None):
+    """ShardedOptimizer: ``cls`` over this rank's 1/N of the (whole) parameters."""
+    from ddpkit.strategies.sharded_optimizer import ShardedOptimizer
 
-    return ShardedOptimizer(params, cls, recorder=recorder, process_group=process_group, **defaults)
+    return ShardedOptimizer(model.parameters(), cls, recorder=recorder, process_group=process_group,
+                            **defaults)
+
+
+def _zero_optimizer(model, cls, defaults, recorder=None, process_group=None):
+    """ZeRO-1/2: ``cls`` over this rank's shards of the flat buckets (the wrapper builds it)."""
+    return model.make_optimizer(cls, **defaults)
+
+
+def _torch_zero_optimizer(model, cls, defaults, recorder=None, process_group=None):
+    """torch's ZeroRedundancyOptimizer: ``cls`` over this rank's 1/N of the parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, process_group=process_group,
+                                   **defaults)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -125,16 +186,37 @@ _ROWS = [
              CostStep("ddp")),
     Strategy("overlapped", "buckets all-reduced from gradient hooks, during backward", _overlapped,
              _local_optimizer, "DDP", CostStep("ddp", overlap=True)),
-    Strategy("zero1", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
+    Strategy("sharded_optimizer", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
              _overlapped, _sharded_optimizer, "ZeRO-1",
-             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True), bytes_vs_ddp=1.5),
+             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True), bytes_vs_ddp=1.5,
+             family="zero"),
+    Strategy("zero1", "ZeRO-1: gradients reduce-scattered after backward, 1/N stepped, parameters all-gathered",
+             _zero1, _zero_optimizer, "ZeRO-1",
+             CostStep("ddp", grad_reduce="reduce_scatter", gather_params=True, gather_in_place=True,
+                      copy_out=False, sharded_optimizer=True), family="zero"),
+    Strategy("zero2", "ZeRO-2: gradients reduce-scattered in buckets during backward and freed",
+             _zero2, _zero_optimizer, "ZeRO-2",
+             CostStep("ddp", overlap=True, grad_reduce="reduce_scatter", gather_params=True,
+                      gather_in_place=True, copy_out=False, sharded_optimizer=True), family="zero"),
     Strategy("fsdp", "ZeRO-3: flat parameters sharded 1/N, gathered just in time", _fsdp,
              _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, family="fsdp"),
+    Strategy("hsdp", "hybrid: FULL_SHARD inside a node, gradient shards all-reduced across nodes", _hsdp,
+             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), family="hsdp",
+             shard_group_size=HSDP_GPUS_PER_NODE),
     Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
              CostStep("ddp", overlap=True, torch_first_bucket=True), torch_native=True),
+    Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel", _torch_ddp,
+             _torch_zero_optimizer, "ZeRO-1",
+             CostStep("ddp", overlap=True, torch_first_bucket=True, gather_params=True, sharded_optimizer=True),
+             torch_native=True, family="zero", predictable=False),
     Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
-             CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, torch_native=True, family="fsdp",
+             CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), bytes_vs_ddp=1.5, torch_native=True,
+             family="fsdp",
              predictable=False),
+    Strategy("torch_hsdp", "torch's fully_shard on a 2-D (replicate, shard) DeviceMesh", _torch_hsdp,
+             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True),
+             bytes_vs_ddp=None, torch_native=True, family="hsdp", predictable=False,
+             shard_group_size=HSDP_GPUS_PER_NODE),
 ]
 STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)

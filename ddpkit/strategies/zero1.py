@@ -1,233 +1,112 @@
-"""ShardedOptimizer: ZeRO-1, each rank keeps and steps the optimizer state of 1/N of the parameters.
+"""ZeRO1: the ZeRO paper's stage 1: reduce-scatter the gradients, step 1/N, all-gather the parameters.
 
-Plain data parallelism keeps a full copy of the optimizer state on every rank: with AdamW in
-fp32 that is 8 bytes per parameter (exp_avg + exp_avg_sq), twice the parameters themselves.
-ZeRO stage 1 (Rajbhandari et al., 2020) notices that the N copies are identical, so it splits
-them: rank r *owns* about 1/N of the parameters, keeps optimizer state only for those, and
-after the (already averaged) gradients arrive it updates only its own parameters. Then every
-rank needs everyone's updated parameters back, which costs one all-gather per step:
+One idea more than ``BucketedDDP``: an all-reduce is a reduce-scatter followed by an all-gather,
+and after the reduce-scatter rank r already holds the *averaged* gradient of its 1/N of the
+elements. If rank r keeps optimizer state only for those elements, it can step them right there,
+and the all-gather then shares the updated *parameters* instead of the gradients:
 
-    DDP step:     all-reduce grads (2(N-1)/N * S per rank) -> every rank steps everything
-    ZeRO-1 step:  all-reduce grads (same)                   -> rank r steps its 1/N
-                  -> all-gather the updated parameters ((N-1)/N * S per rank, S = parameter bytes)
+    DDP:    all-reduce grads  (2(N-1)/N * S)                  -> every rank steps everything
+    ZeRO-1: reduce-scatter grads ((N-1)/N * S) -> rank r steps its 1/N -> all-gather parameters ((N-1)/N * S)
 
-Use it on top of any DDP wrapper (the wrapper averages the gradients)::
+Same bytes as DDP (the ZeRO paper, section 7.2.1: P_os "incurs no additional communication"), and
+the optimizer state is 1/N per rank. Compare ``sharded_optimizer`` (ShardedOptimizer over DDP),
+which keeps DDP's all-reduce and adds the all-gather: 1.5x the bytes for the same memory.
 
-    model = ddpkit.BucketedDDP(module)
-    opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+How (``zero_buckets.py`` has the buffers): the gradients are packed into DDP-style buckets, each
+one flat buffer padded to a multiple of N; the module's parameters are re-pointed into a flat
+parameter buffer of the same layout. After backward (as in ``BucketedDDP``) each bucket's flat
+gradient is scaled by 1/N and reduce-scattered; rank r's result is the gradient of its shard, which
+the optimizer (``make_optimizer``) steps; a step post-hook then all-gathers every bucket's flat
+parameter, which *is* the module's parameters.
 
-Which rank owns what: whole parameters (not slices), balanced by size with the greedy rule
-"largest first, to the least-loaded rank" (ties: the lower rank). Every rank computes the same
-assignment from the same parameter list, so no communication is needed to agree on it.
+Gradients stay whole (stage 1 shards only the optimizer state): the module's ``.grad`` are views
+into the buckets' flat gradients (as torch DDP's ``gradient_as_bucket_view``: no extra copy, no
+extra memory). After the reduce-scatter only this rank's shard of that buffer holds the average
+(``shard.grad``, a view of it); the rest still holds this rank's own gradients / N. The first
+forward after a synchronised backward starts the gradients from zero (the step has used them);
+accumulate over micro-batches with ``no_sync()``.
+
+A parameter no rank used in a step gets a zero gradient here (its elements share flat shards with
+the others), so momentum or weight decay still move it, unlike one process; FSDP's flat parameters
+do the same. The DDP wrappers' ``find_unused_parameters=True`` leaves it untouched.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import all_gather_flat, nbytes, require_process_group
-
-
-def partition_by_size(sizes: list[int], world_size: int) -> list[int]:
-    """owner[i] for each size: largest first to the least-loaded rank (deterministic)."""
-    load = [0] * world_size
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += sizes[i]
-    return owner
+from ddpkit.strategies.ddp_module import DDPModule
+from ddpkit.strategies.zero_buckets import check_elementwise, make_zero_buckets
 
 
-def _as_param_groups(params) -> list[dict]:
-    """Accept what torch optimizers accept: tensors (any iterable, a generator too) or groups."""
-    params = list(params)
-    if not params:
-        raise ValueError("ShardedOptimizer got an empty parameter list")
-    if isinstance(params[0], dict):
-        return [dict(g, params=list(g["params"])) for g in params]
-    return [{"params": params}]
+class ZeRO1(DDPModule):
+    """Buckets reduce-scattered after backward; the optimizer steps 1/N; parameters all-gathered."""
 
-
-@dataclass
-class GatherLayout:
-    """Where each parameter of one dtype sits in the all-gather's flat buffer.
-
-    Rank r's slot holds the parameters it owns back to back, padded to the largest rank's load
-    (an all-gather needs equal sizes): the buffer is (N * slot_numel,) elements.
-    """
-
-    dtype: torch.dtype
-    placed: list          # placed[r] = [(parameter, offset in rank r's slot)]
-    slot_numel: int
-
-    @classmethod
-    def of(cls, dtype, per_rank: list) -> GatherLayout:
-        """``per_rank[r]``: the parameters of this dtype rank r owns."""
-        placed = []
-        for params in per_rank:
-            offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-            placed.append(list(zip(params, offsets, strict=True)))
-        return cls(dtype, placed, max(sum(p.numel() for p in params) for params in per_rank))
-
-    @property
-    def device(self):
-        return next(p.device for row in self.placed for p, _ in row)
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: ``optimizer_cls`` over this rank's 1/N of the parameters, then an all-gather."""
-
-    def __init__(self, params, optimizer_cls, process_group=None, recorder=None, **defaults):
-        require_process_group("ShardedOptimizer", process_group)
-        self.process_group = process_group
-        self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
+        super().__init__(module, process_group, recorder)  # checks, rank 0's values everywhere
         self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        groups = _as_param_groups(params)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.buckets = make_zero_buckets(self.named_grads, bucket_cap_mb, self.rank, self.world_size)
+        self._reduced = False  # a synchronised backward has used the gradients
+        if self.recorder.enabled:  # hooks only to record the bucket fill order
+            for bucket in self.buckets:
+                for name, p in zip(bucket.names, bucket.params, strict=True):
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, name=name, i=bucket.index: self.recorder.grad_ready(name, bucket=i))
 
-        # Global index of every parameter = its position across groups, as in torch's
-        # optimizer state_dict format ({"state": {index: ...}, "param_groups": [...]}).
-        all_params = [p for g in groups for p in g["params"]]
-        if len({id(p) for p in all_params}) != len(all_params):
-            raise ValueError("a parameter appears more than once in ShardedOptimizer's params")
-        self.owner = partition_by_size([p.numel() for p in all_params], self.world_size)
+    def _start_step(self, sync: bool) -> None:
+        super()._start_step(sync)
+        if self._reduced:  # the last step's gradients are used up: start again from zero
+            for bucket in self.buckets:
+                bucket.gradient.zero_()
+            self._reduced = False
 
-        # The local optimizer sees only this rank's parameters, group by group (groups may be
-        # empty here); its state therefore exists only for them.
-        local_groups, self._local_to_global, i = [], [], 0
-        for g in groups:
-            mine = []
-            for p in g["params"]:
-                if self.owner[i] == self.rank:
-                    mine.append(p)
-                    self._local_to_global.append(i)
-                i += 1
-            local_groups.append(dict(g, params=mine))
-        self.local_optimizer = optimizer_cls(local_groups, **defaults)
-
-        # This object's own param_groups hold *all* parameters with the full hyperparameters
-        # (the optimizer class's defaults included), so an LR scheduler or a user can change
-        # "lr" here; step() copies the hyperparameters into the local optimizer.
-        super().__init__(groups, dict(self.local_optimizer.defaults))
-
-        # The all-gather works on flat buffers, one per dtype (see GatherLayout).
-        by_dtype: dict = defaultdict(lambda: [[] for _ in range(self.world_size)])
-        for p, r in zip(all_params, self.owner, strict=True):
-            by_dtype[p.dtype][r].append(p)
-        self._layouts = [GatherLayout.of(dtype, per_rank) for dtype, per_rank in by_dtype.items()]
-        self._consolidated: dict | None = None
-
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ gradients: reduce-scatter
     @torch.no_grad()
-    def step(self, closure=None):
-        """Step this rank's parameters locally, then all-gather everyone's updated parameters."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for mine, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
-            for key, value in mine.items():  # the LR scheduler writes to *our* groups
-                if key != "params":
-                    local[key] = value
-        self.local_optimizer.step()
-        self._consolidated = None  # a consolidated copy is now out of date
-        self._share_parameters()
-        if self.recorder.enabled:
-            self.recorder.memory(optimizer_state=self.local_state_bytes())
-        return loss
+    def _sync_gradients(self) -> None:
+        for bucket in self.buckets:
+            for j, p in enumerate(bucket.params):
+                slot = bucket.slot(j)
+                if p.grad is None:  # unused in this step: zeros (see the docstring)
+                    slot.zero_()
+                elif p.grad.data_ptr() != slot.data_ptr():  # the first step, or after zero_grad()
+                    slot.copy_(p.grad)
+                p.grad = slot       # from now on backward accumulates straight into the bucket
+            bucket.gradient.mul_(1.0 / self.world_size)  # divide before the SUM, as DDP does
+            bucket.reduce_scatter(self.process_group, self.recorder)  # async: the next bucket
+        for bucket in self.buckets:                                   # is packed meanwhile
+            bucket.work.wait()
+            mine = bucket.own(bucket.gradient)
+            mine.copy_(bucket.out)  # our shard of the flat gradient now holds the average
+            bucket.shard.grad = mine
+            bucket.out = None
+        self._reduced = True
 
-    def _share_parameters(self) -> None:
-        # One all-gather per dtype of a flat buffer of N * slot elements (S ~ parameter bytes,
-        # plus padding to the largest rank's load). Per rank that is (N-1)/N * S on the wire,
-        # in one message: broadcasting each parameter from its owner moves the same bytes but
-        # costs one collective (and its latency) per parameter. The buffer exists only during
-        # the step, so ZeRO-1 adds no persistent communication memory.
-        for layout in self._layouts:
-            slot = layout.slot_numel
-            gathered = torch.empty(self.world_size * slot, dtype=layout.dtype, device=layout.device)
-            own = gathered[self.rank * slot:(self.rank + 1) * slot]
-            for p, off in layout.placed[self.rank]:
-                own[off:off + p.numel()].copy_(p.reshape(-1))
-            # in place: our own slot is the input (as torch FSDP does; no extra send buffer)
-            work = all_gather_flat(gathered, own, group=self.process_group, async_op=True)
-            self.recorder.collective("all_gather", work, nbytes=nbytes(gathered))
+    def join_hook(self, **kwargs):
+        """Uneven inputs are not supported here: a rank that finished early would also have to step
+        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
+        raise ValueError("ZeRO1 does not support Join (uneven inputs): give every rank the same number "
+                         "of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
+
+    def comm_buffer_bytes(self) -> int:
+        """0: the flat gradients are the module's ``.grad`` (counted as gradients), and the
+        reduce-scatter's output lives only during the synchronisation."""
+        return 0
+
+    # ------------------------------------------------------------------ the step: 1/N, then all-gather
+    def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:
+        """``optimizer_cls`` over this rank's shards only (its state: 1/N of the model's); after
+        each ``step()`` a hook all-gathers the updated parameters. Elementwise optimizers only."""
+        check_elementwise("ZeRO1", optimizer_cls)
+        optimizer = optimizer_cls([b.shard for b in self.buckets], **defaults)
+        optimizer.register_step_post_hook(lambda *_: self._all_gather_parameters())
+        return optimizer
+
+    @torch.no_grad()
+    def _all_gather_parameters(self) -> None:
+        # every rank's updated shard to every rank, in place into the flat parameters (which the
+        # module's parameters view): all buckets launched first, so their transfers overlap
+        works = [bucket.all_gather(self.process_group, self.recorder) for bucket in self.buckets]
+        for work in works:
             work.wait()
-            for r, row in enumerate(layout.placed):
-                if r == self.rank:
-                    continue
-                base = r * slot
-                for p, off in row:
-                    p.copy_(gathered[base + off:base + off + p.numel()].view_as(p))
-
-    def local_state_bytes(self) -> int:
-        """Bytes of per-element optimizer state on this rank (about 1/N of the full optimizer's)."""
-        return sum(nbytes(v) for s in self.local_optimizer.state.values()
-                   for v in s.values() if torch.is_tensor(v) and v.dim() > 0)  # not 0-dim "step"
-
-    # ------------------------------------------------------------------ checkpoints
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's optimizer state onto rank ``to`` (all ranks must call this)."""
-        local = self.local_optimizer.state_dict()
-        mine = {self._local_to_global[i]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                for i, s in local["state"].items()}
-        dst = dist.get_global_rank(self.process_group, to) if self.process_group is not None else to
-        gathered = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(mine, gathered, dst=dst, group=self.process_group)
-        self._consolidated = None
-        if self.rank == to:
-            state = {}
-            for part in gathered:
-                state.update(part)
-            self._consolidated = dict(sorted(state.items()))
-
-    def state_dict(self) -> dict:
-        """torch's format. After ``consolidate_state_dict(to=r)``, on rank r: the full state
-        (loadable by a plain optimizer). Otherwise: this rank's shard, the state of its own
-        parameters only, marked ``"zero1_shard"`` so it is only loaded back by the same rank of
-        the same world size (each rank saves and loads its own file)."""
-        groups, start = [], 0
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        if self._consolidated is not None:
-            return {"state": dict(self._consolidated), "param_groups": groups}
-        local = self.local_optimizer.state_dict()["state"]
-        return {"state": {self._local_to_global[i]: s for i, s in local.items()}, "param_groups": groups,
-                "zero1_shard": {"rank": self.rank, "world_size": self.world_size}}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state dict (a plain optimizer's or a consolidated one) on every rank, or
-        the shard this same rank saved with ``state_dict()``."""
-        shard = state_dict.get("zero1_shard")
-        if shard is not None and (shard["rank"], shard["world_size"]) != (self.rank, self.world_size):
-            raise ValueError(
-                f"this optimizer state is rank {shard['rank']} of {shard['world_size']}'s shard, but this is "
-                f"rank {self.rank} of {self.world_size}: load a consolidated (full) state dict instead"
-            )
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the state dict's parameter groups do not match this optimizer's")
-        # Saved indices may be any ids in group order (torch uses 0..P-1): map them by position.
-        saved_ids = [i for g in saved_groups for i in g["params"]]
-        global_to_local = {g: k for k, g in enumerate(self._local_to_global)}
-        local_state, local_groups = {}, []
-        for mine, saved in zip(self.param_groups, saved_groups, strict=True):
-            hyper = {k: v for k, v in saved.items() if k != "params"}
-            mine.update(hyper)
-            local_groups.append({**hyper, "params": []})
-        i = 0
-        for gi, g in enumerate(self.param_groups):
-            for _ in g["params"]:
-                if i in global_to_local:
-                    k = global_to_local[i]
-                    local_groups[gi]["params"].append(k)
-                    if saved_ids[i] in state_dict["state"]:
-                        local_state[k] = state_dict["state"][saved_ids[i]]
-                i += 1
-        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})

@@ -1,0 +1,95 @@
+"""Deferred initialization: a model built on the ``meta`` device, materialized one FSDP unit at a time.
+
+A model too large for one device cannot be built whole and then sharded. The FSDP paper (section
+3.1, "deferred initialization"; ``docs/papers.md``) builds it on a fake device, where tensors have
+shapes and dtypes but no storage, then replays the initialization *unit by unit* on the real
+device: allocate one unit's parameters, initialize them, keep this rank's shard, free the rest, go
+on to the next. The full model never exists on a rank: the peak is the shards so far plus one unit
+(plus the root's own parameters, which stay until the end).
+
+torch's ``meta`` device is the fake device; ``with torch.device("meta"): model = MLP()`` builds one.
+Replaying: module by module in registration order (``named_modules()``), each module whose own
+parameters or buffers are still on meta gets them allocated and runs ``param_init_fn(module)``
+(default: the module's ``reset_parameters()``, what its constructor ran). For a model whose
+constructor initializes its layers in registration order from the global RNG (nn.Linear,
+nn.Embedding, nn.LayerNorm, ... and both of the course's models) the same seed therefore gives
+exactly the values the eager constructor gives. A parameter tied to one materialized earlier
+(TinyGPT's ``head.weight`` is ``tok.weight``) is left alone: the first module to register it
+initializes it. Each module's fresh values are broadcast from rank 0, as for an eager model.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ddpkit.strategies._common import broadcast_from_rank0
+
+
+def is_deferred(module: nn.Module) -> bool:
+    """True when ``module`` has parameters or buffers on the meta device (not materialized yet)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    if not callable(getattr(module, "reset_parameters", None)):
+        raise ValueError(f"deferred initialization: {type(module).__name__} has parameters on the meta "
+                         "device but no reset_parameters() to initialize them; pass param_init_fn")
+    module.reset_parameters()
+
+
+@torch.no_grad()
+def materialize_by_unit(module: nn.Module, owned: dict[str, list], on_unit_ready: Callable, device,
+                        param_init_fn: Callable | None = None, group=None) -> dict[int, nn.Parameter]:
+    """Materialize ``module``'s meta parameters and buffers module by module, calling
+    ``on_unit_ready(unit_name, params)`` as soon as every parameter of a unit is real (the root,
+    unit "", at the end). ``owned`` is FSDP's ownership: ``{unit name: [(name, parameter,
+    [(submodule, attribute), ...every place it is used])]}``, with meta parameters.
+
+    Returns ``{id(meta parameter): real parameter}`` for the parameters no unit owns (frozen ones);
+    a unit's real parameters are handed to ``on_unit_ready`` and not kept here, so once the unit has
+    taken its shard nothing holds them any more.
+    """
+    init = param_init_fn or _reset_parameters
+    unit_of = {id(p): unit for unit, params in owned.items() for _, p, _ in params}
+    remaining = {unit: len(params) for unit, params in owned.items()}
+    aliases = {}  # id(meta parameter) -> every (submodule, attribute) holding it
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                aliases.setdefault(id(p), []).append((mod, attr))
+    real: dict[int, nn.Parameter] = {}
+    for _, m in module.named_modules():
+        fresh = []
+        for p in list(m._parameters.values()):
+            if p is None or not p.is_meta:  # real already (or tied to one materialized earlier)
+                continue
+            new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            for mod, a in aliases[id(p)]:  # every name it is reachable under
+                mod._parameters[a] = new
+            real[id(p)] = new
+            fresh.append((p, new))
+        for attr, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[attr] = torch.empty_like(b, device=device)
+                fresh.append((None, m._buffers[attr]))
+        if not fresh:
+            continue
+        init(m)  # this module's own parameters and buffers, as its constructor did
+        broadcast_from_rank0([t for _, t in fresh], group)
+        for meta, _ in fresh:
+            unit = unit_of.get(id(meta)) if meta is not None else None
+            if unit is None:
+                continue
+            remaining[unit] -= 1
+            if remaining[unit] == 0 and unit != "":
+                _hand_over(unit, owned, real, on_unit_ready)
+    if "" in owned:
+        _hand_over("", owned, real, on_unit_ready)
+    return real
+
+
+def _hand_over(unit: str, owned: dict, real: dict, on_unit_ready: Callable) -> None:
+    """Give a unit its real parameters, and forget them here (so they can be freed)."""
+    on_unit_ready(unit, [(name, real.pop(id(p)), places) for name, p, places in owned[unit]])

@@ -1,0 +1,125 @@
+"""Sharded buckets: what ZeRO-1 and ZeRO-2 (``zero1.py``, ``zero2.py``) share.
+
+A ZeRO bucket is a DDP bucket (the same ``assign_buckets`` rule: reverse registration order, a cap
+in MiB, one dtype per bucket) whose flat buffers are padded to a multiple of N, so that one
+reduce-scatter or all-gather cuts them into N equal *shards* of s = ceil(T/N) elements:
+
+    flat_param  (N*s,)  the bucket's parameters end to end. The module's parameters are re-pointed
+                        into it (``p.data`` = a view), so an all-gather into it updates the model.
+    shard       (s,)    an ``nn.Parameter`` viewing flat_param[r*s:(r+1)*s]: what this rank's
+                        optimizer steps, so its optimizer state is 1/N of the bucket's.
+    gradient    (N*s,)  the bucket's gradients, scaled by 1/N; reduce-scattered, rank r keeps the
+                        averaged gradient of its shard (ZeRO-1 keeps this buffer as the module's
+                        ``.grad``; ZeRO-2 allocates it when the bucket's first gradient arrives and
+                        frees it as soon as its reduce-scatter is done).
+
+Per step and rank: reduce-scatter (N-1)/N * S plus all-gather (N-1)/N * S = 2(N-1)/N * S, exactly
+DDP's all-reduce (an all-reduce *is* a reduce-scatter followed by an all-gather; ZeRO puts the
+optimizer step in between). ``docs/papers.md``, ZeRO section.
+
+Slices of a flat buffer only work with an *elementwise* optimizer: each element's update may depend
+only on that element's gradient and state (SGD, Adam, AdamW, ...). ``check_elementwise`` refuses
+the others (LBFGS, Adafactor, Muon, ...) with a ValueError before any rank communicates.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddpkit.strategies._common import all_gather_flat, nbytes, reduce_scatter_flat
+from ddpkit.strategies.buckets import assign_buckets, bucket_cap_bytes
+from ddpkit.strategies.flat_param import alloc_storage, free_storage
+
+# Optimizers whose update of one element reads only that element's gradient and state, so that
+# stepping a slice of a flat buffer equals stepping the whole tensors. (Weight decay, momentum,
+# Adam's moments: elementwise. LBFGS's line search, Adafactor's row/column statistics, Muon's
+# orthogonalisation of whole matrices, SparseAdam's sparse gradients: not.)
+ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "Adadelta", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD"))
+
+
+def check_elementwise(strategy: str, optimizer_cls) -> None:
+    """ValueError unless ``optimizer_cls`` is (a subclass of) an elementwise torch optimizer."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)):
+        name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+        raise ValueError(
+            f"{strategy} cannot shard {name}: it steps slices of flat buffers (1/N of the elements "
+            f"per rank), which only equals stepping whole tensors for an elementwise optimizer "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). For an optimizer that "
+            "needs whole parameters use ddpkit.ShardedOptimizer (strategy 'sharded_optimizer').")
+
+
+class ZeroBucket:
+    """One bucket of parameters, flattened and padded to N shards; rank r owns shard r."""
+
+    def __init__(self, index: int, named_params: list, rank: int, world_size: int):
+        self.index, self.rank, self.world_size = index, rank, world_size
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
+        self.numel = sum(self.numels)                       # T
+        self.shard_numel = -(-self.numel // world_size)     # s = ceil(T / N)
+        self.padded_numel = self.shard_numel * world_size   # N * s: at most N-1 zeros of padding
+        first = self.params[0]
+        with torch.no_grad():
+            self.flat_param = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+            for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+                self.flat_param[off:off + n].copy_(p.reshape(-1))
+                p.data = self.flat_param[off:off + n].view_as(p)  # the module now reads the flat buffer
+        s = self.shard_numel
+        self.shard = nn.Parameter(self.flat_param[rank * s:(rank + 1) * s])  # a view: stepping it updates p
+        self.gradient = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: every gradient missing, nothing launched."""
+        self.ready = [False] * len(self.params)
+        self.missing = len(self.params)
+        self.work = self.out = None
+
+    def slot(self, j: int) -> torch.Tensor:
+        """Gradient j's place in the flat gradient, shaped like its parameter."""
+        off, n = self.offsets[j], self.numels[j]
+        return self.gradient[off:off + n].view_as(self.params[j])
+
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a flat buffer: elements [r*s, (r+1)*s)."""
+        s = self.shard_numel
+        return flat[self.rank * s:(self.rank + 1) * s]
+
+    # ZeRO-2 holds the flat gradient only while the bucket is being reduced
+    def alloc_gradient(self) -> None:
+        if self.gradient.untyped_storage().nbytes() == 0:
+            alloc_storage(self.gradient)
+            self.gradient.zero_()  # the padding, and the slots of parameters without a gradient
+
+    def free_gradient(self) -> None:
+        free_storage(self.gradient)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.gradient.untyped_storage().nbytes()
+
+    def reduce_scatter(self, group, recorder) -> None:
+        """Launch the async reduce-scatter (SUM) of the flat gradient (already scaled by 1/N):
+        ``self.out`` (s,) becomes the sum over ranks of everyone's shard r, i.e. the average."""
+        self.out = torch.empty(self.shard_numel, dtype=self.gradient.dtype, device=self.gradient.device)
+        self.work = reduce_scatter_flat(self.out, self.gradient, group=group, async_op=True)
+        recorder.collective("reduce_scatter", self.work, nbytes=nbytes(self.gradient), bucket=self.index)
+
+    def all_gather(self, group, recorder):
+        """Launch the async all-gather of every rank's (just stepped) shard into flat_param, in
+        place: our own shard already sits in our slot. Returns the work handle."""
+        work = all_gather_flat(self.flat_param, self.shard.detach(), group=group, async_op=True)
+        recorder.collective("all_gather", work, nbytes=nbytes(self.flat_param), bucket=self.index)
+        return work
+
+
+def make_zero_buckets(named_params: list, bucket_cap_mb: float, rank: int, world_size: int) -> list[ZeroBucket]:
+    """The ZeRO buckets for ``named_params`` ((name, parameter), registration order)."""
+    cap = bucket_cap_bytes(bucket_cap_mb)
+    sizes = [nbytes(p) for _, p in named_params]
+    kinds = [(p.dtype, p.device) for _, p in named_params]
+    return [ZeroBucket(i, [named_params[k] for k in indices], rank, world_size)
+            for i, indices in enumerate(assign_buckets(sizes, cap, kinds))]
