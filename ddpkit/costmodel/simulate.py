@@ -246,7 +246,9 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
     opt = profile.optimizer_s / n if step.sharded_optimizer else profile.optimizer_s
     row = strategy_row(strategy)
     shard_group = row.shard_group_size
-    if not row.fits(n):
+    if shard_group is not None and network.gpus_per_node:  # hybrid sharding follows the nodes
+        shard_group = network.gpus_per_node
+    if shard_group is not None and n % shard_group:
         raise ValueError(f"{strategy} shards over nodes of {shard_group} ranks: world_size {n} is not a "
                          f"multiple of {shard_group}")
     if shard_group is not None:

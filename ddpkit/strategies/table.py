@@ -125,19 +125,28 @@ def _fsdp(module, bucket_cap_mb, **common):
 # The node size hybrid sharding uses when built by name (compare, predict, the tests): 4 CPU ranks
 # are laid out as 2 nodes x 2. A two-tier network sets its own gpus_per_node; pass that to
 # HSDP / TorchHSDP directly, or change it here.
-HSDP_GPUS_PER_NODE = 2
+HSDP_GPUS_PER_NODE = 2  # hybrid sharding's node size, unless the cluster's network says otherwise
+
+
+def _node_size() -> int:
+    """The ranks per node hybrid sharding shards over: the emulated network's nodes
+    (``ddpkit.Network(..., gpus_per_node=k)``) where it has some, else ``HSDP_GPUS_PER_NODE``."""
+    from ddpkit.rankside import network
+
+    net = network()
+    return net.gpus_per_node if net is not None and net.gpus_per_node else HSDP_GPUS_PER_NODE
 
 
 def _hsdp(module, bucket_cap_mb, **common):
     from ddpkit.strategies.hsdp import HSDP
 
-    return HSDP(module, gpus_per_node=HSDP_GPUS_PER_NODE, units=fsdp_units(module), **common)
+    return HSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module), **common)
 
 
 def _torch_hsdp(module, bucket_cap_mb, **common):
     from ddpkit.strategies.reference import TorchHSDP
 
-    return TorchHSDP(module, gpus_per_node=HSDP_GPUS_PER_NODE, units=fsdp_units(module), **common)
+    return TorchHSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module), **common)
 
 
 def _torch_ddp(module, bucket_cap_mb, **common):
