@@ -85,15 +85,16 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 25.0,
-         recorder=None, process_group=None):
+         recorder=None, process_group=None, options: dict | None = None):
     """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them; the
-    model is moved to this rank's device first. Nothing else in a training loop depends on the name."""
+    model is moved to this rank's device first. Nothing else in a training loop depends on the name.
+    ``options``: more keywords for the wrapper (e.g. FSDP's ``forward_prefetch=True``)."""
     from ddpkit.rankside import device
 
     row = strategy_row(strategy)
     cls, defaults = optimizer_class(optimizer)
     common = dict(recorder=recorder, process_group=process_group)
-    model = row.wrap(module.to(device()), bucket_cap_mb=bucket_cap_mb, **common)
+    model = row.wrap(module.to(device()), bucket_cap_mb=bucket_cap_mb, **common, **(options or {}))
     return model, row.optimizer(model, cls, defaults, **common)
 
 
@@ -173,14 +174,15 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
                  optimizer: str = "sgd", record: bool = False, bucket_cap_mb: float = 25.0,
                  warmup: int = 1, seed: int = 0, model_kwargs: dict | None = None,
                  reference: dict | None = None, return_records: bool = False,
-                 report_progress: bool = True) -> dict:
+                 report_progress: bool = True, options: dict | None = None) -> dict:
     """A Cluster job: build, train ``warmup + steps`` steps, and report on this rank.
 
     Timing covers the ``steps`` steps after the warmup (which pays one-off costs: allocating
     buckets, torch DDP's bucket rebuild). With ``record=True`` a recorder is attached and
     bytes, overlap and memory are measured too — use a separate run for timing, recording
     costs a little. ``reference`` ({name: tensor} after warmup + steps single-process steps)
-    adds ``max_param_diff``. Returns a plain dict (picklable, for ``Cluster.run``).
+    adds ``max_param_diff``. ``options``: more keywords for the wrapper (``wrap``). Returns a
+    plain dict (picklable, for ``Cluster.run``).
     """
     import torch.distributed as dist
 
@@ -200,7 +202,7 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     with recording(recorder):
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder)
+        wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder, options=options)
         timer = _StepTimer(dev)
         losses = []
         total = warmup + steps
