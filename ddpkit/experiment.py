@@ -15,6 +15,8 @@ overlap and memory back from ``ddpkit.trace``'s records.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
@@ -25,19 +27,45 @@ from ddpkit.strategies.table import strategy as strategy_row
 
 def train_step(model, optimizer, inputs, targets, recorder=None):
     """Forward, backward, finish gradient sync, optimizer step; returns the local loss.
-    ``recorder``: where the four spans go (default: the rank's, off unless recording)."""
+
+    ``recorder``: where the step is recorded (default: the rank's, off unless recording). A
+    recorder gets the four spans, this rank's loss, and two memory samples: at the end of
+    forward (activations alive, no gradients) and after the optimizer step (gradients and
+    optimizer state alive). With recording off each of those calls does nothing."""
     if recorder is None:
         recorder = rank_recorder()
-    with recorder.span("forward", cat="compute"):
+    recorder.begin_step()  # a new step index, unless the caller just started one
+    with recorder.span("forward", cat="compute"), _activations(recorder, model) as saved:
         loss = loss_fn(model(inputs), targets)
+    _memory_sample(recorder, model, optimizer, saved)
     with recorder.span("backward", cat="compute"):
         loss.backward()
     with recorder.span("sync", cat="compute"):
         model.finish_gradient_synchronization()  # a no-op where backward already finished it
     with recorder.span("step", cat="compute"):
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    _memory_sample(recorder, model, optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss.detach()
+    recorder.loss(loss)
+    return loss
+
+
+def _activations(recorder, model):
+    """While recording: count the bytes autograd saves in forward (``ActivationMeter``)."""
+    if not recorder.enabled:
+        return contextlib.nullcontext()
+    from ddpkit.memory import ActivationMeter
+
+    return ActivationMeter(model)
+
+
+def _memory_sample(recorder, model, optimizer, activations=None) -> None:
+    """While recording: what this rank holds now, by category (``ddpkit.memory``)."""
+    if recorder.enabled:
+        from ddpkit.memory import memory_by_category
+
+        recorder.memory(**memory_by_category(model, optimizer, activations.peak_bytes if activations else 0))
 
 
 def optimizer_class(name: str):
@@ -118,7 +146,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
         comm_ns += sum(b - a for a, b in comm)
         hidden_ns += sum(b - a for a, b in both)
     peak_sample = max((sum(v for k, v in r.args.items() if not k.startswith("cuda"))
-                       for r in t.records if r.kind == "counter"), default=0)
+                       for r in t.records if r.kind == "counter" and r.cat == "memory"), default=0)
     return dict(
         comm_bytes_per_step=sum(per_bytes.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
         collectives_per_step=counts,

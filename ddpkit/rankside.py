@@ -33,6 +33,16 @@ class NullRecorder:
     def memory(self, **bytes_by_category: int) -> None:
         pass
 
+    # what the training step (``experiment.train_step``) tells a recorder besides
+    def begin_step(self) -> None:
+        pass
+
+    def next_step(self) -> None:
+        pass
+
+    def loss(self, value) -> None:
+        pass
+
 
 NULL_RECORDER = NullRecorder()
 
