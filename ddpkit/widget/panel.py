@@ -232,9 +232,9 @@ class ClusterWidget(widgets.VBox):
         parts = [f"{dots} <b>ddpkit</b> {self.cluster.world_size} ranks {'/'.join(states)}"]
         if self.progress.layout.display != "none":
             parts.append(self.progress.label.value)
-        snap = self.live.state.snapshot() if self.live.mode == "live" else None
-        if snap and snap["loss"]:
-            parts.append(f"loss {snap['loss'][max(snap['loss'])]:.4f}")
+        latest = self.live.state.latest_loss()  # of the recorded run going on, or just done
+        if latest is not None:
+            parts.append(f"loss {latest[1]:.4f} at step {latest[0]}")
         parts.append(html.escape(when))
         return f"<span style='font-size:12px'>{' &middot; '.join(parts)}</span>"
 

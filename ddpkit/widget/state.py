@@ -72,6 +72,15 @@ class LiveState:
                 loss={s: total / n for s, (total, n) in sorted(self.loss.items())},
                 t0=self.t0, count=self.records, latest=dict(self.latest))
 
+    def latest_loss(self) -> tuple[int, float] | None:
+        """(step, mean loss) of the newest step with a loss, or None."""
+        with self._lock:
+            if not self.loss:
+                return None
+            step = max(self.loss)
+            total, n = self.loss[step]
+            return step, total / n
+
     def size(self) -> int:
         """Everything held, in records and points (bounded: a test checks it)."""
         with self._lock:
