@@ -64,7 +64,8 @@ def test_bucket_fill_renders_a_row_per_layer():
 def test_bucket_fill_of_the_default_mlp_fits_a_screen_with_readable_labels():
     # 66 gradients: a weight and a bias per layer, one row each layer (33), labels at 9 pt
     recs = [Record("span", "compute", "backward", 0, 0, 0, 70_000_000)]
-    names = ["head.bias", "head.weight"] + [f"layers.{i}.0.{w}" for i in reversed(range(32)) for w in ("bias", "weight")]
+    names = ["head.bias", "head.weight"]
+    names += [f"layers.{i}.0.{w}" for i in reversed(range(32)) for w in ("bias", "weight")]
     recs += [Record("instant", "grad_ready", n, 0, 0, 1_000_000 * (k + 1), bucket=k // 20) for k, n in enumerate(names)]
     fig = plot_bucket_fill(Trace(recs, 1), rank=0, step=0)
     labels = fig.axes[0].get_yticklabels()

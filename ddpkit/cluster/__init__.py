@@ -111,8 +111,9 @@ class Cluster:
             pass
 
     # ------------------------------------------------------------------ jobs
-    def run(self, fn, *args, **kwargs) -> list:
-        """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order.
+    def run(self, fn, /, *args, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order. Every
+        keyword goes to ``fn`` (``fn`` itself is positional only, so even ``fn=`` does).
 
         While recording is on (``recording()``), each rank records what the job does and
         streams it here as it goes; ``last_trace`` then holds the merged records (also after
