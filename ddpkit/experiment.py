@@ -29,43 +29,46 @@ def train_step(model, optimizer, inputs, targets, recorder=None):
     """Forward, backward, finish gradient sync, optimizer step; returns the local loss.
 
     ``recorder``: where the step is recorded (default: the rank's, off unless recording). A
-    recorder gets the four spans, this rank's loss, and two memory samples: at the end of
-    forward (activations alive, no gradients) and after the optimizer step (gradients and
-    optimizer state alive). With recording off each of those calls does nothing."""
+    recorder gets the four spans and this rank's loss; when it says a memory sample is due
+    (``memory_due``: a few times a second), two samples too: at the end of forward
+    (activations alive, no gradients) and after the optimizer step (gradients and optimizer
+    state alive). With recording off each of those calls does nothing."""
     if recorder is None:
         recorder = rank_recorder()
     recorder.begin_step()  # a new step index, unless the caller just started one
-    with recorder.span("forward", cat="compute"), _activations(recorder, model) as saved:
+    sample = recorder.memory_due()
+    with recorder.span("forward", cat="compute"), _activations(sample, model) as saved:
         loss = loss_fn(model(inputs), targets)
-    _memory_sample(recorder, model, optimizer, saved)
+    if sample:
+        _memory_sample(recorder, model, optimizer, saved.peak_bytes)
     with recorder.span("backward", cat="compute"):
         loss.backward()
     with recorder.span("sync", cat="compute"):
         model.finish_gradient_synchronization()  # a no-op where backward already finished it
     with recorder.span("step", cat="compute"):
         optimizer.step()
-    _memory_sample(recorder, model, optimizer)
+    if sample:
+        _memory_sample(recorder, model, optimizer, 0)  # backward freed the activations
     optimizer.zero_grad(set_to_none=True)
     loss = loss.detach()
     recorder.loss(loss)
     return loss
 
 
-def _activations(recorder, model):
-    """While recording: count the bytes autograd saves in forward (``ActivationMeter``)."""
-    if not recorder.enabled:
+def _activations(sample: bool, model):
+    """Count the bytes autograd saves in forward (``ActivationMeter``), when sampling memory."""
+    if not sample:
         return contextlib.nullcontext()
     from ddpkit.memory import ActivationMeter
 
     return ActivationMeter(model)
 
 
-def _memory_sample(recorder, model, optimizer, activations=None) -> None:
-    """While recording: what this rank holds now, by category (``ddpkit.memory``)."""
-    if recorder.enabled:
-        from ddpkit.memory import memory_by_category
+def _memory_sample(recorder, model, optimizer, activations: int) -> None:
+    """What this rank holds now, by category (``ddpkit.memory``), to the recorder."""
+    from ddpkit.memory import memory_by_category
 
-        recorder.memory(**memory_by_category(model, optimizer, activations.peak_bytes if activations else 0))
+    recorder.memory(**memory_by_category(model, optimizer, activations))
 
 
 def optimizer_class(name: str):

@@ -43,6 +43,9 @@ class NullRecorder:
     def loss(self, value) -> None:
         pass
 
+    def memory_due(self) -> bool:
+        return False
+
 
 NULL_RECORDER = NullRecorder()
 

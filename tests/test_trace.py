@@ -117,6 +117,17 @@ def test_begin_step_starts_a_step_unless_next_step_just_did():
     assert rec.begin_step() == 6
 
 
+def test_memory_samples_are_due_at_most_every_interval():
+    clock = FakeClock(0)
+    rec = Recorder(rank=0, world_size=1, clock=clock)
+    rec.memory_interval_ns = 100
+    due = []
+    for t in range(0, 350, 25):  # a step every 25 ns: every fourth one samples
+        clock.t = t
+        due.append(rec.memory_due())
+    assert [t for t, d in zip(range(0, 350, 25), due, strict=True) if d] == [0, 100, 200, 300]
+
+
 def test_the_loss_is_a_counter_read_when_resolved():
     rec = Recorder(rank=1, world_size=2, clock=FakeClock(7))
     rec.next_step()

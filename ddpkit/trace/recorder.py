@@ -21,6 +21,8 @@ import time
 
 from ddpkit.trace.records import Record, Trace
 
+MEMORY_INTERVAL_NS = 100_000_000  # see Recorder.memory_due
+
 
 class _Span:
     """The ``with recorder.span(...)`` context: two clock reads and one list append."""
@@ -74,6 +76,8 @@ class Recorder:
         self._resolved: list[Record] | None = None
         self._resolved_len = -1
         self._drained = 0      # raw records already handed out by drain()
+        self.memory_interval_ns = MEMORY_INTERVAL_NS
+        self._memory_due_at = None  # clock reading after which the next memory sample is due
         self._fresh = False    # next_step() was called and no train_step has begun it yet
         self._watched = None  # works without a future, waited on by a thread (see _watch)
 
@@ -146,6 +150,17 @@ class Recorder:
 
     def memory(self, **bytes_by_category: int) -> None:
         self._raw.append(("mem", self._step, self._clock(), bytes_by_category))
+
+    def memory_due(self) -> bool:
+        """Is it time for another memory sample? ``train_step`` asks once a step: measuring memory
+        (walking every parameter, optimizer state and saved activation) costs about as much as
+        a tenth of the default MLP's step, so samples are taken at most every
+        ``memory_interval_ns`` (100 ms: every step of a slow model, every fifth of a fast one)."""
+        now = self._clock()
+        if self._memory_due_at is not None and now < self._memory_due_at:
+            return False
+        self._memory_due_at = now + self.memory_interval_ns
+        return True
 
     def loss(self, value) -> None:
         """This step's loss on this rank: a float or a 0-dim tensor (read only when resolved,
