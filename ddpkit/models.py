@@ -41,14 +41,24 @@ class MLP(nn.Module):
         if width < 1 or depth < 1 or classes < 1:
             raise ValueError(f"MLP needs width, depth, classes >= 1, got {width}, {depth}, {classes}")
         self.width = width
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+        self.layers = Residual(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
         self.head = nn.Linear(width, classes)
 
     def forward(self, x):  # x: (batch, width) -> logits (batch, classes)
-        scale = 1.0 / len(self.layers)
-        for block in self.layers:  # block = Sequential(Linear, ReLU): (batch, width) -> same
+        return self.head(self.layers(x))
+
+
+class Residual(nn.Sequential):
+    """Blocks in sequence, each added to its input: ``x = x + block(x) / len(self)``.
+
+    A Sequential, so parameter names (``layers.3.0.weight``) and the wrappers' view of the model
+    (FSDP units, hooks on ``layers``' forward) are those of a plain stack."""
+
+    def forward(self, x):  # (batch, width) -> (batch, width)
+        scale = 1.0 / len(self)
+        for block in self:  # block = Sequential(Linear, ReLU)
             x = x + block(x) * scale
-        return self.head(x)
+        return x
 
 
 class Block(nn.Module):
