@@ -120,10 +120,13 @@ class LivePlots(widgets.VBox):
         if not snap["count"]:
             return None
         rank = self.rank.value
-        records, steps = snap["records"], snap["steps"]
-        mine = [s for s in steps if any(r.rank == rank and r.kind != "counter" for r in records if r.step == s)]
+        records, steps, latest = snap["records"], snap["steps"], snap["latest"]
+        # Draw finished steps: a rank's newest step may still be half streamed (its records
+        # leave once its collectives completed), and a half-drawn step would flicker.
+        finished = [s for s in steps if all(s < newest for newest in latest.values())] or steps
+        mine = [s for s in steps if s < latest.get(rank, -1)] or [s for s in steps if latest.get(rank) == s]
         fill = fill_view(records, rank, mine[-1]) if mine else message("No steps recorded yet.")
-        shown = steps[-ROLLING_STEPS:]
+        shown = finished[-ROLLING_STEPS:]
         timeline = timeline_view(records, shown, sorted({r.rank for r in records}), self.state.world_size) \
             if shown else message("No steps recorded yet.")
         peak = _peak(snap["memory"])
