@@ -201,9 +201,14 @@ def memory_peak(records, ranks=None) -> tuple[int, int, int | None, dict] | None
     """The largest point of ``memory_series`` over ``ranks`` (default all): ``(rank, ns, step,
     {category: bytes})``, i.e. the peak and what was live at it; None without memory samples."""
     ranks = sorted({r.rank for r in records}) if ranks is None else ranks
+    return peak_of({rank: memory_series(records, rank) for rank in ranks})
+
+
+def peak_of(series: dict[int, list]) -> tuple[int, int, int | None, dict] | None:
+    """``memory_peak`` of ``{rank: memory_series(...)}``: the point holding the most bytes."""
     best = None
-    for rank in ranks:
-        for t, step, sample in memory_series(records, rank):
+    for rank, points in series.items():
+        for t, step, sample in points:
             if best is None or sum(sample.values()) > sum(best[3].values()):
                 best = (rank, t, step, sample)
     return best

@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import ipywidgets as widgets
 
+from ddpkit.trace.figures import peak_of
 from ddpkit.widget.fill_view import fill_view
 from ddpkit.widget.loss_view import loss_view
 from ddpkit.widget.memory_view import memory_view
@@ -129,7 +130,7 @@ class LivePlots(widgets.VBox):
         shown = finished[-ROLLING_STEPS:]
         timeline = timeline_view(records, shown, sorted({r.rank for r in records}), self.state.world_size) \
             if shown else message("No steps recorded yet.")
-        peak = _peak(snap["memory"])
+        peak = peak_of(snap["memory"])
         memory = memory_view(snap["memory"], snap["t0"] or 0, peak)
         losses = snap["loss"]
         newest = max(snap["latest"].values(), default=None)
@@ -164,11 +165,3 @@ class LivePlots(widgets.VBox):
         self.painter.close()
         super().close()
 
-
-def _peak(memory: dict):
-    best = None
-    for rank, pts in memory.items():
-        for t, step, sample in pts:
-            if best is None or sum(sample.values()) > sum(best[3].values()):
-                best = (rank, t, step, sample)
-    return best
