@@ -78,19 +78,24 @@ class LivePlots(widgets.VBox):
             self.painter.request()
 
     def show_trace(self, trace) -> None:
-        """A run's whole trace: replay it (the slider picks the step; drawn in the background)."""
-        from ddpkit.trace.figures import loss_per_step, memory_peak, memory_series
+        """A run's whole trace: replay it (the slider picks the step). Indexing a long trace takes
+        a moment, so it happens on the drawing thread, not on the one that called ``run``."""
+        self.trace, self.mode, self._replay = trace, "replay", {}
+        self._set_ranks(max(trace.world_size, len(trace.ranks)))
+        self.layout.display = "flex"
+        self.painter.request()
+
+    def _index(self, trace) -> None:
+        """What the replay draws from: records by step, the loss, each rank's memory and its peak."""
+        from ddpkit.trace.figures import loss_per_step, memory_series, peak_of
 
         by_step = defaultdict(list)
         for r in trace.records:
             by_step[r.step].append(r)
+        memory = {rank: memory_series(trace.records, rank) for rank in trace.ranks}
         steps = trace.steps
-        self._replay = dict(by_step=by_step, steps=steps, losses=loss_per_step(trace.records),
-                            memory={rank: memory_series(trace.records, rank) for rank in trace.ranks},
-                            peak=memory_peak(trace.records),
-                            t0=min((r.start_ns for r in trace.records), default=0))
-        self.trace, self.mode = trace, "replay"
-        self._set_ranks(max(trace.world_size, len(trace.ranks)))
+        self._replay = dict(by_step=by_step, steps=steps, losses=loss_per_step(trace.records), memory=memory,
+                            peak=peak_of(memory), t0=min((r.start_ns for r in trace.records), default=0))
         if steps:
             with self.step.hold_trait_notifications():
                 self.step.min, self.step.max = steps[0], steps[-1]
@@ -98,8 +103,6 @@ class LivePlots(widgets.VBox):
             self.controls.children = [self.step, self.rank]
         else:
             self.controls.children = []
-        self.layout.display = "flex"
-        self.painter.request()
 
     def _set_ranks(self, n: int) -> None:
         options = list(range(max(n, 1)))
@@ -140,7 +143,10 @@ class LivePlots(widgets.VBox):
         return summary, fill, timeline, memory, loss_view(losses)
 
     def _replay_views(self):
-        rp, trace = self._replay, self.trace
+        trace = self.trace
+        if not self._replay:
+            self._index(trace)  # setting the slider here requests one more paint: harmless
+        rp = self._replay
         steps = rp["steps"]
         if not steps:
             text = message("This run recorded no training steps (records made before the first step only).")
