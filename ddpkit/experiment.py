@@ -30,7 +30,7 @@ def train_step(model, optimizer, inputs, targets, recorder=None):
 
     ``recorder``: where the step is recorded (default: the rank's, off unless recording). A
     recorder gets the four spans and this rank's loss; when it says a memory sample is due
-    (``memory_due``: a few times a second), two samples too: at the end of forward
+    (``memory_due``: about four times a second), two samples too: at the end of forward
     (activations alive, no gradients) and after the optimizer step (gradients and optimizer
     state alive). With recording off each of those calls does nothing."""
     if recorder is None:

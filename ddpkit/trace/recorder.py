@@ -21,7 +21,7 @@ import time
 
 from ddpkit.trace.records import Record, Trace
 
-MEMORY_INTERVAL_NS = 100_000_000  # see Recorder.memory_due
+MEMORY_INTERVAL_NS = 250_000_000  # see Recorder.memory_due
 
 
 class _Span:
@@ -154,8 +154,8 @@ class Recorder:
     def memory_due(self) -> bool:
         """Is it time for another memory sample? ``train_step`` asks once a step: measuring memory
         (walking every parameter, optimizer state and saved activation) costs about as much as
-        a tenth of the default MLP's step, so samples are taken at most every
-        ``memory_interval_ns`` (100 ms: every step of a slow model, every fifth of a fast one)."""
+        a twentieth of the default MLP's step, so samples are taken at most every
+        ``memory_interval_ns`` (250 ms: every step of a slow model, every tenth of a fast one)."""
         now = self._clock()
         if self._memory_due_at is not None and now < self._memory_due_at:
             return False
