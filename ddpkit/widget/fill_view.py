@@ -46,8 +46,9 @@ def fill_view(records, rank: int, step: int) -> str:
                                 [(iv, WAIT_COLOUR, "backward waiting for communication") for iv in waiting]:
         svg.rect(ms(a), top - 4, ms(b) - ms(a), height - top - 40, colour, title=what, opacity=0.6)
     buckets = sorted({b for _, b, _ in ready if b is not None} | {r.bucket for r in comm if r.bucket is not None})
-    svg.text(4, 14, f"Bucket fill · rank {rank} · step {step}: {len(ready)} gradients, {len(buckets)} buckets"
-             f" (dot colour = bucket)", size=12, weight="bold")
+    what = (f"{len(ready)} gradients, {len(buckets)} buckets (dot colour = bucket)" if ready
+            else f"{len(comm)} collectives, no gradient-ready records")
+    svg.text(4, 14, f"Bucket fill · rank {rank} · step {step}: {what}", size=12, weight="bold")
     svg.text(4, 28, "rows: layers, in the order their gradients became ready; shaded: backward computing, "
              "then grey: waiting for communication", size=10, fill="#555")
 
