@@ -7,6 +7,7 @@ cell, and what a long chatty run costs the page and the kernel.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -500,3 +501,65 @@ def test_ipython_displays_a_cluster_as_its_widget(cluster_of, monkeypatch):
     assert isinstance(shown[-1], ClusterWidget) and shown[-1].cluster is c
     shown[-1].close()
     assert "ddpkit.widget" not in open(ddpkit.cluster.__file__).read()
+
+
+# ----------------------------------------------------------------------------- the views alone
+def _step_records(buckets: int, layers: int = 32, rank: int = 0, step: int = 0, unit: bool = False):
+    """One overlapped-DDP-like step: 2 gradients per layer, buckets launched in order."""
+    from ddpkit.trace import Record
+
+    recs = [Record("span", "compute", "forward", rank, step, 0, 1_000_000),
+            Record("span", "compute", "backward", rank, step, 1_000_000, 9_000_000)]
+    names = ["head.bias", "head.weight"] + [f"layers.{i}.0.{w}" for i in reversed(range(layers))
+                                            for w in ("bias", "weight")]
+    per = -(-len(names) // buckets)
+    for k, name in enumerate(names):
+        recs.append(Record("instant", "grad_ready", name, rank, step, 1_000_000 + 100_000 * k, bucket=k // per))
+    for b in range(buckets):
+        t = 1_000_000 + 100_000 * min((b + 1) * per - 1, len(names) - 1)
+        recs.append(Record("span", "comm", "all_reduce" if not unit else "all_gather", rank, step, t,
+                           t + 2_000_000, nbytes=1 << 20, bucket=None if unit else b, unit=f"u{b}" if unit else None))
+    recs.append(Record("span", "compute", "step", rank, step, 9_500_000, 9_800_000))
+    return recs
+
+
+def test_the_fill_view_has_a_readable_row_per_layer():
+    from ddpkit.widget.fill_view import fill_view
+
+    svg = fill_view(_step_records(4), 0, 0)
+    assert "66 gradients, 4 buckets" in svg
+    labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', svg)
+    assert labels[:3] == ["head", "layers.31.0", "layers.30.0"] and "bucket 3 all_reduce" in labels
+    assert len([lb for lb in labels if lb.startswith(("head", "layers"))]) == 33
+    assert not re.search(r'font-size="([0-9])"', svg)  # no label smaller than 10 px
+    assert svg.count("<circle") == 66
+
+
+def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():
+    from ddpkit.trace import Trace, overlap_fraction
+    from ddpkit.widget.timeline_view import timeline_view
+
+    recs = _step_records(4) + _step_records(4, rank=1)
+    svg = timeline_view(recs, [0], [0, 1], 2)
+    assert [svg.count(f">bucket {b}<") for b in range(4)] == [2, 2, 2, 2]  # per rank, a row per bucket
+    assert f"{overlap_fraction(Trace(recs, 2), steps=[0]):.0%} of communication time hidden" in svg
+    assert "backward waiting for communication" in svg  # the span after the last gradient
+    many = timeline_view(_step_records(20), [0], [0], 1)
+    assert ">bucket 0<" not in many and many.count("<rect") > 20  # 20 buckets: packed rows
+    fsdp = timeline_view(_step_records(9, unit=True), [0], [0], 1)
+    assert ">comm 1<" in fsdp and "all_gather u3" in fsdp  # FSDP's units: packed rows, each bar named
+
+
+def test_memory_and_loss_views_say_not_recorded_and_show_the_peak():
+    from ddpkit.trace import Record, memory_peak, memory_series
+    from ddpkit.widget.loss_view import loss_view
+    from ddpkit.widget.memory_view import memory_view
+
+    assert "not recorded" in memory_view({}, 0) and "<svg" not in memory_view({}, 0)
+    assert "not recorded" in loss_view({})
+    recs = [Record("counter", "memory", "memory", 0, s, 1_000_000 * s,
+                   args={"parameters": 100, "gradients": 50 * (s % 2), "activations": 30 * (s == 3)})
+            for s in range(6)]
+    svg = memory_view({0: memory_series(recs, 0)}, 0, memory_peak(recs), marker_step=2)
+    assert "peak 180 B on rank 0, step 3" in svg and "activations 30 B" in svg and 'stroke-dasharray="3,3"' in svg
+    assert "step 0: 2.000  -&gt;  step 2: 1.000" in loss_view({0: 2.0, 1: 1.5, 2: 1.0}, marker_step=1)
