@@ -24,19 +24,38 @@ def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
         return None, f"{label} failed: {last}"
 
 
+class Series:
+    """Names each run of a comparison where the learner looks: ``cluster.announce`` (the widget's
+    progress label: strategy, round, run 9 of 28) and the terminal ``ProgressBar``, if any."""
+
+    def __init__(self, cluster, total_runs: int, progress=None):
+        self.cluster, self.total_runs, self.progress, self.run = cluster, total_runs, progress, 0
+
+    def start(self, label: str) -> None:
+        self.run += 1
+        self.cluster.announce(label, run=self.run, runs=self.total_runs)
+        if self.progress:
+            self.progress.start(label)
+
+    def close(self) -> None:
+        self.cluster.announce(None)
+
+
 def time_round(cluster, strategies, r: int, steps: int, common: dict, per_round: dict, errors: dict,
-               progress=None) -> None:
-    """Round ``r`` of timing runs, recording off: each strategy once, the order rotated by ``r``
-    so slow spells of a shared machine hit every strategy alike. Appends the slowest rank's
-    median ms/step to ``per_round[s]``; a strategy that fails goes to ``errors`` and is skipped."""
+               progress=None, rounds: int | None = None) -> None:
+    """Round ``r`` (of ``rounds``) of timing runs, recording off: each strategy once, the order
+    rotated by ``r`` so slow spells of a shared machine hit every strategy alike. Appends the
+    slowest rank's median ms/step to ``per_round[s]``; a strategy that fails goes to ``errors``
+    and is skipped. ``progress``: anything with ``.start(label)`` (a ``Series``, a ProgressBar)."""
     from ddpkit.experiment import run_strategy
 
     order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+    of = f" of {rounds}" if rounds else ""
     for s in order:
         if s in errors:
             continue
         if progress:
-            progress.start(f"{s} (round {r + 1}, timing)")
+            progress.start(f"{s}: timing round {r + 1}{of}")
         results, err = _run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
         if err:
             errors[s] = err
@@ -81,7 +100,19 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
     order rotates each round, so slow spells hit every strategy alike), then one short recorded
     run each for bytes, overlap, memory and equality with one process. One dict per strategy.
-    ``progress``: a ``ddpkit.progressbar.ProgressBar`` subscribed to the cluster, or None."""
+    Each run is announced to the cluster (``cluster.announce``: the widget labels its progress
+    with the strategy, the round and the run's place in the whole comparison); ``progress``: a
+    ``ddpkit.progressbar.ProgressBar`` subscribed to the cluster, for a terminal, or None."""
+    series = Series(cluster, len(strategies) * (rounds + 1), progress)
+    try:
+        return _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
+                        bucket_cap_mb, record_steps, series)
+    finally:
+        series.close()
+
+
+def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
+             bucket_cap_mb, record_steps, series) -> list[dict]:
     from ddpkit.experiment import run_strategy, train_single_process
 
     n = cluster.world_size
@@ -90,7 +121,7 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
     per_round: dict = {s: [] for s in strategies}
     errors: dict = {}
     for r in range(rounds):
-        time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
+        time_round(cluster, strategies, r, steps, common, per_round, errors, series, rounds)
 
     warmup = 1
     reference = train_single_process(model, optimizer, steps=warmup + record_steps,
@@ -100,8 +131,7 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
         if s in errors:
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
-        if progress:
-            progress.start(f"{s} (recorded)")
+        series.start(f"{s}: one recorded run (bytes, memory, equality)")
         results, err = _run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
                                     record=True, reference=reference, **common)
         if err:
@@ -112,7 +142,8 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
         # it (a plain gloo group) torch's collectives run out of sight: unknown, not zero
         reported = bool(r0["collectives_per_step"]) or n == 1
         records.append(dict(
-            strategy=s, world_size=n, model=model, steps=steps, rounds=len(per_round[s]),
+            strategy=s, world_size=n, model=model, model_kwargs=dict(model_kwargs or {}), steps=steps,
+            rounds=len(per_round[s]),
             ms_per_step=statistics.median(per_round[s]),
             ms_per_step_rounds=per_round[s],
             ms_per_step_min=min(per_round[s]),
@@ -129,12 +160,17 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
 
 
 def _add_ratios(records: list[dict]) -> None:
-    """ms_per_step relative to torch's own wrappers, where they ran (1.2 = 20% slower)."""
+    """ms_per_step over torch's own wrapper of the same family (``family`` in the table of
+    strategies): DDP-like rows against torch_ddp, FSDP-like rows against torch_fsdp. A ratio
+    of times: 1.20 = 20% slower than torch's, 0.80 = faster."""
+    from ddpkit.strategies.table import strategy as row
+
     ok = {r["strategy"]: r for r in records if "error" not in r}
     for ref in ("torch_ddp", "torch_fsdp"):
         if ref in ok and ok[ref]["ms_per_step"] > 0:
             for r in ok.values():
-                r[f"vs_{ref}"] = r["ms_per_step"] / ok[ref]["ms_per_step"]
+                if row(r["strategy"]).family == row(ref).family:
+                    r[f"vs_{ref}"] = r["ms_per_step"] / ok[ref]["ms_per_step"]
 
 
 def _human_bytes(n: float) -> str:
@@ -160,7 +196,10 @@ def format_table(records: list[dict]) -> str:
         row = []
         for key, fmt in cols:
             v = r.get(key)
-            row.append("-" if v is None else _human_bytes(v) if fmt == "bytes" else fmt.format(v))
+            if v is None:  # a ratio to the other family's torch wrapper does not apply: blank
+                row.append("" if key.startswith("vs_") else "-")
+            else:
+                row.append(_human_bytes(v) if fmt == "bytes" else fmt.format(v))
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows if len(row) == len(heads))) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
@@ -169,4 +208,11 @@ def format_table(records: list[dict]) -> str:
             lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         else:
             lines.append(f"{row[0].rjust(widths[0])}  {row[1]}")
-    return "\n".join(lines)
+    notes = ["ms/step: the median over the timing rounds, of the slowest rank (recording off)."]
+    if any(k in r for r in records for k in ("vs_torch_ddp", "vs_torch_fsdp")):
+        notes.append("vs torch_ddp / vs torch_fsdp: ms/step divided by torch's own wrapper's, for strategies "
+                     "of its family (a time ratio: lower is faster; 1.20x = 20% slower).")
+    notes.append("peak: the most one rank held at once during a step (parameters, gradients, optimizer "
+                 "state, communication buffers, activations; on CUDA the allocator's peak).")
+    notes.append("sent/step: bytes one rank sends per step (ring algorithms); \"-\": not recorded.")
+    return "\n".join(lines + [""] + notes)

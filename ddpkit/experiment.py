@@ -15,6 +15,8 @@ overlap and memory back from ``ddpkit.trace``'s records.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
@@ -25,19 +27,48 @@ from ddpkit.strategies.table import strategy as strategy_row
 
 def train_step(model, optimizer, inputs, targets, recorder=None):
     """Forward, backward, finish gradient sync, optimizer step; returns the local loss.
-    ``recorder``: where the four spans go (default: the rank's, off unless recording)."""
+
+    ``recorder``: where the step is recorded (default: the rank's, off unless recording). A
+    recorder gets the four spans and this rank's loss; when it says a memory sample is due
+    (``memory_due``: about four times a second), two samples too: at the end of forward
+    (activations alive, no gradients) and after the optimizer step (gradients and optimizer
+    state alive). With recording off each of those calls does nothing."""
     if recorder is None:
         recorder = rank_recorder()
-    with recorder.span("forward", cat="compute"):
+    recorder.begin_step()  # a new step index, unless the caller just started one
+    sample = recorder.memory_due()
+    with recorder.span("forward", cat="compute"), _activations(sample, model) as saved:
         loss = loss_fn(model(inputs), targets)
+    if sample:
+        _memory_sample(recorder, model, optimizer, saved.peak_bytes)
     with recorder.span("backward", cat="compute"):
         loss.backward()
     with recorder.span("sync", cat="compute"):
         model.finish_gradient_synchronization()  # a no-op where backward already finished it
     with recorder.span("step", cat="compute"):
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    if sample:
+        _memory_sample(recorder, model, optimizer, 0)  # backward freed the activations
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss.detach()
+    recorder.loss(loss)
+    return loss
+
+
+def _activations(sample: bool, model):
+    """Count the bytes autograd saves in forward (``ActivationMeter``), when sampling memory."""
+    if not sample:
+        return contextlib.nullcontext()
+    from ddpkit.memory import ActivationMeter
+
+    return ActivationMeter(model)
+
+
+def _memory_sample(recorder, model, optimizer, activations: int) -> None:
+    """What this rank holds now, by category (``ddpkit.memory``), to the recorder."""
+    from ddpkit.memory import memory_by_category
+
+    recorder.memory(**memory_by_category(model, optimizer, activations))
 
 
 def optimizer_class(name: str):
@@ -120,7 +151,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
         comm_ns += sum(b - a for a, b in comm)
         hidden_ns += sum(b - a for a, b in both)
     peak_sample = max((sum(v for k, v in r.args.items() if not k.startswith("cuda"))
-                       for r in t.records if r.kind == "counter"), default=0)
+                       for r in t.records if r.kind == "counter" and r.cat == "memory"), default=0)
     return dict(
         comm_bytes_per_step=sum(per_bytes.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
         inter_node_bytes_per_step=sum(inter_node.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),

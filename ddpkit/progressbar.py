@@ -2,7 +2,7 @@
 
     bar = ProgressBar(total_runs=4)
     cluster.subscribe(bar)          # rank 0's ddpkit.progress(done, total) events move it
-    bar.start("naive (round 1)")    # before each run
+    bar.start("naive: timing round 1 of 3")    # before each run (ddpkit.compare does this)
     ...
     bar.close()
 
@@ -27,9 +27,11 @@ class ProgressBar:
         self.show(0, 1)
 
     def show(self, done: int, total: int) -> None:
+        # the bar is the whole series (finished runs plus this one's share), the words this run
         width = 24
-        fill = int(width * done / max(total, 1))
-        line = (f"[{'#' * fill}{'.' * (width - fill)}] run {self.run}/{self.total_runs} "
+        overall = min((self.run - 1 + done / max(total, 1)) / max(self.total_runs, 1), 1.0)
+        fill = int(width * overall)
+        line = (f"[{'#' * fill}{'.' * (width - fill)}] {overall:4.0%} run {self.run}/{self.total_runs} "
                 f"{self.label}: step {done}/{total}")
         if self.tty:
             self.stream.write("\r" + line.ljust(79))

@@ -33,6 +33,19 @@ class NullRecorder:
     def memory(self, **bytes_by_category: int) -> None:
         pass
 
+    # what the training step (``experiment.train_step``) tells a recorder besides
+    def begin_step(self) -> None:
+        pass
+
+    def next_step(self) -> None:
+        pass
+
+    def loss(self, value) -> None:
+        pass
+
+    def memory_due(self) -> bool:
+        return False
+
 
 NULL_RECORDER = NullRecorder()
 

@@ -62,9 +62,10 @@ def use(topic: str, name: str, quiet: bool = False):
     if is_stub(fn):
         ref = importlib.reload(importlib.import_module(f"solutions.{topic}"))
         if not quiet:
-            print(f"exercise {topic}.{name} not done yet — using the reference solution; write it in "
-                  f"exercises/{topic}.py and check it with: "
-                  f"DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k {name}")
+            # short lines: a notebook's output wraps long ones mid-word
+            print(f"exercise {topic}.{name} is not done yet: using the reference solution.\n"
+                  f"  write it in exercises/{topic}.py, then check it with\n"
+                  f"  DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k {name}")
         fn, mine = getattr(ref, name), ref
     cloudpickle.register_pickle_by_value(mine)
     return fn

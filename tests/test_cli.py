@@ -11,6 +11,7 @@ import pytest
 import ddpkit
 from ddpkit.__main__ import main
 from ddpkit.experiment import STRATEGIES
+from ddpkit.strategies.table import strategy as strategy_row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(ddpkit.__file__)))
 
@@ -124,7 +125,8 @@ def test_compare_short_run_writes_sane_records(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     for s in strategies:
         assert s in res.stdout
-    assert "run 1/" in res.stderr  # the progress bar
+    assert "run 1/" in res.stderr and "timing round 1 of 1" in res.stderr  # the progress bar, labelled
+    assert "lower is faster" in res.stdout and "peak: the most one rank held" in res.stdout
     records = json.loads(out.read_text())
     assert [r["strategy"] for r in records] == strategies
     param_bytes = 4 * (2 * (8 * 8 + 8) + 8 * 10 + 10)
@@ -142,9 +144,12 @@ def test_compare_short_run_writes_sane_records(tmp_path):
             assert r["comm_bytes_per_step"] == pytest.approx(param_bytes, rel=0.02)
         if r["strategy"] in ("fsdp", "torch_fsdp"):
             assert r["comm_bytes_per_step"] == pytest.approx(1.5 * param_bytes, rel=0.05)
-        if "torch_ddp" in strategies:
-            torch_ms = records[strategies.index("torch_ddp")]["ms_per_step"]
-            assert r["vs_torch_ddp"] == pytest.approx(r["ms_per_step"] / torch_ms)
+        # each strategy is compared with torch's wrapper of its own family only
+        family = strategy_row(r["strategy"]).family
+        ref, other = ("torch_ddp", "torch_fsdp") if family == "ddp" else ("torch_fsdp", "torch_ddp")
+        torch_ms = records[strategies.index(ref)]["ms_per_step"]
+        assert r[f"vs_{ref}"] == pytest.approx(r["ms_per_step"] / torch_ms)
+        assert f"vs_{other}" not in r
 
 
 def test_trace_writes_a_chrome_trace(tmp_path):
@@ -158,3 +163,4 @@ def test_trace_writes_a_chrome_trace(tmp_path):
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert any(e["ph"] == "X" and e["name"] == "all_reduce" for e in events)
     assert any(e["ph"] == "X" and e["name"] == "backward" for e in events)
+    assert any(e["ph"] == "s" for e in events) and any(e["ph"] == "f" for e in events)  # ranks linked

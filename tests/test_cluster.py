@@ -37,6 +37,91 @@ def test_results_in_rank_order_with_closures_lambdas_and_kwargs(cluster_of):
     assert c.run(lambda: str(ddpkit.device())) == ["cpu", "cpu"]
 
 
+# ---------------------------------------------------------------------- the recording switch
+def _every_keyword(fn=None, args=None, kwargs=None, record=None, recorder=None, interval_s=None, **more):
+    """Keyword names the recording switch uses itself must still reach the job."""
+    return dict(fn=fn, args=args, kwargs=kwargs, record=record, recorder=recorder, interval_s=interval_s,
+                **more)
+
+
+def test_every_keyword_reaches_the_job_with_recording_on_or_off(cluster_of):
+    c = cluster_of(2)
+    kw = dict(fn=1, args=2, kwargs=3, record=4, recorder=5, interval_s=6, runner=7)
+    assert c.run(_every_keyword, **kw) == [kw, kw]
+    with c.recording():
+        assert c.run(_every_keyword, **kw) == [kw, kw]
+
+
+def _train_recorded(steps):
+    """Trains with a strategy built without a recorder: it records into the rank's recorder."""
+    from ddpkit.experiment import local_batch, train_step
+    from ddpkit.models import build_model
+    from ddpkit.rankside import recorder
+
+    module = build_model("mlp", seed=0, width=16, depth=3)
+    model = ddpkit.OverlappedDDP(module, bucket_cap_mb=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        train_step(model, opt, *local_batch(module, 8, step, ddpkit.rank(), ddpkit.world_size()))
+    return type(recorder()).__name__, getattr(recorder(), "rank", None)
+
+
+def test_recording_is_one_switch_and_run_returns_what_the_job_returned(cluster_of):
+    c = cluster_of(2)
+    assert not c.record and c.run(_train_recorded, 1) == [("NullRecorder", None)] * 2
+    seen = []
+    c.subscribe(lambda kind, rank, **f: seen.append((kind, f.get("on"))) if kind == "recording" else None)
+    with c.recording() as same:
+        assert same is c and c.record
+        results = c.run(_train_recorded, 3)
+    assert not c.record and seen == [("recording", True), ("recording", False)]
+    assert results == [("Recorder", 0), ("Recorder", 1)]  # exactly what the job returned
+    trace = c.last_trace
+    assert trace.ranks == [0, 1] and trace.steps == [0, 1, 2] and trace.world_size == 2
+    # every strategy built inside recorded: 4 buckets of the 4 Linears' 8 tensors, per step and rank
+    assert len(trace.select(step=1, rank=0, cat="comm")) == 8
+    assert len(trace.select(cat="grad_ready")) == 3 * 8 * 2
+    assert {r.name for r in trace.select(cat="compute")} == {"forward", "backward", "sync", "step"}
+    assert len(trace.select(cat="loss")) == 6
+    # memory: two samples (end of forward, after the step) in the first step, then when due
+    assert len(trace.select(step=0, cat="memory")) == 4
+    # a later run without recording keeps the last recorded trace
+    assert c.run(ddpkit.rank) == [0, 1] and c.last_trace is trace
+
+
+def test_jobs_that_record_by_hand_still_work_when_the_cluster_records(cluster_of):
+    def job():
+        from ddpkit.trace import Recorder
+
+        rec = Recorder()
+        model = ddpkit.NaiveDDP(torch.nn.Linear(4, 4), recorder=rec)
+        rec.next_step()
+        model(torch.ones(2, 4)).sum().backward()
+        model.finish_gradient_synchronization()
+        return rec.trace()
+
+    c = cluster_of(2)
+    with c.recording():
+        traces = c.run(job)
+    assert [len(t.select(cat="comm")) for t in traces] == [2, 2]  # the job's own recorder got them
+    assert c.last_trace.select(cat="comm") == []                   # not the cluster's
+
+
+def test_a_failed_recorded_run_keeps_what_was_recorded(cluster_of):
+    def job():
+        from ddpkit.rankside import recorder
+
+        recorder().next_step()
+        recorder().loss(1.5)
+        if ddpkit.rank() == 0:
+            raise RuntimeError("stop here")
+
+    c = cluster_of(2)
+    with pytest.raises(RankError, match="stop here"), c.recording():
+        c.run(job)
+    assert [r.rank for r in c.last_trace.select(cat="loss")] in ([0, 1], [1, 0])
+
+
 def test_process_group_is_usable_in_a_job(cluster_of):
     def job():
         t = torch.tensor([float(ddpkit.rank() + 1)])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 
 import pytest
 import torch
@@ -104,6 +105,80 @@ def test_steps_and_setup_records():
     assert [r.step for r in trace.select(step=-3)] == [0]
     with pytest.raises(IndexError):
         trace.select(step=-4)
+
+
+def test_begin_step_starts_a_step_unless_next_step_just_did():
+    rec = Recorder(rank=0, world_size=1)
+    assert [rec.begin_step() for _ in range(3)] == [0, 1, 2]  # train_step alone: a step each
+    rec.next_step()                                            # a job that marks its own steps
+    assert rec.begin_step() == 3 and rec.begin_step() == 4
+    rec.next_step()
+    rec.next_step()                                            # twice: an empty step 5 is skipped
+    assert rec.begin_step() == 6
+
+
+def test_memory_samples_are_due_at_most_every_interval():
+    clock = FakeClock(0)
+    rec = Recorder(rank=0, world_size=1, clock=clock)
+    rec.memory_interval_ns = 100
+    due = []
+    for t in range(0, 350, 25):  # a step every 25 ns: every fourth one samples
+        clock.t = t
+        due.append(rec.memory_due())
+    assert [t for t, d in zip(range(0, 350, 25), due, strict=True) if d] == [0, 100, 200, 300]
+
+
+def test_the_loss_is_a_counter_read_when_resolved():
+    rec = Recorder(rank=1, world_size=2, clock=FakeClock(7))
+    rec.next_step()
+    rec.loss(torch.tensor(2.5))
+    (r,) = rec.records
+    assert (r.kind, r.cat, r.step, r.start_ns, r.args) == ("counter", "loss", 0, 7, {"loss": 2.5})
+
+
+def test_drain_hands_out_each_record_once_holding_back_a_collective_in_flight():
+    clock = FakeClock()
+    rec = Recorder(rank=0, world_size=2, clock=clock)
+    rec.next_step()
+    with rec.span("forward"):
+        clock.t += 10
+    assert [r.name for r in rec.drain()] == ["forward"]
+    assert rec.drain() == []
+    work = FakeWork()
+    rec.collective("all_reduce", work, nbytes=8, bucket=0)
+    rec.grad_ready("w", bucket=0)
+    assert rec.drain() == []  # the collective has no end yet: it and what follows wait
+    clock.t += 5
+    work.future.set_result(None)
+    out = rec.drain()
+    assert [r.name for r in out] == ["all_reduce", "w"] and out[0].end_ns == clock.t
+    rec.collective("all_gather", FakeWork(), nbytes=8)  # never completes
+    rec.memory(parameters=1)
+    assert rec.drain() == []
+    last = rec.drain(final=True)  # the end of the job: everything, unfinished or not
+    assert [r.name for r in last] == ["all_gather", "memory"] and last[0].end_ns is None
+    assert len(rec.records) == 5  # .records still has every call
+
+
+def test_a_streamer_sends_batches_at_its_rate_never_one_message_per_record():
+    from ddpkit.trace.live import Collector, Streamer, unpack
+
+    rec = Recorder(rank=1, world_size=2)
+    sent = []
+    with Streamer(rec, lambda **batch: sent.append(batch), interval_s=0.05):
+        rec.next_step()
+        for i in range(20_000):
+            rec.grad_ready(f"p{i}", bucket=i % 3)
+            if i % 4000 == 0:
+                time.sleep(0.06)
+    assert sent[-1]["final"] and not any(b["final"] for b in sent[:-1])
+    assert 2 <= len(sent) < 40
+    names = [unpack(1, t).name for b in sent for t in b["records"]]
+    assert names == [f"p{i}" for i in range(20_000)]  # all of them, in order, once
+    collector = Collector(2, "gloo")
+    for b in sent:
+        collector("records", 1, **b)
+    assert collector.finished == {1} and len(collector.trace().records) == 20_000
 
 
 def test_align_clocks_finds_a_skewed_clock(cluster_of):
@@ -228,6 +303,25 @@ def test_chrome_trace_schema(tmp_path):
     assert [e["args"] for e in counters] == [{"parameters": 4000}] * 2
 
 
+def test_flow_events_link_each_collective_from_the_rank_that_launched_last():
+    recs = []
+    for rank, late in ((0, 0), (1, 50)):  # rank 1 launches every collective 50 ns later
+        recs += [comm(rank, 0, "all_reduce", 100 + late, 300, 8, bucket=0),
+                 comm(rank, 0, "all_reduce", 320 + late, 500, 8, bucket=1),
+                 comm(rank, 1, "all_reduce", 600 + late, 700, 8, bucket=0)]
+    events = to_chrome_trace(Trace(recs, 2))["traceEvents"]
+    starts = [e for e in events if e["ph"] == "s"]
+    ends = [e for e in events if e["ph"] == "f"]
+    assert len(starts) == len(ends) == 3 and {e["id"] for e in starts} == {e["id"] for e in ends}
+    assert all(e["pid"] == 1 and "rank 1 launched last" in e["name"] for e in starts)
+    assert all(e["pid"] == 0 and e["bp"] == "e" and e["args"]["waited_us"] == 0.05 for e in ends)
+    xs = {(e["pid"], e["ts"]): e for e in events if e["ph"] == "X"}
+    for s_, f in zip(sorted(starts, key=lambda e: e["ts"]), sorted(ends, key=lambda e: e["ts"]), strict=True):
+        assert (1, s_["ts"]) in xs and s_["tid"] == xs[(1, s_["ts"])]["tid"]  # on the late rank's slice
+        x = next(x for (p, _), x in xs.items() if p == 0 and x["ts"] <= f["ts"] <= x["ts"] + x["dur"])
+        assert f["tid"] == x["tid"]  # inside the early rank's slice of the same collective
+
+
 def test_x_events_on_one_lane_never_partly_overlap():
     # Chrome's complete events on one thread must nest; collectives in flight together don't.
     recs = [comm(0, 0, "all_reduce", 10 * i, 10 * i + 35, 8, bucket=i) for i in range(6)]
@@ -243,6 +337,25 @@ def test_x_events_on_one_lane_never_partly_overlap():
 
 
 # ----------------------------------------------------------------------------- derived figures
+def test_memory_over_time_carries_partial_samples_and_finds_the_peak():
+    from ddpkit.trace import fill_rows, loss_per_step, memory_peak, memory_series
+
+    recs = [Record("counter", "memory", "memory", 0, 0, 10, args={"parameters": 100, "gradients": 0}),
+            Record("counter", "memory", "memory", 0, 0, 20, args={"unsharded_parameters": 50}),
+            Record("counter", "memory", "memory", 0, 1, 30, args={"gradients": 100, "cuda_allocated": 9}),
+            Record("counter", "memory", "memory", 1, 1, 30, args={"parameters": 10})]
+    assert memory_series(recs, 0) == [(10, 0, {"parameters": 100, "gradients": 0}),
+                                      (20, 0, {"parameters": 100, "gradients": 0, "unsharded_parameters": 50}),
+                                      (30, 1, {"parameters": 100, "gradients": 100, "unsharded_parameters": 50})]
+    assert memory_peak(recs) == (0, 30, 1, {"parameters": 100, "gradients": 100, "unsharded_parameters": 50})
+    assert memory_peak([]) is None
+    losses = [Record("counter", "loss", "loss", r, s, 0, args={"loss": float(r + s)}) for r in (0, 1) for s in (0, 1)]
+    assert loss_per_step(losses) == {0: 0.5, 1: 1.5}
+    ready = [(f"layers.{i}.{w}", 0, i) for i in range(3) for w in ("weight", "bias")]
+    assert [label for label, _ in fill_rows(ready)] == ["layers.0", "layers.1", "layers.2"]
+    assert [label for label, _ in fill_rows(ready, max_rows=2)] == ["layers.0 .. layers.1", "layers.2"]
+
+
 def test_ring_bytes_follow_the_ring_formulas():
     s, n = 1200, 4
     assert ring_bytes("all_reduce", s, n) == 2 * 3 / 4 * s

@@ -51,13 +51,31 @@ def synthetic_trace(ranks=2, steps=2, buckets=3, grads_per_bucket=2) -> Trace:
     return Trace(recs, world_size=ranks, backend="gloo")
 
 
-def test_bucket_fill_renders():
+def test_bucket_fill_renders_a_row_per_layer():
     fig = plot_bucket_fill(synthetic_trace(), rank=1, step=0)
     assert_png(fig)
     top = fig.axes[0]
     assert "rank 1, step 0" in top.get_title()
-    assert [t.get_text() for t in top.get_yticklabels()][:2] == ["layers.0.0.weight", "layers.0.1.weight"]
+    assert [t.get_text() for t in top.get_yticklabels()][:2] == ["layers.0.0", "layers.0.1"]
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["bucket 0", "bucket 1", "bucket 2"]
     assert "ms" in fig.axes[1].get_xlabel()
+
+
+def test_bucket_fill_of_the_default_mlp_fits_a_screen_with_readable_labels():
+    # 66 gradients: a weight and a bias per layer, one row each layer (33), labels at 9 pt
+    recs = [Record("span", "compute", "backward", 0, 0, 0, 70_000_000)]
+    names = ["head.bias", "head.weight"]
+    names += [f"layers.{i}.0.{w}" for i in reversed(range(32)) for w in ("bias", "weight")]
+    recs += [Record("instant", "grad_ready", n, 0, 0, 1_000_000 * (k + 1), bucket=k // 20) for k, n in enumerate(names)]
+    fig = plot_bucket_fill(Trace(recs, 1), rank=0, step=0)
+    labels = fig.axes[0].get_yticklabels()
+    assert [t.get_text() for t in labels][:3] == ["head", "layers.31.0", "layers.30.0"] and len(labels) == 33
+    assert all(t.get_fontsize() >= 9 for t in labels)
+    assert fig.get_size_inches()[1] < 10
+    many = [Record("instant", "grad_ready", f"layers.{i}.weight", 0, 0, i, bucket=0) for i in range(200)]
+    fig = plot_bucket_fill(Trace(recs[:1] + many, 1), rank=0, step=0)
+    assert len(fig.axes[0].get_yticklabels()) <= 36  # neighbours merged: "layers.0 .. layers.5"
+    assert " .. " in fig.axes[0].get_yticklabels()[0].get_text()
 
 
 def test_timeline_renders_all_steps_one_step_and_a_list():
@@ -67,13 +85,30 @@ def test_timeline_renders_all_steps_one_step_and_a_list():
         assert_png(fig)
         ax = fig.axes[0]
         labels = [t.get_text() for t in ax.get_yticklabels()]
-        assert labels == ["rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+        assert labels == ["rank 0 compute", "bucket 0", "bucket 1", "bucket 2"] + \
+                         ["rank 1 compute", "bucket 0", "bucket 1", "bucket 2"]
         assert "hidden under backward" in ax.get_title() and ax.get_xlabel() == "time (ms)"
+
+
+def test_timeline_title_is_overlap_fraction_of_the_steps_drawn_and_splits_backward():
+    from matplotlib.colors import to_hex
+
+    from ddpkit.trace import overlap_fraction
+    from ddpkit.viz._common import WAIT_COLOUR
+
+    trace = synthetic_trace()
+    for steps, chosen in ((-1, [1]), (None, [0, 1])):
+        title = plot_timeline(trace, steps=steps).axes[0].get_title()
+        assert f"{overlap_fraction(trace, steps=chosen):.0%} of communication" in title
+    # backward computes until its last gradient is ready, then waits (a grey bar of its own)
+    ax = plot_timeline(trace, steps=-1).axes[0]
+    faces = {to_hex(c) for coll in ax.collections for c in coll.get_facecolors()}
+    assert WAIT_COLOUR in faces
 
 
 def test_memory_plot_per_rank_and_across_strategies_with_predictions():
     trace = synthetic_trace()
-    assert_png(plot_memory(trace))  # each rank's last sample
+    assert_png(plot_memory(trace))  # each rank at its peak
     n = 1000
     per_rank = lambda k: [{"parameters": 4 * n / k, "gradients": 4 * n / k, "optimizer_state": 8 * n / k}] * 2  # noqa: E731
     fig = plot_memory({"overlapped": trace, "zero1": per_rank(1), "fsdp": per_rank(2)},

@@ -2,10 +2,12 @@
 
 Each test drives a real gloo Cluster (the shared ``cluster_of(2)``) and reads the widget's
 traits: button presses through ``.click()``, rank errors, progress from ``ddpkit.progress``,
-and the plot tabs after a traced run.
+the live plots of a recorded run (SVG text), the replay slider, the status line in the running
+cell, and what a long chatty run costs the page and the kernel.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -19,7 +21,7 @@ from ddpkit.widget import ClusterWidget, show, trace_of  # noqa: E402
 def statuses(w: ClusterWidget) -> list[str]:
     """The status word each rank row shows (the text inside its status span)."""
     out = []
-    for s in w.rank_status:
+    for s in w.ranks.status:
         v = s.value
         i = v.index("class='ddpkit-status'")
         out.append(v[v.index(">", i) + 1: v.index("</span>", i)])
@@ -35,11 +37,29 @@ def wait_for(cond, timeout: float = 10.0) -> bool:
     return cond()
 
 
+_OPEN: list = []
+
+
+def request_close(w) -> None:
+    _OPEN.append(w)
+
+
+@pytest.fixture(autouse=True)
+def _close_widgets():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 @pytest.fixture
-def widget(cluster_of):
-    w = ClusterWidget(cluster_of(2), log_lines=10)
+def widget(cluster_of, monkeypatch):
+    c = cluster_of(2)
+    c.run(int)  # the shared ranks start this test idle: an earlier test's rank error is over
+    monkeypatch.setattr(c, "last_trace", None)  # and with no recorded run to show
+    w = ClusterWidget(c, log_lines=10, cell_output=None)
     yield w
     w.close()
+    w.cluster.record = False
 
 
 def test_header_and_rank_rows_show_the_cluster(widget):
@@ -48,7 +68,7 @@ def test_header_and_rank_rows_show_the_cluster(widget):
     assert "backend gloo" in widget.header.value
     assert "devices cpu, cpu" in widget.header.value
     assert statuses(widget) == ["idle", "idle"]
-    for r, row in zip(c.ranks, widget.rank_status, strict=True):
+    for r, row in zip(c.ranks, widget.ranks.status, strict=True):
         assert f"rank {r.rank}" in row.value and f"pid {r.pid}" in row.value
     assert widget.start_button.disabled and not widget.restart_button.disabled
 
@@ -60,7 +80,7 @@ def test_buttons_restart_stop_start(widget):
     assert statuses(widget) == ["idle", "idle"]
     new_pids = [r.pid for r in c.ranks]
     assert set(new_pids).isdisjoint(old_pids)  # fresh processes
-    assert all(f"pid {p}" in row.value for p, row in zip(new_pids, widget.rank_status, strict=True))
+    assert all(f"pid {p}" in row.value for p, row in zip(new_pids, widget.ranks.status, strict=True))
 
     widget.stop_button.click()
     assert statuses(widget) == ["stopped", "stopped"]
@@ -100,16 +120,16 @@ def test_rank_error_shows_status_and_traceback_then_restart_recovers(widget):
     with pytest.raises(ddpkit.RankError):
         widget.cluster.run(job)
     assert statuses(widget) == ["idle", "error"]
-    assert wait_for(lambda: "ValueError: boom from rank 1" in widget.rank_logs[1].value, 2.0), \
-        widget.rank_logs[1].value
-    assert "boom" not in widget.rank_logs[0].value
+    assert wait_for(lambda: "ValueError: boom from rank 1" in widget.ranks.logs[1].value, 2.0), \
+        widget.ranks.logs[1].value
+    assert "boom" not in widget.ranks.logs[0].value
 
     widget.restart_button.click()
     assert statuses(widget) == ["idle", "idle"]
-    assert "boom" not in widget.rank_logs[1].value  # fresh ranks, fresh logs
+    assert "boom" not in widget.ranks.logs[1].value  # fresh ranks, fresh logs
     widget.cluster.run(print, "after the restart")
     assert statuses(widget) == ["idle", "idle"]
-    assert wait_for(lambda: "after the restart" in widget.rank_logs[1].value, 2.0)
+    assert wait_for(lambda: "after the restart" in widget.ranks.logs[1].value, 2.0)
 
 
 def test_dead_rank_shows_dead_then_restart_recovers(widget):
@@ -121,17 +141,17 @@ def test_dead_rank_shows_dead_then_restart_recovers(widget):
         return "ok"
 
     seen = []
-    widget.rank_status[1].observe(lambda ch: seen.append(ch["new"]), names="value")
+    widget.ranks.status[1].observe(lambda ch: seen.append(ch["new"]), names="value")
     with pytest.raises(ddpkit.RankError):
         widget.cluster.run(job)
     assert any(">dead</span>" in v for v in seen), seen
     # the cluster may restart its ranks after a fault; either way the reason stays readable
     assert statuses(widget)[1] in ("dead", "idle")
-    assert "exited with code 3" in widget.rank_logs[1].value, widget.rank_logs[1].value
+    assert "exited with code 3" in widget.ranks.logs[1].value, widget.ranks.logs[1].value
     assert not widget.restart_button.disabled
     widget.restart_button.click()
     assert statuses(widget) == ["idle", "idle"]
-    assert "exited with code 3" not in widget.rank_logs[1].value  # a fresh start, by request
+    assert "exited with code 3" not in widget.ranks.logs[1].value  # a fresh start, by request
     assert widget.cluster.run(ddpkit.rank) == [0, 1]
 
 
@@ -142,28 +162,28 @@ def test_log_shows_the_tail_of_what_each_rank_printed(widget):
 
     widget.cluster.run(job)
     for r in (0, 1):
-        assert wait_for(lambda r=r: f"line 29 of rank {r}" in widget.rank_logs[r].value, 2.0)
-        text = widget.rank_logs[r].value
+        assert wait_for(lambda r=r: f"line 29 of rank {r}" in widget.ranks.logs[r].value, 2.0)
+        text = widget.ranks.logs[r].value
         assert f"line 20 of rank {r}" in text and f"line 19 of rank {r}" not in text  # 10 lines kept
         assert f"of rank {1 - r}" not in text
 
 
 def test_log_updates_are_coalesced(widget):
     updates = []
-    widget.rank_logs[0].observe(lambda ch: updates.append(ch["new"]), names="value")
+    widget.ranks.logs[0].observe(lambda ch: updates.append(ch["new"]), names="value")
 
     def job():
         for i in range(400):
             print(f"chatty {i}")
 
     widget.cluster.run(job)
-    assert wait_for(lambda: "chatty 399" in widget.rank_logs[0].value, 2.0)
+    assert wait_for(lambda: "chatty 399" in widget.ranks.logs[0].value, 2.0)
     assert len(updates) < 100, f"{len(updates)} log updates for 400 lines"
 
 
 def test_progress_bar_follows_ddpkit_progress(widget):
     seen = []
-    widget.progress.observe(lambda ch: seen.append(ch["new"]), names="value")
+    widget.progress.bar.observe(lambda ch: seen.append(ch["new"]), names="value")
 
     def job(n):
         for i in range(n):
@@ -172,23 +192,60 @@ def test_progress_bar_follows_ddpkit_progress(widget):
         return n
 
     widget.cluster.run(job, 6)
-    assert widget.progress_box.layout.display != "none"
-    assert widget.progress.max == 6 and widget.progress.value == 6
-    assert widget.progress_label.value == "6 / 6 steps"
+    assert widget.progress.layout.display != "none"
+    assert widget.progress.bar.max == 6 and widget.progress.bar.value == 6
+    assert widget.progress.label.value == "6 / 6 steps"
     assert seen == sorted(seen) and len(set(seen)) >= 3  # it moved while the job ran
 
     widget.cluster.run(job, 4)  # a new run starts its own count
-    assert widget.progress.max == 4 and widget.progress_label.value == "4 / 4 steps"
+    assert widget.progress.bar.max == 4 and widget.progress.label.value == "4 / 4 steps"
+
+
+def test_a_series_of_runs_is_labelled_with_its_overall_progress(widget):
+    """compare announces each run (strategy, round, run i of N): the bar is the whole series."""
+    def job(n):
+        for i in range(n):
+            ddpkit.progress(i + 1, n)
+
+    widget.cluster.announce("overlapped, timing round 2 of 3", run=3, runs=4)
+    widget.cluster.run(job, 5)
+    label = widget.progress.label.value
+    assert "overlapped, timing round 2 of 3" in label and "run 3 of 4" in label and "5 / 5 steps" in label
+    assert widget.progress.bar.description == "overall" and widget.progress.bar.value == 750  # 3 of 4 runs
+    widget.cluster.announce(None)
+    assert widget.progress.label.value == "5 / 5 steps"
 
 
 def test_plain_results_show_no_plots(widget):
     assert widget.cluster.run(ddpkit.rank) == [0, 1]
     assert widget.plots_done.wait(5)
-    assert widget.plots.layout.display == "none" and not widget.plots.children
+    assert widget.live.layout.display == "none" and widget.live.mode == "empty"
     assert trace_of([0, 1]) is None and trace_of([[], []]) is None
 
 
-def test_plot_tabs_after_a_traced_run(widget):
+def _train(steps, width=64, depth=6, cap=0.02, sleep=0.0, fail_at=None):
+    """A job: an OverlappedDDP MLP trained with train_step, recording only if the cluster does."""
+    import torch
+
+    from ddpkit.experiment import local_batch, train_step
+    from ddpkit.models import build_model
+
+    module = build_model("mlp", seed=0, width=width, depth=depth)
+    model = ddpkit.OverlappedDDP(module, bucket_cap_mb=cap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        if step == fail_at and ddpkit.rank() == 1:
+            raise ValueError(f"rank 1 gave up at step {step}")
+        x, y = local_batch(module, 8, step, ddpkit.rank(), ddpkit.world_size())
+        losses.append(float(train_step(model, opt, x, y)))
+        ddpkit.progress(step + 1, steps)
+        time.sleep(sleep)
+    return losses
+
+
+def test_plot_tabs_after_a_job_that_records_by_hand(widget):
+    """Jobs written before recording was a switch (own Recorder, return rec.trace()) still plot."""
     def job():
         import torch
 
@@ -207,20 +264,207 @@ def test_plot_tabs_after_a_traced_run(widget):
         return rec.trace()
 
     results = widget.cluster.run(job)
-    assert trace_of(results) is not None
-    assert widget.plots_done.wait(60)
-    assert widget.plots.layout.display != "none"
-    assert widget.plots.titles == ("bucket fill", "timeline", "memory")
-    pngs = [getattr(child, "value", b"") for child in widget.plots.children]
-    assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in pngs), [png[:8] for png in pngs]
-
-    # drawing happens off the caller's thread: show_results returns before the plots exist
-    widget.show_results(results)
-    assert not widget.plots_done.is_set()
-    assert widget.plots_done.wait(60)
+    assert trace_of(results) is not None and widget.cluster.last_trace is None  # not a recorded run
+    assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
+    assert widget.live.layout.display != "none"
+    assert widget.live.tabs.titles == ("bucket fill", "timeline", "memory")
+    assert widget.live.step.value == 1 and (widget.live.step.min, widget.live.step.max) == (0, 1)
+    assert "<svg" in widget.live.fill.value and "step 1" in widget.live.fill.value
+    assert "<svg" in widget.live.timeline.value and "bucket 0" in widget.live.timeline.value
 
     widget.cluster.run(ddpkit.rank)  # a later untraced run keeps the last run's plots
-    assert widget.plots_done.wait(5) and len(widget.plots.children) == 3
+    assert widget.plots_done.wait(5) and widget.live.mode == "replay"
+
+
+def test_a_recorded_run_draws_while_it_goes_then_replays_any_step(widget):
+    c = widget.cluster
+    frames = {name: [] for name in ("fill", "timeline", "memory", "loss", "summary")}
+    running = {"on": False}
+    for name in frames:
+        getattr(widget.live, name).observe(
+            lambda ch, name=name: frames[name].append((running["on"], ch["new"])), names="value")
+    widget.record_toggle.value = True  # the widget's switch is the cluster's
+    assert c.record
+    running["on"] = True
+    losses = c.run(_train, 40, sleep=0.04)
+    running["on"] = False
+    widget.record_toggle.value = False
+    assert not c.record
+
+    # cluster.run returned exactly what the job returned; the trace is kept on the cluster
+    assert len(losses) == 2 and all(len(ls) == 40 for ls in losses)
+    trace = c.last_trace
+    assert trace.ranks == [0, 1] and trace.steps == list(range(40))
+    # the plots changed while the run went: several different frames before run() returned
+    for name in ("fill", "timeline", "loss"):
+        live = {v for during, v in frames[name] if during}
+        assert len(live) >= 2, f"{name}: {len(live)} frame(s) during the run"
+    assert any(during and "recording" in v for during, v in frames["summary"])
+
+    # after the run: replay. The slider picks a step; every view draws that step
+    assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
+    assert (widget.live.step.min, widget.live.step.max, widget.live.step.value) == (0, 39, 39)
+    widget.live.step.value = 7
+    assert widget.plots_done.wait(10) and wait_for(lambda: "step 7" in widget.live.fill.value)
+    assert "Bucket fill · rank 0 · step 7" in widget.live.fill.value
+    assert "Timeline · step 7" in widget.live.timeline.value
+    widget.live.rank.value = 1
+    assert wait_for(lambda: "Bucket fill · rank 1 · step 7" in widget.live.fill.value)
+    # memory over the whole run, its peak and what was live at it
+    memory = widget.live.memory.value
+    assert "Memory per rank over time" in memory and "peak" in memory and "parameters" in memory
+    assert "optimizer state" in memory and "gradients" in memory
+    # the loss per step is the ranks' mean, and the default-style model learns
+    from ddpkit.trace import loss_per_step
+
+    mean = loss_per_step(trace.records)
+    assert mean[3] == pytest.approx((losses[0][3] + losses[1][3]) / 2, rel=1e-6)
+    assert f"step 39: {mean[39]:.3f}" in widget.live.loss.value
+    assert mean[39] < mean[0]
+
+
+def test_save_trace_writes_a_chrome_trace(cluster_of, tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cluster_of(2), "last_trace", None)  # this cluster object only
+    widget = ClusterWidget(cluster_of(2), cell_output=None)
+    request_close(widget)
+    assert widget.save_button.disabled
+    widget.save_trace()  # nothing recorded yet: says so
+    assert "nothing recorded" in widget.message.value
+    with widget.cluster.recording():
+        widget.cluster.run(_train, 2)
+    assert wait_for(lambda: not widget.save_button.disabled)
+    widget.save_button.click()
+    written = list(tmp_path.glob("ddpkit-trace-*.json"))
+    assert len(written) == 1 and "ui.perfetto.dev" in widget.message.value
+    events = json.loads(written[0].read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1} and any(e["ph"] == "f" for e in events)  # flows too
+
+
+def test_memory_not_recorded_is_said_not_drawn(widget):
+    def job():  # records collectives and spans, no memory, no loss
+        import torch
+
+        module = torch.nn.Linear(8, 8)
+        model = ddpkit.NaiveDDP(module)
+        ddpkit.rankside.recorder().next_step()
+        with ddpkit.rankside.recorder().span("forward"):
+            model(torch.ones(2, 8)).sum().backward()
+        model.finish_gradient_synchronization()
+
+    import ddpkit.rankside  # noqa: F401
+
+    with widget.cluster.recording():
+        widget.cluster.run(job)
+    assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
+    assert "not recorded" in widget.live.memory.value and "<svg" not in widget.live.memory.value
+    assert "not recorded" in widget.live.loss.value
+
+
+def _records_then_rank_1_fails(steps):
+    """Records a few steps on each rank (no collectives), then rank 1 raises."""
+    rec = ddpkit.rankside.recorder()
+    for step in range(steps):
+        rec.next_step()
+        with rec.span("forward"):
+            time.sleep(0.005)
+        rec.loss(1.0 / (step + 1))
+    if ddpkit.rank() == 1:
+        raise ValueError(f"rank 1 gave up after {steps} steps")
+    return "rank 0 finished"
+
+
+def test_a_failing_rank_turns_red_and_the_partial_trace_is_kept(widget):
+    import ddpkit.rankside  # noqa: F401  (the job reaches it as ddpkit.rankside)
+
+    with pytest.raises(ddpkit.RankError), widget.cluster.recording():
+        widget.cluster.run(_records_then_rank_1_fails, 5)
+    assert statuses(widget) == ["idle", "error"]
+    assert "ddpkit-failed" in widget.ranks.status[1].value and "ddpkit-failed" not in widget.ranks.status[0].value
+    assert wait_for(lambda: "rank 1 gave up after 5 steps" in widget.ranks.logs[1].value, 2.0)
+    assert "ddpkit-traceback" in widget.ranks.logs[1].value
+    trace = widget.cluster.last_trace  # what both ranks recorded until then
+    assert len(trace.select(rank=1, cat="loss")) == 5 and len(trace.select(rank=0, cat="loss")) == 5
+    assert wait_for(lambda: widget.live.mode == "replay")
+
+
+def test_a_long_run_shows_its_status_in_the_running_cell(cluster_of, monkeypatch):
+    from ddpkit.widget import status
+
+    monkeypatch.setattr(status, "LONG_S", 0.3)
+    shown = []
+    w = ClusterWidget(cluster_of(2), cell_output=shown.append)
+    try:
+        w.cluster.run(ddpkit.rank)  # short: nothing in the cell
+        assert shown == []
+        with w.cluster.recording():
+            w.cluster.run(_train, 30, sleep=0.03)
+        assert len(shown) == 1 and "ddpkit-cell-status" in shown[0]._dom_classes
+        line = shown[0].value
+        assert "finished after" in line and "2 ranks" in line and "loss" in line
+    finally:
+        w.close()
+
+
+def test_a_cell_that_shuts_the_cluster_down_says_so(cluster_of):
+    shown = []
+    c = cluster_of(2)
+    w = ClusterWidget(c, cell_output=shown.append)
+    try:
+        w.stop_button.click()  # the button: the widget says so, nothing goes to a cell
+        assert shown == [] and "stopped by the stop button" in w.header.value
+        w.start_button.click()
+        assert "stopped" not in w.header.value
+        c.shutdown()           # the notebook's own code: a note in its cell, and in the header
+        assert len(shown) == 1 and "shut the cluster down" in shown[0].value
+        assert "stopped by cluster.shutdown()" in w.header.value
+    finally:
+        w.close()
+        c.start()
+
+
+def test_a_chatty_run_neither_floods_the_page_nor_grows_the_kernel(widget):
+    """Hundreds of steps, thousands of records a second: frames are bounded by the redraw rate,
+    batches by the streaming rate, the widget's state by its window; the trace is complete."""
+    import tracemalloc
+
+    from ddpkit.trace.live import INTERVAL_S
+    from ddpkit.widget.live import FRAME_S
+
+    c = widget.cluster
+    sent = []
+    c.subscribe(lambda kind, rank, **f: sent.append(kind) if kind == "records" else None)
+    updates = []
+    for v in (widget.live.fill, widget.live.timeline, widget.live.memory, widget.live.loss, widget.live.summary):
+        v.observe(lambda ch: updates.append(1), names="value")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        t = time.monotonic()
+        with c.recording():
+            c.run(_train, 200, width=8, depth=12, cap=0.0)  # a bucket per tensor: ~90 records/step/rank
+        took = time.monotonic() - t
+        assert widget.plots_done.wait(30)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    trace = c.last_trace
+    n = len(trace.records)
+    assert n / took > 1000, f"{n} records in {took:.1f} s is not chatty"
+    # nothing lost: every gradient of every step of both ranks
+    assert len(trace.select(cat="grad_ready")) == 200 * 26 * 2
+    assert len(trace.select(cat="loss")) == 200 * 2
+    # bounded traffic: one batch per rank per interval (plus the last), a frame per FRAME_S per view
+    assert len(sent) <= 2 * (took / INTERVAL_S + 2), (len(sent), took)
+    assert len(updates) <= 5 * (took / FRAME_S + 3), (len(updates), took)
+    # bounded state: the widget keeps a window, whatever the run's length
+    from ddpkit.widget.state import KEEP_STEPS, MEMORY_POINTS
+
+    assert widget.live.state.size() <= KEEP_STEPS * 2 * 200 + 2 * MEMORY_POINTS + 300
+    # the kernel keeps the trace (compactly) and little else
+    assert held / n < 1500, f"{held / n:.0f} bytes per record kept"
 
 
 def test_a_closed_widget_stops_following_and_display_makes_a_new_one(cluster_of, monkeypatch):
@@ -257,3 +501,65 @@ def test_ipython_displays_a_cluster_as_its_widget(cluster_of, monkeypatch):
     assert isinstance(shown[-1], ClusterWidget) and shown[-1].cluster is c
     shown[-1].close()
     assert "ddpkit.widget" not in open(ddpkit.cluster.__file__).read()
+
+
+# ----------------------------------------------------------------------------- the views alone
+def _step_records(buckets: int, layers: int = 32, rank: int = 0, step: int = 0, unit: bool = False):
+    """One overlapped-DDP-like step: 2 gradients per layer, buckets launched in order."""
+    from ddpkit.trace import Record
+
+    recs = [Record("span", "compute", "forward", rank, step, 0, 1_000_000),
+            Record("span", "compute", "backward", rank, step, 1_000_000, 9_000_000)]
+    names = ["head.bias", "head.weight"] + [f"layers.{i}.0.{w}" for i in reversed(range(layers))
+                                            for w in ("bias", "weight")]
+    per = -(-len(names) // buckets)
+    for k, name in enumerate(names):
+        recs.append(Record("instant", "grad_ready", name, rank, step, 1_000_000 + 100_000 * k, bucket=k // per))
+    for b in range(buckets):
+        t = 1_000_000 + 100_000 * min((b + 1) * per - 1, len(names) - 1)
+        recs.append(Record("span", "comm", "all_reduce" if not unit else "all_gather", rank, step, t,
+                           t + 2_000_000, nbytes=1 << 20, bucket=None if unit else b, unit=f"u{b}" if unit else None))
+    recs.append(Record("span", "compute", "step", rank, step, 9_500_000, 9_800_000))
+    return recs
+
+
+def test_the_fill_view_has_a_readable_row_per_layer():
+    from ddpkit.widget.fill_view import fill_view
+
+    svg = fill_view(_step_records(4), 0, 0)
+    assert "66 gradients, 4 buckets" in svg
+    labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', svg)
+    assert labels[:3] == ["head", "layers.31.0", "layers.30.0"] and "bucket 3 all_reduce" in labels
+    assert len([lb for lb in labels if lb.startswith(("head", "layers"))]) == 33
+    assert not re.search(r'font-size="([0-9])"', svg)  # no label smaller than 10 px
+    assert svg.count("<circle") == 66
+
+
+def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():
+    from ddpkit.trace import Trace, overlap_fraction
+    from ddpkit.widget.timeline_view import timeline_view
+
+    recs = _step_records(4) + _step_records(4, rank=1)
+    svg = timeline_view(recs, [0], [0, 1], 2)
+    assert [svg.count(f">bucket {b}<") for b in range(4)] == [2, 2, 2, 2]  # per rank, a row per bucket
+    assert f"{overlap_fraction(Trace(recs, 2), steps=[0]):.0%} of communication time hidden" in svg
+    assert "backward waiting for communication" in svg  # the span after the last gradient
+    many = timeline_view(_step_records(20), [0], [0], 1)
+    assert ">bucket 0<" not in many and many.count("<rect") > 20  # 20 buckets: packed rows
+    fsdp = timeline_view(_step_records(9, unit=True), [0], [0], 1)
+    assert ">comm 1<" in fsdp and "all_gather u3" in fsdp  # FSDP's units: packed rows, each bar named
+
+
+def test_memory_and_loss_views_say_not_recorded_and_show_the_peak():
+    from ddpkit.trace import Record, memory_peak, memory_series
+    from ddpkit.widget.loss_view import loss_view
+    from ddpkit.widget.memory_view import memory_view
+
+    assert "not recorded" in memory_view({}, 0) and "<svg" not in memory_view({}, 0)
+    assert "not recorded" in loss_view({})
+    recs = [Record("counter", "memory", "memory", 0, s, 1_000_000 * s,
+                   args={"parameters": 100, "gradients": 50 * (s % 2), "activations": 30 * (s == 3)})
+            for s in range(6)]
+    svg = memory_view({0: memory_series(recs, 0)}, 0, memory_peak(recs), marker_step=2)
+    assert "peak 180 B on rank 0, step 3" in svg and "activations 30 B" in svg and 'stroke-dasharray="3,3"' in svg
+    assert "step 0: 2.000  -&gt;  step 2: 1.000" in loss_view({0: 2.0, 1: 1.5, 2: 1.0}, marker_step=1)

@@ -2,6 +2,9 @@
 
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
+    with cluster.recording():                     # record (and stream) what the jobs do
+        cluster.run(job)                          # -> what job returned, as always
+    cluster.last_trace                            # -> the run's records, merged (a Trace)
     cluster.restart(); cluster.shutdown()         # also usable as a context manager
 
 A rank that raises gives ``RankError`` naming the rank(s) and carrying their tracebacks.
@@ -15,9 +18,14 @@ This file is the public face; the work is done by the pieces beside it, one job 
 - ``errors``: ``RankError``.
 The other end of the job channel is ``ddpkit._worker``; what a job can ask there is
 ``ddpkit.rankside``.
+
+Recording is the one place the cluster reaches into a later layer, the recorder's: the switch
+must live on the cluster (``cluster.recording()``), and what it runs on the ranks and collects
+here is ``ddpkit.trace.live``, imported only when a run is recorded.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -57,6 +65,8 @@ class Cluster:
             threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
         self.threads_per_rank = threads_per_rank
         self.last_results: list | None = None
+        self.last_trace = None     # the last recorded run's records (a ddpkit.trace.Trace)
+        self._record = False       # record the next runs? (cluster.recording(), the widget's toggle)
         self._created = time.monotonic_ns()  # %%ranks picks the newest live cluster
         self._events = Events()
         self._workers = Workers(self._events)
@@ -118,26 +128,77 @@ class Cluster:
             pass
 
     # ------------------------------------------------------------------ jobs
-    def run(self, fn, *args, **kwargs) -> list:
-        """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order."""
+    def run(self, fn, /, *args, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order. Every
+        keyword goes to ``fn`` (``fn`` itself is positional only, so even ``fn=`` does).
+
+        While recording is on (``recording()``), each rank records what the job does and
+        streams it here as it goes; ``last_trace`` then holds the merged records (also after
+        a job that failed: what the ranks recorded until then)."""
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         if not self._workers.alive:
             raise RuntimeError("the cluster is shut down; call cluster.start() or cluster.restart()")
         self._workers.check_none_died_while_idle()
-        payload = self._pickler.dumps(fn, args, kwargs)
+        collector, runner = None, None
+        if self._record:
+            from ddpkit.trace.live import Collector, run_recorded
+
+            collector, runner = Collector(self.world_size, self.backend), (run_recorded, ())
+        payload = self._pickler.dumps(fn, args, kwargs, runner)
         if not self._job_lock.acquire(blocking=False):
             raise RuntimeError("another run() is still going on this cluster; wait for it to finish")
         try:
+            if collector is not None:
+                self._events.subscribe(collector)
+            self._events.notify("job", None, phase="start", recorded=collector is not None)
             self.last_results = Job(self._workers, self._events).run(payload)
             self._events.notify("results", None)
             return self.last_results
         finally:
+            if collector is not None:
+                self._events.unsubscribe(collector)
+                self.last_trace = collector.trace()
+                self._events.notify("trace", None)
+            self._events.notify("job", None, phase="end", recorded=collector is not None)
             self._job_lock.release()
+
+    # ------------------------------------------------------------------ recording
+    @property
+    def record(self) -> bool:
+        """Are runs recorded? Set it (the widget's toggle does), or use ``recording()``."""
+        return self._record
+
+    @record.setter
+    def record(self, on: bool) -> None:
+        if bool(on) != self._record:
+            self._record = bool(on)
+            self._events.notify("recording", None, on=self._record)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """``with cluster.recording(): cluster.run(job)``: the runs inside are recorded.
+
+        Each rank runs the job with a fresh ``ddpkit.trace.Recorder`` as its recorder (clocks
+        aligned to rank 0's), so every strategy built in the job records into it, and streams
+        its records here while the job runs. ``run`` still returns what the job returned;
+        the merged records are ``cluster.last_trace``."""
+        previous = self._record
+        self.record = True
+        try:
+            yield self
+        finally:
+            self.record = previous
+
+    def announce(self, label: str | None, run: int | None = None, runs: int | None = None) -> None:
+        """Tell the observers (the widget, a terminal progress bar) what the next runs are part
+        of, e.g. ``announce("overlapped, timing round 2 of 3", run=9, runs=28)``; None: nothing."""
+        self._events.notify("label", None, label=label, run=run, runs=runs)
 
     # ------------------------------------------------------------------ observers
     def subscribe(self, callback) -> None:
-        """Call ``callback(kind, rank, **fields)`` on status, log, progress and results events."""
+        """Call ``callback(kind, rank, **fields)`` on every event (see ``cluster.events``): a
+        rank's status, log and progress, a job's start and end, streamed records, ..."""
         self._events.subscribe(callback)
 
     def unsubscribe(self, callback) -> None:

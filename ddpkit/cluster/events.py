@@ -8,6 +8,16 @@ called on whichever thread the news arrived on (the main thread while ``run()`` 
 pipe reader's thread for output written below Python), so they must be quick and must not
 raise; one that raises is logged and skipped, it never breaks a run.
 
+The kinds, ``rank`` None where it is about the whole cluster:
+- ``status`` (a rank's, or all of them), ``log`` (a printed line: ``stream``, ``line``);
+- what jobs report: ``progress`` (``done``, ``total``), ``records`` (a recorded run's batch:
+  ``records``, ``final``; see ``ddpkit.trace.live``);
+- around a ``run()``: ``job`` (``phase`` "start" / "end", ``recorded``), ``tick`` about ten
+  times a second from the thread that waits for it (the cell that is running), ``results``
+  after a job that succeeded, ``trace`` once a recorded run's ``last_trace`` is set;
+- from the caller: ``recording`` (``on``: the switch moved), ``label`` (``label``, ``run``,
+  ``runs``: what the next runs are part of, e.g. a comparison's strategy and round).
+
 Printed lines are also queued, to be printed ``[rank N] ...`` by ``flush_lines()`` from the
 thread that is running a cell.
 """

@@ -31,6 +31,7 @@ from ddpkit.cluster.processes import Workers
 GRACE_S = 2.0        # after a rank fails, how long the others may keep running before SIGINT
                      # (ranks that raise together can be a second apart on a loaded machine)
 KILL_AFTER_S = 2.0   # after SIGINT, how long before a rank that did not stop is killed
+TICK_S = 0.1         # "tick" to the observers this often while a job runs
 
 RESTARTED = ("the process group could not be trusted after this (a rank died or was stopped, or "
              "a collective failed or timed out), so the cluster restarted its ranks: the next "
@@ -84,10 +85,14 @@ class Job:
 
     def _collect(self) -> None:
         """Wait for every rank's result or error; stop stragglers once a rank has failed."""
+        last_tick = 0.0
         while self.pending:
             for conn in wait(list(self.pending.values()), timeout=0.05):
                 self._receive(self.workers.conns[conn], conn)
             self.events.flush_lines()
+            if time.monotonic() - last_tick >= TICK_S:  # observers may act in the running cell
+                last_tick = time.monotonic()
+                self.events.notify("tick", None)
             if not (self.failures and self.pending):
                 continue
             # Some rank failed; the others may be stuck in a collective waiting for it.

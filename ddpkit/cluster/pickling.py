@@ -29,14 +29,17 @@ class JobPickler:
         # per module, so verdicts are cached, per working directory.
         self._verdicts: tuple[str, dict] = ("", {})
 
-    def dumps(self, fn, args, kwargs) -> bytes:
-        """cloudpickle ``(fn, args, kwargs)``, the learner's own modules by value."""
+    def dumps(self, fn, args, kwargs, runner=None) -> bytes:
+        """cloudpickle ``(fn, args, kwargs)``, the learner's own modules by value. ``runner``:
+        ``(function, extra args)`` that the rank calls as ``function(fn, args, kwargs, *extra)``
+        instead (the recording switch wraps a job this way; ``kwargs`` still all go to ``fn``)."""
         ours = [m for m in self.learner_modules()
                 if m.__name__ not in cloudpickle.list_registry_pickle_by_value()]
         for m in ours:
             cloudpickle.register_pickle_by_value(m)
+        job = (fn, args, kwargs) if runner is None else (runner[0], (fn, args, kwargs, *runner[1]), {})
         try:
-            return cloudpickle.dumps((fn, args, kwargs))
+            return cloudpickle.dumps(job)
         except Exception as exc:
             name = getattr(fn, "__qualname__", type(fn).__name__)
             parts = [(f"the function {name!r}", fn)]

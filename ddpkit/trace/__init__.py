@@ -4,6 +4,7 @@
     model = OverlappedDDP(module, recorder=rec)
     ...
     trace = Trace.merge(cluster.run(job))      # all ranks' records in one Trace (records.py)
+    with cluster.recording(): cluster.run(job) # or: the cluster records and streams (live.py)
     to_chrome_trace(trace, "trace.json")       # open in ui.perfetto.dev (chrome.py)
     overlap_fraction(trace)                    # figures derived from records (figures.py)
 
@@ -11,8 +12,9 @@ Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
 """
 from ddpkit.trace.chrome import LANES, to_chrome_trace
 from ddpkit.trace.figures import (
-    bucket_fill_order, collective_bytes, collective_counts, comm_after_backward_ms, comm_bytes_per_step,
-    launch_order, overlap_fraction, overlap_intervals, ring_bytes,
+    backward_phases, bucket_fill_order, collective_bytes, collective_counts, comm_after_backward_ms,
+    comm_bytes_per_step, fill_rows, launch_order, layer_of, loss_per_step, memory_peak, memory_series,
+    overlap_fraction, overlap_intervals, ring_bytes,
 )
 from ddpkit.trace.recorder import Recorder
 from ddpkit.trace.records import Record, Trace, as_trace
@@ -21,4 +23,5 @@ __all__ = [
     "Record", "Recorder", "Trace", "as_trace", "to_chrome_trace", "ring_bytes",
     "comm_bytes_per_step", "collective_counts", "collective_bytes", "overlap_fraction",
     "overlap_intervals", "comm_after_backward_ms", "bucket_fill_order", "launch_order", "LANES",
+    "backward_phases", "fill_rows", "layer_of", "memory_series", "memory_peak", "loss_per_step",
 ]

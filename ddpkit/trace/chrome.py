@@ -3,12 +3,15 @@
     trace.to_chrome_trace("trace.json")        # or to_chrome_trace(trace, "trace.json")
 
 One process per rank (pid = rank, named "rank N"), one thread per lane (``LANES``), complete
-events for spans, instants for gradients becoming ready, counters for memory; the rank list in
-top-level ``distributedInfo``, as torch's profiler writes it.
+events for spans, instants for gradients becoming ready, counters for memory and the loss; the
+rank list in top-level ``distributedInfo``, as torch's profiler writes it. Flow events (arrows)
+link the same collective across ranks: from the rank that launched it last -- the one the
+others waited for -- to each of the others.
 """
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 
 from ddpkit.trace.records import Record, as_trace
 
@@ -30,6 +33,7 @@ def to_chrome_trace(trace, path=None) -> dict:
     t_zero = min((r.start_ns for r in trace.records), default=0)
     us = lambda ns: (ns - t_zero) / 1e3  # noqa: E731
     events: list[dict] = []
+    placed: dict = {}  # id(collective record) -> its tid, for the flow events
     for rank in trace.ranks:
         events.append(dict(ph="M", name="process_name", pid=rank, tid=0, args={"name": f"rank {rank}"}))
         events.append(dict(ph="M", name="process_sort_index", pid=rank, tid=0, args={"sort_index": rank}))
@@ -46,6 +50,7 @@ def to_chrome_trace(trace, path=None) -> dict:
                     args.update(bytes=r.nbytes, bucket=r.bucket, unit=r.unit,
                                 completed=r.end_ns is not None)
                     tid = _comm_tid(comm_lane_ends, r, events, rank)
+                    placed[id(r)] = tid
                 else:
                     tid = LANES.get(r.cat, LANES["compute"])
                 end = r.end_ns if r.end_ns is not None else r.start_ns
@@ -56,8 +61,9 @@ def to_chrome_trace(trace, path=None) -> dict:
                 events.append(dict(ph="i", s="t", name=r.name, cat=r.cat, pid=rank,
                                    tid=LANES["buckets"], ts=us(r.start_ns), args=args))
             else:
-                events.append(dict(ph="C", name=r.name, cat=r.cat, pid=rank, tid=0,
-                                   ts=us(r.start_ns), args={k: int(v) for k, v in r.args.items()}))
+                events.append(dict(ph="C", name=r.name, cat=r.cat, pid=rank, tid=0, ts=us(r.start_ns),
+                                   args={k: v for k, v in r.args.items() if isinstance(v, (int, float))}))
+    events += _flows(trace, placed, us)
     ranks = trace.ranks
     out = {
         "traceEvents": events,
@@ -69,6 +75,40 @@ def to_chrome_trace(trace, path=None) -> dict:
     if path is not None:
         with open(path, "w") as f:
             json.dump(out, f)
+    return out
+
+
+def same_collectives(trace) -> list[list[Record]]:
+    """The collectives of a trace grouped across ranks: each group is one collective as every
+    rank took part in it. Ranks issue a group's collectives in the same order, so the k-th
+    collective named N in step S (on process group G, when a record names one) is the same
+    on every rank. Groups with a single rank are left out."""
+    keyed = defaultdict(list)
+    for rank in trace.ranks:
+        seen: dict = defaultdict(int)
+        for r in sorted(trace.select(rank=rank, kind="span", cat="comm"), key=lambda r: r.start_ns):
+            where = (r.step, r.name, str(r.args.get("group", "")))
+            keyed[where + (seen[where],)].append(r)
+            seen[where] += 1
+    return [group for group in keyed.values() if len(group) > 1]
+
+
+def _flows(trace, placed: dict, us) -> list[dict]:
+    """Arrows from the last rank to launch each collective to every rank that waited for it."""
+    out = []
+    for i, group in enumerate(same_collectives(trace)):
+        last = max(group, key=lambda r: r.start_ns)
+        name = f"{last.name}: rank {last.rank} launched last"
+        for r in group:
+            if r is last:
+                continue
+            end = r.end_ns if r.end_ns is not None else r.start_ns
+            at = min(max(last.start_ns, r.start_ns), end)  # inside r's slice: the arrow binds to it
+            waited = max(0, last.start_ns - r.start_ns)
+            out.append(dict(ph="s", id=i, name=name, cat="collective", pid=last.rank, tid=placed[id(last)],
+                            ts=us(last.start_ns)))
+            out.append(dict(ph="f", bp="e", id=i, name=name, cat="collective", pid=r.rank, tid=placed[id(r)],
+                            ts=us(at), args={"waited_us": waited / 1e3}))
     return out
 
 

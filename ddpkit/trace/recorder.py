@@ -1,10 +1,11 @@
 """The Recorder: each rank's hot path of appending tuples, resolved into Records when read.
 
 Strategies talk to a recorder through four calls (see ``ddpkit/strategies/_common.py``):
-``span``, ``collective``, ``grad_ready`` and ``memory``. ``Recorder`` implements them by
-appending a tuple to a list -- nothing else happens on the hot path. Turning tuples into
-``Record`` dataclasses (completion times, CUDA event times, the clock offset to rank 0) is
-done later, when ``.records`` is read.
+``span``, ``collective``, ``grad_ready`` and ``memory``; the training step adds ``loss`` and
+``begin_step``. ``Recorder`` implements them by appending a tuple to a list -- nothing else
+happens on the hot path. Turning tuples into ``Record`` dataclasses (completion times, CUDA
+event times, the clock offset to rank 0) is done later, when ``.records`` is read, or a batch
+at a time by ``drain()`` (what a recorded Cluster run streams to the notebook while it goes).
 
     rec = Recorder()                   # inside a rank; rank/world size from the process group
     rec.align_clocks()                 # optional: put every rank on rank 0's clock
@@ -20,6 +21,8 @@ import time
 
 from ddpkit import rankside
 from ddpkit.trace.records import Record, Trace
+
+MEMORY_INTERVAL_NS = 250_000_000  # see Recorder.memory_due
 
 
 class _Span:
@@ -73,6 +76,10 @@ class Recorder:
             self._cuda_anchor = _CudaClock(self.device, clock)
         self._resolved: list[Record] | None = None
         self._resolved_len = -1
+        self._drained = 0      # raw records already handed out by drain()
+        self.memory_interval_ns = MEMORY_INTERVAL_NS
+        self._memory_due_at = None  # clock reading after which the next memory sample is due
+        self._fresh = False    # next_step() was called and no train_step has begun it yet
         self._watched = None  # works without a future, waited on by a thread (see _watch)
         self._by_work: dict = {}  # id(work) -> (work, raw record): the process group's last few
 
@@ -134,9 +141,9 @@ class Recorder:
             clock, cuda, event = self._clock, self._cuda, self._cuda_event
 
             def on_done(fut):  # runs on gloo's thread (gloo) or inline (NCCL)
-                done[0] = clock()
-                if cuda:
+                if cuda:  # first: once done[0] is set, the record is complete (see drain)
                     done[1] = event()
+                done[0] = clock()
 
             try:
                 work.get_future().then(on_done)
@@ -158,10 +165,35 @@ class Recorder:
     def memory(self, **bytes_by_category: int) -> None:
         self._raw.append(("mem", self._step, self._clock(), bytes_by_category))
 
+    def memory_due(self) -> bool:
+        """Is it time for another memory sample? ``train_step`` asks once a step: measuring memory
+        (walking every parameter, optimizer state and saved activation) costs about as much as
+        a twentieth of the default MLP's step, so samples are taken at most every
+        ``memory_interval_ns`` (250 ms: every step of a slow model, every tenth of a fast one)."""
+        now = self._clock()
+        if self._memory_due_at is not None and now < self._memory_due_at:
+            return False
+        self._memory_due_at = now + self.memory_interval_ns
+        return True
+
+    def loss(self, value) -> None:
+        """This step's loss on this rank: a float or a 0-dim tensor (read only when resolved,
+        so a GPU tensor costs no synchronisation here)."""
+        self._raw.append(("loss", self._step, self._clock(), value))
+
     # --- steps and clocks ------------------------------------------------------------
     def next_step(self) -> int:
         """Start the next training step (the first call makes it step 0); returns its index."""
         self._step = 0 if self._step is None else self._step + 1
+        self._fresh = True
+        return self._step
+
+    def begin_step(self) -> int:
+        """What ``train_step`` calls first: start the next step, unless the caller has just
+        started one with ``next_step()`` (jobs written before recording was a switch do)."""
+        if not self._fresh:
+            self.next_step()
+        self._fresh = False
         return self._step
 
     @property
@@ -224,43 +256,74 @@ class Recorder:
             return self._resolved
         if self._cuda:
             self._cuda_anchor.synchronize()
-        off, rank, gpu = self.clock_offset_ns, self.rank, self._cuda
-        out = []
-        for raw in self._raw:
-            kind = raw[0]
-            if kind == "span":
-                _, cat, name, step, t0, t1, fields, ev0, ev1 = raw
-                clock = "host"
-                if gpu:  # GPU time of the work launched inside the span
-                    t0, t1 = self._cuda_anchor.to_host_ns(ev0), self._cuda_anchor.to_host_ns(ev1)
-                    clock = "cuda"
-                out.append(Record("span", cat, name, rank, step, t0 - off, t1 - off,
-                                  clock=clock, **_split_fields(fields)))
-            elif kind == "comm":
-                _, name, step, t0, done, nbytes, fields, ev0 = raw
-                t1, clock = done[0], "host"
-                if gpu and done[1] is not None:
-                    t0, t1 = self._cuda_anchor.to_host_ns(ev0), self._cuda_anchor.to_host_ns(done[1])
-                    clock = "cuda"
-                out.append(Record("span", "comm", name, rank, step, t0 - off,
-                                  None if t1 is None else t1 - off, nbytes=nbytes,
-                                  clock=clock, **_split_fields(fields)))
-            elif kind == "ready":
-                _, name, step, t, fields, ev = raw
-                clock = "host"
-                if gpu:
-                    t, clock = self._cuda_anchor.to_host_ns(ev), "cuda"
-                out.append(Record("instant", "grad_ready", name, rank, step, t - off,
-                                  clock=clock, **_split_fields(fields)))
-            else:
-                _, step, t, values = raw
-                out.append(Record("counter", "memory", "memory", rank, step, t - off,
-                                  args=dict(values)))
+        raw = self._raw[:]  # other threads (autograd's, a collective's) may append meanwhile
+        out = [self._resolve(r) for r in raw]
         # Keep the result only if no collective is still waiting for its completion callback
         # (gloo runs it on its own thread, a moment after work.wait() may have returned).
         if all(r.end_ns is not None for r in out if r.kind == "span"):
-            self._resolved, self._resolved_len = out, len(self._raw)
+            self._resolved, self._resolved_len = out, len(raw)
         return out
+
+    def drain(self, final: bool = False) -> list[Record]:
+        """The records made since the last ``drain()``, resolved; each is handed out once.
+
+        A collective still in flight (or, on CUDA, an event the GPU has not reached) stops the
+        batch just before it, so its completion time is known when it is handed out: records
+        leave in call order, a step at most late. ``final=True`` hands out everything left
+        (a collective that never completed has ``end_ns`` None, as in ``.records``).
+        """
+        raw, i = self._raw, self._drained
+        stop = len(raw)
+        if not final:
+            for j in range(i, stop):
+                if not self._complete(raw[j]):
+                    stop = j
+                    break
+        elif self._cuda:
+            self._cuda_anchor.synchronize()
+        self._drained = stop
+        return [self._resolve(r) for r in raw[i:stop]]
+
+    def _complete(self, raw) -> bool:
+        """Can ``raw`` be resolved for good now (its collective done, its CUDA events reached)?"""
+        kind = raw[0]
+        if kind == "comm" and raw[4][0] is None:
+            return False
+        if self._cuda:
+            events = {"span": raw[7:9], "comm": (raw[7], raw[4][1]), "ready": raw[5:6]}.get(kind, ())
+            return all(ev is None or ev.query() for ev in events)
+        return True
+
+    def _resolve(self, raw) -> Record:
+        """One raw tuple as a Record, on rank 0's clock."""
+        off, rank, gpu = self.clock_offset_ns, self.rank, self._cuda
+        kind = raw[0]
+        if kind == "span":
+            _, cat, name, step, t0, t1, fields, ev0, ev1 = raw
+            clock = "host"
+            if gpu:  # GPU time of the work launched inside the span
+                t0, t1 = self._cuda_anchor.to_host_ns(ev0), self._cuda_anchor.to_host_ns(ev1)
+                clock = "cuda"
+            return Record("span", cat, name, rank, step, t0 - off, t1 - off, clock=clock, **_split_fields(fields))
+        if kind == "comm":
+            _, name, step, t0, done, nbytes, fields, ev0 = raw
+            t1, clock = done[0], "host"
+            if gpu and done[1] is not None:
+                t0, t1 = self._cuda_anchor.to_host_ns(ev0), self._cuda_anchor.to_host_ns(done[1])
+                clock = "cuda"
+            return Record("span", "comm", name, rank, step, t0 - off, None if t1 is None else t1 - off,
+                          nbytes=nbytes, clock=clock, **_split_fields(fields))
+        if kind == "ready":
+            _, name, step, t, fields, ev = raw
+            clock = "host"
+            if gpu:
+                t, clock = self._cuda_anchor.to_host_ns(ev), "cuda"
+            return Record("instant", "grad_ready", name, rank, step, t - off, clock=clock, **_split_fields(fields))
+        if kind == "loss":
+            _, step, t, value = raw
+            return Record("counter", "loss", "loss", rank, step, t - off, args={"loss": float(value)})
+        _, step, t, values = raw
+        return Record("counter", "memory", "memory", rank, step, t - off, args=dict(values))
 
     def trace(self) -> Trace:
         """This rank's records as a Trace (merge the ranks' with ``Trace.merge``)."""
@@ -270,6 +333,7 @@ class Recorder:
         """Forget every record (the step counter and clock offset are kept)."""
         self._raw = []
         self._resolved, self._resolved_len = None, -1
+        self._drained = 0
 
 
 def _split_fields(fields: dict) -> dict:

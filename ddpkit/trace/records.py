@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a long recorded run keeps hundreds of thousands of these
 class Record:
     """One thing that happened on one rank; times in ns on rank 0's clock (after alignment)."""
 
-    kind: str                # "span" (has an end), "instant" (grad ready), "counter" (memory)
-    cat: str                 # "compute" | "comm" | "grad_ready" | "memory" (or a caller's own)
+    kind: str                # "span" (has an end), "instant" (grad ready), "counter" (memory, loss)
+    cat: str                 # "compute" | "comm" | "grad_ready" | "memory" | "loss" (or a caller's own)
     name: str                # "forward", "all_reduce", a parameter name, "memory", ...
     rank: int
     step: int | None         # recorder.next_step() count from 0; None = before the first step
@@ -27,7 +27,7 @@ class Record:
     nbytes: int = 0              # collectives: the FULL size S (ring_bytes: what one rank sends)
     bucket: int | None = None    # DDP bucket index, for collectives and grad_ready
     unit: str | None = None      # FSDP unit name, for collectives
-    args: dict = field(default_factory=dict)  # counters: bytes by category; else extra fields
+    args: dict = field(default_factory=dict)  # counters: bytes by category, or {"loss": value}; else extra fields
     clock: str = "host"          # "host": time.perf_counter_ns; "cuda": CUDA events (GPU time)
 
     @property

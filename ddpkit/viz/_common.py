@@ -37,13 +37,23 @@ def new_figure(height_in: float, width_in: float = WIDTH_IN):
     return fig
 
 
+# matplotlib's tab20, as hex: one colour per bucket (or FSDP unit), cycling after 20. Plain
+# strings, so the widget's SVG plots use the same colours without importing matplotlib.
+BUCKET_COLOURS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728",
+                  "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
+                  "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")
+CATEGORY_COLOURS = {
+    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
+    "communication_buffers": "#8172b3", "activations": "#c44e52", "unsharded_parameters": "#937860",
+}
+WAIT_COLOUR = "#c9c9c9"  # backward waiting for communication (after its last gradient was ready)
+
+
 def bucket_colour(bucket):
     """A colour per bucket index (tab20 cycles after 20 buckets; None -> grey)."""
-    from matplotlib import colormaps
-
     if bucket is None:
         return "#7f7f7f"
-    return colormaps["tab20"](int(bucket) % 20)
+    return BUCKET_COLOURS[int(bucket) % 20]
 
 
 def byte_unit(max_bytes: float) -> tuple[str, float]:

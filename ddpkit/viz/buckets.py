@@ -1,28 +1,33 @@
-"""Bucket fill order: when each gradient became ready in backward, and when its bucket was sent."""
+"""Bucket fill order: when each layer's gradients became ready in backward, and when its bucket
+was sent. The same picture as the widget's bucket fill view, drawn with matplotlib."""
 from __future__ import annotations
 
-from ddpkit.trace import as_trace, bucket_fill_order, launch_order
-from ddpkit.viz._common import bucket_colour, new_figure, no_data
+from ddpkit.trace import as_trace, backward_phases, bucket_fill_order, fill_rows, launch_order
+from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, new_figure, no_data
+from ddpkit.viz.timeline import comm_colour, comm_rows
 
-MAX_NAMED_ROWS = 40  # beyond this many gradients, label every k-th row only
+MAX_ROWS = 36  # more layers than this are merged, neighbours together: labels stay 9 pt
 
 
 def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
-    """Top: each gradient's ready time (rows in ready order, colour = bucket). Bottom: each
-    bucket's collective from launch to completion. Time in ms from the start of backward."""
+    """Top: one row per layer (in the order its gradients became ready), a dot per gradient,
+    colour = bucket. Bottom: each bucket's collective, launch to completion. Shaded: backward
+    computing, then (grey) waiting for communication. Time in ms from the start of backward."""
     trace = as_trace(trace)
-    fig = new_figure(6.0)
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.2])
     if not trace.steps:
-        no_data(top, "no training steps recorded (call recorder.next_step() before each step)")
-        bottom.set_visible(False)
+        fig = new_figure(2.0)
+        no_data(fig.subplots(), "no training steps recorded (call recorder.next_step() before each step)")
         return fig
     s = trace.resolve_step(step)
     ready = bucket_fill_order(trace, rank, s)
+    rows = fill_rows(ready, MAX_ROWS)
     comm = [r for r in launch_order(trace, rank, s) if r.bucket is not None or r.unit is not None]
-    backward = trace.select(rank=rank, step=s, kind="span", cat="compute", name="backward")
-    # t = 0 is the start of backward (else the first event we have)
-    starts = [r.start_ns for r in backward] + [t for _, _, t in ready] + [r.start_ns for r in comm]
+    lanes = comm_rows(comm)
+    fig = new_figure(1.6 + 0.2 * max(len(rows), 3) + 0.25 * max(len(lanes), 1))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(len(rows), 3), 1.4 * max(len(lanes), 1)])
+    mine = trace.select(rank=rank, step=s)
+    computing, waiting = backward_phases(mine, rank, s)
+    starts = [a for a, _ in computing] + [t for _, _, t in ready] + [r.start_ns for r in comm]
     if not starts:
         no_data(top, f"rank {rank}, step {s}: no backward, grad_ready or collective records")
         bottom.set_visible(False)
@@ -31,54 +36,44 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731
 
     for ax in (top, bottom):
-        for r in backward:
-            ax.axvspan(ms(r.start_ns), ms(r.end_ns), color="#dd8452", alpha=0.12, lw=0)
+        for a, b in computing:
+            ax.axvspan(ms(a), ms(b), color="#dd8452", alpha=0.12, lw=0)
+        for a, b in waiting:
+            ax.axvspan(ms(a), ms(b), color=WAIT_COLOUR, alpha=0.35, lw=0)
 
-    # --- top: one row per gradient, in the order they became ready -------------------
-    if ready:
-        names = [name for name, _, _ in ready]
-        top.scatter([ms(t) for _, _, t in ready], range(len(ready)),
-                    c=[bucket_colour(b) for _, b, _ in ready], s=22, zorder=3, edgecolors="none")
-        every = max(1, -(-len(names) // MAX_NAMED_ROWS))
-        top.set_yticks(range(0, len(names), every), names[::every], fontsize=7)
-        top.set_ylim(len(names) - 0.5, -0.5)  # the first gradient ready at the top
-        top.set_ylabel("gradient (ready order)")
+    if rows:
+        for i, (_, grads) in enumerate(rows):
+            top.scatter([ms(t) for _, _, t in grads], [i] * len(grads), c=[bucket_colour(b) for _, b, _ in grads],
+                        s=26, zorder=3, edgecolors="black", linewidths=0.3)
+        top.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=9)
+        top.set_ylim(len(rows) - 0.5, -0.5)  # the first layer ready at the top
+        top.set_ylabel("layer (ready order)")
     else:
-        no_data(top, "no grad_ready records in this step: only a strategy that launches\n"
-                     "collectives from gradient hooks (OverlappedDDP) records when each gradient is ready")
-    top.set_title(f"Bucket fill order: rank {rank}, step {s}  "
-                  f"(shaded: backward; colour: bucket)")
+        no_data(top, "no grad_ready records in this step: only a strategy that acts from gradient\n"
+                     "hooks (the DDP wrappers, while recording) records when each gradient is ready")
+    buckets = sorted({b for _, b, _ in ready if b is not None})
+    top.set_title(f"Bucket fill order: rank {rank}, step {s}: {len(ready)} gradients in {len(buckets)} buckets\n"
+                  "(dot colour: bucket; shaded: backward computing, grey: waiting for communication)", fontsize=10)
     top.grid(axis="x", alpha=0.3)
 
-    # --- bottom: each bucket's (or FSDP unit's) collective, launch -> completion ------
-    if comm:
-        labels = []
-        units = {}  # FSDP collectives have a unit, not a bucket: one colour per unit
-        for r in comm:
-            if r.bucket is None:
-                units.setdefault(r.unit, len(units))
-        for row, r in enumerate(comm):
-            label = f"bucket {r.bucket}" if r.bucket is not None else f"{r.unit}"
-            labels.append(f"{label} ({r.name})")
-            end = r.end_ns if r.end_ns is not None else r.start_ns
-            bottom.barh(row, max(ms(end) - ms(r.start_ns), 1e-3), left=ms(r.start_ns), height=0.6,
-                        color=bucket_colour(r.bucket if r.bucket is not None else units[r.unit]),
-                        edgecolor="black", lw=0.5)
-            bottom.plot(ms(r.start_ns), row, marker="|", color="black", ms=10)
-        every = max(1, -(-len(labels) // 12))
-        bottom.set_yticks(range(0, len(labels), every), labels[::every], fontsize=7)
-        bottom.set_ylim(len(comm) - 0.5, -0.5)
-        bottom.set_ylabel("collective\n(launch order)")
+    if lanes:
+        for i, (_, rs) in enumerate(lanes):
+            for r in rs:
+                end = r.end_ns if r.end_ns is not None else r.start_ns
+                bottom.barh(i, max(ms(end) - ms(r.start_ns), 1e-3), left=ms(r.start_ns), height=0.6,
+                            color=comm_colour(r), edgecolor="black", lw=0.5)
+                bottom.plot(ms(r.start_ns), i, marker="|", color="black", ms=10)
+        bottom.set_yticks(range(len(lanes)), [label for label, _ in lanes], fontsize=9)
+        bottom.set_ylim(len(lanes) - 0.5, -0.5)
+        bottom.set_ylabel("collectives")
     else:
         no_data(bottom, "no bucket collectives recorded in this step")
     bottom.set_xlabel("time since backward started (ms)")
     bottom.grid(axis="x", alpha=0.3)
-
-    buckets = sorted({b for _, b, _ in ready if b is not None} | {r.bucket for r in comm if r.bucket is not None})
     if 0 < len(buckets) <= 12:
         from matplotlib.lines import Line2D
 
         handles = [Line2D([], [], ls="", marker="o", color=bucket_colour(b), label=f"bucket {b}") for b in buckets]
-        top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-                   ncol=2 if len(buckets) > 12 else 1, title="bucket", title_fontsize=7)
+        top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+                   title="bucket", title_fontsize=8)
     return fig

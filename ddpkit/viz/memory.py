@@ -2,23 +2,16 @@
 from __future__ import annotations
 
 from ddpkit.memory import CATEGORIES, STAGE_OF_STRATEGY
-from ddpkit.trace import Trace
-from ddpkit.viz._common import byte_unit, new_figure, no_data
-
-CATEGORY_COLOURS = {
-    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-    "communication_buffers": "#8172b3", "activations": "#c44e52",
-}
+from ddpkit.trace import Trace, memory_peak
+from ddpkit.viz._common import CATEGORY_COLOURS, byte_unit, new_figure, no_data
 
 
 def _per_rank(value) -> list[dict]:
-    """A {category: bytes} dict, a list of them (one per rank), or a Trace -> list per rank."""
+    """A {category: bytes} dict, a list of them (one per rank), or a Trace -> list per rank
+    (of a Trace: what each rank held at its peak, ``ddpkit.trace.memory_peak``)."""
     if isinstance(value, Trace):
-        last = {}
-        for r in sorted(value.records, key=lambda r: r.start_ns):
-            if r.kind == "counter" and r.cat == "memory":
-                last[r.rank] = r.args  # the latest sample of each rank
-        return [last[k] for k in sorted(last)]
+        peaks = [memory_peak(value.records, [rank]) for rank in value.ranks]
+        return [peak[3] for peak in peaks if peak is not None]
     if isinstance(value, dict):
         return [value]
     return list(value)
@@ -47,17 +40,21 @@ def plot_memory(measured, predicted=None, title: str | None = None):
     """Stacked bars of bytes by category: one bar per rank in each group (e.g. strategy), and,
     hatched beside them, the ZeRO formula's prediction for that group (model states only).
 
-    ``measured``: a Trace (each rank's last memory sample), a list of per-rank
+    ``measured``: a Trace (what each rank held at its peak), a list of per-rank
     ``{category: bytes}``, or ``{label: that}`` for several strategies. ``predicted``:
     ``{label: {category: bytes}}``, e.g. ``ddpkit.memory.zero_predictions(...)``, whose
     "DDP"/"ZeRO-1"/"ZeRO-3" are matched to labels naive/bucketed/overlapped, zero1, fsdp.
     """
     groups = _normalise(measured)
+    if not any(groups.values()):  # words, not empty axes that read as "zero bytes"
+        fig = new_figure(1.2)
+        ax = fig.subplots()
+        no_data(ax, "Memory was not recorded in this run (a recorded train_step samples it; or call "
+                    "ddpkit.memory.record_memory(recorder, model, optimizer))")
+        ax.axis("off")
+        return fig
     fig = new_figure(4.2)
     ax = fig.subplots()
-    if not any(groups.values()):
-        no_data(ax, "no memory samples (recorder.memory(...) or ddpkit.memory.record_memory)")
-        return fig
     present = {c for ranks in groups.values() for sample in ranks for c in sample}
     cats = [c for c in CATEGORIES if c in present]
     cats += sorted(c for c in present if c not in cats and not c.startswith("cuda_"))

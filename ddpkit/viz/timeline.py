@@ -1,8 +1,19 @@
-"""Per-rank timeline: compute and communication lanes, overlap shaded, steps marked."""
+"""Per-rank timeline: a compute row above a row per bucket, the hidden communication shaded.
+
+The same picture as the widget's live timeline (``ddpkit/widget/timeline_view.py``), drawn
+with matplotlib for a notebook or a file: backward is split where its computing ended (its last
+gradient ready) from where it only waited for communication; each bucket has its own row and
+colour (past ``MAX_BUCKET_ROWS`` buckets, or for FSDP's units, collectives share a few packed
+rows, still coloured by bucket or unit); the title's percentage is ``overlap_fraction`` over
+exactly the steps and ranks drawn, so it matches a printout that asks for the same steps.
+"""
 from __future__ import annotations
 
-from ddpkit.trace import as_trace, overlap_intervals
-from ddpkit.viz._common import COMM_COLOURS, OVERLAP_COLOUR, SPAN_COLOURS, new_figure, no_data
+from ddpkit.trace import as_trace, backward_phases, overlap_fraction, overlap_intervals
+from ddpkit.viz._common import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, bucket_colour, new_figure, no_data
+
+MAX_BUCKET_ROWS = 8
+MAX_PACKED_ROWS = 4
 
 
 def _pick_steps(trace, steps) -> list[int]:
@@ -14,55 +25,86 @@ def _pick_steps(trace, steps) -> list[int]:
     return [trace.resolve_step(s) for s in steps]
 
 
+def comm_rows(comm) -> list[tuple[str, list]]:
+    """(label, collectives) per row: a row per bucket while there are few, else packed rows
+    (each collective in the first row free when it launched)."""
+    comm = sorted(comm, key=lambda r: r.start_ns)
+    buckets = list(dict.fromkeys(r.bucket for r in comm))
+    if comm and None not in buckets and len(buckets) <= MAX_BUCKET_ROWS:
+        return [(f"bucket {b}", [r for r in comm if r.bucket == b]) for b in sorted(buckets)]
+    rows: list[list] = []
+    for r in comm:
+        for row in rows:
+            if (row[-1].end_ns or row[-1].start_ns) <= r.start_ns:
+                row.append(r)
+                break
+        else:
+            if len(rows) < MAX_PACKED_ROWS:
+                rows.append([r])
+            else:
+                rows[-1].append(r)
+    return [(f"comm {i + 1}", row) for i, row in enumerate(rows)]
+
+
+def comm_colour(r):
+    """A bucket's colour, or a stable colour per FSDP unit name."""
+    if r.bucket is not None or r.unit is None:
+        return bucket_colour(r.bucket)
+    return bucket_colour(sum(map(ord, r.unit)))
+
+
 def plot_timeline(trace, steps=None, ranks=None):
-    """One row group per rank: compute lane (forward/backward/sync/step) above a comm lane
+    """Per rank: forward, backward computing / waiting, sync and step above one row per bucket
     (each collective from launch to completion); green: communication hidden under backward."""
     trace = as_trace(trace)
     ranks = trace.ranks if ranks is None else list(ranks)
-    fig = new_figure(max(2.2, 0.9 + 1.1 * len(ranks)))
-    ax = fig.subplots()
     chosen = _pick_steps(trace, steps) if trace.steps else []
-    records = [r for r in trace.records if r.step in chosen and r.rank in ranks and r.kind == "span"]
-    if not records:
+    records = [r for r in trace.records if r.step in chosen and r.rank in ranks]
+    spans = [r for r in records if r.kind == "span"]
+    rows = {rank: comm_rows([r for r in spans if r.rank == rank and r.cat == "comm"]) for rank in ranks}
+    heights = {rank: 1 + max(len(rows[rank]), 1) for rank in ranks}
+    fig = new_figure(max(2.4, 1.2 + 0.32 * sum(heights.values())))
+    ax = fig.subplots()
+    if not spans:
         no_data(ax, "no spans recorded in these steps (call recorder.next_step() before each step)")
         return fig
-    t0 = min(r.start_ns for r in records)
+    t0 = min(r.start_ns for r in spans)
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731
 
-    yticks, ylabels, seen = [], [], {}  # seen: legend entry -> (colour, alpha)
-    comm_ns = hidden_ns = 0  # for the title: overlap_fraction over just these ranks and steps
-    for i, rank in enumerate(ranks):
-        base = 3 * (len(ranks) - 1 - i)  # rank 0 at the top; lanes: comm at base, compute at base+1
-        comp_y, comm_y = base + 1.2, base
-        for s in chosen:  # the overlap, behind both lanes
-            comm, _, both = overlap_intervals(trace.records, rank, s)
-            comm_ns += sum(b - a for a, b in comm)
-            hidden_ns += sum(b - a for a, b in both)
-            for a, b in both:
-                ax.broken_barh([(ms(a), (b - a) / 1e6)], (comm_y - 0.45, 1.65 + 0.45),
-                               color=OVERLAP_COLOUR, alpha=0.25, lw=0, zorder=1)
-        for r in records:
-            if r.rank != rank or r.end_ns is None and r.cat != "comm":
-                continue
-            end = r.end_ns if r.end_ns is not None else r.start_ns
-            if r.cat == "comm":
-                colour, y, h = COMM_COLOURS.get(r.name, "#7f7f7f"), comm_y - 0.35, 0.7
-                key = r.name
-            else:
-                colour, y, h = SPAN_COLOURS.get(r.name, "#bbbbbb"), comp_y - 0.35, 0.7
-                key = r.name
-            seen[key] = (colour, 0.75 if r.cat == "comm" else 0.95)
-            # translucent with an edge: collectives in flight together stay distinguishable
-            ax.broken_barh([(ms(r.start_ns), max((end - r.start_ns) / 1e6, 1e-4))], (y, h),
-                           facecolors=colour, edgecolors="black", linewidth=0.3,
-                           alpha=seen[key][1], zorder=2)
-        yticks += [comp_y, comm_y]
-        ylabels += [f"rank {rank} compute", f"rank {rank} comm"]
+    def bar(y, a, b, colour, **kw):
+        ax.broken_barh([(ms(a), max((b - a) / 1e6, 1e-4))], (y - 0.38, 0.76), facecolors=colour, **kw)
 
-    span = max(ms(r.start_ns if r.end_ns is None else r.end_ns) for r in records) or 1.0
-    last_label = None
+    yticks, ylabels, y = [], [], 0.0
+    for rank in ranks:  # top to bottom: rank 0 first
+        mine = [r for r in records if r.rank == rank]
+        comp_y = -y
+        for s in chosen:
+            computing, waiting = backward_phases(mine, rank, s)
+            for a, b in computing:
+                bar(comp_y, a, b, SPAN_COLOURS["backward"], edgecolors="black", linewidth=0.3)
+            for a, b in waiting:
+                bar(comp_y, a, b, WAIT_COLOUR, edgecolors=SPAN_COLOURS["backward"], linewidth=0.8)
+            _, _, both = overlap_intervals(mine, rank, s)
+            for a, b in both:  # hidden communication, behind the comm rows
+                ax.broken_barh([(ms(a), (b - a) / 1e6)], (comp_y - 0.5 - len(rows[rank]), len(rows[rank])),
+                               color=OVERLAP_COLOUR, alpha=0.25, lw=0, zorder=0)
+        for r in mine:
+            if r.kind == "span" and r.cat != "comm" and r.name != "backward" and r.end_ns is not None:
+                bar(comp_y, r.start_ns, r.end_ns, SPAN_COLOURS.get(r.name, "#bbbbbb"), edgecolors="black",
+                    linewidth=0.3)
+        yticks.append(comp_y)
+        ylabels.append(f"rank {rank} compute")
+        for i, (label, rs) in enumerate(rows[rank]):
+            for r in rs:
+                end = r.end_ns if r.end_ns is not None else r.start_ns
+                bar(comp_y - 1 - i, r.start_ns, end, comm_colour(r), edgecolors="black", linewidth=0.3)
+            yticks.append(comp_y - 1 - i)
+            ylabels.append(label)
+        y += heights[rank] + 0.6
+
+    last_label, span = None, max(ms(r.end_ns or r.start_ns) for r in spans) or 1.0
     for s in chosen:  # a dashed line where each step starts (earliest record on any rank)
-        start = min((r.start_ns for r in records if r.step == s), default=None)
+        start = min((r.start_ns for r in spans if r.step == s), default=None)
         if start is None:
             continue
         ax.axvline(ms(start), color="black", ls="--", lw=0.8, alpha=0.6, zorder=0)
@@ -73,18 +115,19 @@ def plot_timeline(trace, steps=None, ranks=None):
 
     from matplotlib.patches import Patch
 
-    # legend: compute spans in step order, then collectives, then the overlap
-    order = [k for k in SPAN_COLOURS if k in seen] + sorted(k for k in seen if k not in SPAN_COLOURS)
-    handles = [Patch(facecolor=seen[k][0], alpha=seen[k][1], edgecolor="black", lw=0.3) for k in order]
+    legend = [(SPAN_COLOURS["forward"], "forward"), (SPAN_COLOURS["backward"], "backward computing"),
+              (WAIT_COLOUR, "backward waiting for comm"), (SPAN_COLOURS["sync"], "sync"),
+              (SPAN_COLOURS["step"], "optimizer step"), (bucket_colour(0), "collective (colour = bucket)")]
+    handles = [Patch(facecolor=c, edgecolor="black", lw=0.3) for c, _ in legend]
     handles.append(Patch(color=OVERLAP_COLOUR, alpha=0.25))
-    ax.legend(handles, order + ["comm hidden under backward"], loc="upper left",
+    ax.legend(handles, [t for _, t in legend] + ["comm hidden under backward"], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_yticks(yticks, ylabels, fontsize=8)
-    ax.set_ylim(-0.7, 3 * len(ranks) - 0.9)
-    ax.set_xlabel("time (ms)" + ("" if trace.records[0].clock == "host" else ", GPU time from CUDA events"))
-    frac = hidden_ns / comm_ns if comm_ns else 0.0
+    ax.set_ylim(-y + 0.3, 0.8)
+    ax.set_xlabel("time (ms)" + ("" if spans[0].clock == "host" else ", GPU time from CUDA events"))
+    frac = overlap_fraction(trace, steps=chosen, ranks=ranks)
     which = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}"
     ax.set_title(f"Timeline, {len(ranks)} rank(s), {which}: "
-                 f"{frac:.0%} of communication time hidden under backward")
+                 f"{frac:.0%} of communication time hidden under backward computing")
     ax.grid(axis="x", alpha=0.3)
     return fig

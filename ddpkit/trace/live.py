@@ -1,0 +1,104 @@
+"""A recorded Cluster run: each rank records into its own Recorder and streams the records to
+the notebook while the job goes; the notebook merges them into one Trace.
+
+    with cluster.recording():          # the switch (ddpkit.Cluster); it uses the two halves below
+        cluster.run(job)
+    cluster.last_trace                 # every rank's records, merged
+
+Rank side, ``run_recorded(fn, args, kwargs, interval_s)``: a fresh ``Recorder`` with its clock
+aligned to rank 0's, made the rank's recorder (``rankside.recording``) while ``fn`` runs, so
+every strategy built inside the job records into it; a daemon thread drains it every
+``interval_s`` and sends what is new as one "records" event over the job channel
+(``_worker.report``). One message per interval however many records: a chatty run cannot flood
+the channel. The last batch (``final=True``) leaves before the job's result or error, on the
+same ordered channel, so the notebook has every record when ``run`` returns.
+
+Notebook side, ``Collector``: a cluster observer that rebuilds the records of each batch and
+keeps them, in arrival order, until ``trace()``. A batch travels as tuples (``pack``), which
+pickle several times faster than dataclasses.
+"""
+from __future__ import annotations
+
+import threading
+
+from ddpkit.trace.records import Record, Trace
+
+INTERVAL_S = 0.25  # a rank sends at most ~4 record batches per second
+
+
+# ----------------------------------------------------------------------------- on the wire
+def pack(r: Record) -> tuple:
+    """A Record as a tuple of plain values (its rank travels once per batch)."""
+    return (r.kind, r.cat, r.name, r.step, r.start_ns, r.end_ns, r.nbytes, r.bucket, r.unit, r.args, r.clock)
+
+
+def unpack(rank: int, t: tuple) -> Record:
+    kind, cat, name, step, start, end, nbytes, bucket, unit, args, clock = t
+    return Record(kind, cat, name, rank, step, start, end, nbytes, bucket, unit, args, clock)
+
+
+# ----------------------------------------------------------------------------- rank side
+class Streamer:
+    """A daemon thread that sends ``rec.drain()`` every ``interval_s`` through ``send``."""
+
+    def __init__(self, rec, send, interval_s: float = INTERVAL_S):
+        self.rec, self.send, self.interval_s = rec, send, interval_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one drain at a time: the thread's, or the final one
+        self._thread = threading.Thread(target=self._loop, name="ddpkit-stream", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.flush(final=True)
+        return False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.flush()
+            except Exception:  # the channel is gone (the parent died): the job will find out
+                return
+
+    def flush(self, final: bool = False) -> None:
+        with self._lock:
+            batch = self.rec.drain(final=final)
+            if batch or final:
+                self.send(records=[pack(r) for r in batch], final=final)
+
+
+def run_recorded(fn, args, kwargs, interval_s: float = INTERVAL_S):
+    """A Cluster job that runs ``fn(*args, **kwargs)`` with recording on (see the module
+    docstring) and returns exactly what ``fn`` returned."""
+    from ddpkit import _worker
+    from ddpkit.rankside import recording
+    from ddpkit.trace.recorder import Recorder
+
+    rec = Recorder()
+    rec.align_clocks()  # every rank on rank 0's clock, so the merged timeline lines up
+    with Streamer(rec, lambda **batch: _worker.report("records", **batch), interval_s), recording(rec):
+        return fn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- notebook side
+class Collector:
+    """A cluster observer keeping the records streamed during one recorded run."""
+
+    def __init__(self, world_size: int, backend: str):
+        self.world_size, self.backend = world_size, backend
+        self.records: list[Record] = []
+        self.finished: set[int] = set()  # ranks whose last batch arrived
+
+    def __call__(self, kind: str, rank, **fields) -> None:
+        if kind != "records":
+            return
+        self.records.extend(unpack(rank, t) for t in fields["records"])
+        if fields.get("final"):
+            self.finished.add(rank)
+
+    def trace(self) -> Trace:
+        return Trace(self.records, self.world_size, self.backend)

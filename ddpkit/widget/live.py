@@ -1,0 +1,173 @@
+"""The plots of a recorded run: drawn while it streams in, replayed step by step after it.
+
+While the run goes (``start``, then ``add`` for each batch of records a rank streams): the
+current step's bucket fill, a rolling timeline of the last ``ROLLING_STEPS`` steps of every
+rank, each rank's memory over time and the loss per step, redrawn at most every ``FRAME_S``
+seconds from a bounded ``LiveState`` -- frames coalesce, the records never do (the cluster keeps
+them all in ``last_trace``). After it (``show_trace``): a step slider replays any recorded step;
+the memory view shows the whole run, its peak and what was live at it.
+
+The plots are HTML widgets holding SVG (``svg.py``): cheap to draw while ranks share the CPU,
+and readable by a test as text.
+"""
+from __future__ import annotations
+
+import bisect
+import html
+from collections import defaultdict
+
+import ipywidgets as widgets
+
+from ddpkit.trace.figures import peak_of
+from ddpkit.widget.fill_view import fill_view
+from ddpkit.widget.loss_view import loss_view
+from ddpkit.widget.memory_view import memory_view
+from ddpkit.widget.state import LiveState
+from ddpkit.widget.svg import message
+from ddpkit.widget.throttle import Throttle
+from ddpkit.widget.timeline_view import timeline_view
+
+FRAME_S = 0.5       # at most two redraws a second
+ROLLING_STEPS = 3   # the live timeline's window
+
+
+class LivePlots(widgets.VBox):
+    """Tabs (bucket fill, timeline, memory) beside the loss, a summary line, and replay controls."""
+
+    def __init__(self):
+        self.summary = widgets.HTML()
+        self.summary.add_class("ddpkit-live-summary")
+        self.fill, self.timeline, self.memory, self.loss = (widgets.HTML() for _ in range(4))
+        for w, name in ((self.fill, "fill"), (self.timeline, "timeline"), (self.memory, "memory"),
+                        (self.loss, "loss")):
+            w.add_class("ddpkit-plot")
+            w.add_class(f"ddpkit-{name}-view")
+        self.tabs = widgets.Tab([self.fill, self.timeline, self.memory],
+                                layout=widgets.Layout(flex="1 1 620px", min_width="0"))
+        self.tabs.titles = ("bucket fill", "timeline", "memory")
+        self.step = widgets.IntSlider(description="replay step", min=0, max=0, continuous_update=True,
+                                      layout=widgets.Layout(width="60%"), style={"description_width": "initial"})
+        self.step.add_class("ddpkit-step-slider")
+        self.rank = widgets.Dropdown(description="bucket fill of rank", options=[0], value=0,
+                                     style={"description_width": "initial"}, layout=widgets.Layout(width="220px"))
+        self.controls = widgets.HBox([self.step, self.rank])
+        super().__init__([self.summary,
+                          widgets.HBox([self.tabs, self.loss], layout=widgets.Layout(flex_flow="row wrap")),
+                          self.controls], layout=widgets.Layout(display="none"))
+        self.add_class("ddpkit-live")
+        self.state = LiveState()
+        self.mode = "empty"   # "live" while a run streams in, "replay" once its trace is here
+        self.trace = None
+        self._replay: dict = {}
+        self.painter = Throttle(self._paint, FRAME_S, inline=False, name="ddpkit-widget-plots")
+        self.step.observe(lambda _: self.painter.request(), names="value")
+        self.rank.observe(lambda _: self.painter.request(), names="value")
+
+    # ------------------------------------------------------------------ fed by the widget
+    def start(self, world_size: int) -> None:
+        """A recorded run begins: forget the last one, draw as records arrive."""
+        self.state, self.mode, self.trace, self._replay = LiveState(world_size), "live", None, {}
+        self._set_ranks(world_size)
+        self.controls.children = [self.rank]
+        self.summary.value = "<b style='color:#c62828'>&#9679; recording</b>: waiting for the first records"
+        self.layout.display = "flex"
+
+    def add(self, rank: int, records) -> None:
+        if self.mode == "live":
+            self.state.add(rank, records)
+            self.painter.request()
+
+    def show_trace(self, trace) -> None:
+        """A run's whole trace: replay it (the slider picks the step). Indexing a long trace takes
+        a moment, so it happens on the drawing thread, not on the one that called ``run``."""
+        self.trace, self.mode, self._replay = trace, "replay", {}
+        self._set_ranks(max(trace.world_size, len(trace.ranks)))
+        self.layout.display = "flex"
+        self.painter.request()
+
+    def _index(self, trace) -> None:
+        """What the replay draws from: records by step, the loss, each rank's memory and its peak."""
+        from ddpkit.trace.figures import loss_per_step, memory_series, peak_of
+
+        by_step = defaultdict(list)
+        for r in trace.records:
+            by_step[r.step].append(r)
+        memory = {rank: memory_series(trace.records, rank) for rank in trace.ranks}
+        steps = trace.steps
+        self._replay = dict(by_step=by_step, steps=steps, losses=loss_per_step(trace.records), memory=memory,
+                            peak=peak_of(memory), t0=min((r.start_ns for r in trace.records), default=0))
+        if steps:
+            with self.step.hold_trait_notifications():
+                self.step.min, self.step.max = steps[0], steps[-1]
+                self.step.value = steps[-1]
+            self.controls.children = [self.step, self.rank]
+        else:
+            self.controls.children = []
+
+    def _set_ranks(self, n: int) -> None:
+        options = list(range(max(n, 1)))
+        if list(self.rank.options) != options:
+            self.rank.options = options
+            self.rank.value = 0
+
+    # ------------------------------------------------------------------ drawing (painter thread)
+    def _paint(self) -> None:
+        views = self._live_views() if self.mode == "live" else self._replay_views() if self.mode == "replay" else None
+        if views is None:
+            return
+        for w, value in zip((self.summary, self.fill, self.timeline, self.memory, self.loss), views, strict=True):
+            if w.value != value:  # an unchanged view costs the page nothing
+                w.value = value
+
+    def _live_views(self):
+        snap = self.state.snapshot()
+        if not snap["count"]:
+            return None
+        rank = self.rank.value
+        records, steps, latest = snap["records"], snap["steps"], snap["latest"]
+        # Draw finished steps: a rank's newest step may still be half streamed (its records
+        # leave once its collectives completed), and a half-drawn step would flicker.
+        finished = [s for s in steps if all(s < newest for newest in latest.values())] or steps
+        mine = [s for s in steps if s < latest.get(rank, -1)] or [s for s in steps if latest.get(rank) == s]
+        fill = fill_view(records, rank, mine[-1]) if mine else message("No steps recorded yet.")
+        shown = finished[-ROLLING_STEPS:]
+        timeline = timeline_view(records, shown, sorted({r.rank for r in records}), self.state.world_size) \
+            if shown else message("No steps recorded yet.")
+        peak = peak_of(snap["memory"])
+        memory = memory_view(snap["memory"], snap["t0"] or 0, peak)
+        losses = snap["loss"]
+        newest = max(snap["latest"].values(), default=None)
+        loss_text = f" &middot; loss {losses[max(losses)]:.4f}" if losses else ""
+        summary = (f"<b style='color:#c62828'>&#9679; recording</b>: step {newest} &middot; "
+                   f"{snap['count']:,} records so far{loss_text} &middot; plots redraw every {FRAME_S:g} s")
+        return summary, fill, timeline, memory, loss_view(losses)
+
+    def _replay_views(self):
+        trace = self.trace
+        if not self._replay:
+            self._index(trace)  # setting the slider here requests one more paint: harmless
+        rp = self._replay
+        steps = rp["steps"]
+        if not steps:
+            text = message("This run recorded no training steps (records made before the first step only).")
+            return self._replay_summary(None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
+                loss_view(rp["losses"])
+        step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
+        records = rp["by_step"][step]
+        ranks = sorted({r.rank for r in records}) or trace.ranks
+        return (self._replay_summary(step), fill_view(records, self.rank.value, step),
+                timeline_view(records, [step], ranks, trace.world_size),
+                memory_view(rp["memory"], rp["t0"], rp["peak"], marker_step=step),
+                loss_view(rp["losses"], marker_step=step))
+
+    def _replay_summary(self, step) -> str:
+        trace, rp = self.trace, self._replay
+        span = (max((r.end_ns or r.start_ns) for r in trace.records) - rp["t0"]) / 1e9 if trace.records else 0
+        where = f"showing step {step}; slide to replay another" if step is not None else "no steps to replay"
+        return (f"<b>recorded run</b>: {len(rp['steps'])} steps on {len(trace.ranks)} rank(s), "
+                f"{len(trace.records):,} records over {span:.1f} s &middot; {html.escape(where)}")
+
+    def close(self) -> None:
+        self.painter.close()
+        super().close()
+

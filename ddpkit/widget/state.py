@@ -1,0 +1,88 @@
+"""What the widget keeps of a recorded run while it streams in: bounded, however long the run.
+
+The cluster keeps every record (``cluster.last_trace``); the live plots only need the last few
+steps in full, each rank's memory over time and the loss per step. So a run of thousands of
+steps costs the widget the same memory as one of ten: ``KEEP_STEPS`` steps of records,
+``MEMORY_POINTS`` memory samples per rank (older ones drop out of the live plot; the replay
+after the run reads the whole trace), ``LOSS_STEPS`` loss points (every other old one is
+dropped when there are more, so the curve keeps its whole length).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+KEEP_STEPS = 4
+STEP_RECORDS = 20_000  # a step with more (a job that never starts a new one) shows its first ones
+MEMORY_POINTS = 600
+LOSS_STEPS = 2000
+
+
+class LiveState:
+    """The bounded view of one recorded run; ``add`` from any thread, ``snapshot`` to draw."""
+
+    def __init__(self, world_size: int = 1):
+        self._lock = threading.Lock()
+        self.world_size = world_size
+        self.steps: dict[int, list] = {}      # step -> its records, the last KEEP_STEPS steps
+        self.memory: dict[int, collections.deque] = {}  # rank -> (ns, step, {category: bytes})
+        self._held: dict[int, dict] = {}      # rank -> what its samples so far say it holds
+        self.loss: dict[int, list] = {}       # step -> [sum over ranks, ranks]
+        self.t0: int | None = None
+        self.records = 0                      # how many arrived (all kept in cluster.last_trace)
+        self.latest: dict[int, int] = {}      # rank -> its newest step
+
+    def add(self, rank: int, records) -> None:
+        with self._lock:
+            for r in records:
+                self.records += 1
+                if self.t0 is None or r.start_ns < self.t0:
+                    self.t0 = r.start_ns
+                if r.kind == "counter" and r.cat == "memory":
+                    held = self._held.setdefault(rank, {})
+                    held.update({k: v for k, v in r.args.items() if not k.startswith("cuda_")})
+                    self.memory.setdefault(rank, collections.deque(maxlen=MEMORY_POINTS)).append(
+                        (r.start_ns, r.step, dict(held)))
+                elif r.kind == "counter" and r.cat == "loss" and r.step is not None:
+                    acc = self.loss.setdefault(r.step, [0.0, 0])
+                    acc[0] += r.args["loss"]
+                    acc[1] += 1
+                if r.step is None:
+                    continue
+                self.latest[rank] = max(self.latest.get(rank, r.step), r.step)
+                if r.step not in self.steps:
+                    if len(self.steps) >= KEEP_STEPS and r.step < min(self.steps):
+                        continue  # a straggler's old step: already out of the window
+                    self.steps[r.step] = []
+                    while len(self.steps) > KEEP_STEPS:
+                        del self.steps[min(self.steps)]
+                if len(self.steps[r.step]) < STEP_RECORDS:
+                    self.steps[r.step].append(r)
+            if len(self.loss) > LOSS_STEPS:
+                old = sorted(self.loss)[:-LOSS_STEPS // 2]
+                for s in old[1::2]:
+                    del self.loss[s]
+
+    def snapshot(self) -> dict:
+        """Copies to draw from while more records arrive."""
+        with self._lock:
+            return dict(
+                steps=sorted(self.steps), records=[r for s in sorted(self.steps) for r in self.steps[s]],
+                memory={rank: list(pts) for rank, pts in self.memory.items()},
+                loss={s: total / n for s, (total, n) in sorted(self.loss.items())},
+                t0=self.t0, count=self.records, latest=dict(self.latest))
+
+    def latest_loss(self) -> tuple[int, float] | None:
+        """(step, mean loss) of the newest step with a loss, or None."""
+        with self._lock:
+            if not self.loss:
+                return None
+            step = max(self.loss)
+            total, n = self.loss[step]
+            return step, total / n
+
+    def size(self) -> int:
+        """Everything held, in records and points (bounded: a test checks it)."""
+        with self._lock:
+            return (sum(len(v) for v in self.steps.values()) + sum(len(d) for d in self.memory.values())
+                    + len(self.loss))
