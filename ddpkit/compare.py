@@ -159,18 +159,25 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
     return records
 
 
-def _add_ratios(records: list[dict]) -> None:
-    """ms_per_step over torch's own wrapper of the same family (``family`` in the table of
-    strategies): DDP-like rows against torch_ddp, FSDP-like rows against torch_fsdp. A ratio
-    of times: 1.20 = 20% slower than torch's, 0.80 = faster."""
-    from ddpkit.strategies.table import strategy as row
+def torch_reference(strategy: str) -> str:
+    """The torch wrapper a strategy is compared with: the table's torch row of its family
+    (``family``: DDP-like rows against torch_ddp, the ZeRO optimizers against torch_zero, ...)."""
+    from ddpkit.strategies.table import STRATEGIES
 
+    family = STRATEGIES[strategy].family
+    return next(name for name, row in STRATEGIES.items() if row.torch_native and row.family == family)
+
+
+def _add_ratios(records: list[dict]) -> None:
+    """ms_per_step over torch's own wrapper of the same family, where it ran: ``vs_torch`` (and
+    ``vs_torch_ddp``, ``vs_torch_fsdp``, ... by its name). A ratio of times: 1.20 = 20% slower
+    than torch's, 0.80 = faster."""
     ok = {r["strategy"]: r for r in records if "error" not in r}
-    for ref in ("torch_ddp", "torch_fsdp"):
-        if ref in ok and ok[ref]["ms_per_step"] > 0:
-            for r in ok.values():
-                if row(r["strategy"]).family == row(ref).family:
-                    r[f"vs_{ref}"] = r["ms_per_step"] / ok[ref]["ms_per_step"]
+    for r in ok.values():
+        ref = ok.get(torch_reference(r["strategy"]))
+        if ref is not None and ref["ms_per_step"] > 0:
+            r["vs_torch"] = r[f"vs_{ref['strategy']}"] = r["ms_per_step"] / ref["ms_per_step"]
+            r["torch_reference"] = ref["strategy"]
 
 
 def _human_bytes(n: float) -> str:
@@ -183,10 +190,10 @@ def _human_bytes(n: float) -> str:
 
 def format_table(records: list[dict]) -> str:
     """The compare results as a fixed-width text table (bytes per rank; sent = ring cost)."""
-    cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch_ddp", "{:.2f}x"),
-            ("vs_torch_fsdp", "{:.2f}x"), ("comm_bytes_per_step", "bytes"), ("model_state_bytes", "bytes"),
+    cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch", "ratio"),
+            ("comm_bytes_per_step", "bytes"), ("inter_node_bytes_per_step", "bytes"), ("model_state_bytes", "bytes"),
             ("peak_bytes", "bytes"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
-    heads = ["strategy", "ms/step", "vs torch_ddp", "vs torch_fsdp", "sent/step", "model state",
+    heads = ["strategy", "ms/step", "vs torch", "sent/step", "inter-node", "model state",
              "peak", "overlap", "max |diff|"]
     rows = []
     for r in records:
@@ -196,8 +203,10 @@ def format_table(records: list[dict]) -> str:
         row = []
         for key, fmt in cols:
             v = r.get(key)
-            if v is None:  # a ratio to the other family's torch wrapper does not apply: blank
+            if v is None:  # no torch wrapper of its family ran: blank
                 row.append("" if key.startswith("vs_") else "-")
+            elif fmt == "ratio":
+                row.append(f"{v:.2f}x {r['torch_reference']}")
             else:
                 row.append(_human_bytes(v) if fmt == "bytes" else fmt.format(v))
         rows.append(row)
@@ -209,10 +218,11 @@ def format_table(records: list[dict]) -> str:
         else:
             lines.append(f"{row[0].rjust(widths[0])}  {row[1]}")
     notes = ["ms/step: the median over the timing rounds, of the slowest rank (recording off)."]
-    if any(k in r for r in records for k in ("vs_torch_ddp", "vs_torch_fsdp")):
-        notes.append("vs torch_ddp / vs torch_fsdp: ms/step divided by torch's own wrapper's, for strategies "
-                     "of its family (a time ratio: lower is faster; 1.20x = 20% slower).")
+    if any("vs_torch" in r for r in records):
+        notes.append("vs torch: ms/step divided by that of torch's own wrapper of the same family (named), "
+                     "a time ratio: lower is faster; 1.20x = 20% slower.")
     notes.append("peak: the most one rank held at once during a step (parameters, gradients, optimizer "
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
-    notes.append("sent/step: bytes one rank sends per step (ring algorithms); \"-\": not recorded.")
+    notes.append("sent/step: bytes one rank sends per step (ring algorithms); inter-node: the part that "
+                 "crosses nodes (every rank its own node unless --gpus-per-node); \"-\": not recorded.")
     return "\n".join(lines + [""] + notes)

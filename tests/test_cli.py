@@ -11,6 +11,7 @@ import pytest
 import ddpkit
 from ddpkit.__main__ import main
 from ddpkit.experiment import STRATEGIES
+from ddpkit.compare import torch_reference
 from ddpkit.strategies.table import strategy as strategy_row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(ddpkit.__file__)))
@@ -145,11 +146,11 @@ def test_compare_short_run_writes_sane_records(tmp_path):
         if r["strategy"] in ("fsdp", "torch_fsdp"):
             assert r["comm_bytes_per_step"] == pytest.approx(1.5 * param_bytes, rel=0.05)
         # each strategy is compared with torch's wrapper of its own family only
-        family = strategy_row(r["strategy"]).family
-        ref, other = ("torch_ddp", "torch_fsdp") if family == "ddp" else ("torch_fsdp", "torch_ddp")
+        ref = torch_reference(r["strategy"])
+        assert strategy_row(ref).torch_native and strategy_row(ref).family == strategy_row(r["strategy"]).family
         torch_ms = records[strategies.index(ref)]["ms_per_step"]
-        assert r[f"vs_{ref}"] == pytest.approx(r["ms_per_step"] / torch_ms)
-        assert f"vs_{other}" not in r
+        assert r[f"vs_{ref}"] == r["vs_torch"] == pytest.approx(r["ms_per_step"] / torch_ms)
+        assert [k for k in r if k.startswith("vs_torch_")] == [f"vs_{ref}"]
 
 
 def test_trace_writes_a_chrome_trace(tmp_path):
