@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 
 
-def _run_or_fail(cluster, label: str, fn, *args, **kwargs):
+def run_or_fail(cluster, label: str, fn, *args, **kwargs):
     """Run a job; a failing strategy (e.g. not written yet) is reported and skipped, not fatal."""
     from ddpkit.cluster import RankError
 
@@ -56,7 +56,7 @@ def time_round(cluster, strategies, r: int, steps: int, common: dict, per_round:
             continue
         if progress:
             progress.start(f"{s}: timing round {r + 1}{of}")
-        results, err = _run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
+        results, err = run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
         if err:
             errors[s] = err
             continue
@@ -132,7 +132,7 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
         series.start(f"{s}: one recorded run (bytes, memory, equality)")
-        results, err = _run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
+        results, err = run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
                                     record=True, reference=reference, **common)
         if err:
             records.append(dict(strategy=s, world_size=n, error=err))

@@ -8,19 +8,33 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
-from ddpkit.compare import time_round
+from ddpkit.compare import run_or_fail
+from ddpkit.experiment import run_strategy
 from ddpkit.costmodel.measure import (
     fit_link, measure_collectives, median_profile, model_calibration_sizes, profile_job, slowest_profile,
     slowest_rank,
 )
 from ddpkit.costmodel.simulate import Profile, simulate
 from ddpkit.network import LINKS
+from ddpkit.strategies.table import CostStep, strategy
 
 
 def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
              global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None):
+    """See ``_validate``; ``strategies`` are names, or ``{label: (name, {wrapper options})}`` to
+    check variants, e.g. ``{"fsdp + forward prefetch": ("fsdp", {"forward_prefetch": True})}``:
+    the options go to the wrapper and, where ``CostStep`` has a field of that name, into the
+    cost model's step too."""
+    runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
+    return _validate(cluster, runs, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
+                     bucket_cap_mb, progress)
+
+
+def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
+              bucket_cap_mb, progress):
     """The cost model against measurement on one cluster: each round calibrates the collectives
     (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
     times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
@@ -38,7 +52,8 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     sizes = model_calibration_sizes(model, model_kwargs)
     common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
                   optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
-    per_round: dict = {s: [] for s in strategies}
+    labels = list(runs)
+    per_round: dict = {label: [] for label in labels}
     errors: dict = {}
     calibrations, profiles = [], []
     for r in range(rounds):
@@ -50,7 +65,17 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
             progress.start(f"profiling compute (round {r + 1})")
         ranks = cluster.run(profile_job, model, global_batch_size // n, optimizer, model_kwargs)
         profiles.append(slowest_profile(ranks))
-        time_round(cluster, strategies, r, steps, common, per_round, errors, progress)
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # rotated, as compare does
+            name, options = runs[label]
+            if label in errors:
+                continue
+            if progress:
+                progress.start(f"{label}: timing round {r + 1} of {rounds}")
+            results, err = run_or_fail(cluster, label, run_strategy, name, steps=steps, options=options, **common)
+            if err:
+                errors[label] = err
+            else:
+                per_round[label].append(max(res["ms_per_step"] for res in results))
 
     transport = LINKS["loopback"]  # the real transport under any emulated link: fitted when we can
     if calibrations:  # per collective and size, the median over rounds
@@ -60,17 +85,20 @@ def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, roun
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     records = []
-    for s in strategies:
-        if s in errors:
-            records.append(dict(strategy=s, world_size=n, error=errors[s]))
+    for label in labels:
+        name, options = runs[label]
+        if label in errors:
+            records.append(dict(strategy=label, world_size=n, error=errors[label]))
             continue
-        pred = simulate(s, profile, n, emulated.with_floor(transport.line()), bucket_cap_mb)
-        interpolated = simulate(s, profile, n, emulated.with_floor(transport), bucket_cap_mb)
-        measured = statistics.median(per_round[s])
-        records.append(dict(strategy=s, world_size=n, model=model, predicted_ms=pred.ms_per_step,
+        fields = {f.name for f in dataclasses.fields(CostStep)}
+        cost = dataclasses.replace(strategy(name).cost, **{k: v for k, v in options.items() if k in fields})
+        pred = simulate(name, profile, n, emulated.with_floor(transport.line()), bucket_cap_mb, cost=cost)
+        interpolated = simulate(name, profile, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
+        measured = statistics.median(per_round[label])
+        records.append(dict(strategy=label, world_size=n, model=model, predicted_ms=pred.ms_per_step,
                             predicted_from_timings_ms=interpolated.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
-                            measured_ms_rounds=per_round[s], compute_ms=pred.compute_ms,
+                            measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms,
                             exposed_comm_ms=pred.exposed_comm_ms))
     return records, transport, profile
 
