@@ -24,11 +24,12 @@ shard group, not the world).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 from ddpkit.strategies.table import STRATEGIES
-from ddpkit.torch_internals import allocator_history
+from ddpkit.torch_internals import TorchDispatchMode, allocator_history
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations")
 
@@ -122,6 +123,30 @@ def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> di
     if recorder is not None:
         recorder.memory(**sample)
     return sample
+
+
+class TensorWatch(TorchDispatchMode):
+    """Inside ``with TensorWatch() as watch:``, every tensor an operator creates is watched:
+    ``watch.peak`` is the most bytes they held at once (their storages' sizes now: a storage FSDP
+    freed counts 0), ``watch.largest`` the largest single one. On any device, CPU included, where
+    there is no allocator to ask. Tensors that existed before the block are not counted.
+
+    Shows e.g. that FSDP's deferred initialization never holds the whole model on a rank."""
+
+    def __init__(self):
+        super().__init__()
+        self._live = weakref.WeakValueDictionary()
+        self.peak = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if torch.is_tensor(t) and not t.is_meta:
+                self._live[id(t)] = t
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
+        self.peak = max(self.peak, sum(live.values()))
+        return out
 
 
 class ActivationMeter:
@@ -240,6 +265,6 @@ def predicted_model_state(strategy: str, num_params: int, world_size: int, **byt
 
 __all__ = [
     "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
-    "step_memory", "ActivationMeter", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
+    "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
     "shard_group_size", "predicted_model_state",
 ]

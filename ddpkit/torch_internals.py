@@ -6,11 +6,17 @@ torch moves, and each one fails soft (returns False or raises a clear error) whe
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
 - ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
 - ``register_real_backend``, ``work_from_future``, ``backend_registered``: what ddpkit's own
-  process group (``ddpkit.process_group``) needs to stand in for gloo or NCCL.
+  process group (``ddpkit.process_group``) needs to stand in for gloo or NCCL;
+- ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create.
 """
 from __future__ import annotations
 
 import torch
+
+# torch's dispatch mode: a context in which every operator call passes through
+# ``__torch_dispatch__`` (``ddpkit.memory.TensorWatch`` counts the tensors operators create). It
+# lives in the underscored ``torch.utils._python_dispatch``.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
 
 
 def queue_at_end_of_backward(fn) -> bool:

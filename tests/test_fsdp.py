@@ -20,6 +20,7 @@ from torch import nn
 import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn, make_batch
+from ddpkit.memory import TensorWatch
 from ddpkit.strategies.table import fsdp_units
 from ddpkit.strategies._common import all_gather_flat
 from helpers import SMALL_GPT, SMALL_MLP, TOL, CountingRecorder, ranks, reference_params, train_on_rank
@@ -477,29 +478,6 @@ def test_rate_limit_below_one_is_a_value_error_before_any_collective(limit):
     assert "limit_all_gathers must be a whole number >= 1" in _bad_limit(limit)
 
 
-class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Watches every tensor an operator creates; ``peak`` = the most bytes alive at once among
-    them (their storages' current sizes, so a freed FSDP buffer counts 0), ``largest`` = the
-    largest single one."""
-
-    def __init__(self):
-        super().__init__()
-        import weakref
-
-        self._live = weakref.WeakValueDictionary()
-        self.peak = self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if torch.is_tensor(t) and not t.is_meta:
-                self._live[id(t)] = t
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
-        self.peak = max(self.peak, sum(live.values()))
-        return out
-
-
 def _deferred(model_name, **kwargs):
     from ddpkit.models import MLP, TinyGPT
 
@@ -507,7 +485,7 @@ def _deferred(model_name, **kwargs):
     with torch.device("meta"):  # shapes and dtypes only: no storage anywhere
         module = {"mlp": MLP, "gpt": TinyGPT}[model_name](**kwargs)
     torch.manual_seed(0)  # the eager reference is build_model(seed=0): the same draws, in order
-    with _LiveBytes() as watch:
+    with TensorWatch() as watch:
         model = ddpkit.FSDP(module, units=fsdp_units(module))
     opt = make_optimizer(model.parameters(), "sgd")
     for step in range(5):
