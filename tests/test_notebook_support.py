@@ -20,8 +20,7 @@ if str(ROOT) not in sys.path:
 
 import exercises  # noqa: E402
 
-NOTEBOOKS = ["00_start_here", "01_collectives", "02_naive_ddp", "03_bucketing", "04_overlap",
-             "05_zero_and_fsdp", "06_compare_all", "07_beyond_one_machine"]
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 
 
 def code_cells(name: str) -> list[str]:
