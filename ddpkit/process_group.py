@@ -184,33 +184,19 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.BarrierOptions()
         return self._issue("barrier", 0, lambda: self.real.barrier(opts), [])
 
-    # --- the rest passes through, uncounted ----------------------------------------------
-    def reduce(self, *args):
-        return self.real.reduce(*args)
 
-    def gather(self, *args):
-        return self.real.gather(*args)
+def _passed_through(name: str):
+    """A method that hands the call to the real backend as it is (not counted, not emulated)."""
+    def method(self, *args):
+        return getattr(self.real, name)(*args)
+    method.__name__ = method.__qualname__ = name
+    return method
 
-    def scatter(self, *args):
-        return self.real.scatter(*args)
 
-    def alltoall(self, *args):
-        return self.real.alltoall(*args)
-
-    def alltoall_base(self, *args):
-        return self.real.alltoall_base(*args)
-
-    def send(self, *args):
-        return self.real.send(*args)
-
-    def recv(self, *args):
-        return self.real.recv(*args)
-
-    def recv_anysource(self, *args):
-        return self.real.recv_anysource(*args)
-
-    def monitored_barrier(self, *args):
-        return self.real.monitored_barrier(*args)
+# What no strategy here issues passes through, uncounted: point-to-point, rooted collectives.
+for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send", "recv", "recv_anysource",
+              "monitored_barrier"):
+    setattr(DdpkitProcessGroup, _name, _passed_through(_name))
 
 
 def install(network: Network, real_backend: str, comm_holder) -> None:

@@ -76,6 +76,29 @@ def test_a_cluster_runs_on_ddpkits_process_group(cluster_of):
         assert (calls, sent, kind) == (1, 2 * 3 / 4 * 4000, "DdpkitProcessGroup")
 
 
+def _point_to_point_and_rooted_collectives():
+    from ddpkit.rankside import comm_counts
+
+    rank = dist.get_rank()
+    before = comm_counts()
+    t = torch.full((3,), float(rank + 1))
+    if rank == 0:
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t, src=0)  # now rank 0's ones
+    dist.reduce(t, dst=0)  # rank 0: 1 + 1
+    gathered = [torch.zeros(3) for _ in range(2)] if rank == 0 else None
+    dist.gather(torch.full((3,), float(rank)), gathered, dst=0)
+    return t.tolist(), gathered and [g.tolist() for g in gathered], comm_counts() == before
+
+
+def test_what_no_strategy_issues_passes_through_uncounted(cluster_of):
+    (t0, gathered, uncounted0), (_, _, uncounted1) = cluster_of(2).run(_point_to_point_and_rooted_collectives)
+    assert t0 == [2.0] * 3  # rank 1 received rank 0's ones; reduced onto rank 0
+    assert gathered == [[0.0] * 3, [1.0] * 3]
+    assert uncounted0 and uncounted1
+
+
 def _reduce_scatter_counts():
     from ddpkit.rankside import comm_counts
     from ddpkit.strategies._common import reduce_scatter_flat

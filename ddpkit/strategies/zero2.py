@@ -27,22 +27,17 @@ backward per forward. The optimizer must be elementwise (``zero_buckets.check_el
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies.ddp_module import DDPModule
-from ddpkit.strategies.zero_buckets import ZeroBucket, check_elementwise, make_zero_buckets
+from ddpkit.strategies.zero_buckets import ZeroBucket, ZeroDDPModule
 from ddpkit.torch_internals import queue_at_end_of_backward
 
 
-class ZeRO2(DDPModule):
+class ZeRO2(ZeroDDPModule):
     """Buckets reduce-scattered from gradient hooks, full gradients freed; the step as ZeRO-1's."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
-        super().__init__(module, process_group, recorder)  # checks, rank 0's values everywhere
-        self.rank = dist.get_rank(process_group)
-        self.bucket_cap_mb = bucket_cap_mb
-        self.buckets = make_zero_buckets(self.named_grads, bucket_cap_mb, self.rank, self.world_size)
+        super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
         for bucket in self.buckets:
             bucket.free_gradient()  # allocated when the bucket's first gradient arrives
             for j, p in enumerate(bucket.params):
@@ -125,29 +120,6 @@ class ZeRO2(DDPModule):
         self._launch_complete_buckets()
         self._collect_finished(block=True)
 
-    def join_hook(self, **kwargs):
-        """Uneven inputs are not supported here: a rank that finished early would also have to step
-        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
-        raise ValueError("ZeRO2 does not support Join (uneven inputs): give every rank the same number "
-                         "of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
-
     def comm_buffer_bytes(self) -> int:
         """Bytes of flat gradients held right now (only while buckets are being reduced)."""
         return sum(b.gradient_bytes for b in self.buckets)
-
-    # ------------------------------------------------------------------ the step: 1/N, then all-gather
-    def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:
-        """``optimizer_cls`` over this rank's shards only (its state: 1/N of the model's); after
-        each ``step()`` a hook all-gathers the updated parameters. Elementwise optimizers only."""
-        check_elementwise("ZeRO2", optimizer_cls)
-        optimizer = optimizer_cls([b.shard for b in self.buckets], **defaults)
-        optimizer.register_step_post_hook(lambda *_: self._all_gather_parameters())
-        return optimizer
-
-    @torch.no_grad()
-    def _all_gather_parameters(self) -> None:
-        # every rank's updated shard to every rank, in place into the flat parameters (which the
-        # module's parameters view): all buckets launched first, so their transfers overlap
-        works = [bucket.all_gather(self.process_group, self.recorder) for bucket in self.buckets]
-        for work in works:
-            work.wait()

@@ -1,4 +1,4 @@
-"""Sharded buckets: what ZeRO-1 and ZeRO-2 (``zero1.py``, ``zero2.py``) share.
+"""Sharded buckets and the sharded step: what ZeRO-1 and ZeRO-2 (``zero1.py``, ``zero2.py``) share.
 
 A ZeRO bucket is a DDP bucket (the same ``assign_buckets`` rule: reverse registration order, a cap
 in MiB, one dtype per bucket) whose flat buffers are padded to a multiple of N, so that one
@@ -24,10 +24,12 @@ the others (LBFGS, Adafactor, Muon, ...) with a ValueError before any rank commu
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit.strategies._common import all_gather_flat, nbytes, reduce_scatter_flat
 from ddpkit.strategies.buckets import assign_buckets, bucket_cap_bytes
+from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_param import alloc_storage, free_storage
 
 # Optimizers whose update of one element reads only that element's gradient and state, so that
@@ -123,3 +125,38 @@ def make_zero_buckets(named_params: list, bucket_cap_mb: float, rank: int, world
     kinds = [(p.dtype, p.device) for _, p in named_params]
     return [ZeroBucket(i, [named_params[k] for k in indices], rank, world_size)
             for i, indices in enumerate(assign_buckets(sizes, cap, kinds))]
+
+
+class ZeroDDPModule(DDPModule):
+    """What ZeRO-1 and ZeRO-2 share: the sharded buckets, the optimizer over this rank's shards,
+    and the all-gather of the updated parameters after each step. They differ in when the
+    gradients are reduce-scattered (after backward / from the gradient hooks)."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
+        super().__init__(module, process_group, recorder)  # checks, rank 0's values everywhere
+        self.rank = dist.get_rank(process_group)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.buckets = make_zero_buckets(self.named_grads, bucket_cap_mb, self.rank, self.world_size)
+
+    def join_hook(self, **kwargs):
+        """Uneven inputs are not supported here: a rank that finished early would also have to step
+        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
+        raise ValueError(f"{type(self).__name__} does not support Join (uneven inputs): give every rank "
+                         "the same number of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
+
+    # ------------------------------------------------------------------ the step: 1/N, then all-gather
+    def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:
+        """``optimizer_cls`` over this rank's shards only (its state: 1/N of the model's); after
+        each ``step()`` a hook all-gathers the updated parameters. Elementwise optimizers only."""
+        check_elementwise(type(self).__name__, optimizer_cls)
+        optimizer = optimizer_cls([b.shard for b in self.buckets], **defaults)
+        optimizer.register_step_post_hook(lambda *_: self._all_gather_parameters())
+        return optimizer
+
+    @torch.no_grad()
+    def _all_gather_parameters(self) -> None:
+        # every rank's updated shard to every rank, in place into the flat parameters (which the
+        # module's parameters view): all buckets launched first, so their transfers overlap
+        works = [bucket.all_gather(self.process_group, self.recorder) for bucket in self.buckets]
+        for work in works:
+            work.wait()

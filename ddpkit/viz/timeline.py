@@ -32,6 +32,12 @@ def comm_rows(comm) -> list[tuple[str, list]]:
     buckets = list(dict.fromkeys(r.bucket for r in comm))
     if comm and None not in buckets and len(buckets) <= MAX_BUCKET_ROWS:
         return [(f"bucket {b}", [r for r in comm if r.bucket == b]) for b in sorted(buckets)]
+    return [(f"comm {i + 1}", row) for i, row in enumerate(pack_rows(comm, MAX_PACKED_ROWS))]
+
+
+def pack_rows(comm, max_rows: int | None = None) -> list[list]:
+    """Collectives (sorted by launch) packed greedily into rows: each into the first row that is
+    free when it launches; past ``max_rows`` rows the last row takes the rest."""
     rows: list[list] = []
     for r in comm:
         for row in rows:
@@ -39,11 +45,11 @@ def comm_rows(comm) -> list[tuple[str, list]]:
                 row.append(r)
                 break
         else:
-            if len(rows) < MAX_PACKED_ROWS:
+            if max_rows is None or len(rows) < max_rows:
                 rows.append([r])
             else:
                 rows[-1].append(r)
-    return [(f"comm {i + 1}", row) for i, row in enumerate(rows)]
+    return rows
 
 
 def comm_colour(r):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ddpkit.trace.figures import backward_phases, fill_rows
 from ddpkit.viz._common import WAIT_COLOUR, bucket_colour
-from ddpkit.viz.timeline import comm_colour
-from ddpkit.widget.svg import Scale, Svg, human_bytes, message, x_axis
+from ddpkit.viz.timeline import pack_rows
+from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 
 WIDTH = 860
 ROW = 14           # px per row: 11 px labels stay readable
@@ -68,12 +68,8 @@ def fill_view(records, rank: int, step: int) -> str:
     for i, (label, rs) in enumerate(lanes):
         y = comm_top + i * ROW
         svg.text(LEFT - 6, y + ROW / 2 + 4, label, size=11, anchor="end")
-        for r in rs:
-            end = r.end_ns if r.end_ns is not None else t1
-            what = f"bucket {r.bucket}" if r.bucket is not None else (r.unit or "")
-            svg.rect(ms(r.start_ns), y + 2, ms(end) - ms(r.start_ns), ROW - 4, comm_colour(r), stroke="#333",
-                     stroke_width=0.5, title=f"{r.name} {what}: {human_bytes(r.nbytes)}, launched at "
-                                            f"{(r.start_ns - t0) / 1e6:.2f} ms, took {r.dur_ns / 1e6:.2f} ms")
+        collective_bars(svg, rs, y + 2, ROW - 4, ms, t1,
+                        when=lambda r: f"launched at {(r.start_ns - t0) / 1e6:.2f} ms, took {r.dur_ns / 1e6:.2f} ms")
     if not lanes:
         svg.text(LEFT, comm_top + 10, "no collectives in this step", size=11, fill="#555")
     x_axis(svg, x, height - 40, "ms since backward started", fmt=lambda v: f"{v:g}")
@@ -95,12 +91,5 @@ def _comm_rows(comm) -> list[tuple[str, list]]:
 
         return [(label(k), [r for r in comm if (r.name, r.bucket if r.bucket is not None else r.unit) == k])
                 for k in keys]
-    rows: list[list] = []
-    for r in comm:
-        for row in rows:
-            if (row[-1].end_ns or row[-1].start_ns) <= r.start_ns:
-                row.append(r)
-                break
-        else:
-            rows.append([r])
+    rows = pack_rows(comm)
     return [(f"{len(row)} collectives" if i == 0 else "", row) for i, row in enumerate(rows)]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import html
 import math
 
+from ddpkit.viz.timeline import comm_colour
+
 FONT = "font-family:sans-serif"
 
 
@@ -106,3 +108,13 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def collective_bars(svg: Svg, records, y: float, height: float, ms, t_end: int, when) -> None:
+    """One bar per collective record, launch to completion (``t_end`` while still in flight), in
+    its bucket's or unit's colour; the hover title says what, how many bytes, then ``when(r)``."""
+    for r in records:
+        end = r.end_ns if r.end_ns is not None else t_end
+        which = f"bucket {r.bucket}" if r.bucket is not None else (r.unit or "")
+        svg.rect(ms(r.start_ns), y, ms(end) - ms(r.start_ns), height, comm_colour(r), stroke="#333",
+                 stroke_width=0.5, title=f"{r.name} {which}: {human_bytes(r.nbytes)}, {when(r)}")

@@ -14,8 +14,8 @@ from __future__ import annotations
 from ddpkit.trace.figures import backward_phases, overlap_fraction, overlap_intervals
 from ddpkit.trace.records import Trace
 from ddpkit.viz._common import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR
-from ddpkit.viz.timeline import comm_colour, comm_rows
-from ddpkit.widget.svg import Scale, Svg, human_bytes, message, x_axis
+from ddpkit.viz.timeline import comm_rows
+from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 
 WIDTH = 860
 LEFT = 120
@@ -75,12 +75,7 @@ def timeline_view(records, steps: list[int], ranks: list[int], world_size: int =
         for i, (label, rs) in enumerate(rows):
             ry = comm_top + i * ROW
             svg.text(LEFT - 6, ry + ROW / 2 + 4, label, size=10, anchor="end", fill="#444")
-            for r in rs:
-                end = r.end_ns if r.end_ns is not None else t1
-                which = f"bucket {r.bucket}" if r.bucket is not None else (r.unit or "")
-                svg.rect(ms(r.start_ns), ry + 3, ms(end) - ms(r.start_ns), ROW - 6, comm_colour(r), stroke="#333",
-                         stroke_width=0.4, title=f"{r.name} {which}: {human_bytes(r.nbytes)}, "
-                                                 f"{r.dur_ns / 1e6:.2f} ms (step {r.step})")
+            collective_bars(svg, rs, ry + 3, ROW - 6, ms, t1, when=lambda r: f"{r.dur_ns / 1e6:.2f} ms (step {r.step})")
         if not rows:
             svg.text(LEFT, comm_top + ROW / 2 + 4, "no collectives", size=10, fill="#555")
         y += heights[rank]
