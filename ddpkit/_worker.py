@@ -104,8 +104,9 @@ class _Context:
 _context: _Context | None = None  # set once in main(); None outside a Cluster worker
 
 
-def report(kind: str, **payload) -> None:
-    """Send a side message (progress, records, ...) to the parent while a job runs."""
+def _report(kind: str, payload: dict) -> None:
+    """A side message (progress, records, ...) to the parent while a job runs: what
+    ``ddpkit.rankside.report`` sends through, inside a worker."""
     if _context is not None:
         _context.send(("event", kind, payload))
 
@@ -217,6 +218,9 @@ def main() -> None:
     conn = handshake(sock, bytes.fromhex(cfg["authkey"]), server=False)
     conn.send(("hello", rank, cfg["generation"], os.getpid()))
     _context = _Context(conn, rank)
+    from ddpkit import rankside
+
+    rankside.set_reporter(_report)
     sys.stdout, sys.stderr = _ChannelWriter("stdout"), _ChannelWriter("stderr")
 
     import torch
@@ -233,9 +237,9 @@ def main() -> None:
                               timeout=timedelta(seconds=max(cfg["timeout"], 60.0)))
         # ddpkit's own process group over the real backend: it counts, records and (on an
         # emulated network) delays every collective, torch's wrappers' included
-        from ddpkit import rankside
+        from ddpkit import process_group
 
-        rankside.use_ddpkit_process_group(cfg["network"], cfg["backend"])
+        process_group.install(cfg["network"], cfg["backend"])
         dist.init_process_group("ddpkit", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["timeout"]))
         device = f"cuda:{rank}" if cfg["backend"] == "nccl" else "cpu"
@@ -287,7 +291,7 @@ def main() -> None:
 if __name__ == "__main__":
     # The Cluster starts workers with ``-c "from ddpkit._worker import main; main()"``; under
     # ``python -m`` this file would be ``__main__``, a second copy of the module, so run the
-    # importable copy's main(), whose ``_context`` ``ddpkit.progress()`` and ``%%ranks`` see.
+    # importable copy's main(), whose ``_context`` ``%%ranks`` cells see.
     from ddpkit._worker import main as _main
 
     _main()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ddpkit.emulator import Emulator
 from ddpkit.network import Network, ring_bytes
-from ddpkit.rankside import recorder as rank_recorder
+from ddpkit import rankside
 from ddpkit.torch_internals import backend_registered, register_real_backend, work_from_future
 
 BACKEND_NAME = "ddpkit"
@@ -115,7 +115,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         link_s = comm.network.emulated_time(op, full_bytes, self.global_ranks) if emulated else 0.0
         if comm.emulator.delays(link_s):
             work = work_from_future(comm.emulator.submit(link, work, link_s, result))
-        rec = rank_recorder()
+        rec = rankside.recorder()
         if rec.enabled:
             rec.collective(op, work, full_bytes, link=link, group_size=n, via="process_group")
         return work
@@ -199,18 +199,19 @@ for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send"
     setattr(DdpkitProcessGroup, _name, _passed_through(_name))
 
 
-def install(network: Network, real_backend: str, comm_holder) -> None:
+def install(network, real_backend: str) -> None:
     """Register backend ``"ddpkit"`` with torch (once per process): every group then created
-    with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend``.
-    ``comm_holder.comm`` receives the rank's ``Comm`` (the counts, the emulator)."""
-    comm = Comm(network, real_backend)
-    comm_holder.comm = comm
+    with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend`` and
+    emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
+    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``."""
+    network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
+    rankside.attach_comm(Comm(network, real_backend))
 
     def create(opts, _backend_options):
         # one call per group: its store, its rank and size, and the global ranks it spans
         real = _real_backend(real_backend, opts)
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-        return DdpkitProcessGroup(comm_holder.comm, real, opts.group_rank, opts.group_size, ranks)
+        return DdpkitProcessGroup(rankside.attached_comm(), real, opts.group_rank, opts.group_size, ranks)
 
     if not backend_registered(BACKEND_NAME):  # torch keeps its backend plugins per process
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])

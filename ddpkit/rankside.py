@@ -55,6 +55,7 @@ class _Rank:
 
     recorder = NULL_RECORDER
     comm = None  # ddpkit.process_group.Comm, once this process joined with backend "ddpkit"
+    reporter = None  # send(kind, payload) to the cluster, inside a Cluster worker
 
 
 _RANK = _Rank()
@@ -111,15 +112,15 @@ def device():
 
 
 # ----------------------------------------------------------------------------- the network
-def use_ddpkit_process_group(network, real_backend: str) -> None:
-    """Before ``init_process_group("ddpkit", ...)``: let ddpkit's process group (counting,
-    recording, emulating ``network``, a ``Network`` or its ``to_dict()``) wrap ``real_backend``."""
-    from ddpkit.network import Network
-    from ddpkit.process_group import install
+def attach_comm(comm) -> None:
+    """This process's ``ddpkit.process_group.Comm`` (its counts, its emulator): every group the
+    ``"ddpkit"`` backend creates from now on reports to it (``process_group.install`` calls this)."""
+    _RANK.comm = comm
 
-    if isinstance(network, dict):
-        network = Network.from_dict(network)
-    install(Network.of(network), real_backend, _RANK)
+
+def attached_comm():
+    """The ``Comm`` set by ``attach_comm`` (None before)."""
+    return _RANK.comm
 
 
 def network():
@@ -159,8 +160,19 @@ def comm_counts() -> dict:
     return _RANK.comm.snapshot() if _RANK.comm is not None else {}
 
 
+def set_reporter(send) -> None:
+    """How this process sends side messages to the cluster: ``send(kind, payload)`` (a Cluster
+    worker sets it when it starts; None elsewhere)."""
+    _RANK.reporter = send
+
+
+def report(kind: str, **payload) -> None:
+    """Send a side message (progress, records, ...) to the cluster while a job runs; nothing
+    happens outside a Cluster worker."""
+    if _RANK.reporter is not None:
+        _RANK.reporter(kind, payload)
+
+
 def progress(done: int, total: int) -> None:
     """Report ``done`` of ``total`` steps to the cluster widget (does nothing outside a Cluster)."""
-    from ddpkit import _worker
-
-    _worker.report("progress", done=int(done), total=int(total))
+    report("progress", done=int(done), total=int(total))

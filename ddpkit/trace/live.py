@@ -9,7 +9,7 @@ Rank side, ``run_recorded(fn, args, kwargs, interval_s)``: a fresh ``Recorder`` 
 aligned to rank 0's, made the rank's recorder (``rankside.recording``) while ``fn`` runs, so
 every strategy built inside the job records into it; a daemon thread drains it every
 ``interval_s`` and sends what is new as one "records" event over the job channel
-(``_worker.report``). One message per interval however many records: a chatty run cannot flood
+(``rankside.report``). One message per interval however many records: a chatty run cannot flood
 the channel. The last batch (``final=True``) leaves before the job's result or error, on the
 same ordered channel, so the notebook has every record when ``run`` returns.
 
@@ -74,13 +74,12 @@ class Streamer:
 def run_recorded(fn, args, kwargs, interval_s: float = INTERVAL_S):
     """A Cluster job that runs ``fn(*args, **kwargs)`` with recording on (see the module
     docstring) and returns exactly what ``fn`` returned."""
-    from ddpkit import _worker
-    from ddpkit.rankside import recording
+    from ddpkit import rankside
     from ddpkit.trace.recorder import Recorder
 
     rec = Recorder()
     rec.align_clocks()  # every rank on rank 0's clock, so the merged timeline lines up
-    with Streamer(rec, lambda **batch: _worker.report("records", **batch), interval_s), recording(rec):
+    with Streamer(rec, lambda **batch: rankside.report("records", **batch), interval_s), rankside.recording(rec):
         return fn(*args, **kwargs)
 
 
