@@ -150,6 +150,7 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
             comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
             inter_node_bytes_per_step=r0["inter_node_bytes_per_step"] if reported else None,
             collectives_per_step=r0["collectives_per_step"],
+            comm_ms_per_step=r0["comm_ms_per_step"] if reported else None,
             model_state_bytes=max(res["model_state_bytes"] for res in results),
             peak_bytes=max(res["peak_bytes"] for res in results),
             overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
