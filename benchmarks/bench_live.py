@@ -25,7 +25,6 @@ def job(rounds: int, steps: int, bucket_cap_mb: float):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit import _worker
     from ddpkit.experiment import local_batch, make_optimizer, train_step
     from ddpkit.models import build_model
     from ddpkit.rankside import recording
@@ -48,7 +47,7 @@ def job(rounds: int, steps: int, bucket_cap_mb: float):
             train_step(model, opt, x, y)
             times[mode].append((time.perf_counter() - t) * 1e3)
 
-    send = lambda **batch: _worker.report("records", **batch)  # noqa: E731
+    send = lambda **batch: ddpkit.rankside.report("records", **batch)  # noqa: E731
     for r in range(rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             if mode == "off":
@@ -82,6 +81,9 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--no-widget", action="store_true", help="leave out the notebook's live plots")
     args = p.parse_args()
+    if args.rounds < 2 or args.steps < 1 or args.world_size < 1:
+        p.error(f"need --rounds >= 2 (the first block of each mode is warm-up, dropped), --steps >= 1 and "
+                f"--world-size >= 1; got --rounds {args.rounds} --steps {args.steps} --world-size {args.world_size}")
 
     import ddpkit
     from ddpkit.trace.live import Collector

@@ -51,6 +51,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="global batch size")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
     args = p.parse_args()
+    if args.rounds < 2 or args.steps < 1 or args.world_size < 1:
+        p.error(f"need --rounds >= 2 (the first block of each mode is warm-up, dropped), --steps >= 1 and "
+                f"--world-size >= 1; got --rounds {args.rounds} --steps {args.steps} --world-size {args.world_size}")
 
     import ddpkit
 

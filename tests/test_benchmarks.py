@@ -1,0 +1,41 @@
+"""The benchmarks run: each one, tiny, end to end in a fresh interpreter (their figures are for
+people to read, not for tests; a refactor must not leave one that no longer starts)."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+TINY = {
+    "bench_cluster.py": (["--repeats", "1", "--round-trips", "5"], "warm no-op round trip"),
+    "bench_live.py": (["--rounds", "2", "--steps", "2"], "recording + streaming + live widget"),
+    "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
+    "bench_recording.py": (["--rounds", "2", "--steps", "2", "--width", "32", "--depth", "2"], "recording costs"),
+}
+
+
+def _run(name, args):
+    return subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_every_benchmark_is_covered():
+    assert sorted(p.name for p in BENCHMARKS.glob("bench_*.py")) == sorted(TINY)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_a_benchmark_runs_and_prints_its_figure(name):
+    args, figure = TINY[name]
+    run = _run(name, args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert figure in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("name", ["bench_live.py", "bench_process_group.py", "bench_recording.py"])
+def test_one_round_is_refused_before_any_rank_starts(name):
+    run = _run(name, ["--rounds", "1"])
+    assert run.returncode == 2 and "--rounds >= 2" in run.stderr, run.stderr
