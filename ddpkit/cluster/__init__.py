@@ -26,6 +26,7 @@ here is ``ddpkit.trace.live``, imported only when a run is recorded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -94,7 +95,9 @@ class Cluster:
         if self._workers.alive:
             from ddpkit.rankside import set_network
 
-            self.run(set_network, new.to_dict())
+            self._run(set_network, (new.to_dict(),), {}, record=False)
+            # ranks restarted after a fault come back on it too
+            self._workers.settings = dataclasses.replace(self._workers.settings, network=new.to_dict())
         self._network = new
 
     def _alive(self) -> bool:
@@ -137,11 +140,14 @@ class Cluster:
         a job that failed: what the ranks recorded until then)."""
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
+        return self._run(fn, args, kwargs, record=self._record)
+
+    def _run(self, fn, args: tuple, kwargs: dict, record: bool) -> list:
         if not self._workers.alive:
             raise RuntimeError("the cluster is shut down; call cluster.start() or cluster.restart()")
         self._workers.check_none_died_while_idle()
         collector, runner = None, None
-        if self._record:
+        if record:
             from ddpkit.trace.live import Collector, run_recorded
 
             collector, runner = Collector(self.world_size, self.backend), (run_recorded, ())
