@@ -738,14 +738,17 @@ def test_fp16_and_bf16_compression_halve_the_bytes_and_train_close_to_one_proces
             assert max_abs_diff(full, reference) < tol, (hook, max_abs_diff(full, reference))
 
 
-def _hook_on_naive():
+def _hook_on(cls):
     from ddpkit.strategies.comm_hooks import fp16_compress_hook
 
     try:
-        ddpkit.NaiveDDP(nn.Linear(2, 2)).register_comm_hook(fp16_compress_hook)
+        cls(nn.Linear(2, 2)).register_comm_hook(fp16_compress_hook)
     except TypeError as e:
         return str(e)
+    return "accepted"
 
 
-def test_comm_hook_needs_buckets(cluster_of):
-    assert "no buckets" in cluster_of(1).run(_hook_on_naive)[0]
+@pytest.mark.parametrize("cls, message", [(ddpkit.NaiveDDP, "no buckets"), (ddpkit.ZeRO1, "reduce-scatters"),
+                                          (ddpkit.ZeRO2, "reduce-scatters")])
+def test_a_comm_hook_is_refused_where_no_bucket_is_all_reduced(cluster_of, cls, message):
+    assert message in cluster_of(1).run(_hook_on, cls)[0]

@@ -19,7 +19,7 @@ attribute lookup and an empty ``with``. ``ddpkit.trace.Recorder`` implements the
 and keeps plain records. Strategies check ``recorder.enabled`` before doing extra work that
 only recording needs (e.g. registering hooks just to time gradient readiness).
 
-What the three DDP wrappers share besides (construction, forward, when a sync is pending)
+What the DDP wrappers share besides (construction, forward, when a sync is pending)
 is ``DDPModule`` in ``ddp_module.py``.
 
 This module sits in the strategy layer and imports nothing from later layers

@@ -12,7 +12,7 @@ step in those latencies. ``BucketedDDP`` (next file) packs gradients into a few 
 buffers to pay the latency a few times instead of 66.
 
 What every wrapper shares (construction broadcasts rank 0's parameters and buffers, the
-forward, ``no_sync()``, when a sync is pending) lives in ``_common.DDPModule``.
+forward, ``no_sync()``, when a sync is pending) lives in ``ddp_module.DDPModule``.
 """
 from __future__ import annotations
 

@@ -144,6 +144,11 @@ class ZeroDDPModule(DDPModule):
         raise ValueError(f"{type(self).__name__} does not support Join (uneven inputs): give every rank "
                          "the same number of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
 
+    def register_comm_hook(self, hook) -> None:
+        """Not here: the buckets are reduce-scattered, and a hook reduces a bucket (all-reduce)."""
+        raise TypeError(f"{type(self).__name__} reduce-scatters its buckets; a comm hook replaces an all-reduce: "
+                        "use BucketedDDP or OverlappedDDP")
+
     # ------------------------------------------------------------------ the step: 1/N, then all-gather
     def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:
         """``optimizer_cls`` over this rank's shards only (its state: 1/N of the model's); after
