@@ -67,8 +67,8 @@ def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: in
     """Time several configurations fairly on one (shared, noisy) machine: ``rounds`` rounds, each
     running every configuration once, the order rotated each round; returns ``{label: [ms/step of
     each round]}`` (each the slowest rank's median over ``steps`` steps). ``runs`` maps a label to
-    ``run_strategy`` keywords (at least ``strategy``), on top of ``common``; a ``network`` in them
-    is switched to on the cluster for that run (and loopback after). Take the median of the rounds
+    ``run_strategy`` keywords (at least ``strategy``), on top of ``common``, on the cluster's
+    network (``cluster.network``). Take the median of the rounds
     and show their spread: one round on a shared machine proves little."""
     from ddpkit.experiment import run_strategy
 
@@ -77,14 +77,7 @@ def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: in
     for r in range(rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             kwargs = {**common, **runs[label]}
-            network = kwargs.pop("network", None)
-            if network is not None:
-                cluster.network = network
-            try:
-                results = cluster.run(run_strategy, steps=steps, warmup=warmup, report_progress=False, **kwargs)
-            finally:
-                if network is not None:
-                    cluster.network = None
+            results = cluster.run(run_strategy, steps=steps, warmup=warmup, report_progress=False, **kwargs)
             out[label].append(max(res["ms_per_step"] for res in results))
     return out
 

@@ -36,7 +36,6 @@ class _Transfer:
     future: object          # completed at the emulated time (torch.futures.Future)
     link_s: float           # what the emulated link takes for it
     result: object          # the future's value if the Work has none (e.g. gloo's reduce-scatter)
-    on_done: object = None  # called with the completion time (perf_counter ns), or None
 
 
 class _Link:
@@ -63,8 +62,6 @@ class _Link:
             delay = done - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            if t.on_done is not None:
-                t.on_done(time.perf_counter_ns())
             t.future.set_result(result)
 
 
@@ -88,13 +85,13 @@ class Emulator:
         """Does a collective that takes ``link_s`` on its link need to wait on the emulator?"""
         return self.enabled and link_s > 0
 
-    def submit(self, kind: str, work, link_s: float, result, on_done=None):
+    def submit(self, kind: str, work, link_s: float, result):
         """Queue a collective already launched on the real backend; returns a ``Future`` that
         completes at its emulated completion time."""
         import torch
 
         future = torch.futures.Future()
-        self._link(kind).queue.put(_Transfer(work, future, link_s, result, on_done))
+        self._link(kind).queue.put(_Transfer(work, future, link_s, result))
         return future
 
     def _link(self, kind: str) -> _Link:

@@ -218,7 +218,6 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
     import torch.distributed as dist
 
     from ddpkit.rankside import device, progress, recording
-    from ddpkit.rankside import recorder as rank_recorder
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()

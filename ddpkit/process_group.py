@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from ddpkit.emulator import Emulator
-from ddpkit.network import Network, ring_bytes
+from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
 from ddpkit.torch_internals import backend_registered, register_real_backend, work_from_future
 
@@ -93,12 +93,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self.comm, self.real = comm, real
         self.global_ranks = global_ranks
+        self._group = tuple(global_ranks)  # names the group in records (same_collectives matches on it)
         register_real_backend(self, real, comm.real_backend)
-
-    @property
-    def link(self) -> str:
-        """``"intra-node"`` or ``"inter-node"``: where this group's collectives travel."""
-        return self.comm.network.link_for(self.global_ranks)[0]
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND_NAME
@@ -112,12 +108,12 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         comm = self.comm
         link, emulated = comm.network.link_for(self.global_ranks)
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
-        link_s = comm.network.emulated_time(op, full_bytes, self.global_ranks) if emulated else 0.0
+        link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         if comm.emulator.delays(link_s):
             work = work_from_future(comm.emulator.submit(link, work, link_s, result))
         rec = rankside.recorder()
         if rec.enabled:
-            rec.collective(op, work, full_bytes, link=link, group_size=n, via="process_group")
+            rec.collective(op, work, full_bytes, link=link, group_size=n, group=self._group, via="process_group")
         return work
 
     # --- collectives: the names torch.distributed calls on a group ------------------------
@@ -223,12 +219,4 @@ def _real_backend(name: str, opts):
     return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
 
 
-def comm_of(group=None) -> Comm | None:
-    """The ``Comm`` behind ``group`` (default: the world), or None if it is not ddpkit's."""
-    if not dist.is_initialized():
-        return None
-    pg = group if group is not None else dist.group.WORLD
-    return pg.comm if isinstance(pg, DdpkitProcessGroup) else None
-
-
-__all__ = ["BACKEND_NAME", "Comm", "Count", "DdpkitProcessGroup", "install", "comm_of"]
+__all__ = ["BACKEND_NAME", "Comm", "Count", "DdpkitProcessGroup", "install"]

@@ -452,7 +452,7 @@ def test_a_chatty_run_neither_floods_the_page_nor_grows_the_kernel(widget):
         tracemalloc.stop()
     trace = c.last_trace
     n = len(trace.records)
-    assert n / took > 1000, f"{n} records in {took:.1f} s is not chatty"
+    assert n > 20_000, f"only {n} records: not the chatty run this test needs"
     # nothing lost: every gradient of every step of both ranks
     assert len(trace.select(cat="grad_ready")) == 200 * 26 * 2
     assert len(trace.select(cat="loss")) == 200 * 2

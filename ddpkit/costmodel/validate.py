@@ -43,10 +43,11 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
     collectives are calibrated with the emulation switched off: the fit is the real transport
     underneath, and the model adds the emulated links, whose parameters it knows. Returns
     ``(records, transport, profile)``: one record per strategy with ``predicted_ms`` (each
-    collective the longer of the emulated link's and the transport's fitted line),
+    collective the transport's fitted line, then the emulated link's time, added as the emulator
+    runs them),
     ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
     ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
-    the calibration's timings instead, ``Network.measured``, which holds them). A strategy that
+    the calibration's timings instead, ``Link.measured``, which holds them). A strategy that
     fails has ``error`` instead."""
     n = cluster.world_size
     sizes = model_calibration_sizes(model, model_kwargs)

@@ -56,9 +56,9 @@ class TorchDDP(nn.Module):
         capped at 1 MiB, and from the second step the buckets it rebuilt in the order the
         gradients arrived."""
         rec, group = self.recorder, self.process_group
-        names = {id(p): name for name, p in unique_named_parameters(self.module)}
-        for p_id, name in names.items():
-            p = next(q for q in self.module.parameters() if id(q) == p_id)
+        names = {}
+        for name, p in unique_named_parameters(self.module):
+            names[id(p)] = name
             p.register_post_accumulate_grad_hook(lambda _p, name=name: rec.grad_ready(name, bucket=None))
         world = dist.get_world_size(group)
 

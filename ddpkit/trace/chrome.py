@@ -1,6 +1,6 @@
 """Chrome trace JSON of a Trace, for Perfetto (ui.perfetto.dev) and chrome://tracing.
 
-    trace.to_chrome_trace("trace.json")        # or to_chrome_trace(trace, "trace.json")
+    to_chrome_trace(trace, "trace.json")
 
 One process per rank (pid = rank, named "rank N"), one thread per lane (``LANES``), complete
 events for spans, instants for gradients becoming ready, counters for memory and the loss; the

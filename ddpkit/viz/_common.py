@@ -8,8 +8,6 @@ WIDTH_IN = 9.0  # readable at notebook width
 
 # Compute spans and collectives get fixed colours, so every plot reads the same way.
 SPAN_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "step": "#55a868"}
-COMM_COLOURS = {"all_reduce": "#8172b3", "broadcast": "#937860", "all_gather": "#da8bc3",
-                "reduce_scatter": "#8c8c8c"}
 OVERLAP_COLOUR = "#2ca02c"
 
 
