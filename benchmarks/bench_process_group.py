@@ -60,10 +60,11 @@ def main() -> None:
     with ddpkit.Cluster(args.world_size, backend="gloo") as cluster:
         for strategy in ("overlapped", "fsdp"):
             results = cluster.run(job, strategy, args.rounds, args.steps, args.batch, args.bucket_cap_mb)
-            slow = max(results, key=lambda r: r["ddpkit"])
-            cost = 100 * (slow["ddpkit"] / slow["gloo"] - 1)
-            print(f"{strategy:>10}: median step over ddpkit's process group {slow['ddpkit']:.2f} ms, over "
-                  f"plain gloo {slow['gloo']:.2f} ms -> the layer costs {cost:+.1f}% "
+            # a step lasts as long as its slowest rank, in each mode on its own
+            ours, plain = max(r["ddpkit"] for r in results), max(r["gloo"] for r in results)
+            cost = 100 * (ours / plain - 1)
+            print(f"{strategy:>10}: median step over ddpkit's process group {ours:.2f} ms, over "
+                  f"plain gloo {plain:.2f} ms -> the layer costs {cost:+.1f}% "
                   f"(slowest rank; MLP 256x32, {args.world_size} ranks, bucket cap {args.bucket_cap_mb:g} MiB; "
                   "target <= 3%)")
 
