@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +135,10 @@ def open_notebook(browser, lab: JupyterLab, path: str, width: int = 1300, height
     """A page with ``path`` (relative to the server's root) open and its kernel idle."""
     page = browser.new_page(viewport={"width": width, "height": height})
     page.set_default_timeout(60_000)
-    page.goto(f"{lab.url}lab/tree/{path}?token={lab.token}")
+    # A workspace of its own: the default one remembers the notebooks an earlier page had open,
+    # and JupyterLab would restore them beside this one (a hidden tab whose live kernel still
+    # renders its widgets, matched first by a page-wide locator).
+    page.goto(f"{lab.url}lab/workspaces/{uuid.uuid4().hex}/tree/{path}?reset&token={lab.token}")
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            " && window.jupyterapp.shell.currentWidget.content")
     wait_until(lambda: (page.evaluate(NOTEBOOK_STATE) or {}).get("kernel") == "idle", 60,
