@@ -7,12 +7,14 @@ Check your work with the grader, from the repository root::
 
     DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k collectives
 
-An exercise you have not written yet is reported as *skipped: not done yet*, not as a failure.
+(pytest comes with the course: the README's set-up line installs it.) The run ends with one line
+per exercise: *right*, *WRONG* (with a hint where the mistake is a known one), or *not written
+yet* (a skip, not a failure).
 
 In the notebooks, ``exercises.use("collectives", "ring_all_reduce")`` gives your function once
-you have written it, and the reference solution (with a note saying so) while it is still a
-stub, so every notebook runs from the first day. It re-reads your file each time, so an edit
-is picked up without restarting the kernel or the cluster.
+you have written it, and the reference solution while it is still a stub, so every notebook
+runs from the first day; it prints which of the two it gives. It re-reads your file each time,
+so an edit is picked up without restarting the kernel or the cluster.
 """
 from __future__ import annotations
 
@@ -49,9 +51,9 @@ def exercise_functions(module) -> dict:
 def use(topic: str, name: str, quiet: bool = False):
     """Your ``exercises.<topic>.<name>`` if you have written it, else the reference solution.
 
-    The module is reloaded from its file first and registered to be pickled *by value*, so a
-    ``Cluster`` job that calls the function runs the code as it is in the file now, not an old
-    copy a rank imported earlier.
+    Says which one it gives (unless ``quiet``). The module is reloaded from its file first and
+    registered to be pickled *by value*, so a ``Cluster`` job that calls the function runs the
+    code as it is in the file now, not an old copy a rank imported earlier.
     """
     import cloudpickle
 
@@ -59,13 +61,16 @@ def use(topic: str, name: str, quiet: bool = False):
         raise ValueError(f"unknown exercise topic {topic!r}; valid: {', '.join(TOPICS)}")
     mine = importlib.reload(importlib.import_module(f"exercises.{topic}"))
     fn = getattr(mine, name)
+    # short lines: a notebook's output wraps long ones mid-word
+    check = f"  DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k {name}"
     if is_stub(fn):
         ref = importlib.reload(importlib.import_module(f"solutions.{topic}"))
         if not quiet:
-            # short lines: a notebook's output wraps long ones mid-word
-            print(f"exercise {topic}.{name} is not done yet: using the reference solution.\n"
-                  f"  write it in exercises/{topic}.py, then check it with\n"
-                  f"  DDPKIT_TARGET=exercises python -m pytest tests/test_exercises.py -k {name}")
+            print(f"{name}: using the REFERENCE solution (solutions/{topic}.py):\n"
+                  f"  yours in exercises/{topic}.py is not written yet.\n"
+                  f"  Write it, then check it with\n{check}")
         fn, mine = getattr(ref, name), ref
+    elif not quiet:
+        print(f"{name}: using YOUR code from exercises/{topic}.py.\n  Check it with\n{check}")
     cloudpickle.register_pickle_by_value(mine)
     return fn

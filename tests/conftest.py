@@ -5,6 +5,9 @@ that leaves a cluster broken (a dead rank) gets it restarted by the next user.
 """
 from __future__ import annotations
 
+import inspect
+import re
+
 import pytest
 
 import ddpkit
@@ -33,8 +36,15 @@ def cluster_of(_clusters):
     return get
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k deselects
 def pytest_collection_modifyitems(config, items):
-    """Skip GPU-marked tests on machines without enough CUDA devices."""
+    """The grader's tests answer to -k by topic and exercise name; GPU tests skip without CUDA."""
+    for item in items:
+        # test_exercises.py asks for its exercises as exercise("topic", "name"): so that
+        # `-k averaging` or `-k average_gradients` select them whatever the test is called
+        if getattr(item, "module", None) is not None and item.module.__name__.endswith("test_exercises"):
+            for topic, name in re.findall(r'exercise\("(\w+)", "(\w+)"\)', inspect.getsource(item.function)):
+                item.extra_keyword_matches.update({topic, name})
     import torch
 
     if torch.cuda.is_available():
@@ -43,3 +53,61 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------- the grader's summary
+# tests/test_exercises.py tags each test with the exercise(s) it grades (a user property,
+# ("ddpkit_exercise", (target, "topic.name"))). After a run on the learner's exercises, one line per
+# exercise says where it stands, so a learner sees "not written yet" without pytest's -rs and the
+# hint of a wrong answer without scrolling through the failures.
+_ORDER = {"right": 0, "not written yet": 1, "error": 2, "WRONG": 3}
+
+
+def _reason(report) -> str:
+    """The skip reason, or the failure's message (pytest.fail's text, else its first E line)."""
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        return reason.removeprefix("Skipped: ").removeprefix("not written yet: ")
+    text = report.longreprtext.strip()
+    e_lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    lines = e_lines or text.splitlines() or ["failed"]
+    # the grader's messages: a first line, "  " detail lines (the first is shown), "  hint: " lines
+    details = [line.strip() for line in lines[1:2] if line.startswith("  ")
+               and not line.strip().startswith(("hint:", "..."))]
+    hints = [line.strip() for line in lines if line.strip().startswith("hint:")]
+    return "\n".join([lines[0].strip(), *details, *hints])
+
+
+def pytest_terminal_summary(terminalreporter):
+    status: dict[str, tuple[str, str]] = {}
+    where: dict[str, tuple] = {}  # exercise -> the first test that graded it (file, line): the order shown
+    for kind in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(kind, []):
+            tags = [v[1] for k, v in getattr(report, "user_properties", ()) if k == "ddpkit_exercise"
+                    and v[0] == "exercises"]
+            if not tags:
+                continue
+            if report.skipped:  # the exercise whose stub stopped the test: the last one it asked for
+                tags, verdict = tags[-1:], "not written yet"
+            else:
+                verdict = "right" if report.passed else "WRONG" if report.when == "call" else "error"
+            detail = "" if verdict == "right" else _reason(report)
+            for name in tags:
+                where[name] = min(where.get(name, report.location[:2]), report.location[:2])
+                if _ORDER[verdict] > _ORDER[status.get(name, ("right", ""))[0]] or name not in status:
+                    status[name] = (verdict, detail)
+    if not status:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "your exercises (DDPKIT_TARGET=exercises)")
+    width = max(map(len, status)) + 2
+    for name in sorted(status, key=where.__getitem__):
+        verdict, detail = status[name]
+        first, *rest = (f"{verdict}: {detail}" if detail else verdict).splitlines()
+        colour = {"right": "green", "not written yet": "yellow"}.get(verdict, "red")
+        tr.write_line(f"{name:<{width}}{first}", **{colour: True})
+        for line in rest:
+            tr.write_line(" " * (width + 2) + line, **{colour: True})
+    counts = [f"{sum(v == k for v, _ in status.values())} {k.lower()}" for k in _ORDER
+              if any(v == k for v, _ in status.values())]
+    tr.write_line(f"{len(status)} exercise{'s' if len(status) > 1 else ''} checked: {', '.join(counts)}", bold=True)
