@@ -82,7 +82,8 @@ def _shards():
     torch.manual_seed(dist.get_rank())
     module = Odd()
     model = ddpkit.FSDP(module, units=[module.a, module.b, module.tail])
-    sizes = [(u.name, u.numel, u.shard_numel, u.padded_numel, u.shard.numel()) for u in model.units]
+    sizes = [(u.name, u.layout.numel, u.layout.shard_numel, u.layout.padded_numel, u.shard.numel())
+             for u in model.units]
     full = model.full_state_dict()
     x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
     single = Odd()
@@ -92,10 +93,9 @@ def _shards():
     single(x).sum().backward()
     grads_full = {}
     for unit in model.units:  # gather each shard's gradient back to compare with one process
-        g = torch.empty(unit.padded_numel)
+        g = unit.layout.empty(torch.float32, "cpu")
         all_gather_flat(g, unit.shard.grad)
-        grads_full.update({n: g[o:o + k].view(s) for n, o, k, s in
-                           zip(unit.names, unit.offsets, unit.numels, unit.shapes, strict=True)})
+        grads_full.update(zip(unit.names, unit.layout.views(g), strict=True))
     # every rank sees the mean of the ranks' gradients; all ranks used the same x here
     ref = {n: p.grad for n, p in single.named_parameters()}
     return sizes, list(full), [p.shape for p in model.parameters()], max_abs_diff(grads_full, ref)
