@@ -271,6 +271,56 @@ def test_tied_weight_goes_to_the_unit_containing_every_use(cluster_of):
     # and training through it equals one process: test_options_equal_single_process[default_units-*-gpt-sgd]
 
 
+def test_the_plan_is_a_pure_function_of_the_module_and_its_units():
+    """plan_units decides every unit, its parameters (tied ones at the innermost unit holding every
+    use), the frozen names and the original order, without a process group and without touching
+    the module; the same on the meta device, which is what deferred initialization plans on."""
+    from ddpkit.models import TinyGPT
+    from ddpkit.strategies.flat_param import plan_units
+
+    module = build_model("gpt", seed=0, **SMALL_GPT)
+    module.pos.weight.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    plan = plan_units(module)  # default units: each child with trainable parameters
+    assert plan.param_names == [n for n, _ in module.named_parameters()] and plan.frozen == ["pos.weight"]
+    owner = {name: unit.name for unit in plan.units for name, _, _ in unit.params}
+    assert owner["tok.weight"] == ""  # tied to head.weight: only the root holds both uses
+    assert "pos" not in [u.name for u in plan.units] and plan.units[-1].name == ""  # root last
+    places = next(pl for unit in plan.units for name, _, pl in unit.params if name == "tok.weight")
+    assert places == [(module.tok, "weight"), (module.head, "weight")]
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # nothing changed
+    with torch.device("meta"):
+        meta = TinyGPT(**SMALL_GPT)
+    meta.pos.weight.requires_grad_(False)
+    meta_plan = plan_units(meta)
+    assert [(u.name, [n for n, _, _ in u.params]) for u in meta_plan.units] == \
+        [(u.name, [n for n, _, _ in u.params]) for u in plan.units]
+    with pytest.raises(ValueError, match="not a submodule"):
+        plan_units(module, [nn.Linear(2, 2)])
+
+
+def _partly_deferred():
+    from ddpkit.models import MLP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):
+        module = MLP(**SMALL_MLP)
+    module.head = build_model("mlp", seed=0, **SMALL_MLP).head  # one unit real already (the last
+    torch.manual_seed(0)  # registered, so the meta ones draw what build_model(seed=0) drew for them)
+    model = ddpkit.FSDP(module, units=fsdp_units(module))
+    opt = make_optimizer(model.parameters(), "sgd")
+    for step in range(5):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    return [u.name for u in model.units], model.full_state_dict()
+
+
+def test_a_partly_deferred_model_builds_every_unit_in_order(cluster_of):
+    reference = reference_params("mlp", "sgd", batch=BATCH, **SMALL_MLP)
+    for names, full in cluster_of(2).run(_partly_deferred):
+        assert names == ["layers.0.0", "layers.1.0", "layers.2.0", "layers.3.0", "head"]
+        assert max_abs_diff(full, reference) < TOL
+
+
 class WithBuffer(nn.Module):
     def __init__(self):
         super().__init__()
