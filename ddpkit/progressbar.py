@@ -1,8 +1,8 @@
 """A one-line progress bar on the terminal for a series of Cluster runs (compare, validate).
 
     bar = ProgressBar()
-    cluster.subscribe(bar)     # what the series announces (cluster.announce: "naive: timing round
-                               # 1 of 3", run 1 of 12) and rank 0's ddpkit.progress(done, total)
+    cluster.subscribe(bar)     # what the series announces (cluster.announce: "<strategy>: timing
+                               # round 1 of 3", run 1 of 12) and rank 0's ddpkit.progress(done, total)
     compare(cluster, ...)      # a ddpkit.series.Series counts the runs and announces each
     bar.close()
 
