@@ -1,66 +1,19 @@
 """Compare every strategy on one cluster: interleaved timing rounds, one recorded run each, a table.
 
     with ddpkit.Cluster(2) as cluster:
-        records = compare(cluster, ["naive", "overlapped", "fsdp", "torch_ddp"], steps=10, rounds=3)
+        records = compare(cluster, names, steps=10, rounds=3)   # names from strategies.table.STRATEGIES
     print(format_table(records))       # or ddpkit.viz.plot_compare(records)
 
-``python -m ddpkit compare`` is this with arguments; notebook 06 calls it directly.
+``python -m ddpkit compare`` is this with arguments; notebook 06 calls it directly. The timing
+loop (rotated rounds, each run announced) is ``ddpkit.series.timed_rounds``; ``interleaved`` here
+is that loop for any set of configurations (the notebooks' sweeps).
 """
 from __future__ import annotations
 
 import statistics
+import warnings
 
-
-def run_or_fail(cluster, label: str, fn, *args, **kwargs):
-    """Run a job; a failing strategy (e.g. not written yet) is reported and skipped, not fatal."""
-    from ddpkit.cluster import RankError
-
-    try:
-        return cluster.run(fn, *args, **kwargs), None
-    except RankError as exc:
-        last = next(iter(exc.failures.values())).strip().splitlines()[-1]
-        if any(r.status == "dead" for r in cluster.ranks):
-            cluster.restart()
-        return None, f"{label} failed: {last}"
-
-
-class Series:
-    """Names each run of a comparison where the learner looks: ``cluster.announce`` (the widget's
-    progress label: strategy, round, run 9 of 28) and the terminal ``ProgressBar``, if any."""
-
-    def __init__(self, cluster, total_runs: int, progress=None):
-        self.cluster, self.total_runs, self.progress, self.run = cluster, total_runs, progress, 0
-
-    def start(self, label: str) -> None:
-        self.run += 1
-        self.cluster.announce(label, run=self.run, runs=self.total_runs)
-        if self.progress:
-            self.progress.start(label)
-
-    def close(self) -> None:
-        self.cluster.announce(None)
-
-
-def time_round(cluster, strategies, r: int, steps: int, common: dict, per_round: dict, errors: dict,
-               progress=None, rounds: int | None = None) -> None:
-    """Round ``r`` (of ``rounds``) of timing runs, recording off: each strategy once, the order
-    rotated by ``r`` so slow spells of a shared machine hit every strategy alike. Appends the
-    slowest rank's median ms/step to ``per_round[s]``; a strategy that fails goes to ``errors``
-    and is skipped. ``progress``: anything with ``.start(label)`` (a ``Series``, a ProgressBar)."""
-    from ddpkit.experiment import run_strategy
-
-    order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
-    of = f" of {rounds}" if rounds else ""
-    for s in order:
-        if s in errors:
-            continue
-        if progress:
-            progress.start(f"{s}: timing round {r + 1}{of}")
-        results, err = run_or_fail(cluster, s, run_strategy, s, steps=steps, **common)
-        if err:
-            errors[s] = err
-            continue
-        per_round[s].append(max(res["ms_per_step"] for res in results))  # as slow as the slowest rank
+from ddpkit.series import Series, run_or_fail, timed_rounds
 
 
 def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: int = 1, **common) -> dict:
@@ -68,18 +21,14 @@ def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: in
     running every configuration once, the order rotated each round; returns ``{label: [ms/step of
     each round]}`` (each the slowest rank's median over ``steps`` steps). ``runs`` maps a label to
     ``run_strategy`` keywords (at least ``strategy``), on top of ``common``, on the cluster's
-    network (``cluster.network``). Take the median of the rounds
-    and show their spread: one round on a shared machine proves little."""
-    from ddpkit.experiment import run_strategy
-
-    labels = list(runs)
-    out: dict = {label: [] for label in labels}
-    for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            kwargs = {**common, **runs[label]}
-            results = cluster.run(run_strategy, steps=steps, warmup=warmup, report_progress=False, **kwargs)
-            out[label].append(max(res["ms_per_step"] for res in results))
-    return out
+    network (``cluster.network``). Each run is announced to the cluster (the widget labels its
+    progress). A configuration that fails is warned about and left out. Take the median of the
+    rounds and show their spread: one round on a shared machine proves little."""
+    with Series(cluster, rounds * len(runs)) as series:
+        timings = timed_rounds(series, runs, rounds, steps, warmup, **common)
+    for err in timings.errors.values():
+        warnings.warn(err, RuntimeWarning, stacklevel=2)
+    return {label: times for label, times in timings.per_round.items() if label not in timings.errors}
 
 
 def spread(times: list[float]) -> str:
@@ -91,17 +40,14 @@ def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, round
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
             progress=None) -> list[dict]:
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
-    order rotates each round, so slow spells hit every strategy alike), then one short recorded
-    run each for bytes, overlap, memory and equality with one process. One dict per strategy.
-    Each run is announced to the cluster (``cluster.announce``: the widget labels its progress
-    with the strategy, the round and the run's place in the whole comparison); ``progress``: a
-    ``ddpkit.progressbar.ProgressBar`` subscribed to the cluster, for a terminal, or None."""
-    series = Series(cluster, len(strategies) * (rounds + 1), progress)
-    try:
+    order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
+    then one short recorded run each for bytes, overlap, memory and equality with one process. One
+    dict per strategy. Each run is announced to the cluster (``cluster.announce``: the widget labels
+    its progress with the strategy, the round and the run's place in the whole comparison);
+    ``progress``: a ``ddpkit.progressbar.ProgressBar`` to follow the comparison on a terminal, or None."""
+    with Series(cluster, len(strategies) * (rounds + 1), follow=progress) as series:
         return _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
                         bucket_cap_mb, record_steps, series)
-    finally:
-        series.close()
 
 
 def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
@@ -111,10 +57,8 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
     n = cluster.world_size
     common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
                   optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
-    per_round: dict = {s: [] for s in strategies}
-    errors: dict = {}
-    for r in range(rounds):
-        time_round(cluster, strategies, r, steps, common, per_round, errors, series, rounds)
+    timings = timed_rounds(series, {s: dict(strategy=s) for s in strategies}, rounds, steps, **common)
+    per_round, errors = timings.per_round, timings.errors
 
     warmup = 1
     reference = train_single_process(model, optimizer, steps=warmup + record_steps,
@@ -124,7 +68,7 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
         if s in errors:
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
-        series.start(f"{s}: one recorded run (bytes, memory, equality)")
+        series.next(f"{s}: one recorded run (bytes, memory, equality)")
         results, err = run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
                                     record=True, reference=reference, **common)
         if err:
@@ -154,8 +98,9 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
 
 
 def torch_reference(strategy: str) -> str:
-    """The torch wrapper a strategy is compared with: the table's torch row of its family
-    (``family``: DDP-like rows against torch_ddp, the ZeRO optimizers against torch_zero, ...)."""
+    """The torch wrapper a strategy is compared with: the table's torch-native row of the same
+    ``family`` (DDP-like rows against torch's DDP, the ZeRO optimizers against its
+    ZeroRedundancyOptimizer, ...)."""
     from ddpkit.strategies.table import STRATEGIES
 
     family = STRATEGIES[strategy].family
@@ -164,8 +109,7 @@ def torch_reference(strategy: str) -> str:
 
 def _add_ratios(records: list[dict]) -> None:
     """ms_per_step over torch's own wrapper of the same family, where it ran: ``vs_torch`` (and
-    ``vs_torch_ddp``, ``vs_torch_fsdp``, ... by its name). A ratio of times: 1.20 = 20% slower
-    than torch's, 0.80 = faster."""
+    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster."""
     ok = {r["strategy"]: r for r in records if "error" not in r}
     for r in ok.values():
         ref = ok.get(torch_reference(r["strategy"]))

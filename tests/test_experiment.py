@@ -89,3 +89,117 @@ def test_recorded_run_of_tiny_gpt_equals_one_process(cluster_of, strategy):
     results = cluster_of(2).run(run_strategy, strategy, model="gpt", steps=2, warmup=1, global_batch_size=4,
                           optimizer="sgd", record=True, reference=ref, model_kwargs=gpt)
     assert all(r["max_param_diff"] < 1e-5 for r in results), [r["max_param_diff"] for r in results]
+
+
+# ----------------------------------------------------------------------------- the timing loop
+def _listen(cluster):
+    """Every announcement the cluster's subscribers hear: (label, run, runs)."""
+    heard = []
+
+    def listener(kind, rank, **fields):
+        if kind == "label":
+            heard.append((fields["label"], fields.get("run"), fields.get("runs")))
+
+    cluster.subscribe(listener)
+    return heard, listener
+
+
+def test_timed_rounds_rotate_announce_each_run_and_skip_a_failure(cluster_of):
+    from ddpkit.series import Series, timed_rounds
+
+    cluster = cluster_of(2)
+    runs = {"naive": dict(strategy="naive"), "broken": dict(strategy="bogus"),
+            "bucketed": dict(strategy="bucketed", bucket_cap_mb=0.001)}
+    heard, listener = _listen(cluster)
+    try:
+        with Series(cluster, runs=9) as series:
+            timings = timed_rounds(series, runs, rounds=3, steps=1, global_batch_size=8, model_kwargs=TINY)
+    finally:
+        cluster.unsubscribe(listener)
+    # rotated by the round; "broken" failed in round 1 and is skipped from then on
+    order = ["naive", "broken", "bucketed", "bucketed", "naive", "bucketed", "naive"]
+    rounds = [1, 1, 1, 2, 2, 3, 3]
+    assert heard == [(f"{label}: timing round {r} of 3", i, 9)
+                     for i, (label, r) in enumerate(zip(order, rounds, strict=True), start=1)] + [(None, None, None)]
+    assert list(timings.errors) == ["broken"]
+    error = timings.errors["broken"]
+    assert error.startswith("broken failed: ") and "unknown strategy 'bogus'" in error
+    assert timings.per_round["broken"] == []
+    assert all(len(timings.per_round[s]) == 3 and min(timings.per_round[s]) > 0 for s in ("naive", "bucketed"))
+    assert cluster.run(ddpkit.rank) == [0, 1]  # usable after the failure
+
+
+def test_interleaved_announces_every_run_and_warns_about_a_failure(cluster_of):
+    from ddpkit.compare import interleaved, spread
+
+    cluster = cluster_of(2)
+    heard, listener = _listen(cluster)
+    try:
+        with pytest.warns(RuntimeWarning, match="broken failed: .*unknown strategy 'bogus'"):
+            out = interleaved(cluster, {0.5: dict(strategy="overlapped", bucket_cap_mb=0.5),
+                                        "broken": dict(strategy="bogus")},
+                              rounds=2, steps=1, global_batch_size=8, model_kwargs=TINY)
+    finally:
+        cluster.unsubscribe(listener)
+    assert list(out) == [0.5] and len(out[0.5]) == 2 and "over 2 rounds" in spread(out[0.5])
+    assert heard == [("0.5: timing round 1 of 2", 1, 4), ("broken: timing round 1 of 2", 2, 4),
+                     ("0.5: timing round 2 of 2", 3, 4), (None, None, None)]
+
+
+def test_validate_announces_calibration_profiling_and_timing(cluster_of):
+    """Notebook 07's widget showed no label: validate's runs are announced like compare's."""
+    from ddpkit.costmodel.validate import validate
+
+    cluster = cluster_of(2)
+    heard, listener = _listen(cluster)
+    try:
+        records, _, _ = validate(cluster, ["naive"], rounds=1, steps=1, global_batch_size=8, model_kwargs=TINY)
+    finally:
+        cluster.unsubscribe(listener)
+    assert heard == [("calibrating collectives (round 1 of 1)", 1, 3), ("profiling compute (round 1 of 1)", 2, 3),
+                     ("naive: timing round 1 of 1", 3, 3), (None, None, None)]
+    assert records[0]["strategy"] == "naive" and records[0]["measured_ms"] > 0
+
+
+def test_compare_announces_its_series_to_the_cluster_and_a_progress_bar(cluster_of):
+    import io
+
+    from ddpkit.compare import compare, format_table
+    from ddpkit.progressbar import ProgressBar
+
+    cluster = cluster_of(2)
+    heard, listener = _listen(cluster)
+    out = io.StringIO()
+    bar = ProgressBar(stream=out)
+    try:
+        records = compare(cluster, ["naive"], model_kwargs=TINY, steps=1, rounds=1, global_batch_size=8,
+                          record_steps=1, progress=bar)
+    finally:
+        cluster.unsubscribe(listener)
+    assert heard == [("naive: timing round 1 of 1", 1, 2),
+                     ("naive: one recorded run (bytes, memory, equality)", 2, 2), (None, None, None)]
+    assert records[0]["max_param_diff"] < 1e-5 and records[0]["rounds"] == 1
+    assert "naive" in format_table(records)
+    lines = out.getvalue().splitlines()  # not a terminal: a line at the start and end of each run
+    assert lines[0].startswith("[") and "run 1/2 naive: timing round 1 of 1: step 0/1" in lines[0]
+    assert "100% run 2/2 naive: one recorded run" in lines[-1]
+    assert bar not in cluster._events.observers  # followed for the comparison only
+
+
+def test_progress_bar_shows_what_the_series_counted():
+    import io
+
+    from ddpkit.progressbar import ProgressBar, overall
+
+    assert overall(3, 4, 5, 5) == 0.75 and overall(1, 4, 0, 10) == 0 and overall(4, 4, 20, 10) == 1
+    out = io.StringIO()
+    bar = ProgressBar(stream=out)
+    for _ in range(2):  # subscribed twice (the caller, and a series following it): shown once
+        bar("label", None, label="naive: timing round 1 of 3", run=4, runs=8)
+    for done in (1, 2, 2):
+        bar("progress", 0, done=done, total=2)
+        bar("progress", 1, done=done, total=2)  # rank 0 speaks for the ranks
+    bar("label", None, label=None, run=None, runs=None)  # the series is over: nothing new
+    assert out.getvalue().splitlines() == [
+        "[#########...............]  38% run 4/8 naive: timing round 1 of 3: step 0/1",
+        "[############............]  50% run 4/8 naive: timing round 1 of 3: step 2/2"]

@@ -82,7 +82,8 @@ def _shards():
     torch.manual_seed(dist.get_rank())
     module = Odd()
     model = ddpkit.FSDP(module, units=[module.a, module.b, module.tail])
-    sizes = [(u.name, u.numel, u.shard_numel, u.padded_numel, u.shard.numel()) for u in model.units]
+    sizes = [(u.name, u.layout.numel, u.layout.shard_numel, u.layout.padded_numel, u.shard.numel())
+             for u in model.units]
     full = model.full_state_dict()
     x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
     single = Odd()
@@ -92,10 +93,9 @@ def _shards():
     single(x).sum().backward()
     grads_full = {}
     for unit in model.units:  # gather each shard's gradient back to compare with one process
-        g = torch.empty(unit.padded_numel)
+        g = unit.layout.empty(torch.float32, "cpu")
         all_gather_flat(g, unit.shard.grad)
-        grads_full.update({n: g[o:o + k].view(s) for n, o, k, s in
-                           zip(unit.names, unit.offsets, unit.numels, unit.shapes, strict=True)})
+        grads_full.update(zip(unit.names, unit.layout.views(g), strict=True))
     # every rank sees the mean of the ranks' gradients; all ranks used the same x here
     ref = {n: p.grad for n, p in single.named_parameters()}
     return sizes, list(full), [p.shape for p in model.parameters()], max_abs_diff(grads_full, ref)
@@ -269,6 +269,56 @@ def test_tied_weight_goes_to_the_unit_containing_every_use(cluster_of):
     assert owner["tok.weight"] == "(root)"  # used by `tok` and by `head`: only the root has both
     assert "head.weight" not in names and owner["pos.weight"] == "pos"
     # and training through it equals one process: test_options_equal_single_process[default_units-*-gpt-sgd]
+
+
+def test_the_plan_is_a_pure_function_of_the_module_and_its_units():
+    """plan_units decides every unit, its parameters (tied ones at the innermost unit holding every
+    use), the frozen names and the original order, without a process group and without touching
+    the module; the same on the meta device, which is what deferred initialization plans on."""
+    from ddpkit.models import TinyGPT
+    from ddpkit.strategies.flat_param import plan_units
+
+    module = build_model("gpt", seed=0, **SMALL_GPT)
+    module.pos.weight.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    plan = plan_units(module)  # default units: each child with trainable parameters
+    assert plan.param_names == [n for n, _ in module.named_parameters()] and plan.frozen == ["pos.weight"]
+    owner = {name: unit.name for unit in plan.units for name, _, _ in unit.params}
+    assert owner["tok.weight"] == ""  # tied to head.weight: only the root holds both uses
+    assert "pos" not in [u.name for u in plan.units] and plan.units[-1].name == ""  # root last
+    places = next(pl for unit in plan.units for name, _, pl in unit.params if name == "tok.weight")
+    assert places == [(module.tok, "weight"), (module.head, "weight")]
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # nothing changed
+    with torch.device("meta"):
+        meta = TinyGPT(**SMALL_GPT)
+    meta.pos.weight.requires_grad_(False)
+    meta_plan = plan_units(meta)
+    assert [(u.name, [n for n, _, _ in u.params]) for u in meta_plan.units] == \
+        [(u.name, [n for n, _, _ in u.params]) for u in plan.units]
+    with pytest.raises(ValueError, match="not a submodule"):
+        plan_units(module, [nn.Linear(2, 2)])
+
+
+def _partly_deferred():
+    from ddpkit.models import MLP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):
+        module = MLP(**SMALL_MLP)
+    module.head = build_model("mlp", seed=0, **SMALL_MLP).head  # one unit real already (the last
+    torch.manual_seed(0)  # registered, so the meta ones draw what build_model(seed=0) drew for them)
+    model = ddpkit.FSDP(module, units=fsdp_units(module))
+    opt = make_optimizer(model.parameters(), "sgd")
+    for step in range(5):
+        train_step(model, opt, *local_batch(module, BATCH, step, rank, world))
+    return [u.name for u in model.units], model.full_state_dict()
+
+
+def test_a_partly_deferred_model_builds_every_unit_in_order(cluster_of):
+    reference = reference_params("mlp", "sgd", batch=BATCH, **SMALL_MLP)
+    for names, full in cluster_of(2).run(_partly_deferred):
+        assert names == ["layers.0.0", "layers.1.0", "layers.2.0", "layers.3.0", "head"]
+        assert max_abs_diff(full, reference) < TOL
 
 
 class WithBuffer(nn.Module):

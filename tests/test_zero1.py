@@ -309,6 +309,36 @@ def test_zero2_keeps_only_its_shard_of_the_gradients(cluster_of):
         assert held == 0  # no flat gradient left once backward has returned
 
 
+def _zero_buckets_layout(cls_name):
+    module = build_model("mlp", seed=0, **SMALL_MLP)
+    model = getattr(ddpkit, cls_name)(module, bucket_cap_mb=SMALL_CAP)
+    out = []
+    for b in model.buckets:
+        lay = b.layout
+        views = lay.views(b.flat_param)
+        out.append(dict(
+            numel=lay.numel, padded=lay.padded_numel, shard=b.shard.numel(), world=lay.world_size, rank=lay.rank,
+            own_shard=b.shard.data_ptr() == lay.shard(b.flat_param).data_ptr(),  # rank r's shard r
+            params_are_views=all(p.data_ptr() == v.data_ptr() and p.shape == v.shape
+                                 for p, v in zip(b.params, views, strict=True)),
+            padding_zero=bool(b.flat_param[lay.numel:].eq(0).all()),
+            sizes=sum(p.numel() for p in b.params)))
+    return out, dist.get_rank()
+
+
+@pytest.mark.parametrize("cls_name", ["ZeRO1", "ZeRO2"])
+def test_zero_buckets_are_flat_layouts_padded_to_n_shards(cluster_of, cls_name):
+    """The module's parameters view the bucket's flat parameter at the FlatLayout's offsets, the
+    shard this rank steps is the layout's shard r, and the padding (< N zeros) holds zeros."""
+    for buckets, rank in cluster_of(3).run(_zero_buckets_layout, cls_name):
+        assert len(buckets) > 1
+        assert any(b["padded"] > b["numel"] for b in buckets)  # 3 ranks: some bucket needs padding
+        for b in buckets:
+            assert (b["world"], b["rank"]) == (3, rank) and b["numel"] == b["sizes"]
+            assert b["padded"] == 3 * b["shard"] and 0 <= b["padded"] - b["numel"] < 3
+            assert b["own_shard"] and b["params_are_views"] and b["padding_zero"]
+
+
 def _zero_no_sync(cls_name):
     rank, world = dist.get_rank(), dist.get_world_size()
     module = build_model("mlp", seed=rank, **SMALL_MLP)

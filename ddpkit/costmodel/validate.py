@@ -1,7 +1,7 @@
 """The cost model against measurement on one cluster: calibrate, profile, time, predict; a table.
 
     with ddpkit.Cluster(2) as cluster:
-        records, network, profile = validate(cluster, ["naive", "overlapped", "fsdp"])
+        records, network, profile = validate(cluster, names)   # names from strategies.table.STRATEGIES
     print(format_validation(records))
 
 ``python -m ddpkit predict --validate`` runs this once per world size; notebook 07 calls it.
@@ -11,23 +11,22 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from ddpkit.compare import run_or_fail
-from ddpkit.experiment import run_strategy
 from ddpkit.costmodel.measure import (
     fit_link, measure_collectives, median_profile, model_calibration_sizes, profile_job, slowest_profile,
     slowest_rank,
 )
 from ddpkit.costmodel.simulate import Profile, simulate
 from ddpkit.network import LINKS
+from ddpkit.series import Series, timed_rounds
 from ddpkit.strategies.table import CostStep, strategy
 
 
 def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
              global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None):
     """See ``_validate``; ``strategies`` are names, or ``{label: (name, {wrapper options})}`` to
-    check variants, e.g. ``{"fsdp + forward prefetch": ("fsdp", {"forward_prefetch": True})}``:
+    check variants, e.g. ``{f"{name} + forward prefetch": (name, {"forward_prefetch": True})}``:
     the options go to the wrapper and, where ``CostStep`` has a field of that name, into the
-    cost model's step too."""
+    cost model's step too. ``progress``: a ``ProgressBar`` to follow it on a terminal, or None."""
     runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
     return _validate(cluster, runs, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
                      bucket_cap_mb, progress)
@@ -53,30 +52,20 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
     sizes = model_calibration_sizes(model, model_kwargs)
     common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
                   optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
-    labels = list(runs)
-    per_round: dict = {label: [] for label in labels}
-    errors: dict = {}
     calibrations, profiles = [], []
-    for r in range(rounds):
+
+    def calibrate_and_profile(r: int) -> None:  # first in each timing round, in its slow spells
         if n > 1:
-            if progress:
-                progress.start(f"calibrating collectives (round {r + 1})")
+            series.next(f"calibrating collectives (round {r + 1} of {rounds})")
             calibrations.append(slowest_rank(cluster.run(measure_collectives, sizes=sizes)))
-        if progress:
-            progress.start(f"profiling compute (round {r + 1})")
+        series.next(f"profiling compute (round {r + 1} of {rounds})")
         ranks = cluster.run(profile_job, model, global_batch_size // n, optimizer, model_kwargs)
         profiles.append(slowest_profile(ranks))
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # rotated, as compare does
-            name, options = runs[label]
-            if label in errors:
-                continue
-            if progress:
-                progress.start(f"{label}: timing round {r + 1} of {rounds}")
-            results, err = run_or_fail(cluster, label, run_strategy, name, steps=steps, options=options, **common)
-            if err:
-                errors[label] = err
-            else:
-                per_round[label].append(max(res["ms_per_step"] for res in results))
+
+    jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
+    with Series(cluster, rounds * (len(runs) + (2 if n > 1 else 1)), follow=progress) as series:
+        timings = timed_rounds(series, jobs, rounds, steps, each_round=calibrate_and_profile, **common)
+    per_round, errors = timings.per_round, timings.errors
 
     transport = LINKS["loopback"]  # the real transport under any emulated link: fitted when we can
     if calibrations:  # per collective and size, the median over rounds
@@ -86,8 +75,7 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     records = []
-    for label in labels:
-        name, options = runs[label]
+    for label, (name, options) in runs.items():
         if label in errors:
             records.append(dict(strategy=label, world_size=n, error=errors[label]))
             continue

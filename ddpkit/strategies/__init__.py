@@ -17,7 +17,9 @@ What they share: ``_common.py`` (the recorder seam, construction checks), ``ddp_
 (``DDPModule``, the base of the three DDP wrappers),
 ``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed and overlapped DDP),
 ``zero_buckets.py`` (ZeRO-1/2's buckets padded to N shards, and which optimizers can be sharded),
-``flat_param.py`` (an FSDP unit's flat parameter, mixed precision, state dicts),
+``flat_layout.py`` (``FlatLayout``: where each tensor sits in a flat buffer, padding to a multiple
+of N, a rank's shard; every flat buffer above follows it),
+``flat_param.py`` (FSDP's plan of units and a unit's flat parameter, mixed precision),
 ``deferred_init.py`` (FSDP's unit-by-unit materialization of a model built on the meta device),
 ``comm_hooks.py`` (how a DDP bucket is reduced: all-reduce, fp16 or bf16 compression).
 ``table.py`` is the table of strategies by name that experiments, the cost model and the

@@ -10,7 +10,8 @@ hooks during backward and launches each as soon as it is full. Both talk to a bu
 the same four calls: ``copy_in``, ``all_reduce``, ``wait``, ``copy_out``. A communication hook
 (``comm_hooks.py``, registered with the wrapper's ``register_comm_hook``) replaces how
 ``all_reduce`` reduces the flat buffer, e.g. in fp16 to halve the bytes. The cost model
-(``ddpkit.costmodel``) assigns buckets with the same ``assign_buckets``.
+(``ddpkit.costmodel``) assigns buckets with the same ``assign_buckets``. Where each gradient sits in
+the flat buffer is a ``FlatLayout`` (``flat_layout.py``), the rule every flat buffer here follows.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.strategies._common import nbytes
+from ddpkit.strategies.flat_layout import FlatLayout
 
 
 def bucket_cap_bytes(bucket_cap_mb: float) -> float:
@@ -71,15 +73,17 @@ class Bucket:
         self.names = [name for name, _ in named_params]   # in the order they sit in the buffer
         self.params = [p for _, p in named_params]
         first = self.params[0]
-        # The flat buffer, allocated once: (sum of numels,). Each slot is a view of it shaped
-        # like its parameter, so copying a gradient in is one copy_ and no reshaping.
-        self.flat = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
-        self.slots = [s.view_as(p) for s, p in zip(self.flat.split(self.numels), self.params, strict=True)]
+        # The flat buffer, allocated once: (sum of numels,), no padding (every rank reduces the
+        # whole buffer). Each slot is a view of it shaped like its parameter, so copying a
+        # gradient in is one copy_ and no reshaping.
+        self.layout = FlatLayout.of(self.params)
+        self.flat = self.layout.empty(first.dtype, first.device)
+        self.slots = self.layout.views(self.flat)
         self.reset()
 
     @property
     def numels(self) -> list[int]:
-        return [p.numel() for p in self.params]
+        return self.layout.numels
 
     @property
     def nbytes(self) -> int:
@@ -135,10 +139,11 @@ class Bucket:
                 p.grad.copy_(slot)
 
 
-def make_buckets(named_params: list, bucket_cap_mb: float) -> list[Bucket]:
-    """The buckets for ``named_params`` ((name, parameter), registration order)."""
+def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket) -> list:
+    """The buckets for ``named_params`` ((name, parameter), registration order): one
+    ``bucket(index, [(name, parameter), ...])`` each (ZeRO-1/2 pass their sharded bucket)."""
     cap = bucket_cap_bytes(bucket_cap_mb)
     sizes = [nbytes(p) for _, p in named_params]
-    kinds = [(p.dtype, p.device) for _, p in named_params]
-    return [Bucket(i, [named_params[k] for k in indices])
+    kinds = [(p.dtype, p.device) for _, p in named_params]  # a bucket is one flat tensor
+    return [bucket(i, [named_params[k] for k in indices])
             for i, indices in enumerate(assign_buckets(sizes, cap, kinds))]

@@ -19,7 +19,7 @@ initializes it. Each module's fresh values are broadcast from rank 0, as for an 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,26 +40,27 @@ def _reset_parameters(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def materialize_by_unit(module: nn.Module, owned: dict[str, list], on_unit_ready: Callable, device,
-                        param_init_fn: Callable | None = None, group=None) -> dict[int, nn.Parameter]:
-    """Materialize ``module``'s meta parameters and buffers module by module, calling
-    ``on_unit_ready(unit_name, params)`` as soon as every parameter of a unit is real (the root,
-    unit "", at the end). ``owned`` is FSDP's ownership: ``{unit name: [(name, parameter,
-    [(submodule, attribute), ...every place it is used])]}``, with meta parameters.
+def materialize_by_unit(module: nn.Module, units: list, device, param_init_fn: Callable | None = None,
+                        group=None) -> Iterator[tuple]:
+    """Materialize ``module``'s meta parameters and buffers module by module, and yield
+    ``(unit, params)`` as soon as every parameter of a unit is real (the root, unit "", at the
+    end). ``units`` is FSDP's plan (``flat_param.plan_units``): ``UnitPlan``s whose ``params``
+    are ``[(name, meta parameter, [(submodule, attribute), ...every place it is used])]``;
+    ``params`` yielded are the same with the real parameters.
 
-    Returns ``{id(meta parameter): real parameter}`` for the parameters no unit owns (frozen ones);
-    a unit's real parameters are handed to ``on_unit_ready`` and not kept here, so once the unit has
-    taken its shard nothing holds them any more.
+    Nothing here keeps a unit's real parameters once yielded: the caller takes its shard and
+    drops them, so the full unit is freed before the next one is allocated. Frozen parameters
+    (no unit owns them) end up real in the module, where the caller finds them.
     """
     init = param_init_fn or _reset_parameters
-    unit_of = {id(p): unit for unit, params in owned.items() for _, p, _ in params}
-    remaining = {unit: len(params) for unit, params in owned.items()}
+    unit_of = {id(p): unit for unit in units for _, p, _ in unit.params}
+    remaining = {unit.name: len(unit.params) for unit in units}
     aliases = {}  # id(meta parameter) -> every (submodule, attribute) holding it
     for mod in module.modules():
         for attr, p in mod._parameters.items():
             if p is not None:
                 aliases.setdefault(id(p), []).append((mod, attr))
-    real: dict[int, nn.Parameter] = {}
+    real: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its real parameter, until handed over
     for _, m in module.named_modules():
         fresh = []
         for p in list(m._parameters.values()):
@@ -68,7 +69,8 @@ def materialize_by_unit(module: nn.Module, owned: dict[str, list], on_unit_ready
             new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             for mod, a in aliases[id(p)]:  # every name it is reachable under
                 mod._parameters[a] = new
-            real[id(p)] = new
+            if id(p) in unit_of:
+                real[id(p)] = new
             fresh.append((p, new))
         for attr, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
@@ -82,14 +84,16 @@ def materialize_by_unit(module: nn.Module, owned: dict[str, list], on_unit_ready
             unit = unit_of.get(id(meta)) if meta is not None else None
             if unit is None:
                 continue
-            remaining[unit] -= 1
-            if remaining[unit] == 0 and unit != "":
-                _hand_over(unit, owned, real, on_unit_ready)
-    if "" in owned:
-        _hand_over("", owned, real, on_unit_ready)
-    return real
+            remaining[unit.name] -= 1
+            if remaining[unit.name] == 0 and unit.name != "":
+                yield unit, _hand_over(unit, real)
+    # the root last (its own modules come first in named_modules(), but it stays gathered through
+    # the whole step anyway), and any unit whose parameters were not all on the meta device
+    for unit in units:
+        if unit.name == "" or remaining[unit.name] > 0:
+            yield unit, _hand_over(unit, real)
 
 
-def _hand_over(unit: str, owned: dict, real: dict, on_unit_ready: Callable) -> None:
-    """Give a unit its real parameters, and forget them here (so they can be freed)."""
-    on_unit_ready(unit, [(name, real.pop(id(p)), places) for name, p, places in owned[unit]])
+def _hand_over(unit, real: dict) -> list:
+    """The unit's parameters, real now, forgotten here (so they can be freed once flattened)."""
+    return [(name, real.pop(id(p), p), places) for name, p, places in unit.params]

@@ -1,67 +1,121 @@
-"""The flat parameter of one FSDP unit: its layout, this rank's shard, and the gathered buffer.
+"""FSDP's units: which unit owns which parameter (the plan), and what a unit holds (its flat parameter).
 
 ``FSDP`` (fsdp.py) decides *when* a unit is gathered and its gradient reduced; this file holds
 *what* a unit is, so the story in fsdp.py stays about communication:
 
+- ``plan_units``: a pure function of the module and the chosen units (no communication, nothing
+  changed): for each unit its parameters, every place each is used, in order; which parameters
+  are frozen; the original names in order. Construction then materializes the units one by one.
 - ``FlatParamUnit``: the unit's parameters laid end to end in one flat tensor of T elements,
-  padded to N * ceil(T/N); this rank's shard of ceil(T/N) elements (an ``nn.Parameter``, what
-  the optimizer steps); the full gathered buffer whose storage is freed while resharded; and the
-  views that put the original parameters back into the module while it is gathered.
+  padded to N * ceil(T/N) (a ``FlatLayout``, ``flat_layout.py``); this rank's shard of ceil(T/N)
+  elements (an ``nn.Parameter``, what the optimizer steps); the full gathered buffer whose
+  storage is freed while resharded; and the views that put the original parameters back into
+  the module while it is gathered.
 - mixed precision: a unit may gather in ``param_dtype`` (e.g. bf16) and reduce gradients in
   ``reduce_dtype`` while its shard stays in the parameters' own dtype (fp32), as FSDP's
   ``MixedPrecision`` does; ``cast_floats`` casts a forward's floating-point inputs to match.
-- state dicts: ``full_state_dict`` / ``load_full_state_dict`` of a whole FSDP wrapper.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import all_gather_flat, nbytes
+from ddpkit.strategies._common import default_units
+from ddpkit.strategies.flat_layout import FlatLayout, free_storage
 
 
-def free_storage(t: torch.Tensor) -> None:
-    """Release a tensor's memory but keep the tensor (and every view of it) alive."""
-    t.untyped_storage().resize_(0)
+# ----------------------------------------------------------------------------- the plan
+@dataclass
+class UnitPlan:
+    """One unit to build: its module and the parameters it will flatten, in order."""
+
+    name: str            # the module's qualified name; "" is the root
+    module: nn.Module
+    params: list         # [(canonical name, parameter, [(submodule, attribute), ...every place it is used])]
 
 
-def alloc_storage(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
+@dataclass
+class Plan:
+    """Which unit owns which parameter: the units (in the order given, the root last), the
+    frozen parameters' names (they stay whole, never reduced) and every original name in order."""
+
+    units: list[UnitPlan]
+    frozen: list[str]
+    param_names: list[str]   # canonical names, in module.named_parameters() order
 
 
+def plan_units(module: nn.Module, units: Iterable[nn.Module] | None = None) -> Plan:
+    """Decide the units of ``module`` (default: every child with trainable parameters; the root
+    keeps whatever no unit claims). Each trainable parameter goes to the innermost unit that
+    contains *every* use of it (tied parameters), so no unit reshards a tensor another still
+    needs; a unit left with no trainable parameter is no unit. Works on the meta device too."""
+    module_names = {id(m): name for name, m in module.named_modules()}
+    if units is None:
+        units = default_units(module)
+    unit_modules: dict[str, nn.Module] = {}
+    for u in units:
+        if not isinstance(u, nn.Module):
+            raise TypeError(f"FSDP units must be nn.Modules, got {type(u).__name__}")
+        if id(u) not in module_names:
+            raise ValueError(f"FSDP unit {type(u).__name__} is not a submodule of the wrapped "
+                             f"{type(module).__name__}: units must be modules inside it")
+        unit_modules[module_names[id(u)]] = u
+    unit_modules[""] = module  # the root, keeps whatever no unit claims
+
+    # every name each parameter is reachable under (tied parameters have several)
+    places: dict[int, list] = {}
+    for full_name, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), [p, []])[1].append(full_name)
+    owned: dict[str, list] = {name: [] for name in unit_modules}
+    frozen, param_names = [], []
+    by_depth = sorted(unit_modules, key=len, reverse=True)
+    for p, names in places.values():
+        param_names.append(names[0])
+        if not p.requires_grad:
+            frozen.append(names[0])
+            continue
+        # the innermost unit whose subtree contains every use of p
+        owner = next(u for u in by_depth if all(n.startswith(u + ".") or u == "" for n in names))
+        aliases = []
+        for n in names:
+            mod_name, _, attr = n.rpartition(".")
+            aliases.append((module.get_submodule(mod_name), attr))
+        owned[owner].append((names[0], p, aliases))
+    return Plan([UnitPlan(name, unit_modules[name], params) for name, params in owned.items() if params],
+                frozen, param_names)
+
+
+# ----------------------------------------------------------------------------- a unit
 class FlatParamUnit:
     """One unit: its flat parameter's layout, the local shard, and the gathered buffer."""
 
     def __init__(self, name: str, module: nn.Module, params: list, rank: int, world_size: int,
                  param_dtype=None, reduce_dtype=None):
         self.name, self.module = name or "(root)", module
-        self.world_size, self.rank = world_size, rank
         # params: [(canonical name, parameter, [(submodule, attribute)] every place it is used)]
         dtypes = {p.dtype for _, p, _ in params}
         if len(dtypes) != 1:
             raise ValueError(f"unit {self.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                              "FSDP flattens a unit into one tensor of one dtype")
         self.names = [n for n, _, _ in params]
-        self.shapes = [p.shape for _, p, _ in params]
-        self.numels = [p.numel() for _, p, _ in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.aliases = [a for _, _, a in params]
-        self.numel = sum(self.numels)                       # T
-        self.shard_numel = -(-self.numel // world_size)     # ceil(T / N)
-        self.padded_numel = self.shard_numel * world_size   # N * ceil(T / N), padding <= N-1
-        device = params[0][1].device
-        with torch.no_grad():
-            flat = torch.zeros(self.padded_numel, dtype=params[0][1].dtype, device=device)
-            for (_, p, _), off, n in zip(params, self.offsets, self.numels, strict=True):
-                flat[off:off + n].copy_(p.reshape(-1))
-            own = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
-        self.shard = nn.Parameter(own.clone())  # the parameters' own dtype, what the optimizer steps
+        tensors = [p for _, p, _ in params]
+        # T elements end to end, padded to N * ceil(T/N) (padding <= N-1); shard r of ceil(T/N)
+        self.layout = FlatLayout.of(tensors, world_size, rank)
+        device = tensors[0].device
+        flat = self.layout.pack(tensors, self.layout.empty(tensors[0].dtype, device))
+        # this rank's shard, in the parameters' own dtype: what the optimizer steps
+        self.shard = nn.Parameter(self.layout.shard(flat).clone())
+        del flat
         self.param_dtype = param_dtype or self.shard.dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
         # tensor object lives on, so views saved by autograd in forward see the data again
         # once the backward all-gather refills the same storage.
-        self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+        self.gathered = self.layout.empty(self.param_dtype, device)
         free_storage(self.gathered)
         self.unsharded = False
         self.pending = None        # an all-gather launched early (prefetch), not waited yet
@@ -71,7 +125,7 @@ class FlatParamUnit:
 
     @property
     def gathered_bytes(self) -> int:
-        return self.padded_numel * self.gathered.element_size()
+        return self.layout.padded_numel * self.gathered.element_size()
 
     def all_gather_input(self) -> torch.Tensor:
         """What this rank sends in the all-gather: its shard, cast to ``param_dtype`` if needed.
@@ -81,21 +135,14 @@ class FlatParamUnit:
         """
         if self.param_dtype == self.shard.dtype:
             return self.shard.detach()
-        s = self.shard_numel
-        send = self.gathered[self.rank * s:(self.rank + 1) * s]
+        send = self.layout.shard(self.gathered)
         send.copy_(self.shard.detach())
         return send
 
     def flat_gradient(self, grads) -> torch.Tensor:
         """The unit's gradients packed into one padded flat buffer (N * ceil(T/N), ``reduce_dtype``),
         plus what ``no_sync()`` accumulated; a missing gradient (unused parameter) counts as zeros."""
-        flat = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
-        for g, off, n in zip(grads, self.offsets, self.numels, strict=True):
-            if g is None:
-                flat[off:off + n].zero_()
-            else:
-                flat[off:off + n].copy_(g.reshape(-1))
-        flat[self.numel:].zero_()
+        flat = self.layout.pack(grads, self.layout.empty(self.reduce_dtype, self.shard.device))
         if self.no_sync_grad is not None:
             flat.add_(self.no_sync_grad)
             self.no_sync_grad = None
@@ -104,17 +151,16 @@ class FlatParamUnit:
     def accumulate_no_sync(self, grads) -> None:
         """Add this backward's gradients to the full local gradient kept under ``no_sync()``."""
         if self.no_sync_grad is None:
-            self.no_sync_grad = torch.zeros(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        for g, off, n in zip(grads, self.offsets, self.numels, strict=True):
+            self.no_sync_grad = self.layout.zeros(self.shard.dtype, self.shard.device)
+        for g, view in zip(grads, self.layout.views(self.no_sync_grad), strict=True):
             if g is not None:
-                self.no_sync_grad[off:off + n].add_(g.reshape(-1))
+                view.add_(g)
 
     def make_views(self) -> list[torch.Tensor]:
         # .data: a tensor on the same storage with its *own* version counter, so the all-gather
         # writing into self.gathered before backward does not look like an in-place change of
         # the tensors autograd saved in forward.
-        base = self.gathered.data
-        return [base[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes, strict=True)]
+        return self.layout.views(self.gathered.data)
 
     def set_views(self, views) -> None:
         for view, places in zip(views, self.aliases, strict=True):
@@ -140,40 +186,3 @@ def cast_floats(obj, dtype):
         return {k: cast_floats(v, dtype) for k, v in obj.items()}
     return obj
 
-
-# ----------------------------------------------------------------------------- state dicts
-@torch.no_grad()
-def full_state_dict(fsdp) -> dict[str, torch.Tensor]:
-    """{original parameter name: full tensor}, on every rank (one all-gather per unit)."""
-    full = {}
-    for unit in fsdp.units:
-        flat = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-        work = all_gather_flat(flat, unit.shard.detach(), group=fsdp.process_group, async_op=True)
-        fsdp.recorder.collective("all_gather", work, nbytes=nbytes(flat), unit=unit.name)
-        work.wait()
-        for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes, strict=True):
-            full[name] = flat[off:off + n].view(shape).clone()
-    for name, p in fsdp.frozen.items():
-        full[name] = p.detach().clone()
-    return {name: full[name] for name in fsdp.param_names}
-
-
-@torch.no_grad()
-def load_full_state_dict(fsdp, state_dict: dict) -> None:
-    """Inverse of ``full_state_dict``: every rank passes the same full tensors, keeps its shard."""
-    names = fsdp.param_names
-    if set(state_dict) != set(names):
-        missing, extra = set(names) - set(state_dict), set(state_dict) - set(names)
-        raise ValueError(f"state dict does not match the model: missing {sorted(missing)}, "
-                         f"unexpected {sorted(extra)}")
-    for unit in fsdp.units:
-        flat = torch.zeros(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-        for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes, strict=True):
-            if tuple(state_dict[name].shape) != tuple(shape):
-                raise ValueError(f"{name}: shape {list(state_dict[name].shape)} in the state "
-                                 f"dict, {list(shape)} in the model")
-            flat[off:off + n].copy_(state_dict[name].reshape(-1))
-        s = unit.shard_numel
-        unit.shard.copy_(flat[unit.rank * s:(unit.rank + 1) * s])
-    for name, p in fsdp.frozen.items():
-        p.copy_(state_dict[name])

@@ -54,11 +54,12 @@ Rules worth knowing:
 - Between steps the original parameters do not exist as attributes (they are views into a
   freed buffer): use ``full_state_dict()`` to read them.
 
-Reading order: construction (which unit owns which parameter), then *forward*, where each
-unit's all-gather is triggered by its forward pre-hook, then *backward*, where the
-reduce-scatter is triggered by the autograd function ``_Unshard`` at the bottom of this file.
-What a unit is (its flat layout, shard, gathered buffer; mixed-precision dtypes) and the state
-dicts live in ``flat_param.py``.
+Reading order: construction (plan which unit owns which parameter, then build the units one by
+one), then *forward*, where each unit's all-gather is triggered by its forward pre-hook, then
+*backward*, where the reduce-scatter is triggered by the autograd function ``_Unshard`` at the
+bottom of this file, then the full state dicts (one all-gather per unit). What a unit is (the
+plan, its flat layout, shard, gathered buffer; mixed-precision dtypes) lives in ``flat_param.py``,
+where a flat buffer puts each tensor in ``flat_layout.py``.
 """
 from __future__ import annotations
 
@@ -69,13 +70,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies import flat_param
 from ddpkit.rankside import device as rank_device
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (all_gather_flat, default_units, nbytes, no_sync,
-                                       prepare_module, reduce_scatter_flat)
+from ddpkit.strategies._common import all_gather_flat, nbytes, no_sync, prepare_module, reduce_scatter_flat
 from ddpkit.strategies.deferred_init import is_deferred, materialize_by_unit
-from ddpkit.strategies.flat_param import FlatParamUnit, alloc_storage, cast_floats, free_storage
+from ddpkit.strategies.flat_layout import alloc_storage, free_storage, held_bytes
+from ddpkit.strategies.flat_param import FlatParamUnit, cast_floats, plan_units
 from ddpkit.torch_internals import queue_at_end_of_backward
 
 
@@ -115,58 +115,40 @@ class FSDP(nn.Module):
         # gradients are averaged over every rank: the shard group times its replicas
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
 
-        # --- which unit owns which parameter ------------------------------------------------
-        module_names = {id(m): name for name, m in module.named_modules()}
-        if units is None:  # default: every child with trainable parameters
-            units = default_units(module)
-        unit_names: dict[str, nn.Module] = {}
-        for u in units:
-            if not isinstance(u, nn.Module):
-                raise TypeError(f"FSDP units must be nn.Modules, got {type(u).__name__}")
-            if id(u) not in module_names:
-                raise ValueError(f"FSDP unit {type(u).__name__} is not a submodule of the wrapped "
-                                 f"{type(module).__name__}: units must be modules inside it")
-            unit_names[module_names[id(u)]] = u
-        unit_names[""] = module  # the root, keeps whatever no unit claims
+        # --- the plan: which unit owns which parameter (flat_param.plan_units; nothing changed yet)
+        plan = plan_units(module, units)
+        self.param_names: list[str] = plan.param_names  # canonical names, in named_parameters() order
 
-        # every name each parameter is reachable under (tied parameters have several)
-        places: dict[int, list] = {}
-        for full_name, p in module.named_parameters(remove_duplicate=False):
-            places.setdefault(id(p), [p, []])[1].append(full_name)
-        owned: dict[str, list] = {name: [] for name in unit_names}
-        self.frozen: dict[str, nn.Parameter] = {}  # whole, never reduced
-        self.param_names: list[str] = []  # canonical names, in module.named_parameters() order
-        by_depth = sorted(unit_names, key=len, reverse=True)
-        for p, names in places.values():
-            self.param_names.append(names[0])
-            if not p.requires_grad:
-                self.frozen[names[0]] = p
-                continue
-            # the innermost unit whose subtree contains every use of p
-            owner = next(u for u in by_depth if all(n.startswith(u + ".") or u == "" for n in names))
-            aliases = []
-            for n in names:
-                mod_name, _, attr = n.rpartition(".")
-                aliases.append((module.get_submodule(mod_name), attr))
-            owned[owner].append((names[0], p, aliases))
-
-        # --- flatten, shard, and take the original parameters out of the module -------------
-        self.units: list[FlatParamUnit] = []
-        self.root_unit: FlatParamUnit | None = None
-        self._unit_modules = unit_names
-        owned = {name: params for name, params in owned.items() if params}
-        if is_deferred(module):  # built on the meta device: materialize unit by unit
+        # --- materialize, flatten and shard the units one by one --------------------------------
+        # A module built on the meta device (deferred initialization) becomes real unit by unit,
+        # so the whole model never exists on this rank; an eager one is real already.
+        if is_deferred(module):
             group = None if replicate_group is not None else process_group
-            real = materialize_by_unit(module, owned, self._add_unit, device or rank_device(),
-                                       param_init_fn, group)
-            self.frozen = {name: real.get(id(p), p) for name, p in self.frozen.items()}
-            order = list(owned)
-            self.units.sort(key=lambda u: order.index("" if u is self.root_unit else u.name))
+            ready = materialize_by_unit(module, plan.units, device or rank_device(), param_init_fn, group)
         else:
-            for name, params in owned.items():
-                self._add_unit(name, params)
+            ready = ((unit, unit.params) for unit in plan.units)
+        built: dict[str, FlatParamUnit] = {}
+        for unit, params in ready:
+            built[unit.name] = FlatParamUnit(unit.name, unit.module, params, self.rank, self.world_size,
+                                             self.param_dtype, self.reduce_dtype)
+            # take the originals out of the module: from here on they exist only as views into
+            # the gathered buffer, set while the unit is unsharded
+            for _, _, places in params:
+                for mod, attr in places:
+                    mod._parameters.pop(attr, None)
+            del params  # deferred init: nothing holds the unit's full parameters any more
+        self.units: list[FlatParamUnit] = [built[unit.name] for unit in plan.units]  # the plan's order
+        self.root_unit: FlatParamUnit | None = built.get("")
+        # frozen parameters stay whole in the module, never reduced (real now, if deferred)
+        self.frozen: dict[str, nn.Parameter] = {name: module.get_parameter(name) for name in plan.frozen}
         # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
+
+        # --- the hooks that drive communication (forward below, backward after it) -------------
+        for unit in self.units:
+            if unit is not self.root_unit:  # the root is gathered by forward() itself
+                unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                unit.module.register_forward_hook(self._make_post_forward(unit))
 
         self._require_sync = True  # False inside no_sync()
         self._in_backward = False
@@ -174,22 +156,6 @@ class FSDP(nn.Module):
         self._last_forward_order: list[FlatParamUnit] = []  # forward prefetch follows it
         self._pending_reduce: list[PendingReduce] = []
         self._unsharded_bytes = 0
-
-    def _add_unit(self, name: str, params: list) -> None:
-        """Flatten ``params`` into a unit, keep this rank's shard, and take the originals out of
-        the module (from here on they exist only as views into the gathered buffer)."""
-        unit = FlatParamUnit(name, self._unit_modules[name], params, self.rank, self.world_size,
-                             self.param_dtype, self.reduce_dtype)
-        for _, _, aliases in params:
-            for mod, attr in aliases:
-                if attr in mod._parameters:
-                    del mod._parameters[attr]
-        if name == "":
-            self.root_unit = unit
-        else:
-            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
-            unit.module.register_forward_hook(self._make_post_forward(unit))
-        self.units.append(unit)
 
     # ================================================================== forward: all-gather
     def forward(self, *args, **kwargs):
@@ -317,7 +283,7 @@ class FSDP(nn.Module):
         # keeps a low-precision sum from overflowing); hybrid: by every rank, N x replicas
         if self.world_size * self.replicas > 1:
             flat.div_(self.world_size * self.replicas)
-        out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
+        out = torch.empty(unit.layout.shard_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
         work = reduce_scatter_flat(out, flat, group=self.process_group, async_op=True)
         self.recorder.collective("reduce_scatter", work, nbytes=nbytes(flat), unit=unit.name,
                                  group_size=self.world_size)
@@ -359,17 +325,43 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------------ state and sizes
     def comm_buffer_bytes(self) -> int:
         """Bytes held now in gathered flat parameters, pending reduce buffers and no_sync grads."""
-        total = sum(u.gathered.untyped_storage().nbytes() for u in self.units)
+        total = sum(held_bytes(u.gathered) for u in self.units)
         total += sum(nbytes(p.out) + nbytes(p.flat) for p in self._pending_reduce)
         return total + sum(nbytes(u.no_sync_grad) for u in self.units if u.no_sync_grad is not None)
 
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{original parameter name: full tensor}, on every rank (one all-gather per unit)."""
-        return flat_param.full_state_dict(self)
+        full = {}
+        for unit in self.units:
+            flat = unit.layout.empty(unit.shard.dtype, unit.shard.device)
+            work = all_gather_flat(flat, unit.shard.detach(), group=self.process_group, async_op=True)
+            self.recorder.collective("all_gather", work, nbytes=nbytes(flat), unit=unit.name)
+            work.wait()
+            full.update({name: view.clone() for name, view in zip(unit.names, unit.layout.views(flat), strict=True)})
+        for name, p in self.frozen.items():
+            full[name] = p.detach().clone()
+        return {name: full[name] for name in self.param_names}
 
+    @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Inverse of full_state_dict(): every rank passes the same full tensors, keeps its shard."""
-        flat_param.load_full_state_dict(self, state_dict)
+        names = self.param_names
+        if set(state_dict) != set(names):
+            missing, extra = set(names) - set(state_dict), set(state_dict) - set(names)
+            raise ValueError(f"state dict does not match the model: missing {sorted(missing)}, "
+                             f"unexpected {sorted(extra)}")
+        for unit in self.units:  # every shape checked before anything is loaded
+            for name, shape in zip(unit.names, unit.layout.shapes, strict=True):
+                if tuple(state_dict[name].shape) != tuple(shape):
+                    raise ValueError(f"{name}: shape {list(state_dict[name].shape)} in the state "
+                                     f"dict, {list(shape)} in the model")
+        for unit in self.units:
+            flat = unit.layout.pack([state_dict[name] for name in unit.names],
+                                    unit.layout.empty(unit.shard.dtype, unit.shard.device))
+            unit.shard.copy_(unit.layout.shard(flat))
+        for name, p in self.frozen.items():
+            p.copy_(state_dict[name])
 
 
 class _Unshard(torch.autograd.Function):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import all_gather_flat, nbytes, require_process_group
+from ddpkit.strategies.flat_layout import FlatLayout
 
 
 def partition_by_size(sizes: list[int], world_size: int) -> list[int]:
@@ -63,26 +64,27 @@ def _as_param_groups(params) -> list[dict]:
 class GatherLayout:
     """Where each parameter of one dtype sits in the all-gather's flat buffer.
 
-    Rank r's slot holds the parameters it owns back to back, padded to the largest rank's load
-    (an all-gather needs equal sizes): the buffer is (N * slot_numel,) elements.
+    Rank r's slot holds the parameters it owns back to back (``slots[r]``, a ``FlatLayout``),
+    padded to the largest rank's load (an all-gather needs equal sizes): the buffer is
+    (N, slot_numel) elements, row r being rank r's slot.
     """
 
     dtype: torch.dtype
-    placed: list          # placed[r] = [(parameter, offset in rank r's slot)]
-    slot_numel: int
+    params: list          # params[r] = the parameters of this dtype rank r owns
+    slots: list           # slots[r] = FlatLayout of params[r]
 
     @classmethod
     def of(cls, dtype, per_rank: list) -> GatherLayout:
         """``per_rank[r]``: the parameters of this dtype rank r owns."""
-        placed = []
-        for params in per_rank:
-            offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-            placed.append(list(zip(params, offsets, strict=True)))
-        return cls(dtype, placed, max(sum(p.numel() for p in params) for params in per_rank))
+        return cls(dtype, per_rank, [FlatLayout.of(params) for params in per_rank])
+
+    @property
+    def slot_numel(self) -> int:
+        return max(slot.numel for slot in self.slots)
 
     @property
     def device(self):
-        return next(p.device for row in self.placed for p, _ in row)
+        return next(p.device for row in self.params for p in row)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -154,21 +156,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # costs one collective (and its latency) per parameter. The buffer exists only during
         # the step, so ZeRO-1 adds no persistent communication memory.
         for layout in self._layouts:
-            slot = layout.slot_numel
-            gathered = torch.empty(self.world_size * slot, dtype=layout.dtype, device=layout.device)
-            own = gathered[self.rank * slot:(self.rank + 1) * slot]
-            for p, off in layout.placed[self.rank]:
-                own[off:off + p.numel()].copy_(p.reshape(-1))
+            gathered = torch.empty(self.world_size, layout.slot_numel, dtype=layout.dtype, device=layout.device)
+            own = layout.slots[self.rank].pack(layout.params[self.rank], gathered[self.rank])
             # in place: our own slot is the input (as torch FSDP does; no extra send buffer)
-            work = all_gather_flat(gathered, own, group=self.process_group, async_op=True)
+            work = all_gather_flat(gathered.view(-1), own, group=self.process_group, async_op=True)
             self.recorder.collective("all_gather", work, nbytes=nbytes(gathered))
             work.wait()
-            for r, row in enumerate(layout.placed):
-                if r == self.rank:
-                    continue
-                base = r * slot
-                for p, off in row:
-                    p.copy_(gathered[base + off:base + off + p.numel()].view_as(p))
+            for r, (params, slot) in enumerate(zip(layout.params, layout.slots, strict=True)):
+                if r != self.rank:
+                    for p, value in zip(params, slot.views(gathered[r]), strict=True):
+                        p.copy_(value)
 
     def local_state_bytes(self) -> int:
         """Bytes of per-element optimizer state on this rank (about 1/N of the full optimizer's)."""

@@ -72,7 +72,7 @@ class ZeRO1(ZeroDDPModule):
             bucket.reduce_scatter(self.process_group, self.recorder)  # async: the next bucket
         for bucket in self.buckets:                                   # is packed meanwhile
             bucket.work.wait()
-            mine = bucket.own(bucket.gradient)
+            mine = bucket.layout.shard(bucket.gradient)
             mine.copy_(bucket.out)  # our shard of the flat gradient now holds the average
             bucket.shard.grad = mine
             bucket.out = None

@@ -1,8 +1,9 @@
 """Sharded buckets and the sharded step: what ZeRO-1 and ZeRO-2 (``zero1.py``, ``zero2.py``) share.
 
-A ZeRO bucket is a DDP bucket (the same ``assign_buckets`` rule: reverse registration order, a cap
-in MiB, one dtype per bucket) whose flat buffers are padded to a multiple of N, so that one
-reduce-scatter or all-gather cuts them into N equal *shards* of s = ceil(T/N) elements:
+A ZeRO bucket is a DDP bucket (the same ``make_buckets`` rule: reverse registration order, a cap
+in MiB, one dtype per bucket) whose flat buffers are padded to a multiple of N (a ``FlatLayout``,
+``flat_layout.py``), so that one reduce-scatter or all-gather cuts them into N equal *shards* of
+s = ceil(T/N) elements:
 
     flat_param  (N*s,)  the bucket's parameters end to end. The module's parameters are re-pointed
                         into it (``p.data`` = a view), so an all-gather into it updates the model.
@@ -28,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.strategies._common import all_gather_flat, nbytes, reduce_scatter_flat
-from ddpkit.strategies.buckets import assign_buckets, bucket_cap_bytes
+from ddpkit.strategies.buckets import make_buckets
 from ddpkit.strategies.ddp_module import DDPModule
-from ddpkit.strategies.flat_param import alloc_storage, free_storage
+from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
 
 # Optimizers whose update of one element reads only that element's gradient and state, so that
 # stepping a slice of a flat buffer equals stepping the whole tensors. (Weight decay, momentum,
@@ -55,23 +56,17 @@ class ZeroBucket:
     """One bucket of parameters, flattened and padded to N shards; rank r owns shard r."""
 
     def __init__(self, index: int, named_params: list, rank: int, world_size: int):
-        self.index, self.rank, self.world_size = index, rank, world_size
+        self.index = index
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.numels = [p.numel() for p in self.params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
-        self.numel = sum(self.numels)                       # T
-        self.shard_numel = -(-self.numel // world_size)     # s = ceil(T / N)
-        self.padded_numel = self.shard_numel * world_size   # N * s: at most N-1 zeros of padding
+        self.layout = FlatLayout.of(self.params, world_size, rank)  # offsets, padding, our shard
         first = self.params[0]
+        self.flat_param = self.layout.pack(self.params, self.layout.empty(first.dtype, first.device))
         with torch.no_grad():
-            self.flat_param = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-            for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
-                self.flat_param[off:off + n].copy_(p.reshape(-1))
-                p.data = self.flat_param[off:off + n].view_as(p)  # the module now reads the flat buffer
-        s = self.shard_numel
-        self.shard = nn.Parameter(self.flat_param[rank * s:(rank + 1) * s])  # a view: stepping it updates p
-        self.gradient = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+            for p, view in zip(self.params, self.layout.views(self.flat_param), strict=True):
+                p.data = view  # the module now reads the flat buffer
+        self.shard = nn.Parameter(self.layout.shard(self.flat_param))  # a view: stepping it updates p
+        self.gradient = self.layout.zeros(first.dtype, first.device)
         self.reset()
 
     def reset(self) -> None:
@@ -82,17 +77,11 @@ class ZeroBucket:
 
     def slot(self, j: int) -> torch.Tensor:
         """Gradient j's place in the flat gradient, shaped like its parameter."""
-        off, n = self.offsets[j], self.numels[j]
-        return self.gradient[off:off + n].view_as(self.params[j])
-
-    def own(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a flat buffer: elements [r*s, (r+1)*s)."""
-        s = self.shard_numel
-        return flat[self.rank * s:(self.rank + 1) * s]
+        return self.layout.view(self.gradient, j)
 
     # ZeRO-2 holds the flat gradient only while the bucket is being reduced
     def alloc_gradient(self) -> None:
-        if self.gradient.untyped_storage().nbytes() == 0:
+        if not is_allocated(self.gradient):
             alloc_storage(self.gradient)
             self.gradient.zero_()  # the padding, and the slots of parameters without a gradient
 
@@ -101,12 +90,12 @@ class ZeroBucket:
 
     @property
     def gradient_bytes(self) -> int:
-        return self.gradient.untyped_storage().nbytes()
+        return held_bytes(self.gradient)
 
     def reduce_scatter(self, group, recorder) -> None:
         """Launch the async reduce-scatter (SUM) of the flat gradient (already scaled by 1/N):
         ``self.out`` (s,) becomes the sum over ranks of everyone's shard r, i.e. the average."""
-        self.out = torch.empty(self.shard_numel, dtype=self.gradient.dtype, device=self.gradient.device)
+        self.out = torch.empty(self.layout.shard_numel, dtype=self.gradient.dtype, device=self.gradient.device)
         self.work = reduce_scatter_flat(self.out, self.gradient, group=group, async_op=True)
         recorder.collective("reduce_scatter", self.work, nbytes=nbytes(self.gradient), bucket=self.index)
 
@@ -118,15 +107,6 @@ class ZeroBucket:
         return work
 
 
-def make_zero_buckets(named_params: list, bucket_cap_mb: float, rank: int, world_size: int) -> list[ZeroBucket]:
-    """The ZeRO buckets for ``named_params`` ((name, parameter), registration order)."""
-    cap = bucket_cap_bytes(bucket_cap_mb)
-    sizes = [nbytes(p) for _, p in named_params]
-    kinds = [(p.dtype, p.device) for _, p in named_params]
-    return [ZeroBucket(i, [named_params[k] for k in indices], rank, world_size)
-            for i, indices in enumerate(assign_buckets(sizes, cap, kinds))]
-
-
 class ZeroDDPModule(DDPModule):
     """What ZeRO-1 and ZeRO-2 share: the sharded buckets, the optimizer over this rank's shards,
     and the all-gather of the updated parameters after each step. They differ in when the
@@ -136,7 +116,9 @@ class ZeroDDPModule(DDPModule):
         super().__init__(module, process_group, recorder)  # checks, rank 0's values everywhere
         self.rank = dist.get_rank(process_group)
         self.bucket_cap_mb = bucket_cap_mb
-        self.buckets = make_zero_buckets(self.named_grads, bucket_cap_mb, self.rank, self.world_size)
+        # DDP's buckets (the same rule), each a ZeroBucket: padded to N shards, ours is shard r
+        self.buckets = make_buckets(self.named_grads, bucket_cap_mb,
+                                    lambda i, params: ZeroBucket(i, params, self.rank, self.world_size))
 
     def join_hook(self, **kwargs):
         """Uneven inputs are not supported here: a rank that finished early would also have to step

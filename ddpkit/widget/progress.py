@@ -1,16 +1,19 @@
 """The run's progress: one bar, and a label that says what the run is part of.
 
 Steps come from ``ddpkit.progress(done, total)`` inside the ranks (the slowest rank counts).
-A caller that runs a series of jobs (``ddpkit.compare``) names each with
+A caller that runs a series of jobs (``compare``, ``interleaved``, the cost model's ``validate``:
+a ``ddpkit.series.Series``, the one run counter) names each with
 ``cluster.announce(label, run, runs)``: the label then says which strategy and round, and the
-bar shows the whole series (run 9 of 28, 4 of its 10 steps: 30 %), not a bar that restarts
-with every job.
+bar shows the whole series (run 9 of 28, 4 of its 10 steps: 30 %, ``progressbar.overall``, as
+the terminal bar computes it), not a bar that restarts with every job.
 """
 from __future__ import annotations
 
 import html
 
 import ipywidgets as widgets
+
+from ddpkit.progressbar import overall
 
 
 class RunProgress(widgets.HBox):
@@ -42,7 +45,7 @@ class RunProgress(widgets.HBox):
             # the whole series: finished runs, plus this one's share
             self.bar.description = "overall"
             self.bar.max = 1000
-            self.bar.value = int(1000 * min(a["run"] - 1 + min(done, total) / total, a["runs"]) / a["runs"])
+            self.bar.value = int(1000 * overall(a["run"], a["runs"], done, total))
             text = f"{html.escape(a['label'])} &middot; run {a['run']} of {a['runs']} &middot; {text}"
         else:
             self.bar.description = "steps"
