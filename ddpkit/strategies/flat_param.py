@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import all_gather_flat, nbytes
+from ddpkit.strategies._common import all_gather_flat
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -148,9 +148,8 @@ def full_state_dict(fsdp) -> dict[str, torch.Tensor]:
     full = {}
     for unit in fsdp.units:
         flat = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-        work = all_gather_flat(flat, unit.shard.detach(), group=fsdp.process_group, async_op=True)
-        fsdp.recorder.collective("all_gather", work, nbytes=nbytes(flat), unit=unit.name)
-        work.wait()
+        with fsdp.recorder.labels(unit=unit.name):
+            all_gather_flat(flat, unit.shard.detach(), group=fsdp.process_group)
         for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes, strict=True):
             full[name] = flat[off:off + n].view(shape).clone()
     for name, p in fsdp.frozen.items():

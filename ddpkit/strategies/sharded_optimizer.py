@@ -160,9 +160,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for p, off in layout.placed[self.rank]:
                 own[off:off + p.numel()].copy_(p.reshape(-1))
             # in place: our own slot is the input (as torch FSDP does; no extra send buffer)
-            work = all_gather_flat(gathered, own, group=self.process_group, async_op=True)
-            self.recorder.collective("all_gather", work, nbytes=nbytes(gathered))
-            work.wait()
+            with self.recorder.labels():  # recorded into this optimizer's recorder
+                all_gather_flat(gathered, own, group=self.process_group)
             for r, row in enumerate(layout.placed):
                 if r == self.rank:
                     continue
