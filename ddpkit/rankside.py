@@ -22,7 +22,13 @@ import contextlib
 import threading
 
 _NO_SPAN = contextlib.nullcontext()
-_ISSUING = threading.local()  # .labels: the innermost Labels block this thread is in
+
+
+class _Issuing(threading.local):
+    labels = None  # the innermost Labels block this thread is in (a class default: no exception to find none)
+
+
+_ISSUING = _Issuing()
 
 
 class Labels:
@@ -36,7 +42,7 @@ class Labels:
         self.recorder, self.fields = recorder, fields
 
     def __enter__(self):
-        self._outer = getattr(_ISSUING, "labels", None)
+        self._outer = _ISSUING.labels
         _ISSUING.labels = self
         return self
 
@@ -48,7 +54,7 @@ class Labels:
 def labelled():
     """The ``Labels`` block this thread is issuing collectives in (its ``recorder`` and
     ``fields``), or None: what ddpkit's process group asks of each collective."""
-    return getattr(_ISSUING, "labels", None)
+    return _ISSUING.labels
 
 
 class NullRecorder:

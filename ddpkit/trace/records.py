@@ -10,7 +10,8 @@ picklable: a Cluster job returns it to the notebook, a recorded run streams Reco
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(slots=True)  # slots: a long recorded run keeps hundreds of thousands of these
@@ -38,8 +39,10 @@ class Record:
         # Pickled as the class and its values in field order (not a slots dataclass's state
         # dict): half the time to pickle and unpickle, so a recorded run streams Records
         # themselves to the notebook, each made once on its rank (see live.py).
-        return Record, (self.kind, self.cat, self.name, self.rank, self.step, self.start_ns, self.end_ns,
-                        self.nbytes, self.bucket, self.unit, self.args, self.clock)
+        return Record, _values(self)
+
+
+_values = operator.attrgetter(*(f.name for f in fields(Record)))  # a Record's values, in field order
 
 
 @dataclass
