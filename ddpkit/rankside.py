@@ -25,7 +25,7 @@ _NO_SPAN = contextlib.nullcontext()
 
 
 class _Issuing(threading.local):
-    labels = None  # the innermost Labels block this thread is in (a class default: no exception to find none)
+    labels = None  # the innermost Labels block this thread is in (a class default: finding none is fast)
 
 
 _ISSUING = _Issuing()
