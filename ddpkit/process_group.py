@@ -8,8 +8,10 @@ reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimi
 1. counts it: collectives and the bytes one rank sends by the ring algorithm (ring all-reduce
    2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S), per kind and per link (intra-node or
    inter-node, see ``ddpkit.Network``), in ``Comm.counts``;
-2. records a span in the rank's recorder when recording is on (``rankside.recorder()``), from
-   issue to completion, with its link; a strategy that issued it adds its bucket or unit;
+2. records it -- the one writer of a collective's record -- as a span from issue to completion,
+   with its link and group, in the rank's recorder when recording is on (``rankside.recorder()``);
+   a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
+   and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
 3. on an emulated network, hands it to the link emulator (``ddpkit.emulator``) and returns a
    ``Work`` that completes when the emulated link would have delivered it.
 
@@ -111,10 +113,21 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         if comm.emulator.delays(link_s):
             work = work_from_future(comm.emulator.submit(link, work, link_s, result))
-        rec = rankside.recorder()
-        if rec.enabled:
-            rec.collective(op, work, full_bytes, link=link, group_size=n, group=self._group, via="process_group")
+        rec, labels = rankside.recorder(), rankside.labelled()
+        if rec.enabled or labels is not None:
+            self._record(op, work, full_bytes, link, rec, labels)
         return work
+
+    def _record(self, op: str, work, full_bytes: int, link: str, rec, labels) -> None:
+        """The collective's one record (this group is its one writer): in the rank's recorder,
+        and in the recorder of the strategy that labelled it (``with recorder.labels(...)``,
+        on this thread) when that is another one, e.g. a job's own ``recorder=``."""
+        fields = dict(labels.fields) if labels is not None else {}
+        fields.update(link=link, group_size=self.size(), group=self._group)
+        if rec.enabled:
+            rec.collective(op, work, full_bytes, **fields)
+        if labels is not None and labels.recorder is not rec:
+            labels.recorder.collective(op, work, full_bytes, **fields)
 
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):

@@ -8,12 +8,53 @@ The rank's recorder is the one piece of process-wide state here, on purpose: a p
 rank, and everything in it that records (every strategy built without an explicit ``recorder=``,
 and ddpkit's process group, which sees every collective) must record into the same place, also
 from threads the job did not start (autograd's, a collective's completion callback).
+
+The other is per *thread*: the ``labels()`` block a strategy is issuing a collective in. ddpkit's
+process group is the one writer of a collective's record; a strategy only labels what it issues
+(``with recorder.labels(bucket=i): work = dist.all_reduce(...)``), and the group, called on the
+same thread, reads the labels (``labelled()``) and records into that recorder. Per thread,
+because collectives are issued from autograd's threads too (overlapped DDP, FSDP's backward),
+while the main thread may be inside a block of its own.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
 _NO_SPAN = contextlib.nullcontext()
+
+
+class _Issuing(threading.local):
+    labels = None  # the innermost Labels block this thread is in (a class default: finding none is fast)
+
+
+_ISSUING = _Issuing()
+
+
+class Labels:
+    """``with recorder.labels(bucket=i): ...``: the collectives this thread issues inside the
+    block are recorded (by ddpkit's process group) into ``recorder``, with ``fields`` added.
+    Blocks nest: the innermost one labels (a recorder that is off opens no block at all)."""
+
+    __slots__ = ("recorder", "fields", "_outer")
+
+    def __init__(self, recorder, fields: dict):
+        self.recorder, self.fields = recorder, fields
+
+    def __enter__(self):
+        self._outer = _ISSUING.labels
+        _ISSUING.labels = self
+        return self
+
+    def __exit__(self, *exc):
+        _ISSUING.labels = self._outer
+        return False
+
+
+def labelled():
+    """The ``Labels`` block this thread is issuing collectives in (its ``recorder`` and
+    ``fields``), or None: what ddpkit's process group asks of each collective."""
+    return _ISSUING.labels
 
 
 class NullRecorder:
@@ -24,8 +65,13 @@ class NullRecorder:
     def span(self, name: str, cat: str = "compute", **fields):
         return _NO_SPAN
 
+    def labels(self, **fields):
+        """Label the collectives issued inside the block (bucket, unit, ...). Off: a shared empty
+        ``with``. A recorder that is on (a subclass, e.g. a test's counting recorder) gets them."""
+        return Labels(self, fields) if self.enabled else _NO_SPAN
+
     def collective(self, name: str, work, nbytes: int, **fields) -> None:
-        pass
+        """What ddpkit's process group calls for each collective it records (strategies label)."""
 
     def grad_ready(self, param_name: str, **fields) -> None:
         pass

@@ -130,15 +130,58 @@ def _recorded_bucketed():
         rec.next_step()
         train_step(model, opt, *local_batch(module, 12, 0, rank, n))
     comm = [r for r in rec.records if r.cat == "comm" and r.step == 0]
-    return [(r.name, r.bucket, r.args.get("link"), r.args.get("via"), r.end_ns is not None) for r in comm], \
+    return [(r.name, r.bucket, r.args.get("link"), r.args.get("group"), r.end_ns is not None) for r in comm], \
         len(model.buckets)
 
 
 def test_each_collective_is_recorded_once_with_its_link_and_bucket(cluster_of):
     comm, buckets = cluster_of(2).run(_recorded_bucketed)[0]
-    assert len(comm) == buckets  # one record per bucket's all-reduce, not two (strategy + group)
-    assert [c[1] for c in comm] == list(range(buckets))
-    assert all(c[0] == "all_reduce" and c[2] == "inter-node" and c[3] == "process_group" and c[4] for c in comm)
+    assert len(comm) == buckets  # one record per bucket's all-reduce, written by the process group
+    assert [c[1] for c in comm] == list(range(buckets))  # the strategy's labels
+    assert all(c[0] == "all_reduce" and c[2] == "inter-node" and c[3] == (0, 1) and c[4] for c in comm)
+
+
+def _labels_on_this_thread_only():
+    import threading
+
+    from ddpkit.rankside import NULL_RECORDER, NullRecorder, recording
+    from ddpkit.trace import Recorder
+
+    class Counting(NullRecorder):  # a recorder that is on, as a test's counting one
+        enabled = True
+
+        def __init__(self):
+            self.seen = []
+
+        def collective(self, name, work, nbytes, **fields):
+            self.seen.append((name, nbytes, fields.get("bucket")))
+
+    rank_rec, own, counting = Recorder(), Recorder(), Counting()
+    with recording(rank_rec):
+        rank_rec.next_step()
+        own.next_step()
+        with own.labels(bucket=7):
+            # issued on another thread while this one is inside the block: not labelled by it
+            other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(4)))
+            other.start()
+            other.join()
+            dist.all_reduce(torch.ones(8))
+        with rank_rec.labels(unit="u"):  # labelled by the rank's own recorder: one record there
+            dist.all_reduce(torch.ones(2))
+        with counting.labels(bucket=3), NULL_RECORDER.labels(bucket=9):  # a recorder that is off
+            dist.all_reduce(torch.ones(1))                                 # labels (and hides) nothing
+        with counting.labels(bucket=4), own.labels(bucket=5):  # blocks nest: the innermost labels
+            dist.all_reduce(torch.ones(1))
+    comm = lambda rec: [(r.nbytes, r.bucket, r.unit) for r in rec.records if r.cat == "comm"]  # noqa: E731
+    return comm(rank_rec), comm(own), counting.seen, NULL_RECORDER.labels(bucket=1) is NULL_RECORDER.labels()
+
+
+def test_labels_reach_the_collectives_issued_in_the_block_on_its_thread(cluster_of):
+    for rank_comm, own_comm, counted, shared in cluster_of(2).run(_labels_on_this_thread_only):
+        assert rank_comm == [(16, None, None), (32, 7, None), (8, None, "u"), (4, 3, None), (4, 5, None)]
+        assert own_comm == [(32, 7, None), (4, 5, None)]  # a job's own recorder: what it labelled, once
+        assert counted == [("all_reduce", 4, 3)]
+        assert shared  # recording off: every labels() is the same empty with
 
 
 # ----------------------------------------------------------------------------- emulation

@@ -161,12 +161,13 @@ def test_drain_hands_out_each_record_once_holding_back_a_collective_in_flight():
 
 
 def test_a_streamer_sends_batches_at_its_rate_never_one_message_per_record():
-    from ddpkit.trace.live import Collector, Streamer, unpack
+    from ddpkit.trace.live import Collector, Streamer
 
     rec = Recorder(rank=1, world_size=2)
     sent = []
     t0 = time.monotonic()
-    with Streamer(rec, lambda **batch: sent.append(batch), interval_s=0.05):
+    # as on the job channel: each batch pickled on the rank, unpickled in the notebook
+    with Streamer(rec, lambda **batch: sent.append(pickle.loads(pickle.dumps(batch))), interval_s=0.05):
         rec.next_step()
         for i in range(20_000):
             rec.grad_ready(f"p{i}", bucket=i % 3)
@@ -174,12 +175,13 @@ def test_a_streamer_sends_batches_at_its_rate_never_one_message_per_record():
                 time.sleep(0.06)
     assert sent[-1]["final"] and not any(b["final"] for b in sent[:-1])
     assert 2 <= len(sent) <= (time.monotonic() - t0) / 0.05 + 2  # one batch per interval, plus the last
-    names = [unpack(1, t).name for b in sent for t in b["records"]]
+    names = [r.name for b in sent for r in b["records"]]
     assert names == [f"p{i}" for i in range(20_000)]  # all of them, in order, once
     collector = Collector(2, "gloo")
     for b in sent:
         collector("records", 1, **b)
-    assert collector.finished == {1} and len(collector.trace().records) == 20_000
+    assert collector.finished == {1} and collector.trace().records == rec.records  # the Records, as made
+    assert collector.trace().records[0] is sent[0]["records"][0]  # kept as they arrived: no copy
 
 
 def test_align_clocks_finds_a_skewed_clock(cluster_of):
@@ -213,7 +215,8 @@ def test_align_clocks_finds_a_skewed_clock(cluster_of):
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
 def test_a_real_gloo_collective_gets_a_completion_time(cluster_of, op):
     """all_reduce completes through its future's callback; gloo's reduce-scatter has no future
-    (``Work::getFuture not implemented``), so the recorder's watcher thread waits on it."""
+    (``Work::getFuture not implemented``), so the recorder's watcher thread waits on it. The
+    process group records it, into the recorder whose ``labels()`` block issued it."""
     def job(op):
         import time
 
@@ -226,11 +229,11 @@ def test_a_real_gloo_collective_gets_a_completion_time(cluster_of, op):
         rec = Recorder()
         rec.next_step()
         t = torch.ones(1000)
-        if op == "all_reduce":
-            work = dist.all_reduce(t, async_op=True)
-        else:
-            work = reduce_scatter_flat(torch.empty(1000 // dist.get_world_size()), t, async_op=True)
-        rec.collective(op, work, nbytes=t.numel() * 4, bucket=0)
+        with rec.labels(bucket=0):
+            if op == "all_reduce":
+                work = dist.all_reduce(t, async_op=True)
+            else:
+                work = reduce_scatter_flat(torch.empty(1000 // dist.get_world_size()), t, async_op=True)
         work.wait()
         _ = rec.records  # resolve once before completion is certain ...
         dist.barrier()
@@ -245,7 +248,7 @@ def test_a_real_gloo_collective_gets_a_completion_time(cluster_of, op):
     assert len(spans) == 2
     for r in spans:
         assert r.end_ns is not None and r.end_ns >= r.start_ns
-        assert r.nbytes == 4000
+        assert r.nbytes == 4000 and r.bucket == 0 and r.args["group"] == (0, 1)
     sent = 4000.0 if op == "all_reduce" else 2000.0  # 2(N-1)/N S and (N-1)/N S at N=2
     assert comm_bytes_per_step(trace) == {0: {0: sent, 1: sent}}
 

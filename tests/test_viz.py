@@ -59,7 +59,7 @@ def test_bucket_fill_renders_a_row_per_layer():
     top = fig.axes[0]
     assert "rank 1, step 0" in top.get_title()
     assert [t.get_text() for t in top.get_yticklabels()][:2] == ["layers.0.0", "layers.0.1"]
-    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["bucket 0", "bucket 1", "bucket 2"]
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == [f"bucket {b} all_reduce" for b in range(3)]
     assert "ms" in fig.axes[1].get_xlabel()
 
 

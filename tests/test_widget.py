@@ -321,6 +321,12 @@ def test_a_recorded_run_draws_while_it_goes_then_replays_any_step(widget):
     assert mean[3] == pytest.approx((losses[0][3] + losses[1][3]) / 2, rel=1e-6)
     assert f"step 39: {mean[39]:.3f}" in widget.live.loss.value
     assert mean[39] < mean[0]
+    # what the live plots drew from, batch by batch, is what the figures compute from the trace
+    from ddpkit.trace import memory_series
+
+    live = widget.live.state.snapshot()
+    assert live["memory"] == {rank: memory_series(trace.records, rank) for rank in trace.ranks}
+    assert live["loss"] == pytest.approx(mean)
 
 
 def test_save_trace_writes_a_chrome_trace(cluster_of, tmp_path, monkeypatch):
@@ -524,9 +530,10 @@ def _step_records(buckets: int, layers: int = 32, rank: int = 0, step: int = 0, 
 
 
 def test_the_fill_view_has_a_readable_row_per_layer():
+    from ddpkit.trace import bucket_fill
     from ddpkit.widget.fill_view import fill_view
 
-    svg = fill_view(_step_records(4), 0, 0)
+    svg = fill_view(bucket_fill(_step_records(4), 0, 0))
     assert "66 gradients, 4 buckets" in svg
     labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', svg)
     assert labels[:3] == ["head", "layers.31.0", "layers.30.0"] and "bucket 3 all_reduce" in labels
@@ -536,17 +543,17 @@ def test_the_fill_view_has_a_readable_row_per_layer():
 
 
 def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():
-    from ddpkit.trace import Trace, overlap_fraction
+    from ddpkit.trace import Trace, overlap_fraction, timeline
     from ddpkit.widget.timeline_view import timeline_view
 
     recs = _step_records(4) + _step_records(4, rank=1)
-    svg = timeline_view(recs, [0], [0, 1], 2)
+    svg = timeline_view(timeline(Trace(recs, 2), [0], [0, 1]))
     assert [svg.count(f">bucket {b}<") for b in range(4)] == [2, 2, 2, 2]  # per rank, a row per bucket
     assert f"{overlap_fraction(Trace(recs, 2), steps=[0]):.0%} of communication time hidden" in svg
     assert "backward waiting for communication" in svg  # the span after the last gradient
-    many = timeline_view(_step_records(20), [0], [0], 1)
+    many = timeline_view(timeline(_step_records(20), [0], [0]))
     assert ">bucket 0<" not in many and many.count("<rect") > 20  # 20 buckets: packed rows
-    fsdp = timeline_view(_step_records(9, unit=True), [0], [0], 1)
+    fsdp = timeline_view(timeline(_step_records(9, unit=True), [0], [0]))
     assert ">comm 1<" in fsdp and "all_gather u3" in fsdp  # FSDP's units: packed rows, each bar named
 
 
@@ -563,3 +570,42 @@ def test_memory_and_loss_views_say_not_recorded_and_show_the_peak():
     svg = memory_view({0: memory_series(recs, 0)}, 0, memory_peak(recs), marker_step=2)
     assert "peak 180 B on rank 0, step 3" in svg and "activations 30 B" in svg and 'stroke-dasharray="3,3"' in svg
     assert "step 0: 2.000  -&gt;  step 2: 1.000" in loss_view({0: 2.0, 1: 1.5, 2: 1.0}, marker_step=1)
+
+
+def _torch_ddp_steps(steps):
+    """A job: torch's own DDP (a small cap: several buckets) trained ``steps`` steps."""
+    from ddpkit.experiment import local_batch, train_step, wrap
+    from ddpkit.models import build_model
+
+    module = build_model("mlp", seed=0, width=64, depth=6)
+    model, opt = wrap("torch_ddp", module, bucket_cap_mb=0.02)
+    for step in range(steps):
+        train_step(model, opt, *local_batch(module, 8, step, ddpkit.rank(), ddpkit.world_size()))
+
+
+def test_the_widget_and_the_plot_draw_torch_ddps_buckets_as_the_figure_has_them(widget):
+    """torch's reducer picks the buckets (its gradient hooks cannot know them): the figure takes
+    each gradient's bucket from the all-reduce that carried it, and both views draw exactly that."""
+    from ddpkit.trace import bucket_fill, bucket_fill_order
+    from ddpkit.viz import plot_bucket_fill
+    from ddpkit.viz._common import bucket_colour
+
+    with widget.cluster.recording():
+        widget.cluster.run(_torch_ddp_steps, 3)
+    trace = widget.cluster.last_trace
+    order = bucket_fill_order(trace, rank=0, step=-1)
+    fill = bucket_fill(trace, rank=0, step=-1)
+    assert order == fill.ready and len(order) == 14  # 7 Linears: a weight and a bias each
+    assert None not in {b for _, b, _ in order} and len(fill.buckets) >= 3  # every gradient in a bucket
+
+    assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
+    assert f"step {fill.step}" in widget.live.fill.value
+    dots = re.findall(r'<circle [^>]*fill="([^"]+)"[^>]*><title>([^<:]+): bucket (\S+), ready', widget.live.fill.value)
+    assert sorted((name, int(b), colour) for colour, name, b in dots) == \
+        sorted((name, b, bucket_colour(b)) for name, b, _ in order)  # no grey "bucket None" dot
+
+    from matplotlib.colors import to_hex
+
+    top = plot_bucket_fill(trace, rank=0, step=-1).axes[0]
+    drawn = sorted(to_hex(c) for coll in top.collections for c in coll.get_facecolors())
+    assert drawn == sorted(bucket_colour(b) for _, b, _ in order)

@@ -7,12 +7,19 @@ Strategies *report* what happens; they never store or draw it. Every wrapper tak
 
     with recorder.span("forward", cat="compute"):          # a timed span on this rank
         ...
-    recorder.collective("all_reduce", work, nbytes=S, bucket=i)   # an async collective,
-        # launched just now; the recorder notes completion itself (work's future callback).
-        # nbytes is the FULL size S of the collective (all-reduce: the buffer; all-gather:
-        # the gathered output; reduce-scatter: the input), so bytes-on-the-wire is derivable.
+    with recorder.labels(bucket=i):                         # label the collectives issued inside:
+        work = dist.all_reduce(flat, async_op=True)         #   bucket i's all-reduce
     recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
     recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
+
+A strategy never records a collective itself: ddpkit's process group sees every collective
+(torch's wrappers' too) and is the one writer of its record -- from issue to completion, with
+its FULL size S (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the
+input), its link and group -- into the rank's recorder, and into the recorder of the
+``labels()`` block it was issued in (this thread's), with the block's fields. So a strategy
+labels what only it knows (the bucket, the FSDP unit) and nothing else. (Under a plain torch
+process group, e.g. a torchrun script, there is no such writer: spans, gradients and memory are
+recorded, collectives are not -- as ddpkit's byte counts are empty there.)
 
 ``NullRecorder`` (``ddpkit.rankside``) is the default: each call does nothing, so recording off costs one
 attribute lookup and an empty ``with``. ``ddpkit.trace.Recorder`` implements the same calls

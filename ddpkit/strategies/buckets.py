@@ -118,8 +118,8 @@ class Bucket:
         if hook is not None:
             self.future = hook(self, group, recorder)
             return
-        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        recorder.collective("all_reduce", self.work, nbytes=self.nbytes, bucket=self.index)
+        with recorder.labels(bucket=self.index):
+            self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def wait(self) -> None:
         if self.future is None:

@@ -31,21 +31,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddpkit.strategies._common import nbytes
-
 
 def allreduce_hook(bucket, process_group, recorder) -> torch.futures.Future:
     """The default: all-reduce (SUM) the bucket's buffer in place."""
-    work = dist.all_reduce(bucket.flat, group=process_group, async_op=True)
-    recorder.collective("all_reduce", work, nbytes=nbytes(bucket.flat), bucket=bucket.index)
+    with recorder.labels(bucket=bucket.index):
+        work = dist.all_reduce(bucket.flat, group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _compress_hook(dtype: torch.dtype):
     def hook(bucket, process_group, recorder) -> torch.futures.Future:
         compressed = bucket.flat.to(dtype)  # (numel,) in 16 bits: half the bytes to send
-        work = dist.all_reduce(compressed, group=process_group, async_op=True)
-        recorder.collective("all_reduce", work, nbytes=nbytes(compressed), bucket=bucket.index)
+        with recorder.labels(bucket=bucket.index):
+            work = dist.all_reduce(compressed, group=process_group, async_op=True)
         # decompress when the sum has arrived: the bucket copies this back into its buffer
         return work.get_future().then(lambda fut: fut.value()[0].to(bucket.flat.dtype))
 

@@ -121,9 +121,8 @@ class DDPModule(nn.Module, Joinable):
             return
         device = self.named_grads[0][1].device if self.named_grads else None
         used = torch.tensor(has_grad, dtype=torch.int32, device=device)
-        work = dist.all_reduce(used, group=self.process_group, async_op=True)
-        self.recorder.collective("all_reduce", work, nbytes=used.numel() * 4)
-        work.wait()
+        with self.recorder.labels():  # no bucket: recorded into this wrapper's recorder, unlabelled
+            dist.all_reduce(used, group=self.process_group)
         for (_, p), count in zip(self.named_grads, used.tolist(), strict=True):
             if count == 0:
                 p.grad = None

@@ -213,9 +213,8 @@ class FSDP(nn.Module):
         if unit.unsharded:
             return
         alloc_storage(unit.gathered)
-        work = all_gather_flat(unit.gathered, unit.all_gather_input(), group=self.process_group, async_op=True)
-        self.recorder.collective("all_gather", work, nbytes=unit.gathered_bytes, unit=unit.name,
-                                 group_size=self.world_size)
+        with self.recorder.labels(unit=unit.name):
+            work = all_gather_flat(unit.gathered, unit.all_gather_input(), group=self.process_group, async_op=True)
         unit.unsharded = True
         self._unsharded_bytes += unit.gathered_bytes
         if self.recorder.enabled:
@@ -284,9 +283,8 @@ class FSDP(nn.Module):
         if self.world_size * self.replicas > 1:
             flat.div_(self.world_size * self.replicas)
         out = torch.empty(unit.layout.shard_numel, dtype=unit.reduce_dtype, device=unit.shard.device)
-        work = reduce_scatter_flat(out, flat, group=self.process_group, async_op=True)
-        self.recorder.collective("reduce_scatter", work, nbytes=nbytes(flat), unit=unit.name,
-                                 group_size=self.world_size)
+        with self.recorder.labels(unit=unit.name):
+            work = reduce_scatter_flat(out, flat, group=self.process_group, async_op=True)
         self._pending_reduce.append(PendingReduce(unit, work, out, flat))
         self._reshard(unit)
 
@@ -302,9 +300,8 @@ class FSDP(nn.Module):
             # (every node holds the same shard r): all-reduce it in the replicate group
             for p in pending:
                 p.work.wait()
-                p.work = dist.all_reduce(p.out, group=self.replicate_group, async_op=True)
-                self.recorder.collective("all_reduce", p.work, nbytes=nbytes(p.out), unit=p.unit.name,
-                                         group_size=self.replicas)
+                with self.recorder.labels(unit=p.unit.name):
+                    p.work = dist.all_reduce(p.out, group=self.replicate_group, async_op=True)
         for p in pending:
             p.work.wait()
             grad = p.out if p.out.dtype == p.unit.shard.dtype else p.out.to(p.unit.shard.dtype)
@@ -335,9 +332,8 @@ class FSDP(nn.Module):
         full = {}
         for unit in self.units:
             flat = unit.layout.empty(unit.shard.dtype, unit.shard.device)
-            work = all_gather_flat(flat, unit.shard.detach(), group=self.process_group, async_op=True)
-            self.recorder.collective("all_gather", work, nbytes=nbytes(flat), unit=unit.name)
-            work.wait()
+            with self.recorder.labels(unit=unit.name):
+                all_gather_flat(flat, unit.shard.detach(), group=self.process_group)
             full.update({name: view.clone() for name, view in zip(unit.names, unit.layout.views(flat), strict=True)})
         for name, p in self.frozen.items():
             full[name] = p.detach().clone()

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import nbytes
 from ddpkit.strategies.ddp_module import DDPModule
 
 
@@ -50,7 +49,7 @@ class NaiveDDP(DDPModule):
             # Divide by N *before* the SUM: ReduceOp.AVG is not on every backend, and a sum
             # of already-divided values cannot overflow in low precision.
             p.grad.div_(self.world_size)
-            work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
-            self.recorder.collective("all_reduce", work, nbytes=nbytes(p.grad), bucket=i)
+            with self.recorder.labels(bucket=i):
+                work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
             work.wait()  # naive: one at a time, nothing overlaps
         self._settle_unused(has_grad)  # find_unused_parameters: None back where no rank had one

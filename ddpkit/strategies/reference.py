@@ -64,9 +64,8 @@ class TorchDDP(nn.Module):
 
         def labelled_all_reduce(_state, bucket):
             flat = bucket.buffer().div_(world)
-            work = dist.all_reduce(flat, group=group, async_op=True)
-            rec.collective("all_reduce", work, nbytes(flat), bucket=bucket.index(),
-                           params=[names[id(p)] for p in bucket.parameters()])
+            with rec.labels(bucket=bucket.index(), params=[names[id(p)] for p in bucket.parameters()]):
+                work = dist.all_reduce(flat, group=group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
 
         self.ddp.register_comm_hook(None, labelled_all_reduce)

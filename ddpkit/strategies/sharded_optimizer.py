@@ -159,9 +159,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gathered = torch.empty(self.world_size, layout.slot_numel, dtype=layout.dtype, device=layout.device)
             own = layout.slots[self.rank].pack(layout.params[self.rank], gathered[self.rank])
             # in place: our own slot is the input (as torch FSDP does; no extra send buffer)
-            work = all_gather_flat(gathered.view(-1), own, group=self.process_group, async_op=True)
-            self.recorder.collective("all_gather", work, nbytes=nbytes(gathered))
-            work.wait()
+            with self.recorder.labels():  # recorded into this optimizer's recorder
+                all_gather_flat(gathered.view(-1), own, group=self.process_group)
             for r, (params, slot) in enumerate(zip(layout.params, layout.slots, strict=True)):
                 if r != self.rank:
                     for p, value in zip(params, slot.views(gathered[r]), strict=True):

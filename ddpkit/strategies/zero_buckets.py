@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import all_gather_flat, nbytes, reduce_scatter_flat
+from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
 from ddpkit.strategies.buckets import make_buckets
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
@@ -96,15 +96,14 @@ class ZeroBucket:
         """Launch the async reduce-scatter (SUM) of the flat gradient (already scaled by 1/N):
         ``self.out`` (s,) becomes the sum over ranks of everyone's shard r, i.e. the average."""
         self.out = torch.empty(self.layout.shard_numel, dtype=self.gradient.dtype, device=self.gradient.device)
-        self.work = reduce_scatter_flat(self.out, self.gradient, group=group, async_op=True)
-        recorder.collective("reduce_scatter", self.work, nbytes=nbytes(self.gradient), bucket=self.index)
+        with recorder.labels(bucket=self.index):
+            self.work = reduce_scatter_flat(self.out, self.gradient, group=group, async_op=True)
 
     def all_gather(self, group, recorder):
         """Launch the async all-gather of every rank's (just stepped) shard into flat_param, in
         place: our own shard already sits in our slot. Returns the work handle."""
-        work = all_gather_flat(self.flat_param, self.shard.detach(), group=group, async_op=True)
-        recorder.collective("all_gather", work, nbytes=nbytes(self.flat_param), bucket=self.index)
-        return work
+        with recorder.labels(bucket=self.index):
+            return all_gather_flat(self.flat_param, self.shard.detach(), group=group, async_op=True)
 
 
 class ZeroDDPModule(DDPModule):

@@ -6,14 +6,18 @@
     trace = Trace.merge(cluster.run(job))      # all ranks' records in one Trace (records.py)
     with cluster.recording(): cluster.run(job) # or: the cluster records and streams (live.py)
     to_chrome_trace(trace, "trace.json")       # open in ui.perfetto.dev (chrome.py)
-    overlap_fraction(trace)                    # figures derived from records (figures.py)
+    overlap_fraction(trace)                    # numbers measured from records (measures.py)
+    bucket_fill(trace), timeline(trace)        # what the plots and the widget draw (figures.py)
 
 Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
 """
 from ddpkit.trace.chrome import LANES, to_chrome_trace
 from ddpkit.trace.figures import (
-    backward_phases, bucket_fill_order, collective_bytes, collective_counts, comm_after_backward_ms,
-    comm_bytes_per_step, fill_rows, launch_order, layer_of, loss_per_step, memory_peak, memory_series,
+    BucketFill, Timeline, bucket_fill, bucket_fill_order, fill_rows, launch_order, layer_of, loss_per_step,
+    memory_peak, memory_series, timeline,
+)
+from ddpkit.trace.measures import (
+    backward_phases, collective_bytes, collective_counts, comm_after_backward_ms, comm_bytes_per_step,
     overlap_fraction, overlap_intervals, ring_bytes,
 )
 from ddpkit.trace.recorder import Recorder
@@ -24,4 +28,5 @@ __all__ = [
     "comm_bytes_per_step", "collective_counts", "collective_bytes", "overlap_fraction",
     "overlap_intervals", "comm_after_backward_ms", "bucket_fill_order", "launch_order", "LANES",
     "backward_phases", "fill_rows", "layer_of", "memory_series", "memory_peak", "loss_per_step",
+    "bucket_fill", "BucketFill", "timeline", "Timeline",
 ]

@@ -1,160 +1,24 @@
-"""Figures derived from records: bytes on the wire, collective counts, overlap, fill and launch order.
+"""Figures derived from records, each computed once for every view that draws it: the bucket
+fill order, the timeline, memory over time and its peak, the loss.
 
 Pure functions of the records (a Trace, a Recorder or a list of Records): nothing here times,
-draws or communicates. Bytes on the wire follow the ring algorithms (``ring_bytes``, from
-``ddpkit.network``, where what a link costs lives).
+draws or communicates. One function per figure; the matplotlib plots (``ddpkit.viz``) and the
+widget's SVG views (``ddpkit.widget``) both draw what it returns:
+
+    bucket_fill(trace, rank, step)     # the bucket fill figure: ready order by layer, collectives
+    timeline(trace, steps, ranks)      # per rank: compute, backward computing / waiting, comm rows
+    memory_series(records, rank)       # memory over time (memory_peak / peak_of: its peak)
+    loss_per_step(records)             # the loss curve
+
+The numbers beside them (bytes, counts, overlap) are in ``measures.py``.
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
+from dataclasses import dataclass
 
-from ddpkit.network import ring_bytes
+from ddpkit.trace.measures import backward_phases, overlap_fraction, overlap_intervals
 from ddpkit.trace.records import Record, as_trace
-
-
-def _by_step(d: dict):
-    """Items of a {step: ...} dict, setup (None) first, then steps in order."""
-    return sorted(d.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
-
-
-def comm_bytes_per_step(trace, link: str | None = None) -> dict[int, dict[int, float]]:
-    """``{step: {rank: bytes sent by that rank}}`` by the ring formulas (``ring_bytes``; None = setup).
-
-    A collective over a subgroup (hybrid sharding) counts at its group's size, where ddpkit's
-    process group recorded it; ``link`` ("inter-node", "intra-node") keeps only that link's."""
-    trace = as_trace(trace)
-    out: dict = defaultdict(lambda: defaultdict(float))
-    for r in trace.records:
-        if r.cat == "comm" and r.kind == "span" and (link is None or r.args.get("link") == link):
-            out[r.step][r.rank] += ring_bytes(r.name, r.nbytes, r.args.get("group_size", trace.world_size))
-    return {s: dict(v) for s, v in _by_step(out)}
-
-
-def collective_counts(trace) -> dict[int, dict[int, dict[str, int]]]:
-    """``{step: {rank: {collective name: count}}}``."""
-    trace = as_trace(trace)
-    out: dict = defaultdict(lambda: defaultdict(Counter))
-    for r in trace.records:
-        if r.cat == "comm" and r.kind == "span":
-            out[r.step][r.rank][r.name] += 1
-    return {s: {rank: dict(c) for rank, c in v.items()} for s, v in _by_step(out)}
-
-
-def collective_bytes(trace) -> dict[int, dict[int, int]]:
-    """``{step: {rank: sum of full sizes S}}`` (what the strategy handed to collectives)."""
-    trace = as_trace(trace)
-    out: dict = defaultdict(lambda: defaultdict(int))
-    for r in trace.records:
-        if r.cat == "comm" and r.kind == "span":
-            out[r.step][r.rank] += r.nbytes
-    return {s: dict(v) for s, v in _by_step(out)}
-
-
-def _union(intervals) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals) -> int:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersect(xs, ys) -> list[tuple[int, int]]:
-    """Intersection of two sorted, disjoint interval lists."""
-    out, i, j = [], 0, 0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if a < b:
-            out.append((a, b))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
-    """(comm union, ``compute`` union, their intersection) for one rank and step, in ns.
-
-    A backward span ends when ``loss.backward()`` returns, which for OverlappedDDP includes
-    waiting for the last buckets (the wait runs in an end-of-backward callback). Waiting is
-    not compute, so a backward span is cut at the last gradient that became ready inside it
-    (the last ``grad_ready`` instant) when there are any: that is where autograd's work ended.
-    """
-    mine = [r for r in records if r.rank == rank and r.step == step]
-    comm = _union((r.start_ns, r.end_ns) for r in mine
-                  if r.kind == "span" and r.cat == "comm" and r.end_ns is not None)
-    ready = [r.start_ns for r in mine if r.kind == "instant" and r.cat == "grad_ready"]
-    busy = []
-    for r in mine:
-        if r.kind == "span" and r.cat == "compute" and r.name == compute and r.end_ns is not None:
-            inside = [t for t in ready if r.start_ns <= t <= r.end_ns]
-            busy.append((r.start_ns, max(inside) if inside and compute == "backward" else r.end_ns))
-    busy = _union(busy)
-    return comm, busy, _intersect(comm, busy)
-
-
-def comm_after_backward_ms(trace, rank: int = 0, step: int = -1) -> float:
-    """Milliseconds of communication still going when backward's compute has ended: what the step
-    waits for after its last gradient is ready (0: every collective finished under backward). The
-    overlap a strategy achieved, read off the trace rather than from step times."""
-    trace = as_trace(trace)
-    s = trace.resolve_step(step)
-    comm, busy, _ = overlap_intervals(trace.records, rank, s)
-    if not comm or not busy:
-        return 0.0
-    return max(0.0, comm[-1][1] - busy[-1][1]) / 1e6
-
-
-def backward_phases(records, rank: int, step: int) -> tuple[list, list]:
-    """(computing, waiting) intervals of one rank's backward in one step, in ns.
-
-    Backward computes until its last gradient is ready (the last ``grad_ready`` inside the
-    span); what remains of the span is waiting for communication (OverlappedDDP waits for its
-    last buckets in an end-of-backward callback). Without ``grad_ready`` records it is all
-    computing. ``overlap_intervals`` counts hidden communication against the same cut.
-    """
-    _, busy, _ = overlap_intervals(records, rank, step)
-    spans = _union((r.start_ns, r.end_ns) for r in records
-                   if r.rank == rank and r.step == step and r.kind == "span" and r.cat == "compute"
-                   and r.name == "backward" and r.end_ns is not None)
-    waiting = []
-    for a, b in spans:
-        inside = [e for s, e in busy if a <= s <= b]
-        cut = max(inside) if inside else b
-        if cut < b:
-            waiting.append((cut, b))
-    return busy, waiting
-
-
-def overlap_fraction(trace, rank: int | None = None, step: int | None = None,
-                     compute: str = "backward", steps=None, ranks=None) -> float:
-    """Share of communication time hidden under backward compute (0 = none, 1 = all).
-
-    Communication time is the union of every collective's launch -> completion interval
-    (several may be in flight at once); hidden time is the part of it inside backward's
-    compute (see ``overlap_intervals``). Over all ranks and training steps unless given
-    (``rank``/``step`` one of each, ``ranks``/``steps`` several): a plot and a printout that
-    pass the same steps get the same number.
-    """
-    trace = as_trace(trace)
-    ranks = list(ranks) if ranks is not None else (trace.ranks if rank is None else [rank])
-    if steps is not None:
-        steps = [trace.resolve_step(s) for s in steps]
-    else:
-        steps = trace.steps if step is None else [trace.resolve_step(step)]
-    total = hidden = 0
-    for rk in ranks:
-        for s in steps:
-            comm, _, both = overlap_intervals(trace.records, rk, s, compute)
-            total += _length(comm)
-            hidden += _length(both)
-    return hidden / total if total else 0.0
 
 
 def bucket_fill_order(trace, rank: int = 0, step: int = -1) -> list[tuple[str, int | None, int]]:
@@ -203,14 +67,167 @@ def fill_rows(ready: list[tuple[str, int | None, int]], max_rows: int = 40) -> l
     return out
 
 
-def memory_series(records, rank: int) -> list[tuple[int, int | None, dict]]:
+FILL_ROWS = 36        # bucket fill: more layers than this are merged, neighbours together
+FILL_COMM_ROWS = 16   # bucket fill: more buckets' (units') collectives than this share packed rows
+TIMELINE_BUCKET_ROWS = 8  # timeline: a row per bucket up to this many, else packed rows ...
+TIMELINE_PACKED_ROWS = 4  # ... at most this many
+
+
+@dataclass
+class BucketFill:
+    """One rank's step as the bucket fill figure shows it (``bucket_fill``); every view draws this."""
+
+    rank: int
+    step: int
+    ready: list       # bucket_fill_order: [(parameter, bucket, ns)] in the order they became ready
+    rows: list        # those by layer (fill_rows): [(label, [(parameter, bucket, ns), ...])]
+    comm: list        # the step's collectives, in launch order (launch_order)
+    comm_rows: list   # [(label, [Record])]: a row per bucket's (or unit's) collective, or packed rows
+    computing: list   # backward computing [(start, end)] ns, then waiting for communication
+    waiting: list     # after its last gradient was ready (backward_phases)
+
+    @property
+    def buckets(self) -> list[int]:
+        """The buckets the gradients and collectives name."""
+        named = {b for _, b, _ in self.ready} | {r.bucket for r in self.comm}
+        return sorted(b for b in named if b is not None)
+
+    @property
+    def t0(self) -> int | None:
+        """Where the figure's time axis starts: backward, the first gradient or collective."""
+        return min([a for a, _ in self.computing] + [t for _, _, t in self.ready] + [r.start_ns for r in self.comm],
+                   default=None)
+
+    @property
+    def t1(self) -> int | None:
+        return max([t for _, _, t in self.ready] + [r.end_ns or r.start_ns for r in self.comm]
+                   + [b for _, b in self.computing + self.waiting], default=None)
+
+
+def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS) -> BucketFill:
+    """The bucket fill figure of one rank's step: when each gradient became ready (by layer,
+    coloured by bucket), each collective from launch to completion, backward computing then
+    waiting. ``step`` as in ``Trace.select`` (-1: the last training step)."""
+    trace = as_trace(trace)
+    s = trace.resolve_step(step)
+    comm = launch_order(trace, rank, s)
+    mine = [r for r in trace.records if r.rank == rank and r.step == s]
+    ready = bucket_fill_order(trace, rank, s)
+    computing, waiting = backward_phases(mine, rank, s)
+    return BucketFill(rank, s, ready, fill_rows(ready, max_rows), comm, _rows_by_bucket(comm), computing, waiting)
+
+
+def _rows_by_bucket(comm) -> list[tuple[str, list]]:
+    """A row per bucket's (or unit's) collective ("bucket 2 all_reduce", "layers.0 all_gather")
+    while there are few; else collectives packed into rows, so 66 of them fit on a screen."""
+    key = lambda r: (r.name, r.bucket if r.bucket is not None else r.unit)  # noqa: E731
+    keys = list(dict.fromkeys(key(r) for r in comm))
+    if len(keys) > FILL_COMM_ROWS:
+        return [(f"{len(row)} collectives" if i == 0 else "", row) for i, row in enumerate(pack_rows(comm))]
+    label = lambda name, which: f"{'bucket ' if isinstance(which, int) else ''}{'' if which is None else which} {name}"  # noqa: E731
+    return [(label(*k).strip(), [r for r in comm if key(r) == k]) for k in keys]
+
+
+def comm_rows(comm) -> list[tuple[str, list]]:
+    """The timeline's rows of one rank's collectives: (label, collectives) per row, a row per
+    bucket while there are few, else packed rows (each collective in the first row free when it
+    launched)."""
+    comm = sorted(comm, key=lambda r: r.start_ns)
+    buckets = list(dict.fromkeys(r.bucket for r in comm))
+    if comm and None not in buckets and len(buckets) <= TIMELINE_BUCKET_ROWS:
+        return [(f"bucket {b}", [r for r in comm if r.bucket == b]) for b in sorted(buckets)]
+    return [(f"comm {i + 1}", row) for i, row in enumerate(pack_rows(comm, TIMELINE_PACKED_ROWS))]
+
+
+def pack_rows(comm, max_rows: int | None = None) -> list[list]:
+    """Collectives (sorted by launch) packed greedily into rows: each into the first row that is
+    free when it launches; past ``max_rows`` rows the last row takes the rest."""
+    rows: list[list] = []
+    for r in comm:
+        for row in rows:
+            if (row[-1].end_ns or row[-1].start_ns) <= r.start_ns:
+                row.append(r)
+                break
+        else:
+            if max_rows is None or len(rows) < max_rows:
+                rows.append([r])
+            else:
+                rows[-1].append(r)
+    return rows
+
+
+@dataclass
+class RankLanes:
+    """One rank in the timeline figure: its compute row and its collectives' rows."""
+
+    rank: int
+    spans: list       # finished spans other than backward and collectives: forward, sync, step, ...
+    computing: list   # backward computing [(start, end, step)] ns (backward_phases) ...
+    waiting: list     # ... then waiting for communication
+    hidden: list      # communication hidden under backward computing [(start, end, step)]
+    comm_rows: list   # comm_rows of its collectives: [(label, [Record])]
+
+
+@dataclass
+class Timeline:
+    """Steps of every rank as the timeline figure shows them (``timeline``); every view draws this."""
+
+    steps: list[int]
+    lanes: list[RankLanes]
+    overlap: float                # overlap_fraction over exactly these steps and ranks
+    step_starts: dict[int, int]   # where each step's first span starts, on any rank
+    t0: int | None                # the first span's start, the last one's end
+    t1: int | None
+
+
+def timeline(trace, steps=None, ranks=None) -> Timeline:
+    """The timeline of ``steps`` (None: every training step; an int, -1 the last; a list) on
+    ``ranks`` (None: all): per rank, compute spans, backward split where its computing ended,
+    the communication hidden under it, its collectives in rows; the overlap fraction drawn."""
+    trace = as_trace(trace)
+    ranks = trace.ranks if ranks is None else list(ranks)
+    if steps is None:
+        steps = trace.steps
+    elif isinstance(steps, int):
+        steps = [trace.resolve_step(steps)]
+    else:  # a window of steps (the live widget's) may hold one no span of which has arrived yet
+        steps = [trace.resolve_step(s) if s < 0 else s for s in steps]
+    wanted = set(steps)
+    records = [r for r in trace.records if r.step in wanted and r.rank in ranks]
+    spans = [r for r in records if r.kind == "span"]
+    lanes = []
+    for rank in ranks:
+        mine = [r for r in records if r.rank == rank]
+        computing, waiting, hidden = [], [], []
+        for s in steps:
+            busy, wait = backward_phases(mine, rank, s)
+            computing += [(a, b, s) for a, b in busy]
+            waiting += [(a, b, s) for a, b in wait]
+            hidden += [(a, b, s) for a, b in overlap_intervals(mine, rank, s)[2]]
+        others = [r for r in mine if r.kind == "span" and r.cat != "comm" and r.name != "backward"
+                  and r.end_ns is not None]
+        lanes.append(RankLanes(rank, others, computing, waiting, hidden,
+                               comm_rows([r for r in mine if r.kind == "span" and r.cat == "comm"])))
+    starts: dict = {}
+    for r in spans:
+        starts[r.step] = min(starts.get(r.step, r.start_ns), r.start_ns)
+    trained = set(trace.steps)
+    overlap = overlap_fraction(trace, steps=[s for s in steps if s in trained], ranks=ranks)
+    return Timeline(steps, lanes, overlap, {s: starts[s] for s in steps if s in starts},
+                    min((r.start_ns for r in spans), default=None),
+                    max((r.end_ns or r.start_ns for r in spans), default=None))
+
+
+def memory_series(records, rank: int, held: dict | None = None) -> list[tuple[int, int | None, dict]]:
     """One rank's memory over time: ``[(ns, step, {category: bytes})]`` in time order.
 
     A sample sets the categories it names and leaves the others as the last sample set them
     (a strategy may report one category, e.g. FSDP its unsharded parameters), so each point is
     everything the rank holds then. The allocator's own ``cuda_*`` figures are left out.
+    ``held``: what the rank held before these records (the last point of an earlier call), for
+    a caller that gets the records in batches, as the live widget does.
     """
-    state: dict = {}
+    state: dict = dict(held or {})
     out = []
     for r in sorted((r for r in records if r.rank == rank and r.kind == "counter" and r.cat == "memory"),
                     key=lambda r: r.start_ns):

@@ -13,9 +13,11 @@ every strategy built inside the job records into it; a daemon thread drains it e
 the channel. The last batch (``final=True``) leaves before the job's result or error, on the
 same ordered channel, so the notebook has every record when ``run`` returns.
 
-Notebook side, ``Collector``: a cluster observer that rebuilds the records of each batch and
-keeps them, in arrival order, until ``trace()``. A batch travels as tuples (``pack``), which
-pickle several times faster than dataclasses.
+Notebook side, ``Collector``: a cluster observer that keeps the records of each batch, in
+arrival order, until ``trace()``. A batch is a list of the ``Record`` objects the rank's recorder
+made (``Record`` pickles as its values, compactly); the cluster unpickles each once, and the
+Collector and the widget hold those same objects: a record changes form once, tuple to Record,
+on its rank, on its way to the notebook.
 """
 from __future__ import annotations
 
@@ -24,17 +26,6 @@ import threading
 from ddpkit.trace.records import Record, Trace
 
 INTERVAL_S = 0.25  # a rank sends at most ~4 record batches per second
-
-
-# ----------------------------------------------------------------------------- on the wire
-def pack(r: Record) -> tuple:
-    """A Record as a tuple of plain values (its rank travels once per batch)."""
-    return (r.kind, r.cat, r.name, r.step, r.start_ns, r.end_ns, r.nbytes, r.bucket, r.unit, r.args, r.clock)
-
-
-def unpack(rank: int, t: tuple) -> Record:
-    kind, cat, name, step, start, end, nbytes, bucket, unit, args, clock = t
-    return Record(kind, cat, name, rank, step, start, end, nbytes, bucket, unit, args, clock)
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -68,7 +59,7 @@ class Streamer:
         with self._lock:
             batch = self.rec.drain(final=final)
             if batch or final:
-                self.send(records=[pack(r) for r in batch], final=final)
+                self.send(records=batch, final=final)
 
 
 def run_recorded(fn, args, kwargs, interval_s: float = INTERVAL_S):
@@ -95,7 +86,7 @@ class Collector:
     def __call__(self, kind: str, rank, **fields) -> None:
         if kind != "records":
             return
-        self.records.extend(unpack(rank, t) for t in fields["records"])
+        self.records.extend(fields["records"])
         if fields.get("final"):
             self.finished.add(rank)
 

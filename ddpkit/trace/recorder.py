@@ -1,11 +1,15 @@
 """The Recorder: each rank's hot path of appending tuples, resolved into Records when read.
 
-Strategies talk to a recorder through four calls (see ``ddpkit/strategies/_common.py``):
-``span``, ``collective``, ``grad_ready`` and ``memory``; the training step adds ``loss`` and
-``begin_step``. ``Recorder`` implements them by appending a tuple to a list -- nothing else
+Strategies talk to a recorder through the seam in ``ddpkit/strategies/_common.py``: ``span``,
+``labels`` (around the collectives they issue), ``grad_ready`` and ``memory``; the training step
+adds ``loss`` and ``begin_step``. ddpkit's process group, the one writer of collective records,
+calls ``collective`` for every collective it carries, with the labels of the ``labels()`` block
+it was issued in. ``Recorder`` implements them by appending a tuple to a list -- nothing else
 happens on the hot path. Turning tuples into ``Record`` dataclasses (completion times, CUDA
 event times, the clock offset to rank 0) is done later, when ``.records`` is read, or a batch
 at a time by ``drain()`` (what a recorded Cluster run streams to the notebook while it goes).
+That is the one change of form a record makes on its way to the notebook: the Record made here
+is the one the notebook's trace and widget hold (``Record`` pickles compactly, see records.py).
 
     rec = Recorder()                   # inside a rank; rank/world size from the process group
     rec.align_clocks()                 # optional: put every rank on rank 0's clock
@@ -20,6 +24,7 @@ from __future__ import annotations
 import time
 
 from ddpkit import rankside
+from ddpkit.trace.clocks import CudaClock, align_clocks, cuda_event
 from ddpkit.trace.records import Record, Trace
 
 MEMORY_INTERVAL_NS = 250_000_000  # see Recorder.memory_due
@@ -73,7 +78,7 @@ class Recorder:
         self._raw: list[tuple] = []
         self._cuda = self.device.type == "cuda"
         if self._cuda:
-            self._cuda_anchor = _CudaClock(self.device, clock)
+            self._cuda_anchor = CudaClock(self.device, clock)
         self._resolved: list[Record] | None = None
         self._resolved_len = -1
         self._drained = 0      # raw records already handed out by drain()
@@ -81,7 +86,6 @@ class Recorder:
         self._memory_due_at = None  # clock reading after which the next memory sample is due
         self._fresh = False    # next_step() was called and no train_step has begun it yet
         self._watched = None  # works without a future, waited on by a thread (see _watch)
-        self._by_work: dict = {}  # id(work) -> (work, raw record): the process group's last few
 
     def _watch(self, work, on_done) -> None:
         """Call ``on_done`` when ``work`` finishes, for collectives whose Work has no future.
@@ -112,8 +116,16 @@ class Recorder:
     def span(self, name: str, cat: str = "compute", **fields):
         return _Span(self, cat, name, fields)
 
+    def labels(self, **fields):
+        """``with rec.labels(bucket=i): work = dist.all_reduce(...)``: the collectives this thread
+        issues inside the block are recorded into this recorder with ``fields`` (bucket, unit,
+        ...) by ddpkit's process group, their one writer (``rankside.Labels``)."""
+        return rankside.Labels(self, fields)
+
     def collective(self, name: str, work, nbytes: int, **fields) -> None:
         """Note an async collective launched just now; its completion is noted by a callback.
+        ddpkit's process group calls this for every collective it carries (``fields``: the
+        strategy's labels, the link and the group).
 
         What "completion" means depends on the backend:
         - gloo: the future completes when the collective has finished on gloo's own worker
@@ -125,13 +137,6 @@ class Recorder:
           callback runs on (which is synchronised with NCCL's stream, so it fires after the
           collective ends). Their GPU times are resolved lazily in ``.records``.
         """
-        labelled = self._by_work.pop(id(work), None) if work is not None else None
-        if labelled is not None and labelled[0] is work:
-            # ddpkit's process group recorded this collective as it was issued (every collective
-            # passes there); the strategy that issued it only adds what it knows (bucket, unit)
-            labelled[1][6].update(fields)
-            self._resolved = None  # a record read before this label must be read again
-            return
         t0 = self._clock()
         ev0 = self._cuda_event() if self._cuda else None
         done = [None, None]  # [host ns at completion, CUDA event after the collective]
@@ -149,12 +154,7 @@ class Recorder:
                 work.get_future().then(on_done)
             except RuntimeError:  # no future for this op (gloo's reduce-scatter): a thread waits
                 self._watch(work, lambda: on_done(None))
-        raw = ("comm", name, self._step, t0, done, int(nbytes), dict(fields), ev0)
-        self._raw.append(raw)
-        if fields.get("via") == "process_group":  # a strategy may label it next (see above)
-            self._by_work[id(work)] = (work, raw)  # holding work keeps its id from being reused
-            if len(self._by_work) > 16:  # labels come right after the issue: keep the last few
-                self._by_work.pop(next(iter(self._by_work)))
+        self._raw.append(("comm", name, self._step, t0, done, int(nbytes), fields, ev0))
 
     def grad_ready(self, param_name: str, **fields) -> None:
         # On CUDA the hook runs when autograd *queued* the gradient's kernels; an event on
@@ -201,53 +201,14 @@ class Recorder:
         return self._step
 
     def align_clocks(self, group=None, rounds: int = 8) -> int:
-        """Estimate this rank's clock offset to rank 0 of ``group``; returns it in ns.
-
-        Each round: a barrier, then every rank reads its clock (t_a), joins an all-gather,
-        and reads it again (t_b). The all-gather ends on every rank at about the same real
-        time: every rank's window [t_a, t_b] contains the moment the last rank entered (no
-        one can leave before that). So the midpoints (t_a + t_b) / 2 are readings of one
-        instant, each off by at most half its round trip. We keep the round whose slowest
-        rank had the smallest round trip and take offset = my midpoint - rank 0's midpoint;
-        its error is at most that round trip (``clock_rtt_ns``). Every rank must call it.
-        """
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            self.clock_offset_ns = 0
-            return 0
-        n = dist.get_world_size(group)
-        dev = self.device if str(dist.get_backend(group)) == "nccl" else torch.device("cpu")
-        probe = torch.zeros(1, dtype=torch.int64, device=dev)
-        out = [torch.zeros_like(probe) for _ in range(n)]
-        mine = []  # (round trip, midpoint) per round
-        for _ in range(rounds):
-            dist.barrier(group=group)
-            t_a = self._clock()
-            dist.all_gather(out, probe, group=group)
-            t_b = self._clock()
-            mine.append((t_b - t_a, (t_a + t_b) // 2))
-        # share every rank's rounds: (n, rounds, 2) int64
-        local = torch.tensor(mine, dtype=torch.int64, device=dev)
-        every = [torch.zeros_like(local) for _ in range(n)]
-        dist.all_gather(every, local, group=group)
-        every = torch.stack(every).cpu()
-        best = int(every[:, :, 0].max(dim=0).values.argmin())
-        me = dist.get_rank(group)
-        self.clock_offset_ns = int(every[me, best, 1] - every[0, best, 1])
-        self.clock_rtt_ns = int(every[:, best, 0].max())
+        """Estimate this rank's clock offset to rank 0 of ``group`` (``clocks.align_clocks``; its
+        error bound goes to ``clock_rtt_ns``); returns it in ns. Every rank must call it."""
+        self.clock_offset_ns, self.clock_rtt_ns = align_clocks(self._clock, self.device, group, rounds)
         return self.clock_offset_ns
 
     # --- reading back ----------------------------------------------------------------
     def _cuda_event(self):
-        """A timing event on this rank's device's current stream (also right from a callback
-        thread whose current device is another GPU)."""
-        import torch
-
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return cuda_event(self.device)
 
     @property
     def records(self) -> list[Record]:
@@ -341,30 +302,3 @@ def _split_fields(fields: dict) -> dict:
     out = {k: fields[k] for k in ("bucket", "unit") if k in fields}
     out["args"] = {k: v for k, v in fields.items() if k not in ("bucket", "unit")}
     return out
-
-
-class _CudaClock:
-    """Converts CUDA event times to host ns: one (event, host time) anchor taken at start.
-
-    ``event.elapsed_time(other)`` gives GPU milliseconds between two events; with an anchor
-    event whose host time we know, any later event's GPU time maps onto the host clock.
-    """
-
-    def __init__(self, device, clock):
-        import torch
-
-        self.device = device
-        with torch.cuda.device(device):
-            torch.cuda.synchronize()
-            self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record()
-            torch.cuda.synchronize()  # the stream was idle: the anchor fired just now
-            self.host_ns = clock()
-
-    def synchronize(self):
-        import torch
-
-        torch.cuda.synchronize(self.device)
-
-    def to_host_ns(self, ev) -> int:
-        return self.host_ns + int(self.event.elapsed_time(ev) * 1e6)

@@ -54,6 +54,13 @@ def bucket_colour(bucket):
     return BUCKET_COLOURS[int(bucket) % 20]
 
 
+def comm_colour(r):
+    """A collective's colour: its bucket's, or a stable colour per FSDP unit name."""
+    if r.bucket is not None or r.unit is None:
+        return bucket_colour(r.bucket)
+    return bucket_colour(sum(map(ord, r.unit)))
+
+
 def byte_unit(max_bytes: float) -> tuple[str, float]:
     """('MiB', 2**20) etc., the largest unit that keeps the biggest value >= 1."""
     for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -1,12 +1,10 @@
 """Bucket fill order: when each layer's gradients became ready in backward, and when its bucket
-was sent. The same picture as the widget's bucket fill view, drawn with matplotlib."""
+was sent. It draws ``ddpkit.trace.bucket_fill``'s figure, as the widget's bucket fill view does,
+with matplotlib."""
 from __future__ import annotations
 
-from ddpkit.trace import as_trace, backward_phases, bucket_fill_order, fill_rows, launch_order
-from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, new_figure, no_data
-from ddpkit.viz.timeline import comm_colour, comm_rows
-
-MAX_ROWS = 36  # more layers than this are merged, neighbours together: labels stay 9 pt
+from ddpkit.trace import as_trace, bucket_fill
+from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data
 
 
 def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
@@ -18,27 +16,21 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
         fig = new_figure(2.0)
         no_data(fig.subplots(), "no training steps recorded (call recorder.next_step() before each step)")
         return fig
-    s = trace.resolve_step(step)
-    ready = bucket_fill_order(trace, rank, s)
-    rows = fill_rows(ready, MAX_ROWS)
-    comm = [r for r in launch_order(trace, rank, s) if r.bucket is not None or r.unit is not None]
-    lanes = comm_rows(comm)
+    fill = bucket_fill(trace, rank, step)
+    s, rows, lanes = fill.step, fill.rows, fill.comm_rows
     fig = new_figure(1.6 + 0.2 * max(len(rows), 3) + 0.25 * max(len(lanes), 1))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(len(rows), 3), 1.4 * max(len(lanes), 1)])
-    mine = trace.select(rank=rank, step=s)
-    computing, waiting = backward_phases(mine, rank, s)
-    starts = [a for a, _ in computing] + [t for _, _, t in ready] + [r.start_ns for r in comm]
-    if not starts:
+    if fill.t0 is None:
         no_data(top, f"rank {rank}, step {s}: no backward, grad_ready or collective records")
         bottom.set_visible(False)
         return fig
-    t0 = min(starts)
+    t0 = fill.t0
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731
 
     for ax in (top, bottom):
-        for a, b in computing:
+        for a, b in fill.computing:
             ax.axvspan(ms(a), ms(b), color="#dd8452", alpha=0.12, lw=0)
-        for a, b in waiting:
+        for a, b in fill.waiting:
             ax.axvspan(ms(a), ms(b), color=WAIT_COLOUR, alpha=0.35, lw=0)
 
     if rows:
@@ -51,8 +43,8 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
     else:
         no_data(top, "no grad_ready records in this step: only a strategy that acts from gradient\n"
                      "hooks (the DDP wrappers, while recording) records when each gradient is ready")
-    buckets = sorted({b for _, b, _ in ready if b is not None})
-    top.set_title(f"Bucket fill order: rank {rank}, step {s}: {len(ready)} gradients in {len(buckets)} buckets\n"
+    buckets = fill.buckets
+    top.set_title(f"Bucket fill order: rank {rank}, step {s}: {len(fill.ready)} gradients in {len(buckets)} buckets\n"
                   "(dot colour: bucket; shaded: backward computing, grey: waiting for communication)", fontsize=10)
     top.grid(axis="x", alpha=0.3)
 
@@ -67,7 +59,7 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
         bottom.set_ylim(len(lanes) - 0.5, -0.5)
         bottom.set_ylabel("collectives")
     else:
-        no_data(bottom, "no bucket collectives recorded in this step")
+        no_data(bottom, "no collectives recorded in this step")
     bottom.set_xlabel("time since backward started (ms)")
     bottom.grid(axis="x", alpha=0.3)
     if 0 < len(buckets) <= 12:

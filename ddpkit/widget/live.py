@@ -7,8 +7,11 @@ seconds from a bounded ``LiveState`` -- frames coalesce, the records never do (t
 them all in ``last_trace``). After it (``show_trace``): a step slider replays any recorded step;
 the memory view shows the whole run, its peak and what was live at it.
 
-The plots are HTML widgets holding SVG (``svg.py``): cheap to draw while ranks share the CPU,
-and readable by a test as text.
+Every view draws a figure computed by ``ddpkit.trace.figures`` -- ``bucket_fill``, ``timeline``,
+``memory_series`` and its peak, ``loss_per_step`` -- the functions the matplotlib plots
+(``ddpkit.viz``) draw from too, so the widget and the plots cannot disagree. The plots are HTML
+widgets holding SVG (``svg.py``): cheap to draw while ranks share the CPU, and readable by a test
+as text.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from collections import defaultdict
 
 import ipywidgets as widgets
 
-from ddpkit.trace.figures import peak_of
+from ddpkit.trace.figures import bucket_fill, loss_per_step, memory_series, peak_of, timeline
+from ddpkit.trace.records import Trace
 from ddpkit.widget.fill_view import fill_view
 from ddpkit.widget.loss_view import loss_view
 from ddpkit.widget.memory_view import memory_view
@@ -87,8 +91,6 @@ class LivePlots(widgets.VBox):
 
     def _index(self, trace) -> None:
         """What the replay draws from: records by step, the loss, each rank's memory and its peak."""
-        from ddpkit.trace.figures import loss_per_step, memory_series, peak_of
-
         by_step = defaultdict(list)
         for r in trace.records:
             by_step[r.step].append(r)
@@ -124,15 +126,16 @@ class LivePlots(widgets.VBox):
         if not snap["count"]:
             return None
         rank = self.rank.value
-        records, steps, latest = snap["records"], snap["steps"], snap["latest"]
+        window = Trace(snap["records"], self.state.world_size)
+        steps, latest = window.steps, snap["latest"]
         # Draw finished steps: a rank's newest step may still be half streamed (its records
         # leave once its collectives completed), and a half-drawn step would flicker.
         finished = [s for s in steps if all(s < newest for newest in latest.values())] or steps
         mine = [s for s in steps if s < latest.get(rank, -1)] or [s for s in steps if latest.get(rank) == s]
-        fill = fill_view(records, rank, mine[-1]) if mine else message("No steps recorded yet.")
+        fill = fill_view(bucket_fill(window, rank, mine[-1])) if mine else message("No steps recorded yet.")
         shown = finished[-ROLLING_STEPS:]
-        timeline = timeline_view(records, shown, sorted({r.rank for r in records}), self.state.world_size) \
-            if shown else message("No steps recorded yet.")
+        timeline_svg = timeline_view(timeline(window, shown, window.ranks)) if shown \
+            else message("No steps recorded yet.")
         peak = peak_of(snap["memory"])
         memory = memory_view(snap["memory"], snap["t0"] or 0, peak)
         losses = snap["loss"]
@@ -140,7 +143,7 @@ class LivePlots(widgets.VBox):
         loss_text = f" &middot; loss {losses[max(losses)]:.4f}" if losses else ""
         summary = (f"<b style='color:#c62828'>&#9679; recording</b>: step {newest} &middot; "
                    f"{snap['count']:,} records so far{loss_text} &middot; plots redraw every {FRAME_S:g} s")
-        return summary, fill, timeline, memory, loss_view(losses)
+        return summary, fill, timeline_svg, memory, loss_view(losses)
 
     def _replay_views(self):
         trace = self.trace
@@ -153,10 +156,9 @@ class LivePlots(widgets.VBox):
             return self._replay_summary(None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
                 loss_view(rp["losses"])
         step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
-        records = rp["by_step"][step]
-        ranks = sorted({r.rank for r in records}) or trace.ranks
-        return (self._replay_summary(step), fill_view(records, self.rank.value, step),
-                timeline_view(records, [step], ranks, trace.world_size),
+        records = Trace(rp["by_step"][step], trace.world_size)  # the figures read this step only
+        return (self._replay_summary(step), fill_view(bucket_fill(records, self.rank.value, step)),
+                timeline_view(timeline(records, [step], records.ranks or trace.ranks)),
                 memory_view(rp["memory"], rp["t0"], rp["peak"], marker_step=step),
                 loss_view(rp["losses"], marker_step=step))
 

@@ -154,7 +154,7 @@ class ClusterWidget(widgets.VBox):
         elif kind == "progress":
             self.progress.update()
         elif kind == "records":
-            self.live.add(rank, _unpacked(rank, fields["records"]))
+            self.live.add(rank, fields["records"])
         elif kind == "job":
             self._job(fields)
         elif kind == "tick":
@@ -238,8 +238,3 @@ class ClusterWidget(widgets.VBox):
         parts.append(html.escape(when))
         return f"<span style='font-size:12px'>{' &middot; '.join(parts)}</span>"
 
-
-def _unpacked(rank, packed):
-    from ddpkit.trace.live import unpack
-
-    return [unpack(rank, t) for t in packed]

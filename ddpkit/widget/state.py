@@ -6,11 +6,17 @@ steps costs the widget the same memory as one of ten: ``KEEP_STEPS`` steps of re
 ``MEMORY_POINTS`` memory samples per rank (older ones drop out of the live plot; the replay
 after the run reads the whole trace), ``LOSS_STEPS`` loss points (every other old one is
 dropped when there are more, so the curve keeps its whole length).
+
+What it keeps are the records themselves and ``ddpkit.trace.memory_series``'s points: the
+figures (memory over time, the loss per step) are computed by ``ddpkit.trace.figures``, as for
+the replay and the matplotlib plots.
 """
 from __future__ import annotations
 
 import collections
 import threading
+
+from ddpkit.trace.figures import loss_per_step, memory_series
 
 KEEP_STEPS = 4
 STEP_RECORDS = 20_000  # a step with more (a job that never starts a new one) shows its first ones
@@ -25,28 +31,24 @@ class LiveState:
         self._lock = threading.Lock()
         self.world_size = world_size
         self.steps: dict[int, list] = {}      # step -> its records, the last KEEP_STEPS steps
-        self.memory: dict[int, collections.deque] = {}  # rank -> (ns, step, {category: bytes})
-        self._held: dict[int, dict] = {}      # rank -> what its samples so far say it holds
-        self.loss: dict[int, list] = {}       # step -> [sum over ranks, ranks]
+        self.memory: dict[int, collections.deque] = {}  # rank -> memory_series points, the last few
+        self.loss: dict[int, list] = {}       # step -> its loss records (one per rank)
         self.t0: int | None = None
         self.records = 0                      # how many arrived (all kept in cluster.last_trace)
         self.latest: dict[int, int] = {}      # rank -> its newest step
 
     def add(self, rank: int, records) -> None:
+        """A batch of one rank's records, in the order the rank made them."""
         with self._lock:
+            memory = []
             for r in records:
                 self.records += 1
                 if self.t0 is None or r.start_ns < self.t0:
                     self.t0 = r.start_ns
                 if r.kind == "counter" and r.cat == "memory":
-                    held = self._held.setdefault(rank, {})
-                    held.update({k: v for k, v in r.args.items() if not k.startswith("cuda_")})
-                    self.memory.setdefault(rank, collections.deque(maxlen=MEMORY_POINTS)).append(
-                        (r.start_ns, r.step, dict(held)))
+                    memory.append(r)
                 elif r.kind == "counter" and r.cat == "loss" and r.step is not None:
-                    acc = self.loss.setdefault(r.step, [0.0, 0])
-                    acc[0] += r.args["loss"]
-                    acc[1] += 1
+                    self.loss.setdefault(r.step, []).append(r)
                 if r.step is None:
                     continue
                 self.latest[rank] = max(self.latest.get(rank, r.step), r.step)
@@ -58,6 +60,9 @@ class LiveState:
                         del self.steps[min(self.steps)]
                 if len(self.steps[r.step]) < STEP_RECORDS:
                     self.steps[r.step].append(r)
+            if memory:  # carried on from what this rank's earlier samples said it holds
+                points = self.memory.setdefault(rank, collections.deque(maxlen=MEMORY_POINTS))
+                points.extend(memory_series(memory, rank, held=points[-1][2] if points else None))
             if len(self.loss) > LOSS_STEPS:
                 old = sorted(self.loss)[:-LOSS_STEPS // 2]
                 for s in old[1::2]:
@@ -66,11 +71,13 @@ class LiveState:
     def snapshot(self) -> dict:
         """Copies to draw from while more records arrive."""
         with self._lock:
-            return dict(
+            snap = dict(
                 steps=sorted(self.steps), records=[r for s in sorted(self.steps) for r in self.steps[s]],
                 memory={rank: list(pts) for rank, pts in self.memory.items()},
-                loss={s: total / n for s, (total, n) in sorted(self.loss.items())},
+                loss=[r for rs in self.loss.values() for r in rs],
                 t0=self.t0, count=self.records, latest=dict(self.latest))
+        snap["loss"] = loss_per_step(snap["loss"])
+        return snap
 
     def latest_loss(self) -> tuple[int, float] | None:
         """(step, mean loss) of the newest step with a loss, or None."""
@@ -78,8 +85,7 @@ class LiveState:
             if not self.loss:
                 return None
             step = max(self.loss)
-            total, n = self.loss[step]
-            return step, total / n
+            return step, loss_per_step(self.loss[step])[step]
 
     def size(self) -> int:
         """Everything held, in records and points (bounded: a test checks it)."""

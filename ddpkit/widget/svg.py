@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import math
 
-from ddpkit.viz.timeline import comm_colour
+from ddpkit.viz._common import comm_colour
 
 FONT = "font-family:sans-serif"
 
