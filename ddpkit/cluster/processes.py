@@ -38,10 +38,14 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 from ddpkit.cluster.admission import Admission
 from ddpkit.cluster.errors import RankError
 from ddpkit.cluster.events import Events
+
+if TYPE_CHECKING:
+    from ddpkit.network import Network
 
 log = logging.getLogger("ddpkit.cluster")
 
@@ -60,7 +64,7 @@ class Settings:
     backend: str
     timeout: float
     threads_per_rank: int
-    network: object  # a ddpkit.Network: the links (and nodes) the ranks' process group emulates
+    network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
 
 
 class Workers:

@@ -253,8 +253,8 @@ def strategy(name: str) -> Strategy:
 
 def unfit(names, world_sizes, topology=None) -> dict[str, str]:
     """``{name: why}`` for those of ``names`` that cannot run at one of ``world_sizes`` laid out by
-    ``topology`` (a Network, or None; see ``Strategy.shard_group_size``): hybrid sharding needs
-    whole nodes. Empty when every one can."""
+    ``topology`` (a Topology, a Network, or None: see ``Strategy.shard_group_size``): hybrid
+    sharding needs whole nodes. Empty when every one can."""
     why = {}
     for name in names:
         for n in world_sizes:
