@@ -18,6 +18,7 @@ import sys
 
 from ddpkit.cluster import Cluster, RankError
 from ddpkit.network import Network
+from ddpkit.topology import Topology
 from ddpkit.rankside import device, progress, rank, world_size
 from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
                                ZeRO2)
@@ -43,7 +44,7 @@ def _show_clusters_as_widgets() -> None:
 _show_clusters_as_widgets()
 
 __all__ = [
-    "Cluster", "RankError", "Network", "rank", "world_size", "device", "progress",
+    "Cluster", "RankError", "Network", "Topology", "rank", "world_size", "device", "progress",
     "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
 ]
 

@@ -6,8 +6,10 @@
 
 Every argument is checked before a rank process starts: a typo costs no start-up time.
 Bad arguments exit with code 2 and a message listing what is valid (argparse's convention).
-This file only parses, checks and calls: what it calls is library code a notebook imports too
-(``ddpkit.compare``, ``ddpkit.costmodel``, ``ddpkit.costmodel.validate``, ``ddpkit.viz``).
+This file only parses and calls: the checks and the names (models, strategies, backends) are
+the library's, whose ValueError becomes the parser's error, and what it calls is library code a
+notebook imports too (``ddpkit.compare``, ``ddpkit.costmodel``, ``ddpkit.costmodel.validate``,
+``ddpkit.viz``).
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import os
 import sys
 import time
 
+from ddpkit.cluster import BACKENDS, check_arguments, check_network
+from ddpkit.models import MODELS, size_kwargs
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
-
-MODELS = ("mlp", "gpt")
-BACKENDS = ("auto", "gloo", "nccl")
+from ddpkit.strategies.table import unfit
 
 
 # --------------------------------------------------------------------------- argument types
@@ -69,52 +71,54 @@ def _check_writable(parser, option: str, path: str | None) -> None:
         parser.error(f"{option} {path!r} is not writable")
 
 
+def _checked(parser, call, *args, **kwargs):
+    """``call(*args, **kwargs)``; a ValueError from the library becomes the parser's error (exit
+    2). Its message names the library's keyword, e.g. gpus_per_node= for --gpus-per-node."""
+    try:
+        return call(*args, **kwargs)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _network(parser, args, world_sizes):
-    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, checked against every world size."""
+    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, its nodes checked against
+    every world size as a Cluster checks them."""
     from ddpkit.network import Network
 
-    try:
-        network = Network.of(args.network, gpus_per_node=args.gpus_per_node)
-    except ValueError as exc:
-        parser.error(f"--network: {exc}")
-    bad = [n for n in world_sizes if args.gpus_per_node and n % args.gpus_per_node]
-    if bad:
-        parser.error(f"--gpus-per-node {args.gpus_per_node} does not divide the world size {bad[0]}: "
-                     "every node must hold the same number of ranks")
+    network = _checked(parser, Network.of, args.network, gpus_per_node=args.gpus_per_node)
+    for n in world_sizes:
+        _checked(parser, check_network, network, n)
     return network
 
 
+def _strategies(parser, given, default, world_sizes, network) -> list[str]:
+    """The strategies to run (those ``given`` by name, else ``default``) that can lay out every
+    world size on the network (hybrid sharding: whole nodes). One given by name that cannot is
+    an error; of the default ones, those that cannot are left out, saying so."""
+    names = given if given is not None else default
+    why = unfit(names, world_sizes, network)
+    if why and given is not None:
+        parser.error("; ".join(why.values()))
+    for reason in why.values():
+        print(f"left out: {reason}", file=sys.stderr)
+    return [s for s in names if s not in why]
+
+
 def _check_run_args(parser, args) -> None:
-    """Checks shared by compare and trace, before any process starts."""
-    if args.threads_per_rank is not None and args.threads_per_rank < 0:
-        parser.error(f"--threads-per-rank must be >= 0 (0: torch's default), got {args.threads_per_rank}")
+    """Checks shared by compare and trace, before any process starts: the Cluster's own (world
+    size, backend, threads, network), then whether the global batch splits over the ranks."""
+    args.network = _network(parser, args, [args.world_size])
+    settings = _checked(parser, check_arguments, args.world_size, args.backend,
+                        threads_per_rank=args.threads_per_rank, network=args.network)
+    args.threads_per_rank = settings.threads_per_rank
     if args.global_batch_size % args.world_size:
         parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                      f"--world-size {args.world_size} ranks")
-    if args.backend == "nccl":
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus < args.world_size:
-            parser.error(f"--backend nccl needs one GPU per rank: --world-size {args.world_size} but "
-                         f"{gpus} CUDA GPU(s) are visible; use --backend gloo")
-    args.network = _network(parser, args, [args.world_size])
 
 
 def _model_kwargs(args) -> dict:
-    """--width/--depth in each model's own terms (MLP: width, depth; TinyGPT: dim, layers)."""
-    out = {}
-    if args.model == "mlp":
-        if args.width:
-            out["width"] = args.width
-        if args.depth:
-            out["depth"] = args.depth
-    else:
-        if args.width:
-            out["dim"] = args.width
-        if args.depth:
-            out["layers"] = args.depth
-    return out
+    """--width/--depth in the model's own terms (``ddpkit.models.size_kwargs``)."""
+    return size_kwargs(args.model, args.width, args.depth)
 
 
 def _add_run_args(p, steps: int) -> None:
@@ -153,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="time every strategy on the same model, data and optimizer")
     _add_run_args(p, steps=10)
-    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES),
-                   help=f"comma-separated, from: {','.join(STRATEGIES)} (default all)")
+    p.add_argument("--strategies", type=_strategy_list, default=None,
+                   help=f"comma-separated, from: {','.join(STRATEGIES)} (default all that fit the world size)")
     p.add_argument("--rounds", type=_positive_int, default=3,
                    help="repeat the whole set this many times, interleaved (default 3)")
     p.add_argument("--json", metavar="PATH", help="write one record per strategy here")
@@ -208,10 +212,8 @@ def _start_cluster(args):
     """The Cluster for compare/trace; its ranks split the CPU cores between them (see Cluster)."""
     import ddpkit
 
-    cluster = ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
-                             network=args.network)
-    args.threads_per_rank = cluster.threads_per_rank
-    return cluster
+    return ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
+                          network=args.network)
 
 
 def _write_json(path: str, records: list[dict]) -> None:
@@ -223,6 +225,7 @@ def _write_json(path: str, records: list[dict]) -> None:
 # --------------------------------------------------------------------------- compare
 def cmd_compare(args, parser) -> int:
     _check_run_args(parser, args)
+    args.strategies = _strategies(parser, args.strategies, list(STRATEGIES), [args.world_size], args.network)
     _check_writable(parser, "--json", args.json)
     _check_writable(parser, "--plot", args.plot)
     from ddpkit.compare import compare, format_table
@@ -255,6 +258,7 @@ def cmd_compare(args, parser) -> int:
 # --------------------------------------------------------------------------- trace
 def cmd_trace(args, parser) -> int:
     _check_run_args(parser, args)
+    _strategies(parser, [args.strategy], None, [args.world_size], args.network)
     _check_writable(parser, "--out", args.out)
     from ddpkit.experiment import run_strategy
     from ddpkit.progressbar import ProgressBar
@@ -320,10 +324,10 @@ def cmd_predict(args, parser) -> int:
 
     if args.world_sizes is None:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
-    if args.strategies is None:
-        args.strategies = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
     network = _network(parser, args, args.world_sizes)  # --fit: the fitted transport instead
     args.network = network
+    default = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
+    args.strategies = _strategies(parser, args.strategies, default, args.world_sizes, network)
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "
                      "global batch split as compare does: leave out --fit, --batch-per-rank, --plot, "
@@ -347,7 +351,8 @@ def cmd_predict(args, parser) -> int:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here")
         print(costmodel.format_fit(fitted))
-        network = costmodel.as_network(fitted.line())  # the alpha-beta lines, for every world size alike
+        # the alpha-beta lines, for every world size alike, between every pair of ranks (the nodes kept)
+        network = costmodel.as_network(fitted.line(), gpus_per_node=network.gpus_per_node)
 
     if args.threads:
         import torch

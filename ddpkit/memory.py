@@ -245,22 +245,21 @@ def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes
             for name, (a, b, c) in stages.items()}
 
 
-def shard_group_size(strategy: str, world_size: int) -> int:
+def shard_group_size(strategy: str, world_size: int, topology=None) -> int:
     """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
-    hybrid sharding, which shards inside a node of ``shard_group_size`` ranks (the table's) and
-    replicates across nodes, so its state is everything / k, not / N."""
-    row = STRATEGIES[strategy]
-    if not row.fits(world_size):
-        raise ValueError(f"{strategy} shards over nodes of {row.shard_group_size} ranks; world_size "
-                         f"{world_size} is not a multiple of it")
-    return world_size if row.shard_group_size is None else row.shard_group_size
+    hybrid sharding, which shards inside a node of ``topology`` (a ``ddpkit.Topology``, a
+    ``ddpkit.Network`` with ``gpus_per_node``, or None: nodes of 2) and replicates across nodes,
+    so its state is everything / k, not / N. The table's ``Strategy.shard_group_size``."""
+    return STRATEGIES[strategy].shard_group_size(world_size, topology)
 
 
-def predicted_model_state(strategy: str, num_params: int, world_size: int, **bytes_per_param) -> dict[str, float]:
-    """The ZeRO formula ``strategy`` follows (its table row's stage), sharded over its shard group:
-    ``{parameters, gradients, optimizer_state, total}`` bytes per rank."""
+def predicted_model_state(strategy: str, num_params: int, world_size: int, topology=None,
+                          **bytes_per_param) -> dict[str, float]:
+    """The ZeRO formula ``strategy`` follows (its table row's stage), sharded over its shard group
+    (hybrid sharding: a node of ``topology``, as above): ``{parameters, gradients,
+    optimizer_state, total}`` bytes per rank."""
     stage = STRATEGIES[strategy].zero_stage
-    return zero_predictions(num_params, shard_group_size(strategy, world_size), **bytes_per_param)[stage]
+    return zero_predictions(num_params, shard_group_size(strategy, world_size, topology), **bytes_per_param)[stage]
 
 
 __all__ = [

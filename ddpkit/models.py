@@ -104,14 +104,27 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
+# The models by name (the command line's --model, experiments, notebooks), and what each calls
+# its width and depth (--width / --depth): an MLP's width and depth, TinyGPT's dim and layers.
+MODELS = {"mlp": MLP, "gpt": TinyGPT}
+_SIZE_NAMES = {"mlp": ("width", "depth"), "gpt": ("dim", "layers")}
+
+
 def build_model(name: str = "mlp", seed: int = 0, **kwargs) -> nn.Module:
     """A freshly initialised model, the same for the same seed on every process."""
-    models = {"mlp": MLP, "gpt": TinyGPT}
-    if name not in models:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(models)}")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return models[name](**kwargs)
+        return MODELS[name](**kwargs)
+
+
+def size_kwargs(name: str, width: int | None = None, depth: int | None = None) -> dict:
+    """``width`` and ``depth`` in model ``name``'s own keywords (MLP: width, depth; TinyGPT: dim,
+    layers), leaving out what is None (the model's default)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    return {k: v for k, v in zip(_SIZE_NAMES[name], (width, depth), strict=True) if v is not None}
 
 
 def make_batch(model: nn.Module, batch_size: int, step: int, seed: int = 0):

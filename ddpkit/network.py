@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
+from ddpkit.topology import check_ranks_per_node
+
 # Messages in a row of the ring algorithm on N ranks: the multiple of alpha a collective pays.
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
               "reduce_scatter": lambda n: n - 1, "broadcast": lambda n: n - 1,
@@ -160,6 +162,7 @@ class Network:
         Network.of(alpha_us=20, gbytes_per_s=5)  # explicit latency and bandwidth
         Network("10GbE", gpus_per_node=2)      # two tiers: nvlink inside a node, 10GbE between
         Network("loopback")                    # no emulated link: what this machine does
+        Network("loopback", gpus_per_node=2)   # nodes of 2 (hybrid sharding's), no emulated link
 
     ``inter`` is the link between nodes (every pair of ranks when ``gpus_per_node`` is None),
     ``intra`` the one inside a node, ``floor`` the real transport an emulated collective can never
@@ -177,10 +180,8 @@ class Network:
         if self.inter is None and self.name != "loopback":
             object.__setattr__(self, "inter", _link(self.name, "network"))
         if self.gpus_per_node is not None:
-            k = self.gpus_per_node
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(f"gpus_per_node must be a whole number >= 1, got {k!r}")
-            if self.intra is None:
+            check_ranks_per_node(self.gpus_per_node)
+            if self.intra is None and self.inter is not None:  # loopback's nodes: no link emulated
                 object.__setattr__(self, "intra", _link(self.intra_name, "intra-node link"))
         if self.name == "loopback" and self.floor is None:
             object.__setattr__(self, "floor", LINKS["loopback"])
@@ -208,7 +209,8 @@ class Network:
 
     # --- which link a collective runs on --------------------------------------------------
     def node_of(self, rank: int) -> int:
-        """The node a (global) rank sits on: each rank its own node unless ``gpus_per_node``."""
+        """The node a (global) rank sits on: each rank its own node unless ``gpus_per_node``
+        (numbered node by node, as in ``ddpkit.Topology``)."""
         return rank // (self.gpus_per_node or 1)
 
     def crosses_nodes(self, ranks) -> bool:
@@ -244,7 +246,8 @@ class Network:
 
     def describe(self) -> str:
         if not self.emulated:
-            return "loopback (no emulated link)"
+            nodes = f", {self.gpus_per_node} ranks per node" if self.gpus_per_node is not None else ""
+            return f"loopback (no emulated link){nodes}"
         if self.gpus_per_node is None:
             return self.inter.describe()
         return (f"{self.gpus_per_node} ranks per node: {self.intra.describe()} inside a node, "
@@ -287,10 +290,11 @@ def _from_link_dict(d):
 NETWORKS = {name: Network.of(name) for name in LINKS}
 
 
-def as_network(spec) -> Network:
+def as_network(spec, gpus_per_node: int | None = None) -> Network:
     """Anything a caller may give for a network: a Network, a Link (every pair of ranks joined by
-    it, nothing underneath: the cost model then prices collectives on that link alone), a preset
-    name, ``"ALPHA_US,GBYTES_PER_S"``, or None (loopback)."""
+    it, inside a node of ``gpus_per_node`` and between nodes, nothing underneath: the cost model
+    then prices collectives on that link alone), a preset name, ``"ALPHA_US,GBYTES_PER_S"``, or
+    None (loopback)."""
     if isinstance(spec, Link):
-        return Network(spec.name, inter=spec)
-    return Network.of(spec)
+        return Network(spec.name, gpus_per_node, inter=spec, intra=spec if gpus_per_node is not None else None)
+    return Network.of(spec, gpus_per_node=gpus_per_node)

@@ -102,6 +102,7 @@ class _Rank:
     recorder = NULL_RECORDER
     comm = None  # ddpkit.process_group.Comm, once this process joined with backend "ddpkit"
     reporter = None  # send(kind, payload) to the cluster, inside a Cluster worker
+    topology = None  # ddpkit.Topology, where the process's launcher set one (set_topology)
 
 
 _RANK = _Rank()
@@ -173,6 +174,27 @@ def network():
     """The network this rank's collectives are emulated on (``ddpkit.Network``; None outside a
     ddpkit process group, e.g. under torchrun)."""
     return _RANK.comm.network if _RANK.comm is not None else None
+
+
+def topology():
+    """This rank's layout (a ``ddpkit.Topology``): the one its launcher set (``set_topology``:
+    ``python -m ddpkit.train`` sets torchrun's), else the nodes of this rank's network (a
+    Cluster's ``gpus_per_node``), else ``Topology.default`` for ``world_size()`` ranks. A
+    ValueError where the ranks cannot be laid out so (e.g. 3 ranks in nodes of 2)."""
+    from ddpkit.topology import Topology
+
+    if _RANK.topology is not None:
+        return _RANK.topology
+    return Topology.from_network(network(), world_size())
+
+
+def set_topology(topology) -> None:
+    """Make ``topology`` this rank's layout (None: back to the network's, or the default). A
+    script started by torchrun sets ``Topology.from_torchrun(os.environ)`` after joining the
+    process group, as ``ddpkit.train`` does, so hybrid sharding follows the real nodes."""
+    if topology is not None and topology.world_size != world_size():
+        raise ValueError(f"a topology of {topology.world_size} ranks for a process group of {world_size()}")
+    _RANK.topology = topology
 
 
 def set_network(network) -> None:

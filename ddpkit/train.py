@@ -6,9 +6,11 @@
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m ddpkit.train --strategy fsdp
 
 torchrun starts one process per rank and tells each where it stands through environment
-variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): that is torchrun's
-documented contract, and ``init_process_group(backend)`` with no other arguments reads it
-(the "env://" method). Everything after that line is what a Cluster job does.
+variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): that is
+torchrun's documented contract, and ``init_process_group(backend)`` with no other arguments reads
+it (the "env://" method). The rank layout is read from it once (``Topology.from_torchrun``):
+every rank picks the backend from its node's size (NCCL when the node has a GPU per rank), and
+hybrid sharding shards inside the real nodes. Everything after that is what a Cluster job does.
 
 Checkpoints (``--checkpoint DIR``): every ``--save-every`` steps and at the end, rank 0 writes
 the full model (``full_state_dict()``: the same for every strategy, FSDP gathers its shards)
@@ -29,15 +31,18 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.cluster import BACKENDS, resolve_backend
 from ddpkit.experiment import local_batch, train_step, wrap
-from ddpkit.strategies.table import NAMES as STRATEGIES
-from ddpkit.models import build_model
+from ddpkit.models import MODELS, build_model, size_kwargs
+from ddpkit.rankside import set_topology
+from ddpkit.strategies.table import DEFAULT, NAMES
+from ddpkit.topology import Topology
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m ddpkit.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--strategy", choices=STRATEGIES, default="overlapped")
-    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--strategy", choices=NAMES, default=DEFAULT)
+    p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--width", type=int, default=None, help="MLP width / TinyGPT dim")
     p.add_argument("--depth", type=int, default=None, help="MLP depth / TinyGPT layers")
     p.add_argument("--steps", type=int, default=10, help="train until this step count (total, resumed included)")
@@ -45,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: nccl when this machine has a GPU per local rank, else gloo")
     p.add_argument("--save", metavar="PATH", help="write the final full state dict here (torch.save, rank 0)")
     p.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into this folder")
@@ -63,11 +68,6 @@ def parse_args(argv=None):
     if args.resume and not os.path.isfile(os.path.join(args.resume, "model.pt")):
         p.error(f"--resume {args.resume!r}: no checkpoint there (model.pt is missing)")
     return args
-
-
-def _model_kwargs(args) -> dict:
-    names = ("width", "depth") if args.model == "mlp" else ("dim", "layers")
-    return {k: v for k, v in zip(names, (args.width, args.depth), strict=True) if v is not None}
 
 
 def load_full(module, full: dict) -> None:
@@ -96,18 +96,22 @@ def save_checkpoint(folder: str, step: int, model, optimizer, rank: int) -> None
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    backend = args.backend
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # torchrun's contract, like RANK below
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+    try:  # torchrun's contract: WORLD_SIZE ranks, LOCAL_WORLD_SIZE of them on each node
+        topology = Topology.from_torchrun(os.environ)
+        backend = resolve_backend(args.backend, topology.ranks_per_node)  # alike on every rank of a node
+    except ValueError as exc:
+        raise SystemExit(f"ddpkit.train: {exc}") from None
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    set_topology(topology)  # hybrid sharding, built by name below, shards inside these nodes
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        print(f"{world} ranks ({backend}) as {topology.describe()}: {args.strategy}", flush=True)
     if args.global_batch_size % world:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} does not split over {world} ranks")
 
-    module = build_model(args.model, seed=args.seed, **_model_kwargs(args))
+    module = build_model(args.model, seed=args.seed, **size_kwargs(args.model, args.width, args.depth))
     start = 0
     if args.resume:
         with open(os.path.join(args.resume, "meta.json")) as f:

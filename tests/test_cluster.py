@@ -218,13 +218,13 @@ def test_nccl_without_one_gpu_per_rank_is_refused():
 
 
 def test_auto_picks_nccl_only_with_one_gpu_per_rank():
-    from ddpkit.cluster import _resolve_backend
+    from ddpkit.cluster import resolve_backend
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert _resolve_backend("auto", gpus + 1) == "gloo"
-    assert _resolve_backend("gloo", 1) == "gloo"
+    assert resolve_backend("auto", gpus + 1) == "gloo"
+    assert resolve_backend("gloo", 1) == "gloo"
     if gpus:
-        assert _resolve_backend("auto", gpus) == "nccl"
+        assert resolve_backend("auto", gpus) == "nccl"
 
 
 @pytest.mark.gpu

@@ -260,3 +260,39 @@ def test_fsdp_switches_are_what_the_simulation_runs():
     assert ms(backward_prefetch=False) > ms()
     assert ms(forward_prefetch=True, limit_all_gathers=1) == pytest.approx(ms(backward_prefetch=False))
     assert ms(forward_prefetch=True, limit_all_gathers=2) == pytest.approx(ms(forward_prefetch=True))
+
+
+def test_hybrid_sharding_follows_the_networks_nodes():
+    """8 ranks as 2 nodes x 4 (the network's gpus_per_node): 3 collectives among 4 ranks of a node
+    (3 * 3/4 * S) plus an all-reduce of a quarter of the model between 2 replicas (2 * 1/2 * S/4):
+    2.5 S. The default layout (nodes of 2) would be 3 * 1/2 * S + 2 * 3/4 * S/2 = 2.25 S."""
+    p = _mlp_like()
+    s = p.param_bytes
+    nodes_of_4 = cm.Network.of("10GbE", gpus_per_node=4)
+    assert cm.simulate("hsdp", p, 8, nodes_of_4).comm_bytes_per_step == pytest.approx(2.5 * s)
+    assert cm.simulate("hsdp", p, 8, "10GbE").comm_bytes_per_step == pytest.approx(2.25 * s)
+    # the optimizer steps a node's share: 1/4 of it, as memory and the run do
+    assert cm.simulate("hsdp", p, 8, nodes_of_4).compute_ms == pytest.approx(
+        (p.forward_s + p.backward_s + p.optimizer_s / 4) * 1e3)
+
+
+def test_predict_keeps_hybrid_sharding_on_odd_nodes_and_refuses_what_cannot_be_laid_out():
+    p = _mlp_like()
+    nodes_of_3 = cm.Network.of("10GbE", gpus_per_node=3)
+    rows = cm.predict(p, ["fsdp", "hsdp"], [3, 6], nodes_of_3)
+    assert [(r.world_size, r.strategy) for r in rows] == [(3, "fsdp"), (3, "hsdp"), (6, "fsdp"), (6, "hsdp")]
+    with pytest.raises(ValueError, match="hsdp shards inside nodes: .* 3 is not a multiple of 2"):
+        cm.predict(p, ["fsdp", "hsdp"], [3], "10GbE")
+
+
+def test_scaling_plot_starts_hybrid_sharding_at_its_first_whole_node():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ddpkit.viz import plot_scaling
+
+    fig = plot_scaling(_mlp_like(), strategies=("fsdp", "hsdp"), networks=(NET,))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert set(lines) == {"fsdp", "hsdp (from 2 ranks)"}
+    assert list(lines["hsdp (from 2 ranks)"].get_xdata()) == [2, 4, 8, 16, 32, 64, 128, 256]
+    assert lines["hsdp (from 2 ranks)"].get_ydata()[0] == pytest.approx(100)

@@ -177,3 +177,18 @@ def test_sharding_shrinks_memory_per_rank_as_zero_predicts(cluster_of):
         assert 4 * n / 2 <= sample["parameters"] <= 4 * n / 2 + 4 * 8
         assert sample["gradients"] == sample["parameters"]
         assert sample["optimizer_state"] == 2 * sample["parameters"]
+
+
+def test_hybrid_sharding_state_divides_by_the_real_node_size():
+    from ddpkit.memory import predicted_model_state, shard_group_size
+    from ddpkit.network import Network
+    from ddpkit.topology import Topology
+
+    psi = 1000  # fp32 AdamW: 16 bytes per parameter, all of it sharded under ZeRO-3
+    assert predicted_model_state("hsdp", psi, 8)["total"] == 16 * psi / 2  # the default: nodes of 2
+    assert predicted_model_state("hsdp", psi, 8, Network.of("10GbE", gpus_per_node=4))["total"] == 16 * psi / 4
+    assert predicted_model_state("hsdp", psi, 8, Topology(8, 8))["total"] == 16 * psi / 8
+    assert predicted_model_state("fsdp", psi, 8, Topology(8, 4))["total"] == 16 * psi / 8  # all ranks
+    assert shard_group_size("overlapped", 8, Topology(8, 4)) == 8
+    with pytest.raises(ValueError, match="gpus_per_node=4 does not divide world_size=6"):
+        predicted_model_state("hsdp", psi, 6, Network.of("10GbE", gpus_per_node=4))

@@ -1,5 +1,6 @@
 """ddpkit.train under torchrun: two "nodes" (two torchrun launchers, one process each) on
-loopback give the same parameters as one process; a checkpoint resumed equals a straight run."""
+loopback give the same parameters as one process; hybrid sharding lays the ranks out in
+torchrun's nodes; a checkpoint resumed equals a straight run."""
 from __future__ import annotations
 
 import os
@@ -51,7 +52,7 @@ def finish(procs, timeout=240) -> list[str]:
     return outs
 
 
-@pytest.mark.parametrize("strategy", ["overlapped", "fsdp"])
+@pytest.mark.parametrize("strategy", ["overlapped", "fsdp", "hsdp"])
 def test_two_nodes_on_loopback_equal_one_process(tmp_path, strategy):
     port = free_port()
     save = tmp_path / "final.pt"
@@ -63,6 +64,9 @@ def test_two_nodes_on_loopback_equal_one_process(tmp_path, strategy):
     outs = finish(procs)
     combined = "\n".join(outs)
     assert "final checksum" in combined and "step    3" in combined
+    # the layout is torchrun's (LOCAL_WORLD_SIZE=1 on each node), not the default nodes of 2:
+    # hsdp shards inside a node of 1 rank and replicates across the 2 nodes
+    assert f"2 ranks (gloo) as 2 nodes x 1: {strategy}" in combined
     ref = train_single_process("mlp", "sgd", steps=steps, global_batch_size=8, width=16, depth=3)
     assert max_abs_diff(torch.load(save), ref) < 1e-5
 

@@ -37,7 +37,7 @@ from ddpkit.cluster.jobs import Job
 from ddpkit.cluster.pickling import JobPickler
 from ddpkit.cluster.processes import Settings, Workers
 
-__all__ = ["Cluster", "RankError", "RankState"]
+__all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "check_network", "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -47,24 +47,12 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
                  threads_per_rank: int | None = None, network=None):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or
-                                             not isinstance(threads_per_rank, int) or threads_per_rank < 0):
-            raise ValueError(f"threads_per_rank must be None (cores / ranks), 0 (torch's default) "
-                             f"or a positive integer, got {threads_per_rank!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.world_size = world_size
-        self._network = _check_network(network, world_size)
-        self.backend = _resolve_backend(backend, world_size)
-        self.timeout = float(timeout)
-        # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
-        # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
-        # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
-        if threads_per_rank is None:
-            threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-        self.threads_per_rank = threads_per_rank
+        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network)
+        self.world_size = settings.world_size
+        self._network = settings.network
+        self.backend = settings.backend
+        self.timeout = settings.timeout
+        self.threads_per_rank = settings.threads_per_rank
         self.last_results: list | None = None
         self.last_trace = None     # the last recorded run's records (a ddpkit.trace.Trace)
         self._record = False       # record the next runs? (cluster.recording(), the widget's toggle)
@@ -91,13 +79,13 @@ class Cluster:
 
     @network.setter
     def network(self, network) -> None:
-        new = _check_network(network, self.world_size)
+        new = check_network(network, self.world_size)
         if self._workers.alive:
             from ddpkit.rankside import set_network
 
             self._run(set_network, (new.to_dict(),), {}, record=False)
             # ranks restarted after a fault come back on it too
-            self._workers.settings = dataclasses.replace(self._workers.settings, network=new.to_dict())
+            self._workers.settings = dataclasses.replace(self._workers.settings, network=new)
         self._network = new
 
     def _alive(self) -> bool:
@@ -107,7 +95,7 @@ class Cluster:
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
-                                     self._network.to_dict()))
+                                     self._network))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -217,30 +205,54 @@ class Cluster:
                 f"devices={self.devices}, ranks=[{states}])")
 
 
-def _check_network(network, world_size: int):
-    """A ``ddpkit.Network`` for ``network`` (None: loopback), checked against the world size."""
+def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
+                    threads_per_rank: int | None = None, network=None) -> Settings:
+    """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
+    command line both check with this): a ValueError naming the bad argument and what is valid."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or
+                                         not isinstance(threads_per_rank, int) or threads_per_rank < 0):
+        raise ValueError(f"threads_per_rank must be None (cores / ranks), 0 (torch's default) "
+                         f"or a positive integer, got {threads_per_rank!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    network = check_network(network, world_size)
+    backend = resolve_backend(backend, world_size)
+    # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
+    # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
+    # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+    return Settings(world_size, backend, float(timeout), threads_per_rank, network)
+
+
+def check_network(network, world_size: int):
+    """A ``ddpkit.Network`` for ``network`` (None: loopback); its nodes, if it has some, must lay
+    out ``world_size`` ranks (``ddpkit.Topology`` checks)."""
     from ddpkit.network import Network
+    from ddpkit.topology import Topology
 
     net = Network.of(network)
-    k = net.gpus_per_node
-    if k is not None and world_size % k:
-        raise ValueError(f"gpus_per_node={k} does not divide world_size={world_size}: every node "
-                         f"must hold the same number of ranks")
+    if net.gpus_per_node is not None:
+        Topology.from_network(net, world_size)
     return net
 
 
-def _resolve_backend(backend: str, world_size: int) -> str:
-    """``backend="auto"``: NCCL when there is a GPU per rank, else gloo; a named one is checked."""
+def resolve_backend(backend: str, ranks_here: int) -> str:
+    """``backend="auto"``: NCCL when this machine has a GPU for each of its ``ranks_here`` ranks,
+    else gloo; a named one is checked. Every rank of a machine decides alike (a Cluster: all its
+    ranks; torchrun: a node's, ``Topology.ranks_per_node``)."""
     import torch
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
+        return "nccl" if gpus >= ranks_here else "gloo"
+    if backend == "nccl" and gpus < ranks_here:
         raise ValueError(
-            f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+            f"backend='nccl' needs one GPU per rank: {ranks_here} rank(s) on this machine but "
             f"{gpus} CUDA GPU(s) are visible; use backend='gloo' (CPU) or fewer ranks"
         )
     return backend

@@ -38,10 +38,14 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 from ddpkit.cluster.admission import Admission
 from ddpkit.cluster.errors import RankError
 from ddpkit.cluster.events import Events
+
+if TYPE_CHECKING:
+    from ddpkit.network import Network
 
 log = logging.getLogger("ddpkit.cluster")
 
@@ -60,7 +64,7 @@ class Settings:
     backend: str
     timeout: float
     threads_per_rank: int
-    network: dict  # ddpkit.Network.to_dict(): the links the ranks' process group emulates
+    network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
 
 
 class Workers:
@@ -116,7 +120,7 @@ class Workers:
         cfg = dict(rank=rank, world_size=s.world_size, backend=s.backend,
                    address=list(self.admission.address), authkey=self.admission.key.hex(),
                    generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
-                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network)
+                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict())
         proc.stdin.write((json.dumps(cfg) + "\n").encode())
         proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
         self.procs.append(proc)

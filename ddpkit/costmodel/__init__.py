@@ -1,7 +1,7 @@
 """A cost model of data-parallel training: alpha-beta collectives plus a simulated backward pass.
 
     profile = costmodel.profile_model(module, x, y)            # one rank's compute (measure.py)
-    costmodel.simulate("overlapped", profile, 64, "100GbE")    # one step predicted (simulate.py)
+    costmodel.simulate(name, profile, 64, "100GbE")            # one step predicted (simulate.py)
     costmodel.predict(profile, world_sizes=(8, 64, 256))       # every strategy x world size
 
 What a collective costs on a network is ``ddpkit.network``'s (re-exported here: ``Link``,

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from ddpkit.network import Network, as_network, ring_bytes
 from ddpkit.strategies.buckets import assign_buckets  # the same rule the strategies use
 from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import unfit
 from ddpkit.strategies.table import strategy as strategy_row
+from ddpkit.topology import Topology
 
 MiB = 1024 * 1024
 
@@ -166,8 +168,8 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     return t
 
 
-def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, forward_prefetch: bool = False,
-               backward_prefetch: bool = True, limit: int | None = None, shard_group: int | None = None) -> float:
+def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: bool = True,
+               forward_prefetch: bool = False, backward_prefetch: bool = True, limit: int | None = None) -> float:
     """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
     resharded), reduce-scatter its gradient after its backward, the optimizer over 1/N shards.
 
@@ -175,14 +177,13 @@ def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, forward_
     all-gather is issued when the current unit's compute starts; without, only when its compute
     needs it. The rate limiter ``limit`` lets a prefetch go only while fewer than ``limit`` units
     are unsharded (the current one, and with ``reshard`` False every unit gathered so far).
-    ``shard_group`` k < N is hybrid sharding: all-gathers and reduce-scatters among the k ranks of a
-    node, then each unit's gradient shard (1/k of it) all-reduced among the N/k replicas once
-    backward is done.
+    ``shards`` lays the N ranks out in shard groups of k: all-gathers and reduce-scatters among
+    the k ranks of one; for hybrid sharding (k < N, a node's ranks) each unit's gradient shard
+    (1/k of it) is then all-reduced among the N/k replicas once backward is done.
     """
-    n = stream.n
-    k = n if shard_group is None else shard_group
-    node = list(range(k))              # the shard group: one node's ranks (all of them for fsdp)
-    replicas = list(range(0, n, k))    # hybrid sharding: one rank of every node
+    k = shards.ranks_per_node
+    node = shards.node_ranks(0)        # rank 0's shard group: its node's ranks (all of them for fsdp)
+    replicas = shards.peer_ranks(0)    # hybrid sharding: rank 0 and its replicas, one per node
     units: dict[str, list[Layer]] = {}
     for layer in profile.layers:
         units.setdefault(layer.unit, []).append(layer)
@@ -225,7 +226,7 @@ def _fsdp_step(profile: Profile, stream: _Stream, reshard: bool = True, forward_
         reduced.append((u, stream.issue("reduce_scatter", size[u], t, node)))
     if "" in units:
         reduced.append(("", stream.issue("reduce_scatter", size[""], t, node)))
-    if k < n:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
+    if shards.nodes > 1:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
         for u, done in reduced:
             stream.issue("all_reduce", size[u] / k, max(t, done), replicas)
     return max(t, stream.free)
@@ -235,29 +236,22 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
              bucket_cap_mb: float = 25.0, cost=None) -> Prediction:
     """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network`` (a
     ``Network``, a ``Link``, a preset name: see ``ddpkit.network.as_network``). ``cost``: another
-    ``CostStep`` to simulate instead of the table's, e.g. FSDP with a switch flipped
-    (``dataclasses.replace(strategy("fsdp").cost, forward_prefetch=True)``)."""
+    ``CostStep`` to simulate instead of the table's, e.g. a switch flipped
+    (``dataclasses.replace(strategy(name).cost, forward_prefetch=True)``)."""
     step = strategy_row(strategy).cost if cost is None else cost  # how the strategy communicates
     network = as_network(network)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
     stream = _Stream(n, network)
-    opt = profile.optimizer_s / n if step.sharded_optimizer else profile.optimizer_s
-    row = strategy_row(strategy)
-    shard_group = row.shard_group_size
-    if shard_group is not None and network.gpus_per_node:  # hybrid sharding follows the nodes
-        shard_group = network.gpus_per_node
-    if shard_group is not None and n % shard_group:
-        raise ValueError(f"{strategy} shards over nodes of {shard_group} ranks: world_size {n} is not a "
-                         f"multiple of {shard_group}")
-    if shard_group is not None:
-        # hybrid sharding: the optimizer steps 1/k of the parameters, not 1/N
-        opt = profile.optimizer_s / shard_group
-    if step.algorithm == "fsdp":
-        end = _fsdp_step(profile, stream, reshard=step.reshard, forward_prefetch=step.forward_prefetch,
-                         backward_prefetch=step.backward_prefetch, limit=step.limit_all_gathers,
-                         shard_group=shard_group) + opt
+    # the ranks it shards over: all N, or for hybrid sharding the k of a node (the network's
+    # nodes, else the default layout); a ValueError where they do not come in whole nodes
+    k = strategy_row(strategy).shard_group_size(n, network)
+    opt = profile.optimizer_s / k if step.sharded_optimizer else profile.optimizer_s  # it steps 1/k
+    if step.algorithm != "ddp":  # ZeRO-3: flat parameters sharded k ways
+        end = _fsdp_step(profile, stream, Topology(n, k), reshard=step.reshard,
+                         forward_prefetch=step.forward_prefetch, backward_prefetch=step.backward_prefetch,
+                         limit=step.limit_all_gathers) + opt
     else:
         cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         # torch caps its first bucket at 1 MiB when the cap is left at its default
@@ -283,10 +277,14 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
 
 def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
             bucket_cap_mb: float = 25.0) -> list[Prediction]:
-    """Every (strategy, world size) pair the strategy can run at (hybrid sharding: whole nodes),
-    world sizes outermost."""
-    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies
-            if strategy_row(s).fits(n)]
+    """Every (strategy, world size) pair, world sizes outermost. A ValueError naming the strategy
+    where one cannot run at a world size (hybrid sharding on ranks that are not whole nodes of the
+    network's, or the default layout's: ``ddpkit.Topology``)."""
+    network = as_network(network)
+    why = unfit(strategies, world_sizes, network)
+    if why:
+        raise ValueError("; ".join(why.values()))
+    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies]
 
 
 def format_predictions(predictions: list[Prediction]) -> str:

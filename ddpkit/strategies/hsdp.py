@@ -26,20 +26,16 @@ from torch import nn
 
 from ddpkit.strategies._common import require_process_group
 from ddpkit.strategies.fsdp import FSDP
+from ddpkit.topology import Topology
 
 
 def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups, replicate groups) as lists of ranks: node n's shard group is ranks
     [n*k, ..., n*k + k-1]; replicate group i is ranks [i, i+k, i+2k, ...]. ValueError unless
-    ``gpus_per_node`` is a whole number >= 1 that divides ``world_size``."""
-    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
-    if world_size % gpus_per_node:
-        raise ValueError(f"hybrid sharding lays {world_size} ranks out as nodes of gpus_per_node="
-                         f"{gpus_per_node}, but {world_size} is not a multiple of {gpus_per_node}")
-    k, nodes = gpus_per_node, world_size // gpus_per_node
-    shard = [[node * k + local for local in range(k)] for node in range(nodes)]
-    replicate = [[node * k + local for node in range(nodes)] for local in range(k)]
+    ``gpus_per_node`` is a whole number >= 1 that divides ``world_size`` (``ddpkit.Topology``'s checks)."""
+    topology = Topology(world_size, gpus_per_node)
+    shard = [topology.node_ranks(node) for node in range(topology.nodes)]
+    replicate = [topology.peer_ranks(local) for local in range(gpus_per_node)]
     return shard, replicate
 
 
@@ -48,12 +44,12 @@ def hybrid_groups(gpus_per_node: int):
     None on a single node (then it is plain FSDP). Every rank creates every group, in the same
     order (``new_group`` is collective over the default group), after the layout was checked."""
     require_process_group("HSDP")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    shard_ranks, replicate_ranks = hybrid_layout(world, gpus_per_node)  # ValueError before any collective
-    shard_groups = [dist.new_group(ranks) for ranks in shard_ranks]
-    replicate_groups = [dist.new_group(ranks) for ranks in replicate_ranks]
-    node, local = divmod(rank, gpus_per_node)
-    return shard_groups[node], (replicate_groups[local] if len(shard_ranks) > 1 else None)
+    topology = Topology(dist.get_world_size(), gpus_per_node)  # ValueError before any collective
+    shard_groups = [dist.new_group(topology.node_ranks(node)) for node in range(topology.nodes)]
+    replicate_groups = [dist.new_group(topology.peer_ranks(local)) for local in range(gpus_per_node)]
+    rank = dist.get_rank()
+    return (shard_groups[topology.node_of(rank)],
+            replicate_groups[topology.local_rank(rank)] if topology.nodes > 1 else None)
 
 
 class HSDP(FSDP):

@@ -1,13 +1,15 @@
 """The table of strategies: one entry per name, read by everything that runs or reasons about them.
 
-    STRATEGIES["overlapped"].wrap(module, bucket_cap_mb=1.0)   # the wrapped model
-    STRATEGIES["zero2"].zero_stage                              # "ZeRO-2": its memory formula
-    STRATEGIES["fsdp"].cost                                     # its step, for the cost model
+    strategy(name).wrap(module, bucket_cap_mb=1.0)    # the wrapped model
+    strategy(name).zero_stage                         # e.g. "ZeRO-2": its memory formula
+    strategy(name).cost                               # its step, for the cost model
+    strategy(name).shard_group_size(4, topology)      # ranks its state is sharded over
 
 The strategy files know nothing of this table; its *consumers* read it: ``experiment`` (build a
 model and its optimizer by name), ``costmodel`` (simulate a step), ``memory`` and ``viz`` (the
 ZeRO formula beside a measurement), the command line (valid names) and the tests (every strategy
-equals one process). Adding a strategy is its file plus one entry here.
+equals one process). Adding a strategy is its file plus one entry here, and this is the one
+module of the package that spells the strategies' names.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 from ddpkit.models import MLP, TinyGPT
 from ddpkit.strategies._common import default_units
+from ddpkit.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class CostStep:
     "fsdp": ZeRO-3, all-gathers before forward and (``reshard``) backward, the next unit's
     all-gather issued early with ``forward_prefetch`` / ``backward_prefetch``, at most
     ``limit_all_gathers`` units unsharded when prefetching, a reduce-scatter per unit (and, for
-    hybrid sharding, the row's ``shard_group_size``, an all-reduce of each shard across nodes).
+    hybrid sharding, where ``Strategy.shard_group_size`` is a node's ranks, an all-reduce of each
+    shard across nodes).
     """
 
     algorithm: str                    # "ddp" | "fsdp"
@@ -65,12 +69,27 @@ class Strategy:
                                       # "fsdp" or "hsdp"
     predictable: bool = True          # the cost model covers all it does (torch_fsdp's host-side
                                       # overheads per unit it does not)
-    shard_group_size: int | None = None  # ranks its state is sharded over (hsdp: a node's);
-                                         # None: all of them
+    hybrid: bool = False              # sharded inside each node of the rank layout, replicated
+                                      # across nodes (a ddpkit.Topology says which ranks those are)
+    headline: bool = False            # one of the rungs plots show unless told: the best DDP,
+                                      # ZeRO-1 and ZeRO-3
 
-    def fits(self, world_size: int) -> bool:
-        """Whether it can run on ``world_size`` ranks: hybrid sharding needs whole nodes."""
-        return self.shard_group_size is None or world_size % self.shard_group_size == 0
+    def shard_group_size(self, world_size: int, topology=None) -> int:
+        """Over how many of ``world_size`` ranks its state is sharded: all of them, or for hybrid
+        sharding the ranks of a node of ``topology`` (a ``ddpkit.Topology``, a ``ddpkit.Network``
+        with ``gpus_per_node``, or None: ``Topology.default``). ValueError where hybrid sharding
+        cannot lay the ranks out in whole nodes."""
+        if not self.hybrid:
+            return world_size
+        return Topology.of(topology, world_size).ranks_per_node
+
+    def fits(self, world_size: int, topology=None) -> bool:
+        """Whether it can run on ``world_size`` ranks laid out by ``topology`` (as above)."""
+        try:
+            self.shard_group_size(world_size, topology)
+        except ValueError:
+            return False
+        return True
 
 
 # ----------------------------------------------------------------------------- how to build
@@ -122,19 +141,12 @@ def _fsdp(module, bucket_cap_mb, **common):
     return FSDP(module, units=fsdp_units(module), **common)
 
 
-# The node size hybrid sharding uses when built by name (compare, predict, the tests): 4 CPU ranks
-# are laid out as 2 nodes x 2. A two-tier network sets its own gpus_per_node; pass that to
-# HSDP / TorchHSDP directly, or change it here.
-HSDP_GPUS_PER_NODE = 2  # hybrid sharding's node size, unless the cluster's network says otherwise
-
-
 def _node_size() -> int:
-    """The ranks per node hybrid sharding shards over: the emulated network's nodes
-    (``ddpkit.Network(..., gpus_per_node=k)``) where it has some, else ``HSDP_GPUS_PER_NODE``."""
-    from ddpkit.rankside import network
+    """The ranks per node hybrid sharding shards over when built by name: this rank's layout
+    (``ddpkit.rankside.topology()``: torchrun's nodes, a Cluster network's, or nodes of 2)."""
+    from ddpkit.rankside import topology
 
-    net = network()
-    return net.gpus_per_node if net is not None and net.gpus_per_node else HSDP_GPUS_PER_NODE
+    return topology().ranks_per_node
 
 
 def _hsdp(module, bucket_cap_mb, **common):
@@ -194,7 +206,7 @@ _ROWS = [
     Strategy("bucketed", "flat buckets, all-reduced after backward", _bucketed, _local_optimizer, "DDP",
              CostStep("ddp")),
     Strategy("overlapped", "buckets all-reduced from gradient hooks, during backward", _overlapped,
-             _local_optimizer, "DDP", CostStep("ddp", overlap=True)),
+             _local_optimizer, "DDP", CostStep("ddp", overlap=True), headline=True),
     Strategy("sharded_optimizer", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
              _overlapped, _sharded_optimizer, "ZeRO-1",
              CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True), bytes_vs_ddp=1.5,
@@ -202,16 +214,17 @@ _ROWS = [
     Strategy("zero1", "ZeRO-1: gradients reduce-scattered after backward, 1/N stepped, parameters all-gathered",
              _zero1, _zero_optimizer, "ZeRO-1",
              CostStep("ddp", grad_reduce="reduce_scatter", gather_params=True, gather_in_place=True,
-                      copy_out=False, sharded_optimizer=True), family="zero"),
+                      copy_out=False, sharded_optimizer=True), family="zero", headline=True),
     Strategy("zero2", "ZeRO-2: gradients reduce-scattered in buckets during backward and freed",
              _zero2, _zero_optimizer, "ZeRO-2",
              CostStep("ddp", overlap=True, grad_reduce="reduce_scatter", gather_params=True,
                       gather_in_place=True, copy_out=False, sharded_optimizer=True), family="zero"),
     Strategy("fsdp", "ZeRO-3: flat parameters sharded 1/N, gathered just in time", _fsdp,
-             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, family="fsdp"),
+             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, family="fsdp",
+             headline=True),
     Strategy("hsdp", "hybrid: FULL_SHARD inside a node, gradient shards all-reduced across nodes", _hsdp,
              _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=None,
-             family="hsdp", shard_group_size=HSDP_GPUS_PER_NODE),
+             family="hsdp", hybrid=True),
     Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
              CostStep("ddp", overlap=True, torch_first_bucket=True), torch_native=True),
     Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel", _torch_ddp,
@@ -223,11 +236,12 @@ _ROWS = [
              family="fsdp", predictable=False),
     Strategy("torch_hsdp", "torch's fully_shard on a 2-D (replicate, shard) DeviceMesh", _torch_hsdp,
              _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True),
-             bytes_vs_ddp=None, torch_native=True, family="hsdp", predictable=False,
-             shard_group_size=HSDP_GPUS_PER_NODE),
+             bytes_vs_ddp=None, torch_native=True, family="hsdp", predictable=False, hybrid=True),
 ]
 STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
+HEADLINE: tuple[str, ...] = tuple(row.name for row in _ROWS if row.headline)  # DDP, ZeRO-1, ZeRO-3
+DEFAULT = "overlapped"  # what a run trains with unless told (python -m ddpkit.train)
 
 
 def strategy(name: str) -> Strategy:
@@ -235,3 +249,17 @@ def strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(NAMES)}")
     return STRATEGIES[name]
+
+
+def unfit(names, world_sizes, topology=None) -> dict[str, str]:
+    """``{name: why}`` for those of ``names`` that cannot run at one of ``world_sizes`` laid out by
+    ``topology`` (a Topology, a Network, or None: see ``Strategy.shard_group_size``): hybrid
+    sharding needs whole nodes. Empty when every one can."""
+    why = {}
+    for name in names:
+        for n in world_sizes:
+            try:
+                strategy(name).shard_group_size(n, topology)
+            except ValueError as exc:
+                why.setdefault(name, f"{name} shards inside nodes: {exc}")
+    return why

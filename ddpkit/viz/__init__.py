@@ -3,7 +3,7 @@
     from ddpkit.viz import plot_bucket_fill, plot_timeline, plot_memory
     plot_bucket_fill(trace)          # which gradient was ready when, coloured by bucket
     plot_timeline(trace)             # per rank: compute and comm lanes, the overlap shaded
-    plot_memory({"naive": [...], "zero1": [...], "fsdp": [...]}, predicted=...)
+    plot_memory({strategy: [...], ...}, predicted=...)   # memory samples per strategy
     plot_compare(records)            # a compare run (ddpkit.compare): ms/step, bytes, state
     plot_scaling(profile)            # the cost model's predicted scaling to 256 ranks
 

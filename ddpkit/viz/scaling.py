@@ -3,13 +3,18 @@ from __future__ import annotations
 
 from ddpkit.costmodel.simulate import MiB, Profile, simulate
 from ddpkit.network import as_network
+from ddpkit.strategies.table import HEADLINE
+from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.viz._common import new_figure  # shows in a notebook without pyplot
 
 
-def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), networks=("100GbE", "nvlink"),
+def plot_scaling(profile: Profile, strategies=HEADLINE, networks=("100GbE", "nvlink"),
                  world_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), bucket_cap_mb: float = 25.0):
     """Predicted weak scaling (same per-rank batch at every size) to 256 ranks, one panel per
-    network: scaling efficiency = time of one rank / time of N ranks. A matplotlib Figure.
+    network: scaling efficiency = time of one rank / time of N ranks. A matplotlib Figure. By
+    default the table's headline rungs: overlapped DDP, ZeRO-1 and ZeRO-3. Hybrid sharding runs
+    only on whole nodes (``ddpkit.Topology``): its curve starts at its smallest world size, whose
+    time is its 100% (the label says from where), as papers scale from one node.
 
     The ring formulas' latency term grows linearly with N ((N-1) alpha per all-gather): at
     hundreds of ranks NCCL switches to tree algorithms (log N), so for many small collectives
@@ -20,9 +25,13 @@ def plot_scaling(profile: Profile, strategies=("overlapped", "zero1", "fsdp"), n
     for ax, net in zip(axes, networks, strict=True):
         net = as_network(net)
         for s in strategies:
-            base = simulate(s, profile, 1, net, bucket_cap_mb).ms_per_step
-            eff = [100 * base / simulate(s, profile, n, net, bucket_cap_mb).ms_per_step for n in world_sizes]
-            ax.plot(world_sizes, eff, marker="o", ms=3, label=s)
+            sizes = [n for n in world_sizes if strategy_row(s).fits(n, net)]
+            first = 1 if strategy_row(s).fits(1, net) else min(sizes, default=None)
+            if first is None:
+                continue
+            base = simulate(s, profile, first, net, bucket_cap_mb).ms_per_step
+            eff = [100 * base / simulate(s, profile, n, net, bucket_cap_mb).ms_per_step for n in sizes]
+            ax.plot(sizes, eff, marker="o", ms=3, label=s if first == 1 else f"{s} (from {first} ranks)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(world_sizes), [str(n) for n in world_sizes], fontsize=8)
         ax.minorticks_off()
