@@ -157,6 +157,8 @@ class ActivationMeter:
     share it), and skip the model's parameters -- they are saved too (``Linear`` keeps its
     weight for the input gradient) but are counted as parameters. Saved tensors are freed
     only as backward consumes them, so the total at the end of one forward is the peak.
+    Storages are sized when the block ends: FSDP's gathered parameters, saved as views but
+    freed after each unit's forward (and gathered again for backward), count 0, not a unit.
     Wrap one forward (or one training step); ``peak_bytes`` is the result.
     """
 
@@ -164,7 +166,7 @@ class ActivationMeter:
         params = [p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
                   for p in (model.parameters() if model is not None else ())]
         self._skip = {p.untyped_storage().data_ptr() for p in params}
-        self._seen: set = set()
+        self._seen: dict = {}
         self.peak_bytes = 0
         self._hooks = None
 
@@ -174,8 +176,7 @@ class ActivationMeter:
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.device)
         if key not in self._seen and key[0] not in self._skip:
-            self._seen.add(key)
-            self.peak_bytes += storage.nbytes()
+            self._seen[key] = storage  # sized at the end (see the docstring)
         return t
 
     @staticmethod
@@ -189,7 +190,8 @@ class ActivationMeter:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
-        self._seen = set()  # drop the keys; the byte count stays
+        self.peak_bytes += sum(storage.nbytes() for storage in self._seen.values())
+        self._seen = {}  # drop the storages; the byte count stays
         return False
 
     def __int__(self):

@@ -8,6 +8,7 @@
     to_chrome_trace(trace, "trace.json")       # open in ui.perfetto.dev (chrome.py)
     overlap_fraction(trace)                    # numbers measured from records (measures.py)
     bucket_fill(trace), timeline(trace)        # what the plots and the widget draw (figures.py)
+    decompose(trace_at_1, trace_at_n)          # the gap to perfect scaling, in parts (scaling.py)
 
 Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
 """
@@ -22,11 +23,13 @@ from ddpkit.trace.measures import (
 )
 from ddpkit.trace.recorder import Recorder
 from ddpkit.trace.records import Record, Trace, as_trace
+from ddpkit.trace.scaling import Gap, StepBreakdown, decompose, format_gaps, step_breakdown
 
 __all__ = [
     "Record", "Recorder", "Trace", "as_trace", "to_chrome_trace", "ring_bytes",
     "comm_bytes_per_step", "collective_counts", "collective_bytes", "overlap_fraction",
     "overlap_intervals", "comm_after_backward_ms", "bucket_fill_order", "launch_order", "LANES",
     "backward_phases", "fill_rows", "layer_of", "memory_series", "memory_peak", "loss_per_step",
-    "bucket_fill", "BucketFill", "timeline", "Timeline",
+    "bucket_fill", "BucketFill", "timeline", "Timeline", "decompose", "step_breakdown", "format_gaps", "Gap",
+    "StepBreakdown",
 ]

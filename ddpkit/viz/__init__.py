@@ -6,6 +6,8 @@
     plot_memory({strategy: [...], ...}, predicted=...)   # memory samples per strategy
     plot_compare(records)            # a compare run (ddpkit.compare): ms/step, bytes, state
     plot_scaling(profile)            # the cost model's predicted scaling to 256 ranks
+    plot_scaling_gap(gaps)           # a measured gap to perfect scaling, in parts (trace.scaling)
+    plot_memory_against_n(sweep)     # memory per rank at 1, 2, 4 ranks (ddpkit.memory_sweep)
 
 matplotlib is imported inside the functions, never at import time, so ranks that only
 record never load it. Figures are built with the object API (no pyplot state), so they can
@@ -14,8 +16,10 @@ the returned figure displays itself as a PNG.
 """
 from ddpkit.viz.buckets import plot_bucket_fill
 from ddpkit.viz.compare import plot_compare
-from ddpkit.viz.memory import plot_memory
+from ddpkit.viz.gap import plot_scaling_gap
+from ddpkit.viz.memory import plot_memory, plot_memory_against_n
 from ddpkit.viz.scaling import plot_scaling
 from ddpkit.viz.timeline import plot_timeline
 
-__all__ = ["plot_bucket_fill", "plot_timeline", "plot_memory", "plot_compare", "plot_scaling"]
+__all__ = ["plot_bucket_fill", "plot_timeline", "plot_memory", "plot_compare", "plot_scaling", "plot_scaling_gap",
+           "plot_memory_against_n"]

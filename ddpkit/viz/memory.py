@@ -53,7 +53,8 @@ def plot_memory(measured, predicted=None, title: str | None = None):
                     "ddpkit.memory.record_memory(recorder, model, optimizer))")
         ax.axis("off")
         return fig
-    fig = new_figure(4.2)
+    bars = sum(len(ranks) + bool(_prediction_for(label, predicted)[1]) for label, ranks in groups.items())
+    fig = new_figure(4.2, width_in=max(9.0, 0.42 * bars + 0.3 * len(groups) + 2.5))  # ~0.4 in a bar
     ax = fig.subplots()
     present = {c for ranks in groups.values() for sample in ranks for c in sample}
     cats = [c for c in CATEGORIES if c in present]
@@ -72,10 +73,12 @@ def plot_memory(measured, predicted=None, title: str | None = None):
     cuda_peak_shown = False
     for label, ranks in groups.items():
         first = x
-        bars = [(f"rank {i}", sample, False) for i, sample in enumerate(ranks)]
-        stage, pred = _prediction_for(label, predicted)
+        # short tick labels (a rank's number, the formula's stage), so neighbours never touch;
+        # the group's name goes under them, the axis label says what the numbers are
+        bars = [(str(i), sample, False) for i, sample in enumerate(ranks)]
+        _, pred = _prediction_for(label, predicted)
         if pred:
-            bars.append((f"{stage}\nformula", pred, True))
+            bars.append((STAGE_OF_STRATEGY.get(label.lower(), "ZeRO"), pred, True))
         for name, sample, is_prediction in bars:
             bottom = 0.0
             for c in cats:
@@ -96,8 +99,11 @@ def plot_memory(measured, predicted=None, title: str | None = None):
         x += 0.8  # a gap between groups
 
     ax.set_xticks(ticks, ticklabels, fontsize=8)
+    has_formula = any(_prediction_for(label, predicted)[1] for label in groups)
+    ax.set_xlabel("rank" + (" (hatched: the ZeRO formula of that stage)" if has_formula else ""), fontsize=9,
+                  labelpad=22 if len(groups) > 1 or next(iter(groups)) != "measured" else 4)
     if len(groups) > 1 or next(iter(groups)) != "measured":
-        below = -36 if any("\n" in t for t in ticklabels) else -24  # clear of two-line ticks
+        below = -22  # under the tick labels, above the axis label
         for centre, label in group_centres:
             ax.annotate(label, (centre, 0), xycoords=("data", "axes fraction"), xytext=(0, below),
                         textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
@@ -118,4 +124,51 @@ def plot_memory(measured, predicted=None, title: str | None = None):
     ax.set_ylabel(f"memory per rank ({unit})")
     ax.set_title(title or "Memory per rank by category")
     ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def plot_memory_against_n(sweep: dict, formulas: dict | None = None, title: str | None = None):
+    """Memory per rank against the number of ranks, one panel per strategy (a matplotlib Figure).
+
+    ``sweep``: ``{n: {strategy: {category: bytes, ...}}}``, e.g. ``ddpkit.memory_sweep.memory_against_n``
+    run on clusters of 1, 2 and 4 ranks (the rank holding the most). Each bar stacks the
+    categories, model states at the bottom; ``formulas`` (``{(strategy, n): bytes}``, e.g.
+    ``memory_sweep.formula_totals``) draws the ZeRO formula's model states as a black line over
+    each bar, so what the formula leaves out is the part of the bar above the line."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    # model states at the bottom, then what the formulas leave out
+    swept = [c for c in CATEGORIES if c != "activations"] + ["unsharded_parameters", "activations"]
+    sizes = sorted(sweep)
+    strategies = list(dict.fromkeys(s for n in sizes for s in sweep[n]))
+    cats = [c for c in swept if any(sweep[n][s].get(c) for n in sizes for s in sweep[n])]
+    tallest = max(sum(sweep[n][s].get(c, 0) for c in cats) for n in sizes for s in sweep[n])
+    unit, size = byte_unit(tallest)
+    fig = new_figure(3.8, width_in=max(9.0, 1.9 * len(strategies) + 1.8))
+    axes = fig.subplots(1, len(strategies), sharey=True, squeeze=False)[0]
+    for ax, s in zip(axes, strategies, strict=True):
+        shown = [n for n in sizes if s in sweep[n]]
+        for i, n in enumerate(shown):
+            bottom = 0.0
+            for c in cats:
+                v = sweep[n][s].get(c, 0) / size
+                if v:
+                    ax.bar(i, v, bottom=bottom, width=0.7, color=CATEGORY_COLOURS.get(c, "#937860"),
+                           edgecolor="black", lw=0.4)
+                    bottom += v
+            if formulas and (s, n) in formulas:
+                ax.plot([i - 0.42, i + 0.42], [formulas[(s, n)] / size] * 2, color="black", lw=1.8)
+        ax.set_xticks(range(len(shown)), [str(n) for n in shown])
+        ax.set_xlabel("ranks", fontsize=9)
+        ax.set_title(s, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel(f"memory per rank ({unit})")
+    handles = [Patch(facecolor=CATEGORY_COLOURS.get(c, "#937860"), edgecolor="black", lw=0.4) for c in cats][::-1]
+    labels = [c.replace("_", " ") for c in cats][::-1]
+    if formulas:
+        handles.append(Line2D([], [], color="black", lw=1.8))
+        labels.append("ZeRO formula (model states)")
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+    fig.suptitle(title or "Memory per rank against the number of ranks")
     return fig
