@@ -44,6 +44,8 @@ def plot_scaling_gap(gaps, title: str | None = None):
         what = "same global batch" if mode == "strong" else "same batch per rank"
         ax.set_title(f"{mode} scaling ({what})", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+    highest = max((max(g.step_ms, g.ideal_ms + sum(v for v in g.parts.values() if v > 0)) for g in gaps), default=1.0)
+    axes[0].set_ylim(0, 1.12 * highest)  # room for the efficiency labels
     axes[0].set_ylabel("ms per step")
     handles = [Patch(facecolor=IDEAL_COLOUR, edgecolor="black", lw=0.4)]
     labels = ["perfect scaling from 1 rank"]
