@@ -119,11 +119,12 @@ def _add_ratios(records: list[dict]) -> None:
 
 
 def _human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
+    """Sizes in binary units (KiB, MiB, GiB), as every notebook, plot and the widget give them."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
+        n /= 1024
+    return f"{n:.2f} GiB"
 
 
 def format_table(records: list[dict]) -> str:

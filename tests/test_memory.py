@@ -192,3 +192,30 @@ def test_hybrid_sharding_state_divides_by_the_real_node_size():
     assert shard_group_size("overlapped", 8, Topology(8, 4)) == 8
     with pytest.raises(ValueError, match="gpus_per_node=4 does not divide world_size=6"):
         predicted_model_state("hsdp", psi, 6, Network.of("10GbE", gpus_per_node=4))
+
+
+def test_memory_against_n_follows_the_formulas_and_says_what_they_leave_out(cluster_of):
+    """memory_sweep on 1 and 2 ranks: model states equal the ZeRO formula at each N; DDP's buckets
+    and the activations stay whole; no optimizer state before the first step; FSDP holds a unit."""
+    from ddpkit.memory_sweep import formula_totals, memory_against_n
+    from ddpkit.models import build_model
+
+    kwargs = dict(model_kwargs=dict(width=64, depth=4), per_rank_batch=8)
+    rungs = ["overlapped", "zero1", "zero2", "fsdp"]
+    sweep = {n: memory_against_n(cluster_of(n), rungs, **kwargs) for n in (1, 2)}
+    psi = sum(p.numel() for p in build_model("mlp", width=64, depth=4).parameters())
+    formula = formula_totals(sweep, psi)
+    for n in (1, 2):
+        for s in rungs:
+            m = sweep[n][s]
+            assert abs(m["model_state"] - formula[s, n]) / formula[s, n] < 0.05, (s, n)
+            assert m["optimizer_state_before_first_step"] == 0 and m["activations"] > 0
+            assert m["total"] == sum(m[c] for c in ("parameters", "gradients", "optimizer_state",
+                                                      "communication_buffers", "unsharded_parameters", "activations"))
+        assert sweep[n]["overlapped"]["communication_buffers"] == 4 * psi  # a full copy of the gradients
+    assert sweep[2]["fsdp"]["unsharded_parameters"] > 0
+    assert sweep[2]["fsdp"]["activations"] == sweep[1]["fsdp"]["activations"]  # same samples per rank
+    from ddpkit.viz import plot_memory_against_n
+
+    plot = plot_memory_against_n(sweep, formula)
+    assert plot._repr_png_().startswith(b"\x89PNG") and [a.get_title() for a in plot.axes] == rungs

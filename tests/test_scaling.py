@@ -114,3 +114,19 @@ def test_real_runs_at_one_and_two_ranks_add_up(cluster_of):
     gap = decompose(traces[1], traces[2], "strong")
     assert set(gap.parts) == set(GAP_PARTS)
     assert abs(gap.residual_ms) <= 0.05 * max(abs(gap.gap_ms), 1e-3), gap
+
+
+def test_the_gap_plot_stacks_each_part_and_marks_the_measured_step():
+    from ddpkit.viz import plot_scaling_gap
+
+    one, two = one_rank_trace(), two_rank_trace()
+    gaps = [decompose(one, one, "strong"), decompose(one, two, "strong"), decompose(one, one, "weak"),
+            decompose(one, two, "weak")]
+    fig = plot_scaling_gap(gaps)
+    assert fig._repr_png_().startswith(b"\x89PNG")
+    strong, weak = fig.axes
+    assert [t.get_text() for t in strong.get_xticklabels()] == ["1 rank", "2 ranks"]
+    labels = {t.get_text() for t in strong.texts}
+    assert labels == {"100%", f"{10 / 16:.0%}"} and "weak" in weak.get_title()
+    # weak scaling's negative contention (-7 ms) is drawn below where the stack stood, hatched
+    assert any(p.get_hatch() == "///" for p in weak.patches)

@@ -538,8 +538,86 @@ def test_the_fill_view_has_a_readable_row_per_layer():
     labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', svg)
     assert labels[:3] == ["head", "layers.31.0", "layers.30.0"] and "bucket 3 all_reduce" in labels
     assert len([lb for lb in labels if lb.startswith(("head", "layers"))]) == 33
-    assert not re.search(r'font-size="([0-9])"', svg)  # no label smaller than 10 px
     assert svg.count("<circle") == 66
+
+
+def test_every_view_labels_at_11_px_or_more_and_asks_for_its_width():
+    """At a 1400 px window the tabs get the plots' own width (the loss wraps below when there is no
+    room beside them), so an SVG font size is the size on screen: none below 11 px."""
+    from ddpkit.trace import Record, Trace, bucket_fill, memory_peak, memory_series, timeline
+    from ddpkit.widget.fill_view import fill_view
+    from ddpkit.widget.live import PLOT_WIDTH, LivePlots
+    from ddpkit.widget.loss_view import loss_view
+    from ddpkit.widget.memory_view import memory_view
+    from ddpkit.widget.timeline_view import WIDTH, timeline_view
+
+    recs = _step_records(4) + _step_records(4, rank=1)
+    mem = [Record("counter", "memory", "memory", 0, s, 1_000_000 * s,
+                  args={"parameters": 100, "communication_buffers": 50, "optimizer_state": 10}) for s in range(4)]
+    views = [fill_view(bucket_fill(_step_records(4), 0, 0)), timeline_view(timeline(Trace(recs, 2), [0], [0, 1])),
+             memory_view({0: memory_series(mem, 0)}, 0, memory_peak(mem)), loss_view({0: 2.0, 1: 1.5, 2: 1.0})]
+    for svg in views:
+        sizes = [int(v) for v in re.findall(r'font-size="(\d+)"', svg)]
+        assert sizes and min(sizes) >= 11, sizes
+    assert PLOT_WIDTH >= WIDTH
+    plots = LivePlots()
+    try:
+        assert plots.tabs.layout.flex == f"1 1 {PLOT_WIDTH}px"
+    finally:
+        plots.close()
+
+
+def test_the_live_summary_never_says_step_none_and_the_loss_waits_for_every_rank():
+    """Setup records only: "setting up", not "step None". A step whose loss one rank has sent and
+    the other not yet: neither the status nor the plot shows it; both end on the same complete step."""
+    from ddpkit.trace import Record
+    from ddpkit.widget.live import LivePlots
+    from ddpkit.widget.state import LiveState
+
+    plots = LivePlots()
+    try:
+        plots.start(2)
+        plots.state.add(0, [Record("span", "comm", "broadcast", 0, None, 0, 10)])
+        summary = plots._live_views()[0]
+        assert "None" not in summary and "setting up" in summary
+    finally:
+        plots.close()
+    state = LiveState(2)
+    loss = lambda rank, step, v: Record("counter", "loss", "loss", rank, step, step, args={"loss": v})  # noqa: E731
+    state.add(0, [loss(0, 0, 1.0), loss(0, 1, 0.5)])
+    state.add(1, [loss(1, 0, 3.0)])  # rank 1's loss of step 1 is still on its way
+    assert state.latest_loss() == (0, 2.0)
+    assert state.snapshot()["loss"] == {0: 2.0}
+    state.add(1, [loss(1, 1, 1.5)])
+    assert state.latest_loss() == (1, 1.0) and state.snapshot()["loss"] == {0: 2.0, 1: 1.0}
+
+
+def _only_communicates():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def test_a_later_recorded_run_without_steps_keeps_the_last_run_with_steps(widget):
+    """02 used to end on "recorded run: 0 steps ... no training steps": a recorded run that only
+    communicated replaced the training run above it. Now the training run stays, and says so."""
+    c = widget.cluster
+    with c.recording():
+        c.run(_train, 4)
+    assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
+    with c.recording():
+        assert c.run(_only_communicates) == [2.0, 2.0]
+    assert c.last_trace.steps == [] and c.last_trace.records  # the cluster keeps what it recorded
+    assert widget.plots_done.wait(30)
+    assert wait_for(lambda: "no training step" in widget.live.summary.value)
+    assert "4 steps on 2 ranks" in widget.live.summary.value
+    assert "Bucket fill · rank 0 · step 3" in widget.live.fill.value
+    # the status line of an unrecorded run names no loss (the recorded run's is not its own)
+    c.run(int)
+    assert "loss" not in widget._describe("now")
 
 
 def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():

@@ -123,7 +123,8 @@ def _rows_by_bucket(comm) -> list[tuple[str, list]]:
     key = lambda r: (r.name, r.bucket if r.bucket is not None else r.unit)  # noqa: E731
     keys = list(dict.fromkeys(key(r) for r in comm))
     if len(keys) > FILL_COMM_ROWS:
-        return [(f"{len(row)} collectives" if i == 0 else "", row) for i, row in enumerate(pack_rows(comm))]
+        return [(f"{len(row)} collective{'' if len(row) == 1 else 's'}" if i == 0 else "", row)
+                for i, row in enumerate(pack_rows(comm))]
     label = lambda name, which: f"{'bucket ' if isinstance(which, int) else ''}{'' if which is None else which} {name}"  # noqa: E731
     return [(label(*k).strip(), [r for r in comm if key(r) == k]) for k in keys]
 

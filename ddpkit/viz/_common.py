@@ -61,6 +61,11 @@ def comm_colour(r):
     return bucket_colour(sum(map(ord, r.unit)))
 
 
+def plural(n: int, word: str) -> str:
+    """"1 bucket", "8 buckets": a count with its noun, never "1 buckets"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def byte_unit(max_bytes: float) -> tuple[str, float]:
     """('MiB', 2**20) etc., the largest unit that keeps the biggest value >= 1."""
     for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

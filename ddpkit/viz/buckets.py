@@ -4,7 +4,7 @@ with matplotlib."""
 from __future__ import annotations
 
 from ddpkit.trace import as_trace, bucket_fill
-from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data
+from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data, plural
 
 
 def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
@@ -44,7 +44,8 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
         no_data(top, "no grad_ready records in this step: only a strategy that acts from gradient\n"
                      "hooks (the DDP wrappers, while recording) records when each gradient is ready")
     buckets = fill.buckets
-    top.set_title(f"Bucket fill order: rank {rank}, step {s}: {len(fill.ready)} gradients in {len(buckets)} buckets\n"
+    what = f"{plural(len(fill.ready), 'gradient')} in {plural(len(buckets), 'bucket')}"
+    top.set_title(f"Bucket fill order: rank {rank}, step {s}: {what}\n"
                   "(dot colour: bucket; shaded: backward computing, grey: waiting for communication)", fontsize=10)
     top.grid(axis="x", alpha=0.3)
 

@@ -18,8 +18,8 @@ def plot_compare(records: list[dict]):
     names = [r["strategy"] for r in ok]
     colours = ["tab:gray" if n.startswith("torch_") else "tab:blue" for n in names]
     for ax, key, label, scale in ((axes[0], "ms_per_step", "ms per step (median of rounds)", 1),
-                                  (axes[1], "comm_bytes_per_step", "MB sent per rank per step", 1e6),
-                                  (axes[2], "model_state_bytes", "model state MB per rank", 1e6)):
+                                  (axes[1], "comm_bytes_per_step", "MiB sent per rank per step", 2**20),
+                                  (axes[2], "model_state_bytes", "model state MiB per rank", 2**20)):
         values = [r.get(key) for r in ok]
         shown = [i for i, v in enumerate(values) if v is not None]
         ax.bar([names[i] for i in shown], [values[i] / scale for i in shown], color=[colours[i] for i in shown])

@@ -76,9 +76,9 @@ def plot_memory(measured, predicted=None, title: str | None = None):
         # short tick labels (a rank's number, the formula's stage), so neighbours never touch;
         # the group's name goes under them, the axis label says what the numbers are
         bars = [(str(i), sample, False) for i, sample in enumerate(ranks)]
-        _, pred = _prediction_for(label, predicted)
+        stage, pred = _prediction_for(label, predicted)
         if pred:
-            bars.append((STAGE_OF_STRATEGY.get(label.lower(), "ZeRO"), pred, True))
+            bars.append((STAGE_OF_STRATEGY.get(label.lower()) or stage, pred, True))
         for name, sample, is_prediction in bars:
             bottom = 0.0
             for c in cats:
@@ -101,9 +101,9 @@ def plot_memory(measured, predicted=None, title: str | None = None):
     ax.set_xticks(ticks, ticklabels, fontsize=8)
     has_formula = any(_prediction_for(label, predicted)[1] for label in groups)
     ax.set_xlabel("rank" + (" (hatched: the ZeRO formula of that stage)" if has_formula else ""), fontsize=9,
-                  labelpad=22 if len(groups) > 1 or next(iter(groups)) != "measured" else 4)
+                  labelpad=24 if len(groups) > 1 or next(iter(groups)) != "measured" else 4)
     if len(groups) > 1 or next(iter(groups)) != "measured":
-        below = -22  # under the tick labels, above the axis label
+        below = -25  # under the tick labels, above the axis label
         for centre, label in group_centres:
             ax.annotate(label, (centre, 0), xycoords=("data", "axes fraction"), xytext=(0, below),
                         textcoords="offset points", ha="center", fontsize=9, fontweight="bold")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ddpkit.trace import as_trace, timeline
 from ddpkit.viz._common import (
-    OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data,
+    OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data, plural,
 )
 
 
@@ -80,7 +80,7 @@ def plot_timeline(trace, steps=None, ranks=None):
     clock = next((r.clock for lane in lanes for r in lane.spans), "host")
     ax.set_xlabel("time (ms)" + ("" if clock == "host" else ", GPU time from CUDA events"))
     which = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}"
-    ax.set_title(f"Timeline, {len(lanes)} rank(s), {which}: "
+    ax.set_title(f"Timeline, {plural(len(lanes), 'rank')}, {which}: "
                  f"{fig_data.overlap:.0%} of communication time hidden under backward computing")
     ax.grid(axis="x", alpha=0.3)
     return fig

@@ -10,11 +10,11 @@ after its last gradient was ready.
 from __future__ import annotations
 
 from ddpkit.trace.figures import BucketFill
-from ddpkit.viz._common import WAIT_COLOUR, bucket_colour
+from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, plural
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 
 WIDTH = 860
-ROW = 14           # px per row: 11 px labels stay readable
+ROW = 15           # px per row: 11 px labels, never scaled down (the tabs are WIDTH wide)
 LEFT = 150         # px for row labels
 
 
@@ -35,11 +35,11 @@ def fill_view(fig: BucketFill) -> str:
     for (a, b), colour, what in [(iv, "#f6d5bd", "backward computing") for iv in fig.computing] + \
                                 [(iv, WAIT_COLOUR, "backward waiting for communication") for iv in fig.waiting]:
         svg.rect(ms(a), top - 4, ms(b) - ms(a), height - top - 40, colour, title=what, opacity=0.6)
-    what = (f"{len(ready)} gradients, {len(fig.buckets)} buckets (dot colour = bucket)" if ready
-            else f"{len(comm)} collectives, no gradient-ready records")
-    svg.text(4, 14, f"Bucket fill · rank {rank} · step {step}: {what}", size=12, weight="bold")
+    what = (f"{plural(len(ready), 'gradient')}, {plural(len(fig.buckets), 'bucket')} (dot colour = bucket)"
+            if ready else f"{plural(len(comm), 'collective')}, no gradient-ready records")
+    svg.text(4, 14, f"Bucket fill · rank {rank} · step {step}: {what}", size=13, weight="bold")
     svg.text(4, 28, "rows: layers, in the order their gradients became ready; shaded: backward computing, "
-             "then grey: waiting for communication", size=10, fill="#555")
+             "then grey: waiting for communication", size=11, fill="#555")
 
     for i, (label, grads) in enumerate(rows):
         y = top + i * ROW + ROW / 2

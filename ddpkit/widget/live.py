@@ -23,6 +23,7 @@ import ipywidgets as widgets
 
 from ddpkit.trace.figures import bucket_fill, loss_per_step, memory_series, peak_of, timeline
 from ddpkit.trace.records import Trace
+from ddpkit.viz._common import plural
 from ddpkit.widget.fill_view import fill_view
 from ddpkit.widget.loss_view import loss_view
 from ddpkit.widget.memory_view import memory_view
@@ -32,6 +33,7 @@ from ddpkit.widget.throttle import Throttle
 from ddpkit.widget.timeline_view import timeline_view
 
 FRAME_S = 0.5       # at most two redraws a second
+PLOT_WIDTH = 880    # px the tabs ask for: the views' SVG width (860) and the tab's padding
 ROLLING_STEPS = 3   # the live timeline's window
 
 
@@ -46,8 +48,10 @@ class LivePlots(widgets.VBox):
                         (self.loss, "loss")):
             w.add_class("ddpkit-plot")
             w.add_class(f"ddpkit-{name}-view")
+        # The tabs ask for their plots' full width (860 px): drawn at their own size, an 11 px
+        # label stays 11 px; where the row has no room beside them, the loss wraps below.
         self.tabs = widgets.Tab([self.fill, self.timeline, self.memory],
-                                layout=widgets.Layout(flex="1 1 620px", min_width="0"))
+                                layout=widgets.Layout(flex=f"1 1 {PLOT_WIDTH}px", min_width="0"))
         self.tabs.titles = ("bucket fill", "timeline", "memory")
         self.step = widgets.IntSlider(description="replay step", min=0, max=0, continuous_update=True,
                                       layout=widgets.Layout(width="60%"), style={"description_width": "initial"})
@@ -62,6 +66,8 @@ class LivePlots(widgets.VBox):
         self.state = LiveState()
         self.mode = "empty"   # "live" while a run streams in, "replay" once its trace is here
         self.trace = None
+        self.last_with_steps = None       # the last trace shown that had training steps
+        self.later_without_steps = None   # records of a later recorded run without steps, if any
         self._replay: dict = {}
         self.painter = Throttle(self._paint, FRAME_S, inline=False, name="ddpkit-widget-plots")
         self.step.observe(lambda _: self.painter.request(), names="value")
@@ -83,7 +89,20 @@ class LivePlots(widgets.VBox):
 
     def show_trace(self, trace) -> None:
         """A run's whole trace: replay it (the slider picks the step). Indexing a long trace takes
-        a moment, so it happens on the drawing thread, not on the one that called ``run``."""
+        a moment, so it happens on the drawing thread, not on the one that called ``run``.
+
+        A trace without training steps (a job that only set up, or only communicated) does not
+        replace the last one that had some: that view stays, and its summary says that a later
+        recorded run had no steps to show."""
+        if not trace.steps and self.last_with_steps is not None:
+            self.trace, self.mode, self._replay = self.last_with_steps, "replay", {}
+            self.later_without_steps = len(trace.records)
+            self.layout.display = "flex"
+            self.painter.request()
+            return
+        if trace.steps:
+            self.last_with_steps = trace
+        self.later_without_steps = None
         self.trace, self.mode, self._replay = trace, "replay", {}
         self._set_ranks(max(trace.world_size, len(trace.ranks)))
         self.layout.display = "flex"
@@ -140,8 +159,10 @@ class LivePlots(widgets.VBox):
         memory = memory_view(snap["memory"], snap["t0"] or 0, peak)
         losses = snap["loss"]
         newest = max(snap["latest"].values(), default=None)
-        loss_text = f" &middot; loss {losses[max(losses)]:.4f}" if losses else ""
-        summary = (f"<b style='color:#c62828'>&#9679; recording</b>: step {newest} &middot; "
+        where = f"step {newest}" if newest is not None else "setting up (no training step yet)"
+        # the newest step every rank's loss has reached: the value the loss plot ends on
+        loss_text = f" &middot; loss {losses[max(losses)]:.4f} at step {max(losses)}" if losses else ""
+        summary = (f"<b style='color:#c62828'>&#9679; recording</b>: {where} &middot; "
                    f"{snap['count']:,} records so far{loss_text} &middot; plots redraw every {FRAME_S:g} s")
         return summary, fill, timeline_svg, memory, loss_view(losses)
 
@@ -166,8 +187,12 @@ class LivePlots(widgets.VBox):
         trace, rp = self.trace, self._replay
         span = (max((r.end_ns or r.start_ns) for r in trace.records) - rp["t0"]) / 1e9 if trace.records else 0
         where = f"showing step {step}; slide to replay another" if step is not None else "no steps to replay"
-        return (f"<b>recorded run</b>: {len(rp['steps'])} steps on {len(trace.ranks)} rank(s), "
-                f"{len(trace.records):,} records over {span:.1f} s &middot; {html.escape(where)}")
+        later = ""
+        if self.later_without_steps is not None:
+            later = (f" &middot; <i>a later recorded run made {self.later_without_steps:,} records but no training "
+                     "step (cluster.last_trace holds it): this is the last run that had steps</i>")
+        return (f"<b>recorded run</b>: {plural(len(rp['steps']), 'step')} on {plural(len(trace.ranks), 'rank')}, "
+                f"{len(trace.records):,} records over {span:.1f} s &middot; {html.escape(where)}{later}")
 
     def close(self) -> None:
         self.painter.close()

@@ -15,14 +15,15 @@ from ddpkit.widget.svg import Scale, Svg, human_bytes, message, x_axis
 WIDTH = 860
 LEFT = 70
 PANEL = 92       # px per rank
+LEGEND = 180     # px at the right for the legend (11 px labels)
 MAX_POINTS = 300  # per rank: longer series are thinned (keeping each bin's highest point)
 
 NOT_RECORDED = ("Memory was not recorded in this run. A recorded run samples it in "
                 "ddpkit.experiment.train_step (twice a step); a job with its own loop can call "
                 "ddpkit.memory.record_memory(ddpkit.rankside.recorder(), model, optimizer).")
 
-PEAK_MEANS = ("peak: the most one rank held at once among the samples (model state, communication "
-              "buffers and activations; each point is the sum of the categories stacked)")
+PEAK_MEANS = ("peak: the most one rank held at once among the samples (each point stacks the categories: "
+              "model state, buffers, activations)")
 
 
 def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | None = None) -> str:
@@ -39,18 +40,18 @@ def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | 
     top = 36
     height = top + PANEL * len(series) + 86
     svg = Svg(WIDTH, height, "ddpkit-memory")
-    x = Scale(0.0, max((t_end - t0) / 1e9, 1e-3), LEFT, WIDTH - 150)
+    x = Scale(0.0, max((t_end - t0) / 1e9, 1e-3), LEFT, WIDTH - LEGEND)
     sec = lambda ns: x((ns - t0) / 1e9)  # noqa: E731
-    svg.text(4, 14, f"Memory per rank over time, by category (tallest {human_bytes(tallest)})", size=12,
+    svg.text(4, 14, f"Memory per rank over time, by category (tallest {human_bytes(tallest)})", size=13,
              weight="bold")
-    svg.text(4, 28, PEAK_MEANS, size=10, fill="#555")
+    svg.text(4, 28, PEAK_MEANS, size=11, fill="#555")
     for i, (rank, pts) in enumerate(sorted(series.items())):
         base = top + (i + 1) * PANEL - 8
         y = Scale(0.0, tallest, base, base - PANEL + 16)
         svg.text(LEFT - 6, base - PANEL / 2 + 8, f"rank {rank}", size=11, anchor="end")
-        svg.text(LEFT - 6, base - PANEL / 2 + 22, human_bytes(sum(pts[-1][2].values())), size=9, anchor="end",
+        svg.text(LEFT - 6, base - PANEL / 2 + 22, human_bytes(sum(pts[-1][2].values())), size=11, anchor="end",
                  fill="#666")
-        svg.line(LEFT, base, WIDTH - 150, base, stroke="#999")
+        svg.line(LEFT, base, WIDTH - LEGEND, base, stroke="#999")
         pts = _thin(pts)
         # Stacked areas: each category's area reaches from the baseline to the top of its layer,
         # drawn top layer first so the layers below paint over it (one edge per area, not two).
@@ -71,12 +72,12 @@ def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | 
         if peak is not None and peak[0] == rank:
             px, py = sec(peak[1]), y(sum(peak[3].values()))
             svg.circle(px, py, 4, "#d62728", stroke="#000", stroke_width=0.6, title="peak")
-            svg.text(px + 6, py + 4, "peak", size=10, fill="#d62728", weight="bold")
+            svg.text(px + 6, py + 4, "peak", size=11, fill="#d62728", weight="bold")
     x_axis(svg, x, top + PANEL * len(series) - 8, "seconds since the run started")
     for j, c in enumerate(cats):  # the legend, right of the panels, stacking order bottom first
-        ly = top + 12 + 15 * (len(cats) - 1 - j)
-        svg.rect(WIDTH - 142, ly - 9, 11, 10, CATEGORY_COLOURS.get(c, "#999"))
-        svg.text(WIDTH - 127, ly, c.replace("_", " "), size=10)
+        ly = top + 12 + 16 * (len(cats) - 1 - j)
+        svg.rect(WIDTH - LEGEND + 8, ly - 10, 11, 11, CATEGORY_COLOURS.get(c, "#999"))
+        svg.text(WIDTH - LEGEND + 23, ly, c.replace("_", " "), size=11)
     if peak is not None:
         rank, t, step, sample = peak
         parts = " · ".join(f"{c.replace('_', ' ')} {human_bytes(sample[c])}" for c in cats if sample.get(c))

@@ -232,7 +232,9 @@ class ClusterWidget(widgets.VBox):
         parts = [f"{dots} <b>ddpkit</b> {self.cluster.world_size} ranks {'/'.join(states)}"]
         if self.progress.layout.display != "none":
             parts.append(self.progress.label.value)
-        latest = self.live.state.latest_loss()  # of the recorded run going on, or just done
+        # the recorded run going on (or just done): the newest step every rank's loss has reached,
+        # as the loss plot shows it; an unrecorded run has none (not the last recorded run's)
+        latest = self.live.state.latest_loss() if self._recorded_run else None
         if latest is not None:
             parts.append(f"loss {latest[1]:.4f} at step {latest[0]}")
         parts.append(html.escape(when))

@@ -7,6 +7,11 @@ steps costs the widget the same memory as one of ten: ``KEEP_STEPS`` steps of re
 after the run reads the whole trace), ``LOSS_STEPS`` loss points (every other old one is
 dropped when there are more, so the curve keeps its whole length).
 
+The loss of a step is shown once every rank's has arrived: ranks stream their records in
+batches, a quarter of a second apart, so for a while a step may hold one rank's loss only, and a
+mean over some of the ranks is not the step's loss (the status line and the plot both read
+``complete_losses``, so they give the same step the same value).
+
 What it keeps are the records themselves and ``ddpkit.trace.memory_series``'s points: the
 figures (memory over time, the loss per step) are computed by ``ddpkit.trace.figures``, as for
 the replay and the matplotlib plots.
@@ -74,18 +79,23 @@ class LiveState:
             snap = dict(
                 steps=sorted(self.steps), records=[r for s in sorted(self.steps) for r in self.steps[s]],
                 memory={rank: list(pts) for rank, pts in self.memory.items()},
-                loss=[r for rs in self.loss.values() for r in rs],
+                loss=[r for rs in self._complete().values() for r in rs],
                 t0=self.t0, count=self.records, latest=dict(self.latest))
         snap["loss"] = loss_per_step(snap["loss"])
         return snap
 
+    def _complete(self) -> dict[int, list]:
+        """The steps whose loss every rank has reported (call with the lock held)."""
+        return {s: rs for s, rs in self.loss.items() if len({r.rank for r in rs}) >= self.world_size}
+
     def latest_loss(self) -> tuple[int, float] | None:
-        """(step, mean loss) of the newest step with a loss, or None."""
+        """(step, mean loss over the ranks) of the newest step every rank has reported, or None."""
         with self._lock:
-            if not self.loss:
+            complete = self._complete()
+            if not complete:
                 return None
-            step = max(self.loss)
-            return step, loss_per_step(self.loss[step])[step]
+            step = max(complete)
+            return step, loss_per_step(complete[step])[step]
 
     def size(self) -> int:
         """Everything held, in records and points (bounded: a test checks it)."""

@@ -15,6 +15,8 @@ import time
 
 import ipywidgets as widgets
 
+from ddpkit.viz._common import plural
+
 LONG_S = 2.0     # a run shorter than this gets no status line (most cells)
 UPDATE_S = 0.5   # the line changes at most this often
 
@@ -70,7 +72,7 @@ class CellStatus:
         if self.cell_output is not None:
             note = widgets.HTML(
                 f"<span style='color:#616161'>&#9632; <b>ddpkit</b>: this cell shut the cluster down "
-                f"({world_size} rank(s) stopped at {html.escape(time.strftime('%H:%M:%S'))}). "
+                f"({plural(world_size, 'rank')} stopped at {html.escape(time.strftime('%H:%M:%S'))}). "
                 "cluster.start() or the widget's start button brings it back.</span>")
             note.add_class("ddpkit-shutdown-note")
             self.cell_output(note)

@@ -94,8 +94,8 @@ def x_axis(svg: Svg, scale: Scale, y: float, label: str, fmt=lambda v: f"{v:g}")
     for v in scale.ticks():
         x = scale(v)
         svg.line(x, y, x, y + 4, stroke="#888")
-        svg.text(x, y + 15, fmt(v), size=10, anchor="middle", fill="#555")
-    svg.text((scale.a + scale.b) / 2, y + 29, label, size=11, anchor="middle", fill="#444")
+        svg.text(x, y + 15, fmt(v), size=11, anchor="middle", fill="#555")
+    svg.text((scale.a + scale.b) / 2, y + 30, label, size=12, anchor="middle", fill="#444")
 
 
 def message(text: str) -> str:

@@ -12,11 +12,11 @@ and ranks drawn.
 from __future__ import annotations
 
 from ddpkit.trace.figures import Timeline
-from ddpkit.viz._common import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR
+from ddpkit.viz._common import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, plural
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 
 WIDTH = 860
-LEFT = 120
+LEFT = 140
 ROW = 16
 
 
@@ -32,10 +32,10 @@ def timeline_view(fig: Timeline) -> str:
     x = Scale(0.0, max((t1 - t0) / 1e6, 1e-3), LEFT, WIDTH - 12)
     ms = lambda ns: x((ns - t0) / 1e6)  # noqa: E731
     which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-    svg.text(4, 14, f"Timeline · {which} · {len(fig.lanes)} rank(s): {fig.overlap:.0%} of communication time "
-             "hidden under backward computing", size=12, weight="bold")
+    svg.text(4, 14, f"Timeline · {which} · {plural(len(fig.lanes), 'rank')}: {fig.overlap:.0%} of communication time "
+             "hidden under backward computing", size=13, weight="bold")
     svg.text(4, 29, "compute row above, one row per bucket below (colour = bucket); green: communication "
-             "while backward computes", size=10, fill="#555")
+             "while backward computes", size=11, fill="#555")
 
     y = top
     for lane, lane_height in zip(fig.lanes, heights, strict=True):
@@ -56,16 +56,16 @@ def timeline_view(fig: Timeline) -> str:
                      stroke_width=0.8, title=f"backward waiting for communication: {(b - a) / 1e6:.2f} ms")
         for i, (label, rs) in enumerate(rows):
             ry = comm_top + i * ROW
-            svg.text(LEFT - 6, ry + ROW / 2 + 4, label, size=10, anchor="end", fill="#444")
+            svg.text(LEFT - 6, ry + ROW / 2 + 4, label, size=11, anchor="end", fill="#444")
             collective_bars(svg, rs, ry + 3, ROW - 6, ms, t1, when=lambda r: f"{r.dur_ns / 1e6:.2f} ms (step {r.step})")
         if not rows:
-            svg.text(LEFT, comm_top + ROW / 2 + 4, "no collectives", size=10, fill="#555")
+            svg.text(LEFT, comm_top + ROW / 2 + 4, "no collectives", size=11, fill="#555")
         y += lane_height
         svg.line(4, y - 5, WIDTH - 4, y - 5, stroke="#ddd")
 
     for s, first in fig.step_starts.items():  # a dashed line where each step starts
         svg.line(ms(first), top - 4, ms(first), y - 5, stroke="#000", width=0.8, dash="4,3", opacity=0.5)
-        svg.text(ms(first) + 3, top + 2, f"step {s}", size=10, fill="#333")
+        svg.text(ms(first) + 3, top + 2, f"step {s}", size=11, fill="#333")
     x_axis(svg, x, y + 2, "ms")
     _legend(svg, y + 48)
     return svg.html()
@@ -78,5 +78,5 @@ def _legend(svg: Svg, y: float) -> None:
     x = 8.0
     for colour, label in items:
         svg.rect(x, y - 9, 12, 10, colour, opacity=0.6 if colour == OVERLAP_COLOUR else None)
-        svg.text(x + 16, y, label, size=10)
-        x += 22 + 6.2 * len(label)
+        svg.text(x + 16, y, label, size=11)
+        x += 24 + 6.6 * len(label)  # about 6.6 px a character at 11 px
