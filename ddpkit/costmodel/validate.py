@@ -95,15 +95,16 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
 def format_validation(records: list[dict]) -> str:
     """predict --validate's table: predicted (alpha-beta lines) and measured ms/step, the error,
     the rounds' spread; then the prediction from the calibration's timings, interpolated."""
-    heads = (f"{'ranks':>5}  {'strategy':>10}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
+    w = max([10] + [len(r["strategy"]) for r in records])  # long labels ("fsdp (backward prefetch)") fit
+    heads = (f"{'ranks':>5}  {'strategy':>{w}}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
              f"{'rounds (min-max)':>16}  {'from timings':>12}  {'error':>6}")
     lines = [heads]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['error']}")
+            lines.append(f"{r['world_size']:>5}  {r['strategy']:>{w}}  {r['error']}")
             continue
         spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
-        lines.append(f"{r['world_size']:>5}  {r['strategy']:>10}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
+        lines.append(f"{r['world_size']:>5}  {r['strategy']:>{w}}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
                      f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_from_timings_ms']:12.2f}  "
                      f"{r['predicted_from_timings_ms'] / r['measured_ms'] - 1:+6.0%}")
     return "\n".join(lines)
