@@ -284,3 +284,29 @@ cluster.run(fails_on_rank_1)''')
     wait_until(lambda: "ValueError: rank 1 cannot go on" in tb.inner_text(), 10, "rank 1's traceback")
     assert widget.locator(".ddpkit-rank-log").nth(0).locator(".ddpkit-traceback").count() == 0
     widget.screenshot(path=str(tmp_path / "failed.png"))
+
+
+# The on-screen size of every label in the live plots: its SVG font size times the scale the page
+# drew the SVG at (its width on screen over its viewBox width).
+LABEL_PX = """root => [...root.querySelectorAll('svg')].filter(s => s.getBoundingClientRect().width > 0)
+  .flatMap(s => { const k = s.getBoundingClientRect().width / s.viewBox.baseVal.width;
+                  return [...s.querySelectorAll('text')].map(t => parseFloat(t.getAttribute('font-size')) * k); })"""
+
+
+def test_the_plots_labels_read_at_11_px_in_a_1400_px_window(live):
+    """At a 1400 px window (JupyterLab's file browser open), every label of the bucket fill, the
+    timeline, the memory view and the loss is drawn at 11 px or more: the tabs take the plots' own
+    width and the loss wraps below them, nothing is scaled down to 6-7 px."""
+    page, widget = live
+    page.set_viewport_size({"width": 1400, "height": 1400})
+    add_and_run_cell(page, "with cluster.recording():\n    cluster.run(train, 4)")
+    wait_notebook_idle(page, 60, "a short recorded run")
+    wait_until(lambda: "showing step 3" in widget.locator(".ddpkit-live-summary").inner_text(), 30, "the replay")
+    plots = widget.locator(".ddpkit-live")
+    seen = {}
+    for tab in ("bucket fill", "timeline", "memory"):
+        widget.locator(".lm-TabBar-tabLabel", has_text=tab).click()
+        sizes = wait_until(lambda: (lambda s: s if len(s) > 10 else None)(plots.evaluate(LABEL_PX)), 10,
+                           f"the {tab} tab's labels")
+        seen[tab] = min(sizes)
+    assert all(px >= 10.9 for px in seen.values()), seen
