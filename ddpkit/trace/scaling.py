@@ -93,7 +93,7 @@ class StepBreakdown:
 
     world_size: int
     steps: list[int]
-    step_ms: float                        # from the end of the step before the first to the last's, / steps
+    step_ms: float                        # the mean time from one step's end to the next's (step_ends)
     parts: dict[str, float]               # STEP_PARTS, each the mean over ranks and steps
     per_rank: dict[int, dict[str, float]] = field(default_factory=dict)  # each rank's parts
 
@@ -209,7 +209,8 @@ def step_breakdown(trace, steps=None, skip: int = 1) -> StepBreakdown:
                 totals[k] += v
                 per_rank[rank][k] += v
     n = len(steps) * len(trace.ranks)
-    return StepBreakdown(trace.world_size, steps, (ends[steps[-1]] - ends[prev[steps[0]]]) / len(steps) / 1e6,
+    step_ms = sum(ends[s] - ends[prev[s]] for s in steps) / len(steps) / 1e6
+    return StepBreakdown(trace.world_size, steps, step_ms,
                          {k: v / n / 1e6 for k, v in totals.items()},
                          {rank: {k: v / len(steps) / 1e6 for k, v in p.items()} for rank, p in per_rank.items()})
 
@@ -221,7 +222,7 @@ class Gap:
     world_size: int
     mode: str                   # "strong" (same global batch) or "weak" (same batch per rank)
     one_rank_ms: float          # T(1): the measured step time at 1 rank
-    step_ms: float              # T(N): the measured step time at N ranks (slowest rank per step)
+    step_ms: float              # T(N): the measured step time at N ranks (between the shared step ends)
     ideal_ms: float             # perfect scaling: T(1)/N (strong) or T(1) (weak)
     parts: dict[str, float]     # GAP_PARTS (see the module docstring); negative = better than ideal
     at_one: StepBreakdown
