@@ -20,8 +20,9 @@ group's name lives on its registered backend, so the real backend is registered 
 (``torch_internals.register_real_backend``). Methods that are not collectives (send, recv, ...)
 pass through uncounted.
 
-gloo has no reduce-scatter of its own for flat tensors: ``_reduce_scatter_base`` runs an
-all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs. The counts
+gloo has no reduce-scatter of its own for flat tensors: its ``_reduce_scatter_base`` runs an
+all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs (this group
+does the same itself, see ``_reduce_scatter_by_all_reduce``). The counts
 keep both: ``bytes`` is what the algorithm sends (what the emulated link is charged, what the
 papers count), ``transport_bytes`` what the real backend moved.
 """
@@ -167,18 +168,44 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        moved = "all_reduce" if self.comm.real_backend == "gloo" else None  # see the docstring
+        if self.comm.real_backend == "gloo":  # see the docstring, and _reduce_scatter_by_all_reduce
+            return self._issue("reduce_scatter", _nbytes([input]),
+                               lambda: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
+                               "all_reduce")
         return self._issue("reduce_scatter", _nbytes([input]),
-                           lambda: self.real._reduce_scatter_base(output, input, opts), [output], moved)
+                           lambda: self.real._reduce_scatter_base(output, input, opts), [output])
+
+    def _reduce_scatter_by_all_reduce(self, output, input, opts):
+        """gloo's reduce-scatter of a flat tensor, done here: all-reduce a copy of the input, then
+        copy this rank's chunk out once, when the all-reduce completes (on gloo's thread).
+
+        gloo's own ``_reduce_scatter_base`` does the same, but its Work (which has no future)
+        copies the chunk out on *every* ``wait()``: a second wait -- a recorder's watcher, say --
+        silently overwrites whatever the caller did with the output since (HSDP all-reduces it
+        across nodes in place). This Work has a future, and waiting on it twice is harmless."""
+        flat = input.detach().reshape(-1).clone()
+        options = dist.AllreduceOptions()
+        options.reduceOp = opts.reduceOp
+        options.timeout = opts.timeout
+        work = self.real.allreduce([flat], options)
+        n = output.numel()
+        mine = flat[self.rank() * n:(self.rank() + 1) * n]
+
+        def copy_out(_):
+            output.view(-1).copy_(mine)
+            return [output]
+
+        return work_from_future(work.get_future().then(copy_out))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        moved = "all_reduce" if self.comm.real_backend == "gloo" else None
+        gloo = self.comm.real_backend == "gloo"
+        one = self._reduce_scatter_by_all_reduce if gloo else self.real._reduce_scatter_base
         return self._issue("reduce_scatter", _nbytes(inputs),
-                           lambda: self._one_by_one(self.real._reduce_scatter_base, outputs, inputs, opts),
-                           outputs, moved)
+                           lambda: self._one_by_one(one, outputs, inputs, opts), outputs,
+                           "all_reduce" if gloo else None)
 
     @staticmethod
     def _one_by_one(op, outputs, inputs, opts):

@@ -115,6 +115,27 @@ def test_glooss_reduce_scatter_counts_the_algorithm_and_what_gloo_moved(cluster_
         assert sent == 1 / 2 * 4000 and moved == 2 * sent
 
 
+def _reduce_scatter_waited_twice():
+    rank = dist.get_rank()
+    out = torch.empty(3)
+    work = dist.reduce_scatter_tensor(out, torch.arange(6.0) + rank, async_op=True)
+    work.wait()
+    first = out.clone()
+    out.mul_(10)   # what HSDP does next: the shard all-reduced across nodes, in place
+    work.wait()    # a second wait (a recorder's watcher thread waits on works too)
+    return first.tolist(), out.tolist(), hasattr(work, "get_future") and work.get_future() is not None
+
+
+def test_a_reduce_scatter_waited_twice_keeps_what_the_caller_wrote_since(cluster_of):
+    # gloo's own flat reduce-scatter copied its chunk out again on every wait(): a recorded hsdp
+    # run then lost the cross-node all-reduce of a gradient shard now and then
+    for rank, (first, after, has_future) in enumerate(cluster_of(2).run(_reduce_scatter_waited_twice)):
+        expected = [2 * (3 * rank + i) + 1 for i in range(3)]   # rank 0's + rank 1's chunk
+        assert first == expected
+        assert after == [10 * v for v in expected]
+        assert has_future
+
+
 # ----------------------------------------------------------------------------- recording
 def _recorded_bucketed():
     from ddpkit.experiment import local_batch, train_step, wrap
