@@ -1,6 +1,7 @@
 """Cluster: persistent rank processes that run notebook-defined functions.
 
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
+    ddpkit.Cluster(2, transport="shm")            # CPU ranks' bytes through shared memory, not gloo's sockets
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
     with cluster.recording():                     # record (and stream) what the jobs do
         cluster.run(job)                          # -> what job returned, as always
@@ -40,13 +41,14 @@ from ddpkit.cluster.processes import Settings, Workers
 __all__ = ["Cluster", "RankError", "RankState"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+TRANSPORTS = ("gloo", "shm")  # what moves CPU ranks' bytes: gloo's sockets, or shared memory (ddpkit.transport)
 
 
 class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 threads_per_rank: int | None = None, network=None):
+                 threads_per_rank: int | None = None, network=None, transport: str = "gloo"):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or
@@ -58,6 +60,10 @@ class Cluster:
         self.world_size = world_size
         self._network = _check_network(network, world_size)
         self.backend = _resolve_backend(backend, world_size)
+        if transport not in TRANSPORTS or (transport == "shm" and self.backend == "nccl"):
+            raise ValueError(f"transport must be one of {TRANSPORTS} (\"shm\": CPU ranks only, not under "
+                             f"backend {self.backend!r}), got {transport!r}")
+        self.transport = transport
         self.timeout = float(timeout)
         # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
         # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
@@ -107,7 +113,7 @@ class Cluster:
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
-                                     self._network.to_dict()))
+                                     self._network.to_dict(), self.transport))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""

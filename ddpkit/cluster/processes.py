@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -61,6 +62,7 @@ class Settings:
     timeout: float
     threads_per_rank: int
     network: dict  # ddpkit.Network.to_dict(): the links the ranks' process group emulates
+    transport: str = "gloo"  # what carries the bytes of CPU ranks: "gloo", or "shm" (ddpkit.transport)
 
 
 class Workers:
@@ -75,6 +77,7 @@ class Workers:
         self.stderr_tail: list[collections.deque] = []  # fd-level stderr: a crash's last words
         self.admission: Admission | None = None
         self.store = None
+        self.shm_prefix = ""  # names in /dev/shm of this start's shared-memory groups
         self._readers: list[list[threading.Thread]] = []
 
     @property
@@ -87,6 +90,7 @@ class Workers:
             raise RuntimeError("the cluster is already running; use restart()")
         self.settings = settings
         self.generation += 1
+        self.shm_prefix = f"dk{secrets.token_hex(4)}_"  # this start's names in /dev/shm (transport "shm")
         self.admission = Admission(self.generation, settings.world_size)
         self.store = _loopback_store(settings.timeout)
         self.events.reset(settings.world_size)
@@ -116,7 +120,8 @@ class Workers:
         cfg = dict(rank=rank, world_size=s.world_size, backend=s.backend,
                    address=list(self.admission.address), authkey=self.admission.key.hex(),
                    generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
-                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network)
+                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network,
+                   transport=s.transport, shm_prefix=self.shm_prefix)
         proc.stdin.write((json.dumps(cfg) + "\n").encode())
         proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
         self.procs.append(proc)
@@ -263,6 +268,10 @@ class Workers:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns, self._readers = [], {}, []
+        if self.settings is not None and self.settings.transport == "shm":
+            from ddpkit.transport.segment import unlink_segments
+
+            unlink_segments(self.shm_prefix)  # ranks that died while setting up a group left these
         if self.admission is not None:
             self.admission.close()
             self.admission = None
