@@ -26,8 +26,6 @@ timeout passed, ranks issued different collectives) is an ``ShmError`` (a ``Dist
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from datetime import timedelta
 
@@ -35,38 +33,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
+from ddpkit.transport.runner import Runner, finished
 from ddpkit.transport.segment import Segment, ShmError
 
 CHUNK_BYTES = 1 << 20   # bytes of one rank's region: the largest piece moved per barrier
+SMALL_BYTES = 64 << 10  # all-reduces up to this size take one barrier, each rank reducing all of it
+SPIN_US = 50.0          # how long a rank polls its doorbell before it sleeps in the kernel
 CARRIED = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, BARRIER = 1, 2, 3, 4, 5  # fingerprint op codes
 _REDUCE = (("SUM", torch.add), ("AVG", torch.add), ("PRODUCT", torch.mul),
            ("MIN", torch.minimum), ("MAX", torch.maximum))
-
-
-class _Work(dist.Work):
-    """A collective in flight: ``wait()`` blocks until it is done and raises its error.
-
-    (A Work made by torch's ``_create_work_from_future`` returns from ``wait()`` even when the
-    future failed, so a dead peer would go unnoticed; this one re-raises.)"""
-
-    def __init__(self, future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout=None):
-        self._future.wait()
-        return True
-
-    def get_future(self):
-        return self._future
-
-    def is_completed(self):
-        return self._future.done()
-
-    def result(self):
-        return self._future.value()
 
 
 def _reducer(op):
@@ -94,16 +71,16 @@ class ShmBackend(dist.ProcessGroupGloo):
     """One process group of ranks on one host: collectives through a shared slab, the rest gloo."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
-                 prefix: str | None = None, chunk_bytes: int = CHUNK_BYTES, spin_us: float = 0.0):
+                 prefix: str | None = None, chunk_bytes: int = CHUNK_BYTES, spin_us: float = SPIN_US,
+                 small_bytes: int = SMALL_BYTES):
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
         self._rank, self._size = rank, size
         self._timeout_s = timeout.total_seconds()
         # prefix: how this group's names in /dev/shm start (a Cluster picks one per start and
         # removes leftovers by it); only group rank 0 names things
         self._seg = Segment(store, rank, size, chunk_bytes, prefix or f"dk{os.getpid()}_", spin_us * 1e-6)
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._small_bytes = min(small_bytes, self._seg.chunk)  # all-reduces up to this: one barrier
+        self._runner = Runner(f"ddpkit-shm-rank{rank}of{size}")
         self._seq = 0              # collectives run on the slab so far (the same on every rank)
         self._half = 0             # chunks moved so far: chunk j uses half j % 2
         self._failed: ShmError | None = None
@@ -122,38 +99,29 @@ class ShmBackend(dist.ProcessGroupGloo):
             return None
         return op
 
-    def _submit(self, what: str, code: int, nbytes: int, body, result) -> _Work:
+    def _submit(self, opts, what: str, code: int, nbytes: int, body, result):
         """Queue ``body`` behind this group's earlier collectives; a Work for its completion."""
-        future = torch.futures.Future()
-        self._tasks.put((what, code, nbytes, body, result, future))
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._serve, daemon=True,
-                                                    name=f"ddpkit-shm-rank{self._rank}of{self._size}")
-                    self._thread.start()
-        return _Work(future)
+        return self._runner.submit(lambda future: self._execute(what, code, nbytes, body, result, future),
+                                   waited=not getattr(opts, "asyncOp", True))
 
-    def _serve(self) -> None:
-        """The group's thread: run collectives one at a time, in issue order, on every rank."""
-        while True:
-            what, code, nbytes, body, result, future = self._tasks.get()
-            if self._failed is None and (nbytes or code == BARRIER):  # empty tensors: nothing to move
-                self._seq += 1
-                self._what = f"shm {what} #{self._seq} ({nbytes} bytes, rank {self._rank} of {self._size})"
-                self._deadline = time.monotonic() + self._timeout_s
-                self._seg.publish(self._seq, code, nbytes)
-                try:
-                    body()
-                except BaseException as exc:  # noqa: BLE001 - the peers may now wait forever: fail the group
-                    self._failed = exc if isinstance(exc, ShmError) else ShmError(
-                        f"{self._what}: {type(exc).__name__}: {exc}")
-                    future.set_exception(self._failed)
-                    continue
-            if self._failed is not None:
-                future.set_exception(ShmError(f"shm {what}: this group failed earlier: {self._failed}"))
-            else:
-                future.set_result(result)
+    def _execute(self, what: str, code: int, nbytes: int, body, result, future) -> None:
+        """Run one collective (on whichever thread runs the queue) and complete its future."""
+        if self._failed is None and (nbytes or code == BARRIER):  # empty tensors: nothing to move
+            self._seq += 1
+            self._what = f"shm {what} #{self._seq} ({nbytes} bytes, rank {self._rank} of {self._size})"
+            self._deadline = time.monotonic() + self._timeout_s
+            self._seg.publish(self._seq, code, nbytes)
+            try:
+                body()
+            except BaseException as exc:  # noqa: BLE001 - the peers may now wait forever: fail the group
+                self._failed = exc if isinstance(exc, ShmError) else ShmError(
+                    f"{self._what}: {type(exc).__name__}: {exc}")
+                future.set_exception(self._failed)
+                return
+        if self._failed is not None:
+            future.set_exception(ShmError(f"shm {what}: this group failed earlier: {self._failed}"))
+        else:
+            future.set_result(result)
 
     def _sync(self, first: bool) -> None:
         self._seg.barrier(self._deadline, self._what)
@@ -171,7 +139,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         if len(tensors) != 1 or op is None:
             return super().allreduce(tensors, opts)  # several tensors per rank, bitwise ops, ...: gloo
         t = tensors[0]
-        return self._submit("all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors),
+        return self._submit(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors),
                             lambda: self._all_reduce(t, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -185,14 +153,14 @@ class ShmBackend(dist.ProcessGroupGloo):
             self._all_reduce(flat, op)
             for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 t.copy_(part.view(t.shape))
-        return self._submit("all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), body, tensors)
+        return self._submit(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), body, tensors)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
         if len(tensors) != 1 or opts.rootTensor != 0 or not self._carries(tensors):
             return super().broadcast(tensors, opts)
         t, root = tensors[0], opts.rootRank
-        return self._submit("broadcast", BROADCAST + 16 * root, _nbytes(tensors),
+        return self._submit(opts, "broadcast", BROADCAST + 16 * root, _nbytes(tensors),
                             lambda: self._broadcast(t, root), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
@@ -202,14 +170,14 @@ class ShmBackend(dist.ProcessGroupGloo):
                 or any(o.numel() != inputs[0].numel() for o in output_lists[0])):
             return super().allgather(output_lists, inputs, opts)
         x, outs = inputs[0], output_lists[0]
-        return self._submit("all_gather", ALL_GATHER, _nbytes(outs),
+        return self._submit(opts, "all_gather", ALL_GATHER, _nbytes(outs),
                             lambda: self._all_gather(x, outs), output_lists)
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         if not self._carries([output, input]) or output.numel() != self._size * input.numel():
             return super()._allgather_base(output, input, opts)
-        return self._submit("all_gather", ALL_GATHER, _nbytes([output]),
+        return self._submit(opts, "all_gather", ALL_GATHER, _nbytes([output]),
                             lambda: self._all_gather(input, [output]), [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -220,7 +188,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         def body():
             for o, i in zip(outputs, inputs, strict=True):
                 self._all_gather(i, [o])
-        return self._submit("all_gather", ALL_GATHER, _nbytes(outputs), body, outputs)
+        return self._submit(opts, "all_gather", ALL_GATHER, _nbytes(outputs), body, outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -229,7 +197,7 @@ class ShmBackend(dist.ProcessGroupGloo):
                 or any(i.numel() != outputs[0].numel() for i in input_lists[0])):
             return super().reduce_scatter(outputs, input_lists, opts)
         out, ins = outputs[0], input_lists[0]
-        return self._submit("reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(ins),
+        return self._submit(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(ins),
                             lambda: self._reduce_scatter(ins, out, op), outputs)
 
     def _reduce_scatter_base(self, output, input, opts=None):
@@ -237,7 +205,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         op = self._carried_op(opts.reduceOp, [output, input])
         if op is None or input.numel() != self._size * output.numel():
             return super()._reduce_scatter_base(output, input, opts)
-        return self._submit("reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes([input]),
+        return self._submit(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes([input]),
                             lambda: self._reduce_scatter([input], output, op), [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -249,18 +217,16 @@ class ShmBackend(dist.ProcessGroupGloo):
         def body():
             for o, i in zip(outputs, inputs, strict=True):
                 self._reduce_scatter([i], o, op)
-        return self._submit("reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(inputs), body, outputs)
+        return self._submit(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(inputs), body, outputs)
 
     def _on_gloo(self, method, outputs, inputs, opts):
         """A coalesced collective that gloo's binding lacks, pair by pair on gloo (finished)."""
         for o, i in zip(outputs, inputs, strict=True):
             method(self, o, i, opts).wait()
-        future = torch.futures.Future()
-        future.set_result(outputs)
-        return _Work(future)
+        return finished(outputs)
 
     def barrier(self, opts=None):
-        return self._submit("barrier", BARRIER, 0, lambda: self._sync(first=True), [])
+        return self._submit(opts, "barrier", BARRIER, 0, lambda: self._sync(first=True), [])
 
     # ------------------------------------------------------------------ moving the bytes (worker thread)
     def _reduce(self, parts, out, op) -> None:
@@ -278,17 +244,25 @@ class ShmBackend(dist.ProcessGroupGloo):
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         x, copy_back = _writable(t)
         n, r, v = self._size, self._rank, self._seg.views(x.dtype)   # v: (2, N + 1, E)
-        step = v.shape[2]
-        for i in range(0, x.numel(), step):
-            length = min(step, x.numel() - i)
+        if x.numel() * x.element_size() <= self._small_bytes:
+            # Small: one barrier, then every rank reduces all of it (in rank order, so the same
+            # bits everywhere): a second barrier costs more than N-1 additions of a few KB.
             h = self._next_half()
-            v[h, r, :length].copy_(x[i:i + length])                  # my chunk into my region
-            self._sync(first=i == 0)
-            lo, hi = length * r // n, length * (r + 1) // n          # my 1/N slice: reduce it
-            if hi > lo:
-                self._reduce([v[h, k, lo:hi] for k in range(n)], v[h, n, lo:hi], op)
-            self._sync(first=False)
-            x[i:i + length].copy_(v[h, n, :length])                  # everyone's slices, reduced
+            v[h, r, :x.numel()].copy_(x)
+            self._sync(first=True)
+            self._reduce([v[h, k, :x.numel()] for k in range(n)], x, op)
+        else:
+            step = v.shape[2]
+            for i in range(0, x.numel(), step):
+                length = min(step, x.numel() - i)
+                h = self._next_half()
+                v[h, r, :length].copy_(x[i:i + length])              # my chunk into my region
+                self._sync(first=i == 0)
+                lo, hi = length * r // n, length * (r + 1) // n      # my 1/N slice: reduce it
+                if hi > lo:
+                    self._reduce([v[h, k, lo:hi] for k in range(n)], v[h, n, lo:hi], op)
+                self._sync(first=False)
+                x[i:i + length].copy_(v[h, n, :length])              # everyone's slices, reduced
         if copy_back:
             copy_back()
 
