@@ -1,18 +1,19 @@
 """What moving bytes between the ranks of this host costs: α and β per collective, gloo vs shared memory.
 
     python benchmarks/bench_transport.py [--world-size 2] [--rounds 5] [--iters 8]
-        [--sizes 4K,64K,256K,1M,8M] [--candidates gloo,gloo-lo,gloo-2lo,gloo-1thread,gloo-4threads,shm,shm-spin]
+        [--sizes 4K,64K,256K,1M,8M] [--candidates gloo,gloo-lo,gloo-2lo,gloo-1thread,gloo-4threads,shm,shm-block]
 
 Part 1, the transports alone. Inside one Cluster every rank builds each candidate as a process
 group of its own (over a fresh TCPStore, one prefix per candidate) and calls its collectives
-directly (``pg.allreduce([t]).wait()``, ``_allgather_base``, ``_reduce_scatter_base``,
-``broadcast``), so nothing but the transport is timed. Everything is interleaved in one run: for
-every collective and size, the candidates take turns, in an order that rotates from round to
-round, so a burst of load from others on the machine hits them alike. A call's time is the
-slowest rank's (a collective is done when every rank has it); each cell shows the median of
-rounds x iters calls and its spread (25th-75th percentile). α and β come from a least-squares
-fit of the medians, t = α + S / β, S the full size (all-reduce: the buffer, all-gather: the
-output, reduce-scatter: the input, broadcast: the buffer).
+directly (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``, ``broadcast``, then
+``wait()``, with ``asyncOp`` off as ``dist.all_reduce(t)`` passes it), so nothing but the
+transport is timed. Everything is interleaved in one run: for every collective and size, the
+candidates take turns, in an order that rotates from round to round, so a burst of load from
+others on the machine hits them alike. A call's time is the slowest rank's (a collective is done
+when every rank has it); each cell shows the median of rounds x iters calls and its spread
+(25th-75th percentile). α and β come from a least-squares fit of the medians, t = α + S / β, S
+the full size (all-reduce: the buffer, all-gather: the output, reduce-scatter: the input,
+broadcast: the buffer).
 
   gloo            ProcessGroupGloo as the Cluster builds it (device from the host name: loopback here)
   gloo-lo         gloo on a device bound to interface "lo" (what GLOO_SOCKET_IFNAME=lo does)
@@ -23,8 +24,10 @@ output, reduce-scatter: the input, broadcast: the buffer).
 
 Part 2, the goal: between 2 ranks of a Cluster. Two Clusters, transport="gloo" and "shm", live
 together; rounds alternate between them; each times ``dist.all_reduce`` through the cluster's own
-process group (ddpkit's, over its transport: what every strategy sees) at 4 KB and 1 MB.
-Goal: shm <= 0.5x gloo at 4 KB, <= 0.4x at 1 MB.
+process group (ddpkit's, over its transport: what every strategy sees) at 4 KB and 1 MB, called
+synchronously (``dist.all_reduce(t)``: the goal, shm <= 0.5x gloo at 4 KB, <= 0.4x at 1 MB) and
+asynchronously (``async_op=True``, then ``wait()``: how buckets are reduced; the collective runs on
+the group's own thread, a hand-off that costs about 0.1 ms more on shm).
 """
 from __future__ import annotations
 
@@ -82,18 +85,25 @@ def _call(pg, collective: str, nbytes: int, n: int):
     import torch
     import torch.distributed as dist
 
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    def sync(kind):  # what torch's synchronous calls pass (``dist.all_reduce(t)``: asyncOp False)
+        opts = kind()
+        opts.asyncOp = False
+        return opts
+
     elems = max(n, nbytes // 4 // n * n)
     if collective == "all_reduce":
-        t = torch.randn(elems)
-        return lambda: pg.allreduce([t]).wait()
+        t, opts = torch.randn(elems), sync(dist.AllreduceOptions)
+        return lambda: pg.allreduce([t], opts).wait()
     if collective == "all_gather":
-        out, inp = torch.empty(elems), torch.randn(elems // n)
-        return lambda: pg._allgather_base(out, inp).wait()
+        out, inp, opts = torch.empty(elems), torch.randn(elems // n), sync(AllgatherOptions)
+        return lambda: pg._allgather_base(out, inp, opts).wait()
     if collective == "reduce_scatter":
-        out, inp = torch.empty(elems // n), torch.randn(elems)
-        return lambda: pg._reduce_scatter_base(out, inp).wait()
-    t = torch.randn(elems)
-    return lambda: pg.broadcast([t], dist.BroadcastOptions()).wait()
+        out, inp, opts = torch.empty(elems // n), torch.randn(elems), sync(dist.ReduceScatterOptions)
+        return lambda: pg._reduce_scatter_base(out, inp, opts).wait()
+    t, opts = torch.randn(elems), sync(dist.BroadcastOptions)
+    return lambda: pg.broadcast([t], opts).wait()
 
 
 def transports_job(candidates, collectives, sizes, rounds: int, iters: int) -> dict:
@@ -129,7 +139,8 @@ def transports_job(candidates, collectives, sizes, rounds: int, iters: int) -> d
 
 
 def cluster_job(sizes, iters: int) -> dict:
-    """A Cluster job: {bytes: [seconds per dist.all_reduce]} through the cluster's own group."""
+    """A Cluster job: {(bytes, "sync" or "async"): [seconds per dist.all_reduce]} through the
+    cluster's own group; async: ``dist.all_reduce(t, async_op=True).wait()``."""
     import time
 
     import torch
@@ -138,12 +149,16 @@ def cluster_job(sizes, iters: int) -> dict:
     out = {}
     for s in sizes:
         t = torch.randn(s // 4)
-        dist.all_reduce(t)
-        out[s] = []
-        for _ in range(iters):
-            a = time.perf_counter()
+        for mode in ("sync", "async"):
             dist.all_reduce(t)
-            out[s].append(time.perf_counter() - a)
+            out[(s, mode)] = []
+            for _ in range(iters):
+                a = time.perf_counter()
+                if mode == "sync":
+                    dist.all_reduce(t)
+                else:
+                    dist.all_reduce(t, async_op=True).wait()
+                out[(s, mode)].append(time.perf_counter() - a)
     return out
 
 
@@ -229,16 +244,18 @@ def main() -> None:
         for r in range(2 * args.rounds):
             for name, c in ((("gloo", cg), ("shm", cs)) if r % 2 == 0 else (("shm", cs), ("gloo", cg))):
                 rounds[name].append(c.run(cluster_job, goal_sizes, 4 * args.iters))
-    for s, goal in zip(goal_sizes, (0.5, 0.4), strict=True):
-        med = {}
-        for name in rounds:
-            ms = [t for res in rounds[name] for t in _slowest([rank_res[s] for rank_res in res])]
-            med[name] = _stats(ms)
-        ratio = med["shm"][0] / med["gloo"][0]
-        verdict = "met" if ratio <= goal else "NOT met"
-        print(f"{_label(s):>5} all-reduce through a Cluster: shm {med['shm'][0]:.3f} ms [{med['shm'][1]:.3f}-"
-              f"{med['shm'][2]:.3f}], gloo {med['gloo'][0]:.3f} ms [{med['gloo'][1]:.3f}-{med['gloo'][2]:.3f}] "
-              f"-> {ratio:.2f}x gloo (goal <= {goal}x: {verdict})")
+    for mode in ("sync", "async"):
+        for s, goal in zip(goal_sizes, (0.5, 0.4), strict=True):
+            med = {}
+            for name in rounds:
+                ms = [t for res in rounds[name] for t in _slowest([rank_res[(s, mode)] for rank_res in res])]
+                med[name] = _stats(ms)
+            ratio = med["shm"][0] / med["gloo"][0]
+            verdict = f"goal <= {goal}x: {'met' if ratio <= goal else 'NOT met'}" if mode == "sync" else "no goal"
+            what = "dist.all_reduce(t)" if mode == "sync" else "dist.all_reduce(t, async_op=True).wait()"
+            print(f"{_label(s):>5} all-reduce through a Cluster, {what}: shm {med['shm'][0]:.3f} ms "
+                  f"[{med['shm'][1]:.3f}-{med['shm'][2]:.3f}], gloo {med['gloo'][0]:.3f} ms [{med['gloo'][1]:.3f}-"
+                  f"{med['gloo'][2]:.3f}] -> {ratio:.2f}x gloo ({verdict})")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

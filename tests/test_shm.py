@@ -276,10 +276,15 @@ def test_async_collectives_complete_in_issue_order_whichever_is_waited_for_first
             w.wait()
         dist.barrier()
         ok = all(torch.equal(t, torch.full_like(t, sum(r + i for r in range(n)))) for i, t in enumerate(ts))
-        return ok, [g[0].item() for g in gathered], all(w.is_completed() for w in works)
+        # a callback that issues a collective and waits for it (as a comm hook may) runs on the
+        # thread that completed the first one: the second must run there too, not deadlock
+        u = torch.ones(1)
+        chained = dist.all_reduce(torch.ones(1), async_op=True).get_future().then(
+            lambda _: (dist.all_reduce(u), u.item())[1])
+        return ok, [g[0].item() for g in gathered], all(w.is_completed() for w in works), chained.wait()
 
-    for ok, gathered, completed in shm_cluster_of(2).run(job):
-        assert ok and gathered == [0.0, 1.0] and completed
+    for ok, gathered, completed, chained in shm_cluster_of(2).run(job):
+        assert ok and gathered == [0.0, 1.0] and completed and chained == 2.0
 
 
 def test_what_shm_does_not_carry_runs_on_gloo(shm_cluster_of):

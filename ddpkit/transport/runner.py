@@ -9,7 +9,9 @@ handing those to a thread and back costs two wake-ups and the GIL passed back an
 than a small collective itself on a loaded 2-core machine. So ``Work.wait()`` runs the queue up
 to its own collective in the waiting thread, unless the group's thread is already at it, and a
 collective issued to be waited for at once does not even wake the thread. Whoever holds
-``running`` runs the queue, always from its head, so the order holds.
+``running`` runs the queue, always from its head, so the order holds. ``running`` is reentrant:
+a future's callbacks run inside ``run`` when it completes, and one that issues a collective and
+waits for it (a comm hook) must run it there, not wait for itself.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class Runner:
         self.name = name
         self._pending: collections.deque = collections.deque()   # (run, future), in issue order
         self._lock = threading.Lock()        # guards _pending
-        self._running = threading.Lock()     # held by whichever thread runs the queue now
+        self._running = threading.RLock()     # held by whichever thread runs the queue now
         self._bell = threading.Semaphore(0)  # wakes the group's thread
         self._thread: threading.Thread | None = None
 

@@ -12,8 +12,9 @@ Each rank writes only its own control row (its pid, how many barriers it reached
 fingerprints of its last two collectives) and reads the others' only after a barrier. The
 doorbells are POSIX semaphores, whose post releases and whose wait acquires memory, so what a
 rank stored before it rang (data, its control row) is what the others see after they heard it,
-on weakly ordered CPUs (ARM) too. Waiting for a bell blocks in the kernel: no CPU is burnt while
-a peer is late, and the cores stay with backward.
+on weakly ordered CPUs (ARM) too. A rank waiting for its bell polls it for a few tens of
+microseconds, yielding the core to any thread that wants it (backward, the peer), then sleeps
+in the kernel: a late peer costs no CPU, and the cores stay with backward.
 
 Life cycle: group rank 0 creates the slab and the N semaphores under ``prefix`` and posts their
 name in the group's store; the others attach; once every rank has, rank 0 unlinks the names.
@@ -202,11 +203,12 @@ class Segment:
 
     def _hear(self, deadline: float, what: str) -> None:
         bell = self.bells[self.rank]
-        if self.spin_s > 0:  # poll (no syscall while the count is 0) before sleeping in the kernel
+        if self.spin_s > 0:  # poll a little before sleeping in the kernel: a wake-up costs more
             end = time.perf_counter() + self.spin_s
             while time.perf_counter() < end:
                 if bell.acquire(False):
                     return
+                os.sched_yield()  # a runnable thread on this core (backward, the peer) goes first
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -38,7 +38,7 @@ from ddpkit.transport.segment import Segment, ShmError
 
 CHUNK_BYTES = 1 << 20   # bytes of one rank's region: the largest piece moved per barrier
 SMALL_BYTES = 64 << 10  # all-reduces up to this size take one barrier, each rank reducing all of it
-SPIN_US = 50.0          # how long a rank polls its doorbell before it sleeps in the kernel
+SPIN_US = 50.0          # how long a rank polls its doorbell (yielding the core) before it sleeps
 CARRIED = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, BARRIER = 1, 2, 3, 4, 5  # fingerprint op codes
@@ -117,6 +117,8 @@ class ShmBackend(dist.ProcessGroupGloo):
                 self._failed = exc if isinstance(exc, ShmError) else ShmError(
                     f"{self._what}: {type(exc).__name__}: {exc}")
                 future.set_exception(self._failed)
+                if not isinstance(exc, Exception):
+                    raise  # KeyboardInterrupt in a thread that waited: it stops the job as usual
                 return
         if self._failed is not None:
             future.set_exception(ShmError(f"shm {what}: this group failed earlier: {self._failed}"))
