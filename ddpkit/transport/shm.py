@@ -9,7 +9,8 @@ parallelism issues:
 - all-reduce (SUM, AVG, PRODUCT, MIN, MAX): each rank copies its chunk into its region of the
   slab; barrier; rank r reduces the r-th 1/N slice of every region into the shared result area
   (a reduce-scatter); barrier; every rank copies the whole result out (an all-gather). Each
-  rank adds N slices of S/N bytes, so the arithmetic is split N ways, as in a ring;
+  rank adds N slices of S/N bytes, so the arithmetic is split N ways, as in a ring. Up to
+  64 KiB, one barrier instead: every rank reduces the whole of it from the N regions;
 - all-gather and reduce-scatter, in list and flat-tensor forms (and their coalesced lists),
   broadcast and barrier: one barrier per chunk.
 Tensors bigger than a region (``chunk_bytes``, 1 MiB) go through in chunks, so the slab is
@@ -18,10 +19,11 @@ bounded: 2 halves x (N + 1) chunks per group (6 MiB for 2 ranks). Sums run in ra
 
 It *is* a ``ProcessGroupGloo`` (a Python subclass): whatever is not carried here (send/recv,
 gather, scatter, all-to-all, sparse or CUDA tensors, other dtypes or ops) runs on gloo, beside
-it, over the same group. Collectives run in issue order on one thread per group and return a
-``Work`` whose ``get_future()`` completes with the result; a failure (a peer died, the group's
-timeout passed, ranks issued different collectives) is an ``ShmError`` (a ``DistError``) on
-``wait()`` and on the future, and every later collective on the group fails at once.
+it, over the same group. Collectives run in issue order, on the group's thread or in the thread
+that waits for one (``runner``), and return a ``Work`` whose ``get_future()`` completes with the
+result; a failure (a peer died, the group's timeout passed, ranks issued different collectives)
+is an ``ShmError`` (a ``DistError``) on ``wait()`` and on the future, and every later collective
+on the group fails at once.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         self._seq = 0              # collectives run on the slab so far (the same on every rank)
         self._half = 0             # chunks moved so far: chunk j uses half j % 2
         self._failed: ShmError | None = None
-        self._what, self._deadline = "", 0.0   # the collective running now (worker thread only)
+        self._what, self._deadline = "", 0.0   # the collective running now (read by the thread running it)
 
     # ------------------------------------------------------------------ issuing
     def _carries(self, tensors) -> bool:
