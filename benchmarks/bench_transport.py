@@ -28,6 +28,11 @@ process group (ddpkit's, over its transport: what every strategy sees) at 4 KB a
 synchronously (``dist.all_reduce(t)``: the goal, shm <= 0.5x gloo at 4 KB, <= 0.4x at 1 MB) and
 asynchronously (``async_op=True``, then ``wait()``: how buckets are reduced; the collective runs on
 the group's own thread, a hand-off that costs about 0.1 ms more on shm).
+
+Where the kernel puts the ranks decides much of it on 2 cores: two ranks on one core take turns
+at every barrier (measured with the ranks pinned: shm 4 KB 0.07-0.10 ms on two cores, 0.28-0.42
+ms on one; gloo 0.3-2.5 ms on two, 0.6-1.2 on one). Each part prints how often, of the samples
+taken after each block of calls, the ranks sat on one core.
 """
 from __future__ import annotations
 
@@ -134,6 +139,7 @@ def transports_job(candidates, collectives, sizes, rounds: int, iters: int) -> d
                         t = time.perf_counter()
                         call()
                         times[(c, coll, s)].append(time.perf_counter() - t)
+                    times.setdefault("cpus", []).append(_cpu())
     dist.barrier()
     return times
 
@@ -159,7 +165,27 @@ def cluster_job(sizes, iters: int) -> dict:
                 else:
                     dist.all_reduce(t, async_op=True).wait()
                 out[(s, mode)].append(time.perf_counter() - a)
+            out.setdefault("cpus", []).append(_cpu())
     return out
+
+
+def _cpu() -> int:
+    """The core this process last ran on (Linux; -1 elsewhere): 2 ranks on 1 core of 2 take
+    turns at every barrier, which is what makes small collectives bimodal here."""
+    try:
+        with open("/proc/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _shared_core(per_rank: list[dict]) -> str:
+    """How often (of the samples taken after each block of calls) two ranks sat on one core."""
+    samples = list(zip(*(r["cpus"] for r in per_rank), strict=True))
+    if not samples or -1 in samples[0]:
+        return "placement unknown"
+    shared = sum(len(set(s)) < len(s) for s in samples)
+    return f"ranks shared a core in {shared} of {len(samples)} samples"
 
 
 def _slowest(per_rank: list[list[float]]) -> list[float]:
@@ -218,9 +244,9 @@ def main() -> None:
           f"{args.world_size} ranks, {args.rounds} rounds x {args.iters} calls per cell, interleaved")
     with ddpkit.Cluster(args.world_size, backend="gloo") as cluster:
         per_rank = cluster.run(transports_job, candidates, collectives, sizes, args.rounds, args.iters)
-    cells = {key: _stats(_slowest([r[key] for r in per_rank])) for key in per_rank[0]}
+    cells = {key: _stats(_slowest([r[key] for r in per_rank])) for key in per_rank[0] if key != "cpus"}
 
-    print("\nPart 1: the transports alone; median ms [25th-75th percentile], and x gloo")
+    print(f"\nPart 1: the transports alone; median ms [25th-75th percentile], and x gloo ({_shared_core(per_rank)})")
     for coll in collectives:
         print(f"\n{coll:<15}" + "".join(f"{c:>24}" for c in candidates))
         for s in sizes:
@@ -244,6 +270,9 @@ def main() -> None:
         for r in range(2 * args.rounds):
             for name, c in ((("gloo", cg), ("shm", cs)) if r % 2 == 0 else (("shm", cs), ("gloo", cg))):
                 rounds[name].append(c.run(cluster_job, goal_sizes, 4 * args.iters))
+    for name, runs in rounds.items():   # each rank's core samples, over all its runs
+        per_rank = [{"cpus": [c for res in runs for c in res[r]["cpus"]]} for r in range(args.world_size)]
+        print(f"  {name}: {_shared_core(per_rank)}")
     for mode in ("sync", "async"):
         for s, goal in zip(goal_sizes, (0.5, 0.4), strict=True):
             med = {}
