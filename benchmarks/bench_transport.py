@@ -1,7 +1,7 @@
 """What moving bytes between the ranks of this host costs: α and β per collective, gloo vs shared memory.
 
-    python benchmarks/bench_transport.py [--world-size 2] [--rounds 5] [--iters 8]
-        [--sizes 4K,64K,256K,1M,8M] [--candidates gloo,gloo-lo,gloo-2lo,gloo-1thread,gloo-4threads,shm,shm-block]
+    python benchmarks/bench_transport.py [--world-size 2] [--rounds 5] [--iters 8] [--sizes 4K,64K,256K,1M,8M]
+        [--candidates gloo,gloo-lo,gloo-2lo,gloo-lazy,gloo-1thread,gloo-4threads,shm,shm-block]
 
 Part 1, the transports alone. Inside one Cluster every rank builds each candidate as a process
 group of its own (over a fresh TCPStore, one prefix per candidate) and calls its collectives
@@ -18,6 +18,7 @@ broadcast: the buffer).
   gloo            ProcessGroupGloo as the Cluster builds it (device from the host name: loopback here)
   gloo-lo         gloo on a device bound to interface "lo" (what GLOO_SOCKET_IFNAME=lo does)
   gloo-2lo        two such devices (GLOO_SOCKET_IFNAME=lo,lo: pairs spread over two)
+  gloo-lazy       gloo connecting its pairs on first use (what TORCH_GLOO_LAZY_INIT=1 does)
   gloo-1thread    gloo with 1 worker thread (default: 2); gloo-4threads: 4
   shm             ddpkit.transport.ShmBackend as a Cluster builds it (polls its doorbell 50 µs, then sleeps)
   shm-block       the same, sleeping in the kernel at once (more variants: see ``_shm_options``)
@@ -41,7 +42,7 @@ import os
 import statistics
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-CANDIDATES = ("gloo", "gloo-lo", "gloo-2lo", "gloo-1thread", "gloo-4threads", "shm", "shm-block")
+CANDIDATES = ("gloo", "gloo-lo", "gloo-2lo", "gloo-lazy", "gloo-1thread", "gloo-4threads", "shm", "shm-block")
 
 
 def _group(name: str, store, rank: int, n: int):
@@ -59,7 +60,7 @@ def _group(name: str, store, rank: int, n: int):
         return dist.ProcessGroupGloo(store, rank, n, timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    lo = dist.ProcessGroupGloo.create_device(interface="lo")
+    lo = dist.ProcessGroupGloo.create_device(interface="lo", lazy_init=name == "gloo-lazy")
     opts._devices = [lo, dist.ProcessGroupGloo.create_device(interface="lo")] if name == "gloo-2lo" else [lo]
     if name.endswith("threads") or name.endswith("thread"):
         opts._threads = int(name.split("-")[1].rstrip("threads"))
