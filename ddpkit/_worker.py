@@ -239,7 +239,8 @@ def main() -> None:
         # emulated network) delays every collective, torch's wrappers' included
         from ddpkit import process_group
 
-        process_group.install(cfg["network"], cfg["backend"])
+        real = "shm" if cfg.get("transport") == "shm" else cfg["backend"]  # Cluster(transport=...)
+        process_group.install(cfg["network"], real, shm_prefix=cfg.get("shm_prefix"))
         dist.init_process_group("ddpkit", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["timeout"]))
         device = f"cuda:{rank}" if cfg["backend"] == "nccl" else "cpu"

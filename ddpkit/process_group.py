@@ -235,17 +235,19 @@ for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send"
     setattr(DdpkitProcessGroup, _name, _passed_through(_name))
 
 
-def install(network, real_backend: str) -> None:
+def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
     """Register backend ``"ddpkit"`` with torch (once per process): every group then created
     with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend`` and
     emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
-    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``."""
+    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
+    ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
+    ``shm_prefix`` (``ddpkit.transport``)."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 
     def create(opts, _backend_options):
         # one call per group: its store, its rank and size, and the global ranks it spans
-        real = _real_backend(real_backend, opts)
+        real = _real_backend(real_backend, opts, shm_prefix)
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return DdpkitProcessGroup(rankside.attached_comm(), real, opts.group_rank, opts.group_size, ranks)
 
@@ -253,9 +255,13 @@ def install(network, real_backend: str) -> None:
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def _real_backend(name: str, opts):
+def _real_backend(name: str, opts, shm_prefix: str | None = None):
     if name == "nccl":
         return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size)
+    if name == "shm":  # a gloo group whose collectives move their bytes through shared memory
+        from ddpkit.transport import ShmBackend
+
+        return ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix)
     return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
 
 

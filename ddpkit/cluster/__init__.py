@@ -1,6 +1,7 @@
 """Cluster: persistent rank processes that run notebook-defined functions.
 
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
+    ddpkit.Cluster(2, transport="shm")            # CPU ranks' bytes through shared memory, not gloo's sockets
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
     with cluster.recording():                     # record (and stream) what the jobs do
         cluster.run(job)                          # -> what job returned, as always
@@ -40,19 +41,21 @@ from ddpkit.cluster.processes import Settings, Workers
 __all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "check_network", "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+TRANSPORTS = ("gloo", "shm")  # what moves CPU ranks' bytes: gloo's sockets, or shared memory (ddpkit.transport)
 
 
 class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 threads_per_rank: int | None = None, network=None):
-        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network)
+                 threads_per_rank: int | None = None, network=None, transport: str = "gloo"):
+        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, transport)
         self.world_size = settings.world_size
         self._network = settings.network
         self.backend = settings.backend
         self.timeout = settings.timeout
         self.threads_per_rank = settings.threads_per_rank
+        self.transport = settings.transport
         self.last_results: list | None = None
         self.last_trace = None     # the last recorded run's records (a ddpkit.trace.Trace)
         self._record = False       # record the next runs? (cluster.recording(), the widget's toggle)
@@ -95,7 +98,7 @@ class Cluster:
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
-                                     self._network))
+                                     self._network, self.transport))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -206,7 +209,7 @@ class Cluster:
 
 
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                    threads_per_rank: int | None = None, network=None) -> Settings:
+                    threads_per_rank: int | None = None, network=None, transport: str = "gloo") -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
     command line both check with this): a ValueError naming the bad argument and what is valid."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -219,12 +222,15 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     network = check_network(network, world_size)
     backend = resolve_backend(backend, world_size)
+    if transport not in TRANSPORTS or (transport == "shm" and backend == "nccl"):
+        raise ValueError(f"transport must be one of {TRANSPORTS} (\"shm\": CPU ranks only, not under "
+                         f"backend {backend!r}), got {transport!r}")
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
     # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
     # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    return Settings(world_size, backend, float(timeout), threads_per_rank, network)
+    return Settings(world_size, backend, float(timeout), threads_per_rank, network, transport)
 
 
 def check_network(network, world_size: int):

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -65,6 +66,7 @@ class Settings:
     timeout: float
     threads_per_rank: int
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
+    transport: str = "gloo"  # what carries the bytes of CPU ranks: "gloo", or "shm" (ddpkit.transport)
 
 
 class Workers:
@@ -79,6 +81,7 @@ class Workers:
         self.stderr_tail: list[collections.deque] = []  # fd-level stderr: a crash's last words
         self.admission: Admission | None = None
         self.store = None
+        self.shm_prefix = ""  # names in /dev/shm of this start's shared-memory groups
         self._readers: list[list[threading.Thread]] = []
 
     @property
@@ -91,6 +94,7 @@ class Workers:
             raise RuntimeError("the cluster is already running; use restart()")
         self.settings = settings
         self.generation += 1
+        self.shm_prefix = f"dk{secrets.token_hex(4)}_"  # this start's names in /dev/shm (transport "shm")
         self.admission = Admission(self.generation, settings.world_size)
         self.store = _loopback_store(settings.timeout)
         self.events.reset(settings.world_size)
@@ -120,7 +124,8 @@ class Workers:
         cfg = dict(rank=rank, world_size=s.world_size, backend=s.backend,
                    address=list(self.admission.address), authkey=self.admission.key.hex(),
                    generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
-                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict())
+                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict(),
+                   transport=s.transport, shm_prefix=self.shm_prefix)
         proc.stdin.write((json.dumps(cfg) + "\n").encode())
         proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
         self.procs.append(proc)
@@ -267,6 +272,10 @@ class Workers:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns, self._readers = [], {}, []
+        if self.settings is not None and self.settings.transport == "shm":
+            from ddpkit.transport.segment import unlink_segments
+
+            unlink_segments(self.shm_prefix)  # ranks that died while setting up a group left these
         if self.admission is not None:
             self.admission.close()
             self.admission = None
