@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from ddpkit.emulator import Emulator
 from ddpkit.network import Network, collective_time, ring_bytes
@@ -145,19 +146,19 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return self._issue("broadcast", _nbytes(tensors), lambda: self.real.broadcast(tensors, opts), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(inputs) * self.size(),
                            lambda: self.real.allgather(output_lists, inputs, opts), output_lists)
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes([output]),
                            lambda: self.real._allgather_base(output, input, opts), [output])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(outputs),
                            lambda: self._one_by_one(self.real._allgather_base, outputs, inputs, opts), outputs)
 

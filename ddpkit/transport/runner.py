@@ -19,33 +19,22 @@ import collections
 import threading
 
 import torch
-import torch.distributed as dist
+
+from ddpkit.torch_internals import FutureWork
 
 
-class Work(dist.Work):
-    """A collective in flight: ``wait()`` blocks until it is done and raises its error.
-
-    (A Work made by torch's ``_create_work_from_future`` returns from ``wait()`` even when its
-    future failed, so a dead peer would go unnoticed; this one re-raises.)"""
+class Work(FutureWork):
+    """A collective in flight: ``wait()`` runs the group's queue up to it if no thread is doing
+    so, then blocks until it is done and raises its error."""
 
     def __init__(self, runner: Runner | None, future):
-        super().__init__()
-        self._runner, self._future = runner, future
+        super().__init__(future)
+        self._runner = runner
 
     def wait(self, timeout=None):
         if self._runner is not None:
             self._runner.help(self._future)
-        self._future.wait()
-        return True
-
-    def get_future(self):
-        return self._future
-
-    def is_completed(self):
-        return self._future.done()
-
-    def result(self):
-        return self._future.value()
+        return super().wait(timeout)
 
 
 def finished(value) -> Work:
