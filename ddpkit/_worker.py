@@ -195,18 +195,19 @@ def run_cell(source: str):
     return None if value is None else repr(value)
 
 
-def _pickle(obj) -> bytes:
-    """A job's result as bytes for the notebook, every CUDA tensor in it copied to the CPU: the
-    notebook holds results on the CPU, so unpickling them there creates no CUDA context of its own
-    (hundreds of MiB, on GPU 0 of a shared machine) and works on a machine without a GPU."""
+def _pickle(obj, devices=("cuda",)) -> bytes:
+    """A job's result as bytes for the notebook, every tensor on ``devices`` (CUDA) in it copied
+    to the CPU: the notebook holds results on the CPU, so unpickling them there creates no CUDA
+    context of its own (hundreds of MiB, on GPU 0 of a shared machine) and works on a machine
+    without a GPU."""
     import cloudpickle
     import torch
 
     class ResultPickler(cloudpickle.Pickler):
         def reducer_override(self, o):
             # plain tensors and parameters (a DTensor or another subclass is left as it is)
-            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cuda":
-                cpu = o.detach().cpu()
+            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type in devices:
+                cpu = o.detach().to("cpu", copy=True)  # just its elements, not a view's whole storage
                 if type(o) is torch.nn.Parameter:
                     return torch.nn.Parameter, (cpu, o.requires_grad)
                 return cpu.requires_grad_(o.requires_grad and o.is_leaf).__reduce_ex__(self.proto)

@@ -26,7 +26,7 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
     dev = probe_device(device)
     # NCCL returns from a collective once it is *queued* on the GPU: wait for it to be done,
     # or t_b is read before the all-gather even started and the round trip bounds nothing
-    finish = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    finish = (lambda: torch.cuda.synchronize(dev)) if dev.type != "cpu" else (lambda: None)
     probe = torch.zeros(1, dtype=torch.int64, device=dev)
     out = [torch.zeros_like(probe) for _ in range(n)]
     mine = []  # (round trip, midpoint) per round
