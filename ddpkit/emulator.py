@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-POLL_S = 50e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
+POLL_S = 100e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
 
 
 @dataclass
@@ -62,8 +62,14 @@ class _Link:
     def _serve(self) -> None:
         from ddpkit.rankside import adopt_device
 
-        # the recorder's completion callbacks run here (they record CUDA events): on the rank's GPU
+        # the recorder's completion callbacks run here (they record CUDA events): on the rank's GPU,
+        # and on a stream of this thread's own, idle, so an event recorded at the emulated
+        # completion fires then, not behind the compute queued on the default stream
         adopt_device(self.device)
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             t = self.queue.get()
             try:
@@ -86,10 +92,8 @@ def _wait_on_host(work, on_gpu: bool) -> None:
     if not on_gpu:
         work.wait()
         return
-    while not work.is_completed():
+    while not work.is_completed():  # done, or failed: the caller's real wait() raises the error
         time.sleep(POLL_S)
-    if hasattr(work, "exception") and work.exception() is not None:
-        raise RuntimeError(f"the collective failed: {work.exception()}")
 
 
 def _value_of(work, fallback):

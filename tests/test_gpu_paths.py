@@ -137,9 +137,6 @@ class _FakeCudaWork:
     def is_completed(self):
         return self.finished.is_set()
 
-    def exception(self):
-        return None
-
     def wait(self, timeout=None):
         self.waits.append(threading.current_thread().name)
         return True
@@ -148,8 +145,13 @@ class _FakeCudaWork:
         return self._future
 
 
-def test_the_emulator_waits_for_a_cuda_collective_on_the_host_and_leaves_the_real_wait_to_the_caller(set_device):
+def test_the_emulator_waits_for_a_cuda_collective_on_the_host_and_leaves_the_real_wait_to_the_caller(
+        monkeypatch, set_device):
     from ddpkit.emulator import Emulator
+
+    streams = []  # the link thread's own stream: completion events must not queue behind compute
+    monkeypatch.setattr(torch.cuda, "Stream", lambda dev: ("stream on", torch.device(dev)))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: streams.append((threading.current_thread().name, s)))
 
     result = [_FakeCudaTensor(3)]
     work = _FakeCudaWork(result)
@@ -164,6 +166,7 @@ def test_the_emulator_waits_for_a_cuda_collective_on_the_host_and_leaves_the_rea
     assert work.waits == ["MainThread"]  # the real wait, in the caller's thread: its stream waits
     assert emulated.get_future().value() is result
     assert ("ddpkit-link-intra-node", torch.device("cuda", 3)) in set_device.calls
+    assert streams == [("ddpkit-link-intra-node", ("stream on", torch.device("cuda", 3)))]
 
 
 class _FakeCpuWork:
@@ -495,13 +498,20 @@ def test_the_allocator_peak_starts_afresh_with_each_job_and_each_timed_run():
 
 
 def _emulated_all_reduce():
+    from ddpkit.rankside import recording
+    from ddpkit.trace import Recorder
+
     t = torch.ones(2**20, device=ddpkit.device())  # 4 MiB
+    rec = Recorder()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    work = dist.all_reduce(t, async_op=True)
+    with recording(rec):
+        work = dist.all_reduce(t, async_op=True)
     work.wait()
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, t[0].item()
+    took = time.perf_counter() - t0
+    (span,) = [r for r in rec.records if r.cat == "comm"]
+    return took, t[0].item(), (span.end_ns - span.start_ns) / 1e9
 
 
 @pytest.mark.gpu
@@ -513,8 +523,9 @@ def test_an_emulated_nccl_collective_completes_after_the_gpu_work_and_the_link_t
     net = Network("1GbE")
     with ddpkit.Cluster(2, backend="nccl", network=net) as c:
         expected = net.collective_time("all_reduce", 4 * 2**20, 2)
-        for took, value in c.run(_emulated_all_reduce):
+        for took, value, recorded in c.run(_emulated_all_reduce):
             assert value == 2.0 and took >= 0.9 * expected
+            assert 0.9 * expected <= recorded <= took + 0.01  # its span ends at the emulated completion
 
 
 @pytest.mark.gpu
