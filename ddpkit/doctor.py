@@ -5,7 +5,7 @@ CPU; ``gpus=`` as a Cluster takes it) and exercises, on tiny models and few step
 the notebooks use: every strategy and torch's own wrappers (each must equal one process), recording
 and streaming, the emulated network, memory statistics and a small comparison. One row per
 feature, ``ok`` or ``FAILED`` with the last line of the error; the exit status is 1 on any failure.
-About a minute on 2 CPU cores.
+Under a minute on 2 CPU cores (12-21 s on the development machine, shared with other work).
 
     python -m ddpkit doctor                     # the first GPUs (or the CPU), 2 ranks
     python -m ddpkit doctor --gpus 4,5          # a student's pair of GPUs
@@ -19,7 +19,7 @@ import os
 import platform
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 TINY = dict(width=32, depth=3)  # the MLP: 4 Linears, ~2.5k parameters
 STEPS, WARMUP = 2, 1
@@ -34,7 +34,7 @@ class Context:
     batch: int
     reference: dict
     tolerance: float
-    notes: list[str] = field(default_factory=list)
+    start_s: float | None = None  # how long the cluster took to start (None: it was given)
 
     def run_strategy(self, name: str, **kwargs) -> list[dict]:
         from ddpkit.experiment import run_strategy
@@ -72,7 +72,8 @@ def _cluster(ctx: Context) -> str:
     ranks = c.run(_rank)
     if ranks != list(range(c.world_size)):
         raise AssertionError(f"the ranks answered {ranks}")
-    return f"{c.world_size} ranks on {c.backend}: {', '.join(c.devices)}"
+    started = f" (started in {ctx.start_s:.1f} s)" if ctx.start_s is not None else ""
+    return f"{c.world_size} ranks on {c.backend}: {', '.join(c.devices)}{started}"
 
 
 def _recording(ctx: Context) -> str:
@@ -244,14 +245,16 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
             out(f"  note: {visible} GPU(s) for {ws} ranks: NCCL refuses two ranks on one GPU, so the "
                 f"{ws} ranks run on gloo (CPU); NCCL is checked at 1 rank")
         try:
+            t0 = time.perf_counter()
             cluster = ddpkit.Cluster(world_size, gpus=gpus)
+            start_s = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - reported as the first row
             out(_row(False, "cluster", last_line(exc), time.perf_counter() - started))
             out("the cluster did not start: nothing else can be checked")
             return 1
     batch = 4 * ws
     reference = train_single_process("mlp", "sgd", steps=STEPS + WARMUP, global_batch_size=batch, **TINY)
-    ctx = Context(cluster, batch, reference, 1e-4 if cluster.backend == "nccl" else 1e-5)
+    ctx = Context(cluster, batch, reference, 1e-4 if cluster.backend == "nccl" else 1e-5, start_s if own else None)
     failed = 0
     try:
         for name, check in todo:
