@@ -107,6 +107,12 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
         """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
         (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
+        rec, labels = rankside.recorder(), rankside.labelled()
+        recorders = [r for r in (rec if rec.enabled else None,
+                                 labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
+        # the start is marked *before* the launch: a synchronous NCCL op runs on the current
+        # stream, so a start event recorded after launch() would fire after the collective
+        marks = [r.launch_mark() for r in recorders]
         work = launch()
         n = self.size()
         comm = self.comm
@@ -114,22 +120,19 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         if comm.emulator.delays(link_s):
-            work = work_from_future(comm.emulator.submit(link, work, link_s, result))
-        rec, labels = rankside.recorder(), rankside.labelled()
-        if rec.enabled or labels is not None:
-            self._record(op, work, full_bytes, link, rec, labels)
+            work = comm.emulator.submit(link, work, link_s, result)
+        if recorders:
+            self._record(op, work, full_bytes, link, recorders, marks, labels)
         return work
 
-    def _record(self, op: str, work, full_bytes: int, link: str, rec, labels) -> None:
+    def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
         """The collective's one record (this group is its one writer): in the rank's recorder,
         and in the recorder of the strategy that labelled it (``with recorder.labels(...)``,
         on this thread) when that is another one, e.g. a job's own ``recorder=``."""
         fields = dict(labels.fields) if labels is not None else {}
         fields.update(link=link, group_size=self.size(), group=self._group)
-        if rec.enabled:
-            rec.collective(op, work, full_bytes, **fields)
-        if labels is not None and labels.recorder is not rec:
-            labels.recorder.collective(op, work, full_bytes, **fields)
+        for r, mark in zip(recorders, marks, strict=True):
+            r.collective(op, work, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
 
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):
@@ -258,7 +261,15 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
 
 def _real_backend(name: str, opts, shm_prefix: str | None = None):
     if name == "nccl":
-        return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size)
+        # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
+        # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,
+        # its flight recorder and the desync report name a group by them)
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = opts.timeout
+        options.group_name = opts.group_id
+        options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
     if name == "shm":  # a gloo group whose collectives move their bytes through shared memory
         from ddpkit.transport import ShmBackend
 
