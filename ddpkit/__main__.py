@@ -153,7 +153,7 @@ def _add_network_args(p) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor}")
 
     p = sub.add_parser("compare", help="time every strategy on the same model, data and optimizer")
     _add_run_args(p, steps=10)
@@ -205,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=10, help="with --validate: timed steps per run (default 10)")
     p.add_argument("--json", metavar="PATH", help="with --validate: write one record per strategy and size here")
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("doctor", help="check every feature on this machine's real backend (run it first in a lab)")
+    p.add_argument("--world-size", type=_positive_int, default=2)
+    p.add_argument("--gpus", default=None, help="comma-separated CUDA device indices, one per rank (e.g. 4,5)",
+                   type=lambda t: [_number(int, 0, "a CUDA device index >= 0")(x) for x in t.split(",") if x.strip()])
+    p.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,
+                   help="comma-separated check names, as printed (e.g. 'cluster,compare')")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 
@@ -379,6 +387,16 @@ def cmd_predict(args, parser) -> int:
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")
     return 0
+
+
+# --------------------------------------------------------------------------- doctor
+def cmd_doctor(args, parser) -> int:
+    from ddpkit.doctor import doctor
+
+    try:
+        return doctor(args.world_size, gpus=args.gpus, only=args.only)
+    except ValueError as exc:  # bad --only, --gpus
+        parser.error(str(exc))
 
 
 def main(argv=None) -> int:

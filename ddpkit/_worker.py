@@ -195,10 +195,50 @@ def run_cell(source: str):
     return None if value is None else repr(value)
 
 
-def _pickle(obj) -> bytes:
+def _pickle(obj, devices=("cuda",)) -> bytes:
+    """A job's result as bytes for the notebook, every tensor on ``devices`` (CUDA) in it copied
+    to the CPU: the notebook holds results on the CPU, so unpickling them there creates no CUDA
+    context of its own (hundreds of MiB, on GPU 0 of a shared machine) and works on a machine
+    without a GPU."""
     import cloudpickle
+    import torch
 
-    return cloudpickle.dumps(obj)
+    class ResultPickler(cloudpickle.Pickler):
+        def reducer_override(self, o):
+            # plain tensors and parameters (a DTensor or another subclass is left as it is)
+            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type in devices:
+                cpu = o.detach().to("cpu", copy=True)  # just its elements, not a view's whole storage
+                if type(o) is torch.nn.Parameter:
+                    return torch.nn.Parameter, (cpu, o.requires_grad)
+                return cpu.requires_grad_(o.requires_grad and o.is_leaf).__reduce_ex__(self.proto)
+            return super().reducer_override(o)
+
+    buf = io.BytesIO()
+    ResultPickler(buf).dump(obj)
+    return buf.getvalue()
+
+
+def _join_device(cfg: dict) -> str:
+    """This rank's GPU, before it joins the process group (NCCL binds to the current device):
+    ``cfg["gpu"]`` is the index the Cluster gave it (``gpus=``); None on the CPU. Returns the
+    device's name for the cluster ("cuda:5", "cpu")."""
+    from ddpkit import rankside
+
+    if cfg.get("gpu") is not None:
+        rankside.set_device(cfg["gpu"])
+    return str(rankside.device()) if cfg.get("gpu") is not None else "cpu"
+
+
+def _before_job() -> None:
+    """What each job starts from: on a GPU, the allocator's peak counted afresh (a rank outlives
+    its jobs; ``memory.reset_cuda_peak``)."""
+    from ddpkit import rankside
+
+    dev = rankside.device()
+    if dev.type == "cuda":
+        from ddpkit.memory import reset_cuda_peak
+
+        reset_cuda_peak(dev)
 
 
 def main() -> None:
@@ -229,8 +269,7 @@ def main() -> None:
     if cfg["threads"]:  # 0: keep torch's default (one thread per core)
         torch.set_num_threads(cfg["threads"])
     try:
-        if cfg["backend"] == "nccl":
-            torch.cuda.set_device(rank)
+        device = _join_device(cfg)
         # The store waits longer than a collective does: ranks that import torch at
         # different speeds on a loaded machine must still meet.
         store = dist.TCPStore(cfg["store_host"], cfg["store_port"], is_master=False,
@@ -239,10 +278,10 @@ def main() -> None:
         # emulated network) delays every collective, torch's wrappers' included
         from ddpkit import process_group
 
-        process_group.install(cfg["network"], cfg["backend"])
+        real = "shm" if cfg.get("transport") == "shm" else cfg["backend"]  # Cluster(transport=...)
+        process_group.install(cfg["network"], real, shm_prefix=cfg.get("shm_prefix"))
         dist.init_process_group("ddpkit", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["timeout"]))
-        device = f"cuda:{rank}" if cfg["backend"] == "nccl" else "cpu"
         conn.send(("ready", rank, {"pid": os.getpid(), "device": device}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -261,6 +300,7 @@ def main() -> None:
             continue
         try:
             _context.running = True
+            _before_job()
             fn, args, kwargs = cloudpickle.loads(msg[1])
             result = fn(*args, **kwargs)
             _context.running = False

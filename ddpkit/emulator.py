@@ -14,6 +14,12 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
 - waiting sleeps: the link's thread blocks in ``Work.wait`` and ``time.sleep``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
   overlaps backward exactly as it would on a real network.
+- on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
+  thread's current stream wait for it -- the default stream, which backward's later kernels
+  would then queue behind. So the link's thread never waits on a CUDA collective: it polls
+  ``is_completed()`` (the collective's end event, reached by the GPU) with short sleeps, touching
+  no stream, and the ``Work`` handed back (``EmulatedWork``) does the real ``wait()`` in the
+  caller's own thread once the emulated time has passed: torch's stream semantics, unchanged.
 
 Each link (the intra-node and the inter-node one) is one daemon thread with a FIFO queue. A
 collective is handed over as the real ``Work`` and a ``torch.futures.Future``; the thread sets
@@ -27,6 +33,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ddpkit.torch_internals import FutureWork
+
+POLL_S = 100e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
+
 
 @dataclass
 class _Transfer:
@@ -36,23 +46,34 @@ class _Transfer:
     future: object          # completed at the emulated time (torch.futures.Future)
     link_s: float           # what the emulated link takes for it
     result: object          # the future's value if the Work has none (e.g. gloo's reduce-scatter)
+    on_gpu: bool = False    # a CUDA collective: wait for it by polling (see the module docstring)
 
 
 class _Link:
     """One emulated link: its queue, its thread, and when it is next free."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, device=None):
+        self.name, self.device = name, device  # device: the rank's GPU, for the thread (or None)
         self.free_s = 0.0
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name=f"ddpkit-link-{name}", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
+        from ddpkit.rankside import adopt_device
+
+        # the recorder's completion callbacks run here (they record CUDA events): on the rank's GPU,
+        # and on a stream of this thread's own, idle, so an event recorded at the emulated
+        # completion fires then, not behind the compute queued on the default stream
+        adopt_device(self.device)
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             t = self.queue.get()
             try:
-                t.work.wait()  # blocks in C++ without holding the GIL: the real bytes moved
+                _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
                 result = _value_of(t.work, t.result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
@@ -63,6 +84,16 @@ class _Link:
             if delay > 0:
                 time.sleep(delay)
             t.future.set_result(result)
+
+
+def _wait_on_host(work, on_gpu: bool) -> None:
+    """Until the real collective has finished: gloo's ``wait`` blocks in C++ without the GIL; a
+    CUDA collective is polled (its ``wait`` would only queue a stream wait, see the docstring)."""
+    if not on_gpu:
+        work.wait()
+        return
+    while not work.is_completed():  # done, or failed: the caller's real wait() raises the error
+        time.sleep(POLL_S)
 
 
 def _value_of(work, fallback):
@@ -86,16 +117,47 @@ class Emulator:
         return self.enabled and link_s > 0
 
     def submit(self, kind: str, work, link_s: float, result):
-        """Queue a collective already launched on the real backend; returns a ``Future`` that
-        completes at its emulated completion time."""
+        """Queue a collective already launched on the real backend (``result``: its output
+        tensors); returns a ``Work`` that completes at its emulated completion time."""
         import torch
 
         future = torch.futures.Future()
-        self._link(kind).queue.put(_Transfer(work, future, link_s, result))
-        return future
+        device = _device_of(result)
+        on_gpu = device is not None and device.type == "cuda"
+        self._link(kind, device if on_gpu else None).queue.put(_Transfer(work, future, link_s, result, on_gpu))
+        return EmulatedWork(future, work if on_gpu else None)
 
-    def _link(self, kind: str) -> _Link:
+    def _link(self, kind: str, device=None) -> _Link:
         with self._lock:
             if kind not in self._links:
-                self._links[kind] = _Link(kind)
+                self._links[kind] = _Link(kind, device)
             return self._links[kind]
+
+
+def _device_of(tensors):
+    """The device of the first tensor in ``tensors`` (nested lists too), or None."""
+    for t in tensors if isinstance(tensors, (list, tuple)) else (tensors,):
+        if isinstance(t, (list, tuple)):
+            found = _device_of(t)
+            if found is not None:
+                return found
+        elif hasattr(t, "device"):
+            return t.device
+    return None
+
+
+class EmulatedWork(FutureWork):
+    """What a delayed collective returns: ``wait()`` waits (asleep) for the emulated completion,
+    then -- a CUDA collective, ``real`` -- does the real ``wait()`` in the caller's own thread, so
+    the caller's current stream waits for the collective as torch's own ``Work`` would make it.
+    ``get_future()`` completes at the emulated time (the recorder's completion callback)."""
+
+    def __init__(self, future, real=None):
+        super().__init__(future)
+        self._real = real
+
+    def wait(self, timeout=None) -> bool:
+        super().wait(timeout)  # raises the real collective's error, if it failed
+        if self._real is not None:
+            self._real.wait()
+        return True

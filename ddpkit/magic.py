@@ -4,8 +4,8 @@
     cluster = ddpkit.Cluster(world_size=2)
 
     %%ranks
-    import torch, torch.distributed as dist
-    t = torch.ones(2) * dist.get_rank()
+    import torch, torch.distributed as dist, ddpkit
+    t = torch.ones(2, device=ddpkit.device()) * dist.get_rank()   # the rank's GPU under NCCL
     dist.all_reduce(t)
     t                       # a trailing expression: shown once per rank
 

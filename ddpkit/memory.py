@@ -9,7 +9,9 @@ Categories (bytes, per rank):
   parameters) where it has one;
 - ``activations``: bytes autograd saved for backward during a forward, measured with
   ``ActivationMeter`` (``torch.autograd.graph.saved_tensors_hooks``).
-On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocated``.
+On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocated`` (the peak
+since the job began: a Cluster's ranks live across jobs, and each job starts from
+``reset_cuda_peak``).
 
     with ActivationMeter(model) as act:
         train_step(model, opt, x, y)
@@ -207,6 +209,15 @@ def cuda_allocator_bytes(device=None) -> dict[str, int]:
             "cuda_max_allocated": torch.cuda.max_memory_allocated(device)}
 
 
+def reset_cuda_peak(device) -> None:
+    """Start ``cuda_max_allocated`` afresh on ``device`` (a GPU; nothing for the CPU). A Cluster's
+    worker calls it before every job: its ranks outlive jobs, and a peak counted since the rank
+    started would carry the last job's (a bigger model's, a comparison's) into this one."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
 @contextlib.contextmanager
 def cuda_memory_snapshot(path, max_entries: int = 100_000):
     """Record every CUDA allocation inside the block; write a snapshot to ``path`` at the end.
@@ -266,6 +277,7 @@ def predicted_model_state(strategy: str, num_params: int, world_size: int, topol
 
 __all__ = [
     "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
-    "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot", "zero_predictions",
+    "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot",
+    "reset_cuda_peak", "zero_predictions",
     "shard_group_size", "predicted_model_state",
 ]

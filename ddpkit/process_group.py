@@ -20,8 +20,9 @@ group's name lives on its registered backend, so the real backend is registered 
 (``torch_internals.register_real_backend``). Methods that are not collectives (send, recv, ...)
 pass through uncounted.
 
-gloo has no reduce-scatter of its own for flat tensors: ``_reduce_scatter_base`` runs an
-all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs. The counts
+gloo has no reduce-scatter of its own for flat tensors: its ``_reduce_scatter_base`` runs an
+all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs (this group
+does the same itself, see ``_reduce_scatter_by_all_reduce``). The counts
 keep both: ``bytes`` is what the algorithm sends (what the emulated link is charged, what the
 papers count), ``transport_bytes`` what the real backend moved.
 """
@@ -32,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from ddpkit.emulator import Emulator
 from ddpkit.network import Network, collective_time, ring_bytes
@@ -105,6 +107,12 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
         """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
         (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
+        rec, labels = rankside.recorder(), rankside.labelled()
+        recorders = [r for r in (rec if rec.enabled else None,
+                                 labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
+        # the start is marked *before* the launch: a synchronous NCCL op runs on the current
+        # stream, so a start event recorded after launch() would fire after the collective
+        marks = [r.launch_mark() for r in recorders]
         work = launch()
         n = self.size()
         comm = self.comm
@@ -112,22 +120,19 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         if comm.emulator.delays(link_s):
-            work = work_from_future(comm.emulator.submit(link, work, link_s, result))
-        rec, labels = rankside.recorder(), rankside.labelled()
-        if rec.enabled or labels is not None:
-            self._record(op, work, full_bytes, link, rec, labels)
+            work = comm.emulator.submit(link, work, link_s, result)
+        if recorders:
+            self._record(op, work, full_bytes, link, recorders, marks, labels)
         return work
 
-    def _record(self, op: str, work, full_bytes: int, link: str, rec, labels) -> None:
+    def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
         """The collective's one record (this group is its one writer): in the rank's recorder,
         and in the recorder of the strategy that labelled it (``with recorder.labels(...)``,
         on this thread) when that is another one, e.g. a job's own ``recorder=``."""
         fields = dict(labels.fields) if labels is not None else {}
         fields.update(link=link, group_size=self.size(), group=self._group)
-        if rec.enabled:
-            rec.collective(op, work, full_bytes, **fields)
-        if labels is not None and labels.recorder is not rec:
-            labels.recorder.collective(op, work, full_bytes, **fields)
+        for r, mark in zip(recorders, marks, strict=True):
+            r.collective(op, work, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
 
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):
@@ -144,19 +149,19 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return self._issue("broadcast", _nbytes(tensors), lambda: self.real.broadcast(tensors, opts), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(inputs) * self.size(),
                            lambda: self.real.allgather(output_lists, inputs, opts), output_lists)
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes([output]),
                            lambda: self.real._allgather_base(output, input, opts), [output])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(outputs),
                            lambda: self._one_by_one(self.real._allgather_base, outputs, inputs, opts), outputs)
 
@@ -167,18 +172,44 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        moved = "all_reduce" if self.comm.real_backend == "gloo" else None  # see the docstring
+        if self.comm.real_backend == "gloo":  # see the docstring, and _reduce_scatter_by_all_reduce
+            return self._issue("reduce_scatter", _nbytes([input]),
+                               lambda: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
+                               "all_reduce")
         return self._issue("reduce_scatter", _nbytes([input]),
-                           lambda: self.real._reduce_scatter_base(output, input, opts), [output], moved)
+                           lambda: self.real._reduce_scatter_base(output, input, opts), [output])
+
+    def _reduce_scatter_by_all_reduce(self, output, input, opts):
+        """gloo's reduce-scatter of a flat tensor, done here: all-reduce a copy of the input, then
+        copy this rank's chunk out once, when the all-reduce completes (on gloo's thread).
+
+        gloo's own ``_reduce_scatter_base`` does the same, but its Work (which has no future)
+        copies the chunk out on *every* ``wait()``: a second wait -- a recorder's watcher, say --
+        silently overwrites whatever the caller did with the output since (HSDP all-reduces it
+        across nodes in place). This Work has a future, and waiting on it twice is harmless."""
+        flat = input.detach().reshape(-1).clone()
+        options = dist.AllreduceOptions()
+        options.reduceOp = opts.reduceOp
+        options.timeout = opts.timeout
+        work = self.real.allreduce([flat], options)
+        n = output.numel()
+        mine = flat[self.rank() * n:(self.rank() + 1) * n]
+
+        def copy_out(_):
+            output.view(-1).copy_(mine)
+            return [output]
+
+        return work_from_future(work.get_future().then(copy_out))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        moved = "all_reduce" if self.comm.real_backend == "gloo" else None
+        gloo = self.comm.real_backend == "gloo"
+        one = self._reduce_scatter_by_all_reduce if gloo else self.real._reduce_scatter_base
         return self._issue("reduce_scatter", _nbytes(inputs),
-                           lambda: self._one_by_one(self.real._reduce_scatter_base, outputs, inputs, opts),
-                           outputs, moved)
+                           lambda: self._one_by_one(one, outputs, inputs, opts), outputs,
+                           "all_reduce" if gloo else None)
 
     @staticmethod
     def _one_by_one(op, outputs, inputs, opts):
@@ -208,17 +239,19 @@ for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send"
     setattr(DdpkitProcessGroup, _name, _passed_through(_name))
 
 
-def install(network, real_backend: str) -> None:
+def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
     """Register backend ``"ddpkit"`` with torch (once per process): every group then created
     with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend`` and
     emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
-    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``."""
+    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
+    ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
+    ``shm_prefix`` (``ddpkit.transport``)."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 
     def create(opts, _backend_options):
         # one call per group: its store, its rank and size, and the global ranks it spans
-        real = _real_backend(real_backend, opts)
+        real = _real_backend(real_backend, opts, shm_prefix)
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return DdpkitProcessGroup(rankside.attached_comm(), real, opts.group_rank, opts.group_size, ranks)
 
@@ -226,9 +259,21 @@ def install(network, real_backend: str) -> None:
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def _real_backend(name: str, opts):
+def _real_backend(name: str, opts, shm_prefix: str | None = None):
     if name == "nccl":
-        return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size)
+        # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
+        # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,
+        # its flight recorder and the desync report name a group by them)
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = opts.timeout
+        options.group_name = opts.group_id
+        options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
+    if name == "shm":  # a gloo group whose collectives move their bytes through shared memory
+        from ddpkit.transport import ShmBackend
+
+        return ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix)
     return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
 
 

@@ -70,6 +70,11 @@ class NullRecorder:
         ``with``. A recorder that is on (a subclass, e.g. a test's counting recorder) gets them."""
         return Labels(self, fields) if self.enabled else _NO_SPAN
 
+    def launch_mark(self):
+        """What ddpkit's process group takes just *before* launching a collective it will record
+        (``collective(..., launched=mark)``); None here: nothing to mark."""
+        return None
+
     def collective(self, name: str, work, nbytes: int, **fields) -> None:
         """What ddpkit's process group calls for each collective it records (strategies label)."""
 
@@ -103,6 +108,8 @@ class _Rank:
     comm = None  # ddpkit.process_group.Comm, once this process joined with backend "ddpkit"
     reporter = None  # send(kind, payload) to the cluster, inside a Cluster worker
     topology = None  # ddpkit.Topology, where the process's launcher set one (set_topology)
+    device = None  # this rank's GPU (a torch.device), once its launcher chose one (set_device)
+    groups = None  # (the default group, {ranks: group}): subgroup()'s groups, made once each
 
 
 _RANK = _Rank()
@@ -150,12 +157,63 @@ def backend() -> str | None:
 
 
 def device():
-    """This rank's device: its GPU under NCCL, else the CPU."""
+    """This rank's device: its GPU under NCCL (always with its index, e.g. ``cuda:5``), else the CPU.
+
+    The GPU is the one the rank's launcher chose (``set_device``: a Cluster's ``gpus=``, torchrun's
+    LOCAL_RANK), the same from every thread. CUDA's current device is per *thread* (a new thread
+    starts on GPU 0), so it is asked only where no launcher said."""
     import torch
 
+    if _RANK.device is not None:
+        return _RANK.device
     if backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def set_device(gpu) -> None:
+    """Make GPU ``gpu`` (an index, or a ``cuda:i`` device) this rank's device: CUDA's current
+    device on the calling thread, and ``device()`` on every thread (a Cluster's worker and
+    ``ddpkit.train`` call this before joining the process group; None: forget it)."""
+    import torch
+
+    if gpu is None:
+        _RANK.device = None
+        return
+    dev = torch.device("cuda", gpu) if isinstance(gpu, int) else torch.device(gpu)
+    if dev.type != "cuda" or dev.index is None:
+        raise ValueError(f"set_device takes a GPU index or an indexed cuda device, got {gpu!r}")
+    torch.cuda.set_device(dev)
+    _RANK.device = dev
+
+
+def adopt_device(dev) -> None:
+    """The first call of every thread ddpkit starts in a rank (the emulator's links, the streaming
+    thread, the recorder's watcher): make ``dev``, the rank's GPU, this thread's current CUDA
+    device. A new thread starts on GPU 0, where its first CUDA call would create a context of its
+    own (hundreds of MiB, on another student's GPU) and record events that cannot be compared
+    with the rank's. Nothing happens for the CPU (or None)."""
+    if dev is not None and dev.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(dev)
+
+
+def subgroup(ranks):
+    """``dist.new_group(ranks)``, made once per default process group and then reused: a
+    long-lived rank builds many wrappers (a comparison builds hybrid sharding ~8 times), and each
+    group holds communicators (NCCL's: GPU memory and a stream each) until the process group
+    ends. Collective like ``new_group``: every rank asks for the same groups in the same order."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _RANK.groups is None or _RANK.groups[0] is not world:  # a new process group: new groups
+        _RANK.groups = (world, {})
+    made = _RANK.groups[1]
+    key = tuple(int(r) for r in ranks)
+    if key not in made:
+        made[key] = dist.new_group(list(key))
+    return made[key]
 
 
 # ----------------------------------------------------------------------------- the network

@@ -5,13 +5,15 @@ torch moves, and each one fails soft (returns False or raises a clear error) whe
 
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
 - ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
-- ``register_real_backend``, ``work_from_future``, ``backend_registered``: what ddpkit's own
-  process group (``ddpkit.process_group``) needs to stand in for gloo or NCCL;
+- ``register_real_backend``, ``backend_registered``: what ddpkit's own
+  process group (``ddpkit.process_group``) needs to stand in for gloo or NCCL (its ``FutureWork``
+  needs nothing private: ``dist.Work`` subclassed, as torch's tests of Python groups do);
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 # torch's dispatch mode: a context in which every operator call passes through
 # ``__torch_dispatch__`` (``ddpkit.memory.TensorWatch`` counts the tensors operators create). It
@@ -67,13 +69,35 @@ def register_real_backend(group, real, real_backend: str) -> None:
     group._register_backend(device, kind, real)
 
 
-def work_from_future(future):
-    """A ``Work`` that completes with ``future`` (what a Python process group returns when the
-    result comes later, e.g. at an emulated link's pace). ``_create_work_from_future`` is
-    underscored; torch's own tests of Python process groups use it."""
-    from torch._C._distributed_c10d import _create_work_from_future
+class FutureWork(dist.Work):
+    """A ``Work`` that completes with a future: what a Python process group returns when the
+    result comes later (an emulated link's pace, a reduce-scatter's copy-out, the shared-memory
+    transport). ``wait()`` raises the future's error. (torch's own ``_create_work_from_future``
+    is underscored, and its ``wait()`` returns True even when the future failed: a failed
+    collective would pass unnoticed.) torch's DDP reducer reaches these methods through the
+    binding's virtual calls, as for any Python Work."""
 
-    return _create_work_from_future(future)
+    def __init__(self, future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None):
+        self._future.wait()  # raises what the collective raised
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._future.done()
+
+    def result(self):
+        return self._future.value()
+
+
+def work_from_future(future) -> FutureWork:
+    """A ``Work`` that completes with ``future`` (see ``FutureWork``)."""
+    return FutureWork(future)
 
 
 def backend_registered(name: str) -> bool:

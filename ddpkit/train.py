@@ -34,7 +34,7 @@ import ddpkit
 from ddpkit.cluster import BACKENDS, resolve_backend
 from ddpkit.experiment import local_batch, train_step, wrap
 from ddpkit.models import MODELS, build_model, size_kwargs
-from ddpkit.rankside import set_topology
+from ddpkit.rankside import set_device, set_topology
 from ddpkit.strategies.table import DEFAULT, NAMES
 from ddpkit.topology import Topology
 
@@ -101,8 +101,8 @@ def main(argv=None) -> int:
         backend = resolve_backend(args.backend, topology.ranks_per_node)  # alike on every rank of a node
     except ValueError as exc:
         raise SystemExit(f"ddpkit.train: {exc}") from None
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if backend == "nccl":  # the node's GPU of this rank, on every thread ddpkit starts too
+        set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     set_topology(topology)  # hybrid sharding, built by name below, shards inside these nodes
     rank, world = dist.get_rank(), dist.get_world_size()

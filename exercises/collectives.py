@@ -28,11 +28,14 @@ def _global_rank(group, group_rank: int) -> int:
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a 1-D ``tensor`` over the ranks of ``group`` in place, by a ring of sends; return it.
 
-    Use only point-to-point calls (``dist.isend``/``dist.irecv``/``dist.send``/``dist.recv``),
-    no collective. Split with ``torch.tensor_split(tensor, N)`` (chunks may differ by one
-    element, and are empty when ``tensor.numel() < N``: skip empty chunks on both sides).
+    Use only point-to-point calls, no collective: each step, post the send to the right and the
+    receive from the left together, ``dist.batch_isend_irecv([dist.P2POp(dist.isend, ...),
+    dist.P2POp(dist.irecv, ...)])``, then wait on what it returns. Posted one by one, every rank
+    blocking in ``send`` deadlocks, and on NCCL even ``isend`` then ``recv`` can hang (both queue
+    on one GPU stream); a batch is posted as one group. Split with
+    ``torch.tensor_split(tensor, N)`` (chunks may differ by one element, and are empty when
+    ``tensor.numel() < N``: skip empty chunks on both sides, and post nothing when both are).
     Phase 1 reduce-scatter, phase 2 all-gather, N-1 steps each (see the module docstring).
-    Sending with ``isend`` and then receiving avoids the deadlock of every rank blocking in
-    ``send`` at once. Check: equals ``dist.all_reduce`` (SUM) for any length and 2-4 ranks.
+    Check: equals ``dist.all_reduce`` (SUM) for any length and 2-4 ranks.
     """
     raise NotImplementedError("exercise: collectives.ring_all_reduce (see the docstring)")

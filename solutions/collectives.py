@@ -28,12 +28,15 @@ def _global_rank(group, group_rank: int) -> int:
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a 1-D ``tensor`` over the ranks of ``group`` in place, by a ring of sends; return it.
 
-    Use only point-to-point calls (``dist.isend``/``dist.irecv``/``dist.send``/``dist.recv``),
-    no collective. Split with ``torch.tensor_split(tensor, N)`` (chunks may differ by one
-    element, and are empty when ``tensor.numel() < N``: skip empty chunks on both sides).
+    Use only point-to-point calls, no collective: each step, post the send to the right and the
+    receive from the left together, ``dist.batch_isend_irecv([dist.P2POp(dist.isend, ...),
+    dist.P2POp(dist.irecv, ...)])``, then wait on what it returns. Posted one by one, every rank
+    blocking in ``send`` deadlocks, and on NCCL even ``isend`` then ``recv`` can hang (both queue
+    on one GPU stream); a batch is posted as one group. Split with
+    ``torch.tensor_split(tensor, N)`` (chunks may differ by one element, and are empty when
+    ``tensor.numel() < N``: skip empty chunks on both sides, and post nothing when both are).
     Phase 1 reduce-scatter, phase 2 all-gather, N-1 steps each (see the module docstring).
-    Sending with ``isend`` and then receiving avoids the deadlock of every rank blocking in
-    ``send`` at once. Check: equals ``dist.all_reduce`` (SUM) for any length and 2-4 ranks.
+    Check: equals ``dist.all_reduce`` (SUM) for any length and 2-4 ranks.
     """
     n = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -48,11 +51,10 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
         out, into = chunks[send_idx], incoming[: chunks[recv_idx].numel()]
         # Empty chunks are skipped by both ends alike: the sender's chunk (r - s) is the very
         # chunk index its right neighbour expects, so both agree on the size.
-        pending = dist.isend(out, right, group=group) if out.numel() else None
-        if into.numel():
-            dist.recv(into, left, group=group)
-        if pending is not None:
-            pending.wait()
+        ops = ([dist.P2POp(dist.isend, out, right, group)] if out.numel() else []) + \
+              ([dist.P2POp(dist.irecv, into, left, group)] if into.numel() else [])
+        for work in dist.batch_isend_irecv(ops) if ops else []:  # posted as one group
+            work.wait()
         return into
 
     for s in range(n - 1):  # phase 1: reduce-scatter

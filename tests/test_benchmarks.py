@@ -15,6 +15,8 @@ TINY = {
     "bench_live.py": (["--rounds", "2", "--steps", "2"], "recording + streaming + live widget"),
     "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
     "bench_recording.py": (["--rounds", "2", "--steps", "2", "--width", "32", "--depth", "2"], "recording costs"),
+    "bench_transport.py": (["--rounds", "2", "--iters", "1", "--sizes", "4K,64K", "--candidates", "gloo,shm",
+                            "--collectives", "all_reduce,broadcast"], "all-reduce through a Cluster"),
 }
 
 
@@ -35,7 +37,8 @@ def test_a_benchmark_runs_and_prints_its_figure(name):
     assert figure in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("name", ["bench_live.py", "bench_process_group.py", "bench_recording.py"])
+@pytest.mark.parametrize("name", ["bench_live.py", "bench_process_group.py", "bench_recording.py",
+                                  "bench_transport.py"])
 def test_one_round_is_refused_before_any_rank_starts(name):
     run = _run(name, ["--rounds", "1"])
     assert run.returncode == 2 and "--rounds >= 2" in run.stderr, run.stderr

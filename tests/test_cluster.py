@@ -242,6 +242,83 @@ def test_an_nccl_cluster_puts_rank_r_on_cuda_r():
         assert c.run(job) == [(f"cuda:{r}", total) for r in range(gpus)]
 
 
+# ---------------------------------------------------------------------- gpus=: which GPUs
+@pytest.fixture
+def eight_gpus(monkeypatch):
+    """A machine that seems to have 8 CUDA GPUs (nothing here touches CUDA)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+
+def test_gpus_names_the_ranks_gpus_and_defaults_to_the_first_visible(eight_gpus, monkeypatch):
+    from ddpkit.cluster import check_arguments
+
+    settings = check_arguments(2, gpus=[4, 5])
+    assert (settings.backend, settings.gpus) == ("nccl", (4, 5))
+    assert check_arguments(2, backend="nccl", gpus=(7, 0)).gpus == (7, 0)
+    assert check_arguments(3).gpus == (0, 1, 2)  # auto, a GPU per rank: the first 3
+    assert check_arguments(2, backend="gloo").gpus is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    one = check_arguments(2)  # one GPU for two ranks: NCCL refuses, so the CPU
+    assert (one.backend, one.gpus) == ("gloo", None)
+
+
+@pytest.mark.parametrize("gpus, message", [
+    ([4, 4], "GPU 4 to more than one rank: NCCL refuses two ranks on one GPU"),
+    ([7, 8], r"no GPU 8 here; 8 GPU\(s\) are visible, numbered 0-7"),
+    ([4], r"names 1 GPU\(s\) for world_size=2: one per rank"),
+    ([4, 5, 6], r"names 3 GPU\(s\) for world_size=2"),
+    ([-1, 0], "whole numbers >= 0"),
+    (["4", 5], "whole numbers >= 0"),
+    ("45", "a list of CUDA device indices"),
+])
+def test_bad_gpus_are_refused_before_any_rank_starts(eight_gpus, gpus, message):
+    before = _children()
+    with pytest.raises(ValueError, match=message):
+        Cluster(2, gpus=gpus)
+    assert _children() == before
+
+
+def test_gpus_without_cuda_or_with_gloo_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = _children()
+    with pytest.raises(ValueError, match=r"gpus=\[0, 1\]: this machine has no CUDA GPU"):
+        Cluster(2, gpus=[0, 1])
+    with pytest.raises(ValueError, match="backend='gloo' runs the ranks on the CPU"):
+        Cluster(2, backend="gloo", gpus=[0, 1])
+    assert _children() == before
+
+
+def test_each_rank_is_told_its_gpu_and_binds_it_before_joining(eight_gpus, monkeypatch):
+    from ddpkit import _worker, rankside
+    from ddpkit.cluster import check_arguments
+    from ddpkit.cluster.events import Events
+    from ddpkit.cluster.processes import Workers
+
+    workers = Workers(Events())
+    workers.settings = check_arguments(2, gpus=[4, 5])
+    workers.admission = SimpleNamespace(address=("127.0.0.1", 1), key=b"k")
+    workers.store = SimpleNamespace(port=2)
+    configs = [workers.config(r) for r in range(2)]
+    assert [(c["rank"], c["gpu"], c["backend"]) for c in configs] == [(0, 4, "nccl"), (1, 5, "nccl")]
+
+    bound = []  # the worker's side, with CUDA patched out
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: bound.append(torch.device(dev)))
+    monkeypatch.setattr(rankside._RANK, "device", None)
+    assert _worker._join_device(configs[1]) == "cuda:5"
+    assert bound == [torch.device("cuda", 5)] and ddpkit.device() == torch.device("cuda", 5)
+    monkeypatch.setattr(rankside._RANK, "device", None)
+    assert _worker._join_device(dict(configs[1], gpu=None)) == "cpu" and bound == [torch.device("cuda", 5)]
+
+
+@pytest.mark.gpu
+def test_a_cluster_on_the_gpus_named():
+    n = torch.cuda.device_count()
+    with Cluster(1, gpus=[n - 1]) as c:
+        assert c.backend == "nccl" and c.gpus == (n - 1,) and c.devices == [f"cuda:{n - 1}"]
+        assert c.run(lambda: str(ddpkit.device())) == [f"cuda:{n - 1}"]
+
+
 def test_a_job_that_cannot_be_pickled_says_why_and_runs_nothing(cluster_of):
     c = cluster_of(2)
     lock = threading.Lock()

@@ -115,6 +115,27 @@ def test_glooss_reduce_scatter_counts_the_algorithm_and_what_gloo_moved(cluster_
         assert sent == 1 / 2 * 4000 and moved == 2 * sent
 
 
+def _reduce_scatter_waited_twice():
+    rank = dist.get_rank()
+    out = torch.empty(3)
+    work = dist.reduce_scatter_tensor(out, torch.arange(6.0) + rank, async_op=True)
+    work.wait()
+    first = out.clone()
+    out.mul_(10)   # what HSDP does next: the shard all-reduced across nodes, in place
+    work.wait()    # a second wait (a recorder's watcher thread waits on works too)
+    return first.tolist(), out.tolist(), hasattr(work, "get_future") and work.get_future() is not None
+
+
+def test_a_reduce_scatter_waited_twice_keeps_what_the_caller_wrote_since(cluster_of):
+    # gloo's own flat reduce-scatter copied its chunk out again on every wait(): a recorded hsdp
+    # run then lost the cross-node all-reduce of a gradient shard now and then
+    for rank, (first, after, has_future) in enumerate(cluster_of(2).run(_reduce_scatter_waited_twice)):
+        expected = [2 * (3 * rank + i) + 1 for i in range(3)]   # rank 0's + rank 1's chunk
+        assert first == expected
+        assert after == [10 * v for v in expected]
+        assert has_future
+
+
 # ----------------------------------------------------------------------------- recording
 def _recorded_bucketed():
     from ddpkit.experiment import local_batch, train_step, wrap
@@ -340,3 +361,35 @@ def test_network_times_follow_the_ring_formulas_and_the_tiers():
     assert Network.of("10GbE").with_floor(floor).collective_time("all_reduce", s, 2) == pytest.approx(
         2e-3 + collective_time("all_reduce", s, 2, inter))
     assert Network.from_dict(net.to_dict()) == net
+
+
+def test_a_work_made_from_a_failed_future_raises_on_wait():
+    # torch's _create_work_from_future returned True from wait() even when the future failed:
+    # a collective that failed behind the emulator (or in a copy-out) went unnoticed
+    from ddpkit.torch_internals import work_from_future
+
+    future = torch.futures.Future()
+    future.set_exception(RuntimeError("the peer went away"))
+    work = work_from_future(future)
+    assert work.is_completed()
+    with pytest.raises(RuntimeError, match="the peer went away"):
+        work.wait()
+    done = torch.futures.Future()
+    done.set_result([torch.ones(1)])
+    assert work_from_future(done).wait() is True
+
+
+def _collectives_with_default_options():
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    group, n = _get_default_group(), dist.get_world_size()
+    out = [[torch.empty(2) for _ in range(n)]]
+    group.allgather(out, [torch.full((2,), float(dist.get_rank()))]).wait()  # no options given
+    flat = torch.empty(2 * n)
+    group._allgather_base(flat, torch.full((2,), float(dist.get_rank()))).wait()
+    return [t.tolist() for t in out[0]], flat.tolist()
+
+
+def test_collectives_called_without_options_take_their_defaults(cluster_of):
+    for lists, flat in cluster_of(2).run(_collectives_with_default_options):
+        assert lists == [[0.0, 0.0], [1.0, 1.0]] and flat == [0.0, 0.0, 1.0, 1.0]

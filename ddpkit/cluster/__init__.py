@@ -1,6 +1,8 @@
 """Cluster: persistent rank processes that run notebook-defined functions.
 
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
+    ddpkit.Cluster(2, transport="shm")            # CPU ranks' bytes through shared memory, not gloo's sockets
+    ddpkit.Cluster(2, gpus=[4, 5])                # NCCL, rank 0 on cuda:4, rank 1 on cuda:5
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
     with cluster.recording():                     # record (and stream) what the jobs do
         cluster.run(job)                          # -> what job returned, as always
@@ -37,22 +39,30 @@ from ddpkit.cluster.jobs import Job
 from ddpkit.cluster.pickling import JobPickler
 from ddpkit.cluster.processes import Settings, Workers
 
-__all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "check_network", "resolve_backend"]
+__all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "check_gpus", "check_network",
+           "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+TRANSPORTS = ("gloo", "shm")  # what moves CPU ranks' bytes: gloo's sockets, or shared memory (ddpkit.transport)
 
 
 class Cluster:
-    """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them."""
+    """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them.
+
+    ``gpus``: which CUDA devices the ranks use, one each (rank r on ``cuda:gpus[r]``), so that
+    several notebooks share one multi-GPU machine; default the first ``world_size`` visible ones
+    (under NCCL). Checked before any rank starts (``check_gpus``)."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 threads_per_rank: int | None = None, network=None):
-        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network)
+                 threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "gloo"):
+        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport)
         self.world_size = settings.world_size
         self._network = settings.network
         self.backend = settings.backend
+        self.gpus = settings.gpus  # a tuple of CUDA device indices (NCCL), or None (gloo: the CPU)
         self.timeout = settings.timeout
         self.threads_per_rank = settings.threads_per_rank
+        self.transport = settings.transport
         self.last_results: list | None = None
         self.last_trace = None     # the last recorded run's records (a ddpkit.trace.Trace)
         self._record = False       # record the next runs? (cluster.recording(), the widget's toggle)
@@ -95,7 +105,7 @@ class Cluster:
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
-                                     self._network))
+                                     self._network, self.gpus, self.transport))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -206,7 +216,8 @@ class Cluster:
 
 
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                    threads_per_rank: int | None = None, network=None) -> Settings:
+                    threads_per_rank: int | None = None, network=None, gpus=None,
+                    transport: str = "gloo") -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
     command line both check with this): a ValueError naming the bad argument and what is valid."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -218,13 +229,55 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     network = check_network(network, world_size)
-    backend = resolve_backend(backend, world_size)
+    if gpus is None:
+        backend = resolve_backend(backend, world_size)
+        gpus = tuple(range(world_size)) if backend == "nccl" else None  # the first world_size visible
+    else:  # GPUs named: NCCL on exactly those
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        if backend == "gloo":
+            raise ValueError(f"gpus={gpus!r} names GPUs, but backend='gloo' runs the ranks on the CPU; "
+                             "leave out gpus=, or use backend='auto' or 'nccl'")
+        gpus, backend = check_gpus(gpus, world_size), "nccl"
+    if transport not in TRANSPORTS or (transport == "shm" and backend == "nccl"):
+        raise ValueError(f"transport must be one of {TRANSPORTS} (\"shm\": CPU ranks only, not under "
+                         f"backend {backend!r}), got {transport!r}")
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
     # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
     # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    return Settings(world_size, backend, float(timeout), threads_per_rank, network)
+    return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport)
+
+
+def check_gpus(gpus, world_size: int) -> tuple[int, ...]:
+    """``gpus`` as a tuple of CUDA device indices, one per rank, or a ValueError saying what is
+    wrong: no CUDA here, not a list of whole numbers, one per rank, a GPU that does not exist, or
+    one given twice (NCCL refuses two ranks on one GPU). Indices count the GPUs this process
+    sees: with ``CUDA_VISIBLE_DEVICES=4,5,6,7`` set, index 0 is physical GPU 4."""
+    import torch
+
+    if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__"):
+        raise ValueError(f"gpus must be a list of CUDA device indices, one per rank, e.g. [4, 5]; got {gpus!r}")
+    gpus = list(gpus)
+    if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+        raise ValueError(f"gpus must be whole numbers >= 0 (CUDA device indices), got {gpus!r}")
+    if len(gpus) != world_size:
+        raise ValueError(f"gpus={gpus!r} names {len(gpus)} GPU(s) for world_size={world_size}: one per rank")
+    if not torch.cuda.is_available():
+        raise ValueError(f"gpus={gpus!r}: this machine has no CUDA GPU that torch can use "
+                         f"(torch.cuda.is_available() is False; torch {torch.__version__}); leave out gpus= "
+                         "to run the ranks on the CPU")
+    visible = torch.cuda.device_count()
+    missing = sorted({g for g in gpus if g >= visible})
+    if missing:
+        raise ValueError(f"gpus={gpus!r}: no GPU {', '.join(map(str, missing))} here; {visible} GPU(s) are "
+                         f"visible, numbered 0-{visible - 1} (CUDA_VISIBLE_DEVICES renumbers them)")
+    twice = sorted({g for g in gpus if gpus.count(g) > 1})
+    if twice:
+        raise ValueError(f"gpus={gpus!r} gives GPU {', '.join(map(str, twice))} to more than one rank: NCCL "
+                         "refuses two ranks on one GPU; give each rank its own")
+    return tuple(gpus)
 
 
 def check_network(network, world_size: int):

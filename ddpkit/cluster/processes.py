@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -65,6 +66,8 @@ class Settings:
     timeout: float
     threads_per_rank: int
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
+    gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (NCCL); None on the CPU
+    transport: str = "gloo"  # what carries the bytes of CPU ranks: "gloo", or "shm" (ddpkit.transport)
 
 
 class Workers:
@@ -79,6 +82,7 @@ class Workers:
         self.stderr_tail: list[collections.deque] = []  # fd-level stderr: a crash's last words
         self.admission: Admission | None = None
         self.store = None
+        self.shm_prefix = ""  # names in /dev/shm of this start's shared-memory groups
         self._readers: list[list[threading.Thread]] = []
 
     @property
@@ -91,6 +95,7 @@ class Workers:
             raise RuntimeError("the cluster is already running; use restart()")
         self.settings = settings
         self.generation += 1
+        self.shm_prefix = f"dk{secrets.token_hex(4)}_"  # this start's names in /dev/shm (transport "shm")
         self.admission = Admission(self.generation, settings.world_size)
         self.store = _loopback_store(settings.timeout)
         self.events.reset(settings.world_size)
@@ -111,17 +116,12 @@ class Workers:
 
     def _spawn(self, rank: int, env: dict) -> None:
         """One worker: its process, its configuration on stdin, its two pipe readers."""
-        s = self.settings
         # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
         # parent decides which ranks to interrupt.
         proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 cwd=os.getcwd(), start_new_session=True)
-        cfg = dict(rank=rank, world_size=s.world_size, backend=s.backend,
-                   address=list(self.admission.address), authkey=self.admission.key.hex(),
-                   generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
-                   timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict())
-        proc.stdin.write((json.dumps(cfg) + "\n").encode())
+        proc.stdin.write((json.dumps(self.config(rank)) + "\n").encode())
         proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
         self.procs.append(proc)
         self.events.ranks[rank].pid = proc.pid
@@ -136,6 +136,16 @@ class Workers:
         for t in readers:
             t.start()
         self._readers.append(readers)
+
+    def config(self, rank: int) -> dict:
+        """What worker ``rank`` of this start is told on its stdin (one JSON line)."""
+        s = self.settings
+        return dict(rank=rank, world_size=s.world_size, backend=s.backend,
+                    gpu=None if s.gpus is None else s.gpus[rank],
+                    address=list(self.admission.address), authkey=self.admission.key.hex(),
+                    generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
+                    timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict(),
+                    transport=s.transport, shm_prefix=self.shm_prefix)
 
     def _wait_ready(self) -> None:
         """Take each rank's admitted connection, then wait until every rank has joined the group."""
@@ -267,6 +277,10 @@ class Workers:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns, self._readers = [], {}, []
+        if self.settings is not None and self.settings.transport == "shm":
+            from ddpkit.transport.segment import unlink_segments
+
+            unlink_segments(self.shm_prefix)  # ranks that died while setting up a group left these
         if self.admission is not None:
             self.admission.close()
             self.admission = None

@@ -13,9 +13,12 @@ parameters or buffers are still on meta gets them allocated and runs ``param_ini
 (default: the module's ``reset_parameters()``, what its constructor ran). For a model whose
 constructor initializes its layers in registration order from the global RNG (nn.Linear,
 nn.Embedding, nn.LayerNorm, ... and both of the course's models) the same seed therefore gives
-exactly the values the eager constructor gives. A parameter tied to one materialized earlier
-(TinyGPT's ``head.weight`` is ``tok.weight``) is left alone: the first module to register it
-initializes it. Each module's fresh values are broadcast from rank 0, as for an eager model.
+exactly the values the eager constructor gives *on the same device*. On a GPU the values are drawn
+from the CUDA generator, whose stream differs from the CPU's: the same seed then gives other values
+than an eager model built on the CPU and moved (the ranks still agree: rank 0's are broadcast).
+A parameter tied to one materialized earlier (TinyGPT's ``head.weight`` is ``tok.weight``) is left
+alone: the first module to register it initializes it. Each module's fresh values are broadcast
+from rank 0, as for an eager model.
 """
 from __future__ import annotations
 

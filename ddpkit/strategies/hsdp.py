@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.rankside import subgroup
 from ddpkit.strategies._common import require_process_group
 from ddpkit.strategies.fsdp import FSDP
 from ddpkit.topology import Topology
@@ -41,12 +42,14 @@ def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]],
 
 def hybrid_groups(gpus_per_node: int):
     """This rank's (shard group, replicate group) over the default group; the replicate group is
-    None on a single node (then it is plain FSDP). Every rank creates every group, in the same
-    order (``new_group`` is collective over the default group), after the layout was checked."""
+    None on a single node (then it is plain FSDP). Every rank asks for every group, in the same
+    order (``new_group`` is collective over the default group), after the layout was checked.
+    A layout's groups are made once per process group and reused by every later HSDP
+    (``rankside.subgroup``): each holds communicators (NCCL's: GPU memory) until the group ends."""
     require_process_group("HSDP")
     topology = Topology(dist.get_world_size(), gpus_per_node)  # ValueError before any collective
-    shard_groups = [dist.new_group(topology.node_ranks(node)) for node in range(topology.nodes)]
-    replicate_groups = [dist.new_group(topology.peer_ranks(local)) for local in range(gpus_per_node)]
+    shard_groups = [subgroup(topology.node_ranks(node)) for node in range(topology.nodes)]
+    replicate_groups = [subgroup(topology.peer_ranks(local)) for local in range(gpus_per_node)]
     rank = dist.get_rank()
     return (shard_groups[topology.node_of(rank)],
             replicate_groups[topology.local_rank(rank)] if topology.nodes > 1 else None)

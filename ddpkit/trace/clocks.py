@@ -23,14 +23,19 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 0
     n = dist.get_world_size(group)
-    dev = device if str(dist.get_backend(group)) == "nccl" else torch.device("cpu")
+    dev = probe_device(device)
+    # NCCL returns from a collective once it is *queued* on the GPU: wait for it to be done,
+    # or t_b is read before the all-gather even started and the round trip bounds nothing
+    finish = (lambda: torch.cuda.synchronize(dev)) if dev.type != "cpu" else (lambda: None)
     probe = torch.zeros(1, dtype=torch.int64, device=dev)
     out = [torch.zeros_like(probe) for _ in range(n)]
     mine = []  # (round trip, midpoint) per round
     for _ in range(rounds):
         dist.barrier(group=group)
+        finish()
         t_a = clock()
         dist.all_gather(out, probe, group=group)
+        finish()
         t_b = clock()
         mine.append((t_b - t_a, (t_a + t_b) // 2))
     # share every rank's rounds: (n, rounds, 2) int64
@@ -41,6 +46,17 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
     best = int(every[:, :, 0].max(dim=0).values.argmin())
     me = dist.get_rank(group)
     return int(every[me, best, 1] - every[0, best, 1]), int(every[:, best, 0].max())
+
+
+def probe_device(device):
+    """Where the clock probe lives: the rank's GPU (``device``) under NCCL, which moves CUDA
+    tensors only, else the CPU. Asked of the *real* backend (``rankside.backend``): the process
+    group's own name is "ddpkit" in a Cluster, whatever runs underneath."""
+    import torch
+
+    from ddpkit import rankside
+
+    return torch.device(device) if rankside.backend() == "nccl" else torch.device("cpu")
 
 
 def cuda_event(device):

@@ -37,6 +37,7 @@ class Streamer:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one drain at a time: the thread's, or the final one
         self._thread = threading.Thread(target=self._loop, name="ddpkit-stream", daemon=True)
+        self.error: Exception | None = None  # what stopped the thread early, if anything did
 
     def __enter__(self):
         self._thread.start()
@@ -46,13 +47,20 @@ class Streamer:
         self._stop.set()
         self._thread.join()
         self.flush(final=True)
+        if self.error is not None and exc[0] is None:  # not silently: the live view stopped
+            raise RuntimeError(f"streaming this rank's records stopped early: {self.error!r}") from self.error
         return False
 
     def _loop(self) -> None:
+        from ddpkit.rankside import adopt_device
+
+        # drain() asks CUDA events whether the GPU has reached them: on the rank's GPU, not GPU 0
+        adopt_device(getattr(self.rec, "device", None))
         while not self._stop.wait(self.interval_s):
             try:
                 self.flush()
-            except Exception:  # the channel is gone (the parent died): the job will find out
+            except Exception as err:  # the channel is gone (the parent died, the job will find
+                self.error = err      # out), or a record could not be resolved: said at the end
                 return
 
     def flush(self, final: bool = False) -> None:

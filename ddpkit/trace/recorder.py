@@ -68,9 +68,11 @@ class Recorder:
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
         self.backend = (rankside.backend() or "none") if initialized else "none"
-        if device is None:
-            device = "cuda" if self.backend == "nccl" else "cpu"
-        self.device = torch.device(device)
+        # always with its index: events and the clock anchor must be on the rank's own GPU, also
+        # when made on a thread whose current device is another one (every new thread's is 0)
+        self.device = torch.device(device) if device is not None else rankside.device()
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.clock_offset_ns = 0   # this rank's clock minus rank 0's (align_clocks sets it)
         self.clock_rtt_ns = 0      # the bound on that estimate's error
         self._clock = clock
@@ -100,7 +102,8 @@ class Recorder:
 
             self._watched = queue.SimpleQueue()
 
-            def watch(q=self._watched):
+            def watch(q=self._watched, device=self.device):
+                rankside.adopt_device(device)  # see adopt_device: not GPU 0's context
                 while True:
                     work, callback = q.get()
                     try:
@@ -122,10 +125,18 @@ class Recorder:
         ...) by ddpkit's process group, their one writer (``rankside.Labels``)."""
         return rankside.Labels(self, fields)
 
-    def collective(self, name: str, work, nbytes: int, **fields) -> None:
+    def launch_mark(self):
+        """The start of a collective about to be launched: (host ns, CUDA event on the current
+        stream). ddpkit's process group takes it *before* launching, and passes it as
+        ``collective(..., launched=mark)``: a synchronous NCCL op runs on the current stream,
+        so an event recorded after the launch would fire after the collective (a span of 0)."""
+        return self._clock(), (self._cuda_event() if self._cuda else None)
+
+    def collective(self, name: str, work, nbytes: int, launched=None, **fields) -> None:
         """Note an async collective launched just now; its completion is noted by a callback.
         ddpkit's process group calls this for every collective it carries (``fields``: the
-        strategy's labels, the link and the group).
+        strategy's labels, the link and the group; ``launched``: the ``launch_mark()`` it took
+        before launching, else the start is now).
 
         What "completion" means depends on the backend:
         - gloo: the future completes when the collective has finished on gloo's own worker
@@ -137,8 +148,7 @@ class Recorder:
           callback runs on (which is synchronised with NCCL's stream, so it fires after the
           collective ends). Their GPU times are resolved lazily in ``.records``.
         """
-        t0 = self._clock()
-        ev0 = self._cuda_event() if self._cuda else None
+        t0, ev0 = launched if launched is not None else self.launch_mark()
         done = [None, None]  # [host ns at completion, CUDA event after the collective]
         if work is None:     # a synchronous call: it has already finished
             done[0] = t0

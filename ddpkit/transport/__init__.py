@@ -1,0 +1,13 @@
+"""How ranks on one host move bytes without the network stack: a shared-memory transport.
+
+- ``segment``: one group's shared slab (a file in ``/dev/shm`` mapped by every rank) and its
+  doorbells (one named semaphore per rank), the barrier built on them, and the cleanup;
+- ``shm``: ``ShmBackend``, a gloo process group whose collectives move their bytes through the
+  slab instead (all-reduce, all-gather, reduce-scatter, broadcast, barrier); the rest is gloo's.
+
+``ddpkit.process_group`` builds it when a Cluster runs with ``transport="shm"``.
+"""
+from ddpkit.transport.segment import unlink_segments
+from ddpkit.transport.shm import ShmBackend, ShmError
+
+__all__ = ["ShmBackend", "ShmError", "unlink_segments"]
