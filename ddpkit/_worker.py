@@ -9,7 +9,9 @@ Start-up, in order:
    cluster's random key (HMAC challenges, see ``handshake``), then say hello;
 4. join the process group through the parent's TCPStore, then report ready.
 Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
-the pickled result or the formatted traceback.
+the pickled result or the formatted traceback. With each job comes the file where this rank's
+flight recorder keeps its last collectives (``ddpkit.flight``), which the parent reads if the
+ranks' collectives part; its watchdog reports a collective stuck during the job.
 
 Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
 stop button is pressed, or when another rank failed and this one may be stuck). Between jobs
@@ -259,13 +261,18 @@ def main() -> None:
             break
         if msg[0] != "run":
             continue
+        flight = rankside.attached_comm().flight
+        if len(msg) > 2:  # the file to keep this rank's last collectives in, where the parent reads them
+            flight.attach(msg[2]["ring"], msg[2]["job"])
         try:
             _context.running = True
             fn, args, kwargs = cloudpickle.loads(msg[1])
             result = fn(*args, **kwargs)
             _context.running = False
+            flight.end_job()
         except BaseException as exc:  # KeyboardInterrupt too: the parent asked us to stop
             _context.running = False
+            flight.end_job()
             sys.stdout.flush()
             sys.stderr.flush()
             # The traceback starts at the job's own frame: this loop's frame is noise to a learner.

@@ -1,0 +1,340 @@
+"""Where the ranks parted: compare their sequences of collectives, say it in words a learner reads.
+
+Every rank's flight recorder (``ddpkit.flight``) holds its last collectives: per group, an index
+(1, 2, ...), the op, bytes, dtype, labels and the line that issued it. The Cluster's parent reads
+them when something looks wrong (a rank reported a collective stuck for ``flight.STALL_S``, a rank
+finished while others still run, a job ended in errors) and asks ``diagnose`` whether the ranks'
+sequences have *parted* -- will never match again, however long one waits:
+
+- **mismatch**: at the same index of the same group, two ranks issued different collectives
+  (op, bytes or dtype): a skipped collective, a different op, different shapes;
+- **finished**: a rank issued a collective that a rank of its group will never issue, because
+  that one finished its job (it ran out of data: uneven inputs without ``Join``);
+- **deadlock**: ranks wait in collectives the others have not issued and, blocked, never will
+  (e.g. a collective issued on the wrong process group);
+- **failed**: as "finished", but the rank that will never issue it failed or died. That is the
+  failure's fault, not a desync: the Cluster raises ``RankError``, and stops the waiting ranks at
+  once instead of waiting for a timeout.
+
+A rank that is merely slow (still computing, the others waiting for it) has not parted: that is
+for the timeout to decide. ``Diagnosis.explain()`` is what ``ddpkit.DesyncError`` says first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddpkit.flight import Entry
+
+AROUND = 3  # collectives drawn before and after the one where the ranks parted
+
+# What a rank was doing when the parent diagnosed (RankView.state)
+ENDED = ("finished", "failed", "died")
+
+
+@dataclass
+class RankView:
+    """What the parent knows of one rank: how its job stands, its ring, what it waits in."""
+
+    rank: int
+    state: str                    # "running", "finished", "failed" (its own error), "broken" (its
+                                  # collective failed), "died", "stopped" (interrupted or killed by
+                                  # the cluster while it was still running)
+    entries: list | None = None   # its flight recorder's entries, oldest first (None: unreadable)
+    waiting: tuple | None = None  # (group, index) it reported stuck in
+    waited: float = 0.0           # for how long, when it reported
+    note: str = ""                # how its job ended, in a few words ("exit code 3", the error's last line)
+
+    def last(self, group: int) -> int:
+        """The index of the newest collective it issued in ``group`` (0: none)."""
+        return max((e.index for e in self.entries or () if e.group == group), default=0)
+
+    def entry(self, group: int, index: int) -> Entry | None:
+        return next((e for e in self.entries or () if e.group == group and e.index == index), None)
+
+    def pending(self) -> tuple | None:
+        """The collective it is blocked in: the one it reported, or (its collective failed) its newest."""
+        if self.waiting is not None:
+            return self.waiting
+        if self.state == "broken" and self.entries:
+            return self.entries[-1].group, self.entries[-1].index
+        return None
+
+
+@dataclass
+class Diagnosis:
+    """Where the ranks parted: ``kind``, the collective (``group``, ``index``), what each rank did."""
+
+    kind: str                     # "mismatch", "finished", "deadlock" or "failed" (see the module)
+    group: int
+    ranks: tuple                  # the group's global ranks
+    index: int
+    issued: dict                  # rank -> its Entry at (group, index), or None
+    views: dict = field(default_factory=dict)   # rank -> RankView
+    lanes: dict = field(default_factory=dict)   # rank -> its entries of the group around index
+
+    @property
+    def ddp(self) -> bool:
+        """Did a DDP wrapper issue it (its buckets are labelled)?"""
+        return any(e is not None and "bucket=" in e.labels for e in self.issued.values()) or any(
+            "bucket=" in e.labels for lane in self.lanes.values() for e in lane)
+
+    def summary(self) -> str:
+        return f"desync at collective #{self.index} of {group_name(self.group, self.ranks)}"
+
+    def headline(self) -> str:
+        ended = [r for r, v in self.views.items() if r in self.ranks and v.state in ENDED and not self.issued.get(r)]
+        why = {"mismatch": "the ranks issued different collectives there",
+               "finished": f"rank{_s(ended)} {_names(ended)} had finished {_their(ended)} job and will never issue it",
+               "deadlock": "each rank waits in a collective the others have not issued (and, blocked, never will)",
+               "failed": f"rank{_s(ended)} {_names(ended)} failed before issuing it"}[self.kind]
+        return f"{self.summary()}: {why}"
+
+    def explain(self) -> str:
+        """The diagnosis: the headline, a line per rank, a hint, and the lanes around the index."""
+        lines = [self.headline()]
+        for r in sorted(self.views):
+            lines.append(f"  rank {r}: {self.describe(r)}")
+        hint = self.hint()
+        if hint:
+            lines.append(hint)
+        lines.append(self.table())
+        return "\n".join(lines)
+
+    def describe(self, rank: int) -> str:
+        """What ``rank`` issued at the index, or why it issued nothing there; and how it stands."""
+        v, e = self.views[rank], self.issued.get(rank)
+        state = _state(v)
+        if rank not in self.ranks:
+            return f"not in this group; {state}"
+        if e is not None:
+            return f"{describe_entry(e)}; {state}"
+        last = v.last(self.group)
+        if v.entries is None:
+            return f"(its record could not be read); {state}"
+        where = v.pending()
+        if where is not None and where != (self.group, self.index):
+            other = v.entry(*where)
+            what = f"collective #{where[1]} of {group_name(where[0], other.ranks if other else ())}"
+            if other is not None:
+                what += f": {describe_entry(other)}"
+            return f"issued nothing there (its last here was #{last}); it is waiting in {what}"
+        if v.state == "finished":
+            return f"issued nothing there: it finished its job after collective #{last}"
+        return f"issued nothing there yet (its last here was #{last}); {state}"
+
+    def hint(self) -> str:
+        if self.kind == "mismatch":
+            return ("every rank must issue the same collectives in the same order, with the same sizes "
+                    "and dtypes, on the same group")
+        if self.kind == "finished":
+            base = "a rank that runs out of data stops issuing the collectives the others still wait for"
+            if self.ddp:
+                return (f"{base}: use Join -- `with torch.distributed.algorithms.Join([model]):` around "
+                        "the loop lets a finished rank shadow the others' steps (or give every rank the "
+                        "same number of batches)")
+            return f"{base}: give every rank the same number of steps"
+        if self.kind == "deadlock":
+            return "check that every rank issues these collectives on the same process group"
+        return ""
+
+    def table(self) -> str:
+        """The lanes as text: a row per index, a column per rank, ``>`` at the parted one."""
+        ranks = sorted(r for r in self.views if r in self.ranks)
+        width = 30
+        head = "     #  " + "".join(f"rank {r}".ljust(width) for r in ranks)
+        rows = [head.rstrip()]
+        for i in self.indices():
+            cells = []
+            for r in ranks:
+                e = next((x for x in self.lanes.get(r, ()) if x.index == i), None)
+                cells.append((short_entry(e) if e else "").ljust(width))
+            mark = ">" if i == self.index else " "
+            rows.append(f"  {mark}{i:>3}  {''.join(cells)}".rstrip())
+        return "\n".join(rows)
+
+    def indices(self) -> list:
+        """The indices the lanes show: ``AROUND`` before the parted one to ``AROUND`` after."""
+        found = {e.index for lane in self.lanes.values() for e in lane}
+        return [i for i in range(self.index - AROUND, self.index + AROUND + 1) if i in found or i == self.index]
+
+
+def _s(ranks) -> str:
+    return "s" if len(ranks) != 1 else ""
+
+
+def _their(ranks) -> str:
+    return "their" if len(ranks) != 1 else "its"
+
+
+def _names(ranks) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _state(v: RankView) -> str:
+    note = brief(v.note)
+    if v.state == "running":
+        if v.waiting is not None:
+            return f"waiting in it for {v.waited:.1f} s"
+        return "still running its job"
+    return {"finished": "its job finished",
+            "failed": f"it failed: {note}" if note else "it failed",
+            "broken": f"its collective failed: {note}" if note else "its collective failed",
+            "died": f"it died: {note}" if note else "it died",
+            "stopped": "it was still running (stopped by the cluster)"}.get(v.state, v.state)
+
+
+def brief(note: str, limit: int = 160) -> str:
+    """An error's message, short: no C++ source locations; whole sentences up to ``limit``."""
+    import re
+
+    note = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", note).strip()
+    if len(note) <= limit:
+        return note
+    cut = note.rfind(". ", 0, limit)
+    return note[:cut + 1] if cut > 40 else note[:limit - 3] + "..."
+
+
+def group_name(group: int, ranks) -> str:
+    who = f"ranks {', '.join(map(str, ranks))}" if ranks else ""
+    if group == 0:
+        return f"the default group ({who})" if who else "the default group"
+    return f"group {group} ({who})" if who else f"group {group}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def short_entry(e: Entry) -> str:
+    """``all_reduce 8.0 MiB`` (``bucket=0``): what a lane shows of a collective."""
+    text = e.op if e.op == "barrier" else f"{e.op} {human_bytes(e.nbytes)}"
+    return f"{text} {e.labels}" if e.labels else text
+
+
+def describe_entry(e: Entry) -> str:
+    """``all_reduce of 8.0 MiB float32 (bucket=0), at job.py:40 in step: `loss.backward()```."""
+    what = e.op if e.op == "barrier" else f"{e.op} of {human_bytes(e.nbytes)} {e.dtype}".rstrip()
+    if e.labels:
+        what += f" ({e.labels})"
+    return f"{what}, {where(e)}" if e.file else what
+
+
+def where(e: Entry) -> str:
+    """``at job.py:40 in step: `loss.backward()``` (the source line when this process can read it:
+    the notebook's parent holds its cells' lines)."""
+    import linecache
+
+    text = f"at {e.file}:{e.line} in {e.function}"
+    source = linecache.getline(e.file, e.line).strip() if e.file else ""
+    return f"{text}: `{source}`" if source else text
+
+
+# ---------------------------------------------------------------------- the rules
+def diagnose(views: list[RankView]) -> Diagnosis | None:
+    """Have the ranks' sequences parted? The first place they did, or None (they may yet meet)."""
+    by_rank = {v.rank: v for v in views}
+    found = _mismatch(by_rank) or _blocked(by_rank) or _outrun(by_rank)
+    if found is None:
+        return None
+    kind, group, ranks, index = found
+    issued = {r: by_rank[r].entry(group, index) for r in ranks if r in by_rank}
+    lanes = {r: [e for e in (by_rank[r].entries or ()) if e.group == group
+                 and index - AROUND <= e.index <= index + AROUND] for r in ranks if r in by_rank}
+    return Diagnosis(kind, group, tuple(ranks), index, issued, by_rank, lanes)
+
+
+def _groups(by_rank) -> dict:
+    """group id -> its ranks, from what the ranks recorded."""
+    groups = {}
+    for v in by_rank.values():
+        for e in v.entries or ():
+            groups.setdefault(e.group, e.ranks)
+    return groups
+
+
+def _mismatch(by_rank):
+    """The earliest issued (group, index) where two ranks' collectives differ."""
+    best = None
+    for group, ranks in _groups(by_rank).items():
+        seen: dict = {}  # index -> (signature, issue time)
+        for r in ranks:
+            for e in (by_rank[r].entries or ()) if r in by_rank else ():
+                if e.group != group:
+                    continue
+                first = seen.setdefault(e.index, (e.signature(), e.issued))
+                if first[0] != e.signature():
+                    t = min(first[1], e.issued)
+                    if best is None or t < best[0]:
+                        best = (t, group, ranks, e.index)
+    return None if best is None else ("mismatch", *best[1:])
+
+
+def _blocked(by_rank):
+    """A rank blocked in a collective that will never complete: some rank of its group has not
+    issued it and never will (it ended, or it is blocked too, in a wait that never ends)."""
+    memo: dict = {}
+
+    def stuck_for_good(r, path) -> str | None:  # None: it may still progress; else why not
+        v = by_rank.get(r)
+        if v is None or v.entries is None:
+            return None
+        if v.state in ENDED:
+            return "finished" if v.state == "finished" else "failed"
+        where = v.pending()
+        if where is None:
+            return None       # computing: it may yet issue what the others wait for
+        if r in path:
+            return "deadlock"
+        if r in memo:
+            return memo[r]
+        group, index = where
+        e = v.entry(group, index)
+        ranks = e.ranks if e is not None else ()
+        verdict = None  # one rank of the group that never issues it is enough to wait forever
+        for m in ranks:
+            other = by_rank.get(m)
+            if m == r or other is None or other.entries is None or other.last(group) >= index:
+                continue
+            verdict = stuck_for_good(m, path | {r})
+            if verdict is not None:
+                break
+        memo[r] = verdict
+        return verdict
+
+    for r in sorted(by_rank):
+        v = by_rank[r]
+        where = v.pending()
+        if where is None or v.state in ENDED:
+            continue
+        why = stuck_for_good(r, frozenset())
+        if why is not None:
+            e = v.entry(*where)
+            return why, where[0], e.ranks if e is not None else (r,), where[1]
+    return None
+
+
+def _outrun(by_rank):
+    """A rank still running issued a collective that a finished (or failed) rank of its group
+    never issued: whatever it does now, it will wait for it forever (no report needed: torch's
+    own DDP drops its Work handles, so its waits cannot be watched)."""
+    for r in sorted(by_rank):
+        v = by_rank[r]
+        if v.state in ENDED or not v.entries:
+            continue
+        for group in {e.group for e in v.entries}:
+            mine = v.last(group)
+            e = v.entry(group, mine)
+            for m in e.ranks if e is not None else ():
+                other = by_rank.get(m)
+                if other is None or other.entries is None or other.state not in ENDED:
+                    continue
+                if other.last(group) < mine:
+                    kind = "finished" if other.state == "finished" else "failed"
+                    return kind, group, e.ranks, other.last(group) + 1
+    return None
+
+
+__all__ = ["Diagnosis", "RankView", "diagnose", "describe_entry", "group_name", "short_entry"]

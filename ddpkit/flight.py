@@ -1,0 +1,308 @@
+"""The flight recorder: each rank's last ``SLOTS`` collectives, kept where its parent can read them.
+
+ddpkit's process group hands every collective to ``FlightRecorder.issue`` *before* launching it,
+always (recording on or off): which group, its index in that group (1 for the group's first
+collective), the op, the bytes, the dtype, the strategy's labels (bucket, unit) and the user's
+line of code that issued it (the first frame outside torch, ddpkit and the standard library).
+That is the sequence ``ddpkit.desync`` compares across ranks when they part.
+
+Why shared memory. A collective that parts the ranks may kill one outright: gloo aborts a rank
+that receives more bytes than it expects (``op.preamble.length <= op.nbytes``), within
+milliseconds, before any Python could report. So the ring is a file mapped into memory
+(``attach``; the Cluster's parent makes one per rank and reads it after the rank is gone, like an
+aircraft's recorder). Outside a Cluster (torchrun, a test) the ring is a plain bytearray.
+
+Cost. Per collective: a walk up the stack (frames classified once per code object), a few
+cached byte strings joined, one ``struct.pack_into`` and a weak reference to the ``Work``: a few
+microseconds, next to tens for the collective itself (``benchmarks/bench_desync.py``). A weak
+reference, not a strong one: holding a Work holds its tensors, which would change what
+``ddpkit.memory`` sees.
+
+The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
+collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
+reports it to the parent (``rankside.report("stuck", ...)``, with the job thread's stack), and
+reports again when it completes after all. Only ``Work``s someone still holds can be watched:
+torch's own DDP drops its Python handle at once, so a rank stuck there is found by the other
+rule (a rank that finished while this one issued more, see ``ddpkit.desync``).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import mmap
+import os
+import struct
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+
+SLOTS = 512          # collectives kept per rank: the newest ones (a ring)
+STALL_S = 1.0        # a collective pending this long during a job is reported as stuck
+WATCH_S = 0.25       # how often the watchdog looks
+
+_MAGIC = b"DDPKFLT1"
+_HEADER = struct.Struct("<8sqqq")            # magic, pid, job, slots
+_HEADER_SIZE = 64
+# seq (1, 2, ... on this rank; 0: empty), group id, index in the group, bytes, issue time
+# (time.monotonic: one clock for every process of the machine), text length, text, seq again:
+# a reader that finds the two seqs different read the slot while it was being written
+_SLOT = struct.Struct("<qiqqdH210sq")
+_TEXT = 210
+_SEP = b"\x1f"
+
+_KIND: dict = {}     # code object -> "user", "lib" (torch, ddpkit, stdlib) or "worker" (the job's caller)
+
+
+def _classify(filename: str) -> str:
+    if filename.startswith(_DDPKIT_DIR):
+        return "worker" if filename.endswith("_worker.py") else "lib"
+    if filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or "-packages" + os.sep in filename:
+        return "lib"  # torch, the standard library, installed libraries (site- or dist-packages)
+    return "user"
+
+
+def _dirs():
+    import importlib.util
+
+    torch = importlib.util.find_spec("torch")  # found, not imported: the parent reads rings too
+    return (os.path.dirname(os.path.abspath(torch.origin)) + os.sep,
+            os.path.dirname(os.path.abspath(__file__)) + os.sep,
+            os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+
+
+_TORCH_DIR, _DDPKIT_DIR, _STDLIB_DIR = _dirs()
+
+
+@dataclass
+class Entry:
+    """One collective as a rank issued it (what the parent reads back from the ring)."""
+
+    seq: int             # its place among all this rank's collectives (1, 2, ...)
+    group: int           # the group: 0 the default one, then in creation order
+    index: int           # its place in the group's sequence (1 for the group's first)
+    nbytes: int          # the full size S (all-reduce: the buffer; all-gather: the output)
+    issued: float        # time.monotonic() when it was issued
+    op: str              # "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"
+    dtype: str = ""
+    ranks: tuple = ()    # the group's global ranks
+    labels: str = ""     # the issuing strategy's labels, e.g. "bucket=0" or "unit=layers.0"
+    file: str = ""       # where the user's code issued it
+    line: int = 0
+    function: str = ""
+
+    def signature(self) -> tuple:
+        """What every rank of the group must agree on for this collective to match."""
+        return (self.op, self.nbytes, self.dtype)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A collective issued and not yet seen completed (the watchdog's view of it)."""
+
+    seq: int
+    group: int
+    index: int
+    issued: float
+    work: object = None  # a weak reference to its Work, once launched
+    reported: bool = False
+
+
+@dataclass
+class FlightRecorder:
+    """This rank's ring of recent collectives (``issue``), and the watchdog (``attach``)."""
+
+    slots: int = SLOTS
+    enabled: bool = True           # False only to measure what it costs (benchmarks/bench_desync.py)
+    buf: object = field(default=None, repr=False)
+    groups: list = field(default_factory=list)   # group id -> its global ranks
+    _seq: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
+    _pending: collections.deque = field(default_factory=collections.deque, repr=False)
+    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group) -> bytes
+    _wheres: dict = field(default_factory=dict, repr=False)   # (code, line) -> bytes
+    path: str | None = None
+    job: int = 0                   # the job running now (0: none), as the parent numbers them
+    watchdog: threading.Thread | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.buf is None:
+            self.buf = bytearray(_HEADER_SIZE + self.slots * _SLOT.size)
+            _HEADER.pack_into(self.buf, 0, _MAGIC, os.getpid(), 0, self.slots)
+
+    # ------------------------------------------------------------------ the hot path
+    def new_group(self, ranks) -> int:
+        """A group was created (the same order on every rank): its id in the records."""
+        self.groups.append(tuple(ranks))
+        return len(self.groups) - 1
+
+    def issue(self, group: int, index: int, op: str, nbytes: int, dtype, labels) -> _Pending | None:
+        """Note a collective about to be launched; ``launched(p, work)`` after (``p``: what the
+        watchdog watches, None when there is none)."""
+        if not self.enabled:
+            return None
+        seq, now = next(self._seq), time.monotonic()
+        key = (op, dtype, group)
+        text = self._texts.get(key)
+        if text is None:
+            ranks = ",".join(map(str, self.groups[group]))
+            text = self._texts[key] = _SEP.join([op.encode(), str(dtype or "").removeprefix("torch.").encode(),
+                                                 ranks.encode()])
+        lab = b""
+        if labels is not None and labels.fields:
+            lab = " ".join(f"{k}={v}" for k, v in labels.fields.items()).encode()[:60]
+        text = _SEP.join((text, lab, self._where()))
+        _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * _SLOT.size,
+                        seq, group, index, nbytes, now, min(len(text), _TEXT), text, seq)
+        if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
+            return None
+        p = _Pending(seq, group, index, now)
+        self._pending.append(p)
+        return p
+
+    @staticmethod
+    def launched(p: _Pending | None, work) -> None:
+        if p is not None and work is not None:
+            p.work = weakref.ref(work)
+
+    def _where(self) -> bytes:
+        """The user's line that issued the collective: the first frame outside torch, ddpkit and the
+        standard library; else (a ddpkit function run as the job) the outermost ddpkit frame."""
+        f, last = sys._getframe(3), None   # 3: skip _where, issue and the group's _issue
+        while f is not None:
+            code = f.f_code
+            kind = _KIND.get(code)
+            if kind is None:
+                kind = _KIND[code] = _classify(code.co_filename)
+            if kind == "user":
+                last = f
+                break
+            if kind == "worker":
+                break
+            last = f
+            f = f.f_back
+        if last is None:
+            return b""
+        key = (last.f_code, last.f_lineno)
+        where = self._wheres.get(key)
+        if where is None:
+            code = last.f_code
+            name = code.co_filename if len(code.co_filename) < 120 else "..." + code.co_filename[-117:]
+            where = self._wheres[key] = _SEP.join([name.encode(), str(last.f_lineno).encode(),
+                                                   code.co_name.encode()])
+        return where
+
+    # ------------------------------------------------------------------ shared with the parent
+    def attach(self, path: str, job: int) -> None:
+        """Keep the ring in ``path`` (made by the Cluster's parent) from now on, and start the
+        watchdog; ``job``: the job about to run. Called by the worker before each job."""
+        shared = _map(path, len(self.buf)) if path != self.path else None
+        if shared is not None:
+            shared[:] = bytes(self.buf)  # what was issued before (the group's first collectives)
+            _HEADER.pack_into(shared, 0, _MAGIC, os.getpid(), 0, self.slots)
+            self.buf, self.path = shared, path
+        if self.watchdog is None:
+            self.watchdog = threading.Thread(target=self._watch, name="ddpkit-flight-watchdog", daemon=True)
+            self.watchdog.start()
+        self.begin_job(job)
+
+    def begin_job(self, job: int) -> None:
+        self.job = job
+        _HEADER.pack_into(self.buf, 0, _MAGIC, os.getpid(), job, self.slots)
+
+    def end_job(self) -> None:
+        self.job = 0
+
+    def _watch(self) -> None:
+        from ddpkit import rankside
+
+        main = threading.main_thread().ident
+        while True:
+            time.sleep(WATCH_S)
+            pending = self._pending
+            while pending:  # forget what completed (or what nobody holds any more)
+                p = pending[0]
+                if p.work is None:
+                    break   # being launched right now
+                work = p.work()
+                if work is not None and not work.is_completed():
+                    break
+                pending.popleft()
+                if p.reported:
+                    rankside.report("unstuck", seq=p.seq)
+            if not pending or not self.job:
+                continue
+            p = pending[0]
+            waited = time.monotonic() - p.issued
+            if waited > STALL_S and not p.reported:
+                p.reported = True
+                frame = sys._current_frames().get(main)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+                rankside.report("stuck", seq=p.seq, group=p.group, index=p.index, waited=waited,
+                                stack=_from_the_job(stack), job=self.job)
+
+
+def _map(path: str, size: int):
+    """``path`` mapped into memory, shared with every process that maps it; None if it cannot be
+    (then the parent cannot read this rank's record; its jobs run all the same)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+
+
+def _from_the_job(stack: str) -> str:
+    """The stack from the job's own frame down (the worker's loop above it is noise)."""
+    marker = "_worker.py"
+    lines = stack.splitlines(keepends=True)
+    cut = 0
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("File ") and marker in line:
+            cut = i + 2  # skip the worker's frame and its source line
+    return "".join(lines[cut:])
+
+
+# ---------------------------------------------------------------------- the parent's side
+def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
+    """``(job, entries)`` from a rank's ring file, oldest first; None if the file does not hold a
+    ring written by ``pid`` (a rank that never attached to it)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) < _HEADER_SIZE:
+        return None
+    magic, owner, job, slots = _HEADER.unpack_from(data, 0)
+    if magic != _MAGIC or (pid is not None and owner != pid):
+        return None
+    entries = []
+    for i in range(slots):
+        off = _HEADER_SIZE + i * _SLOT.size
+        if off + _SLOT.size > len(data):
+            break
+        seq, group, index, nbytes, issued, n, text, seq2 = _SLOT.unpack_from(data, off)
+        if seq <= 0 or seq != seq2:
+            continue
+        parts = text[:n].decode(errors="replace").split("\x1f")
+        op, dtype, ranks, labels, file, line, function = (parts + [""] * 7)[:7]
+        entries.append(Entry(seq, group, index, nbytes, issued, op, dtype,
+                             tuple(int(r) for r in ranks.split(",") if r), labels, file,
+                             int(line) if line.isdigit() else 0, function))
+    entries.sort(key=lambda e: e.seq)
+    return job, entries
+
+
+def ring_size(slots: int = SLOTS) -> int:
+    """Bytes of a ring file (the parent makes each one this big)."""
+    return _HEADER_SIZE + slots * _SLOT.size
+
+
+__all__ = ["Entry", "FlightRecorder", "STALL_S", "read", "ring_size"]
