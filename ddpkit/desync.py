@@ -74,12 +74,14 @@ class Diagnosis:
 
     @property
     def ddp(self) -> bool:
-        """Did a DDP wrapper issue it (its buckets are labelled)?"""
-        return any(e is not None and "bucket=" in e.labels for e in self.issued.values()) or any(
-            "bucket=" in e.labels for lane in self.lanes.values() for e in lane)
+        """Did a DDP wrapper issue the collectives around it (ddpkit's, or torch's buckets)?"""
+        return any(_by_ddp(e) for lane in self.lanes.values() for e in lane)
+
+    def group_name(self) -> str:
+        return group_name(self.group, self.ranks)
 
     def summary(self) -> str:
-        return f"desync at collective #{self.index} of {group_name(self.group, self.ranks)}"
+        return f"desync at collective #{self.index} of {self.group_name()}"
 
     def headline(self) -> str:
         ended = [r for r, v in self.views.items() if r in self.ranks and v.state in ENDED and not self.issued.get(r)]
@@ -214,11 +216,21 @@ def short_entry(e: Entry) -> str:
     return f"{text} {e.labels}" if e.labels else text
 
 
+# ddpkit's DDP wrappers (and their Join hook), as the flight recorder names the strategy code
+DDP_CODE = ("DDPModule", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ZeRO1", "ZeRO2", "_ShadowSteps")
+
+
+def _by_ddp(e: Entry) -> bool:
+    return "bucket=" in e.labels or e.via.split(".")[0] in DDP_CODE
+
+
 def describe_entry(e: Entry) -> str:
-    """``all_reduce of 8.0 MiB float32 (bucket=0), at job.py:40 in step: `loss.backward()```."""
+    """``all_reduce of 8.0 MiB float32 (via OverlappedDDP._sync_gradients, bucket=0), at
+    job.py:40 in step: `loss.backward()```."""
     what = e.op if e.op == "barrier" else f"{e.op} of {human_bytes(e.nbytes)} {e.dtype}".rstrip()
-    if e.labels:
-        what += f" ({e.labels})"
+    how = ", ".join(x for x in (f"via {e.via}" if e.via else "", e.labels) if x)
+    if how:
+        what += f" ({how})"
     return f"{what}, {where(e)}" if e.file else what
 
 

@@ -2,9 +2,11 @@
 
 ddpkit's process group hands every collective to ``FlightRecorder.issue`` *before* launching it,
 always (recording on or off): which group, its index in that group (1 for the group's first
-collective), the op, the bytes, the dtype, the strategy's labels (bucket, unit) and the user's
-line of code that issued it (the first frame outside torch, ddpkit and the standard library).
-That is the sequence ``ddpkit.desync`` compares across ranks when they part.
+collective), the op, the bytes, the dtype, the user's line of code that issued it (the first
+frame outside torch, ddpkit and the standard library), the ddpkit strategy it came through
+(``via``, from the same walk up the stack) and, while recording, the strategy's labels (bucket,
+unit: a recorder that is off opens no ``labels()`` block, ``ddpkit.rankside``). That is the
+sequence ``ddpkit.desync`` compares across ranks when they part.
 
 Why shared memory. A collective that parts the ranks may kill one outright: gloo aborts a rank
 that receives more bytes than it expects (``op.preamble.length <= op.nbytes``), within
@@ -59,6 +61,8 @@ _KIND: dict = {}     # code object -> "user", "lib" (torch, ddpkit, stdlib) or "
 
 def _classify(filename: str) -> str:
     if filename.startswith(_DDPKIT_DIR):
+        if filename.startswith(_STRATEGIES_DIR):
+            return "strategy"
         return "worker" if filename.endswith("_worker.py") else "lib"
     if filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or "-packages" + os.sep in filename:
         return "lib"  # torch, the standard library, installed libraries (site- or dist-packages)
@@ -75,6 +79,7 @@ def _dirs():
 
 
 _TORCH_DIR, _DDPKIT_DIR, _STDLIB_DIR = _dirs()
+_STRATEGIES_DIR = os.path.join(_DDPKIT_DIR, "strategies") + os.sep
 
 
 @dataclass
@@ -89,10 +94,11 @@ class Entry:
     op: str              # "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"
     dtype: str = ""
     ranks: tuple = ()    # the group's global ranks
-    labels: str = ""     # the issuing strategy's labels, e.g. "bucket=0" or "unit=layers.0"
+    labels: str = ""     # the issuing strategy's labels, e.g. "bucket=0" or "unit=layers.0" (recording only)
     file: str = ""       # where the user's code issued it
     line: int = 0
     function: str = ""
+    via: str = ""        # the ddpkit strategy code that issued it, e.g. "DDPModule.finish_gradient_synchronization"
 
     def signature(self) -> tuple:
         """What every rank of the group must agree on for this collective to match."""
@@ -168,9 +174,11 @@ class FlightRecorder:
             p.work = weakref.ref(work)
 
     def _where(self) -> bytes:
-        """The user's line that issued the collective: the first frame outside torch, ddpkit and the
-        standard library; else (a ddpkit function run as the job) the outermost ddpkit frame."""
-        f, last = sys._getframe(3), None   # 3: skip _where, issue and the group's _issue
+        """Where it was issued: the user's line (the first frame outside torch, ddpkit and the
+        standard library; else, a ddpkit function run as the job, the outermost ddpkit frame),
+        and the outermost ddpkit strategy frame it came through (which wrapper issued it: the
+        labels say which bucket or unit only while recording)."""
+        f, last, via = sys._getframe(3), None, None   # 3: skip _where, issue and the group's _issue
         while f is not None:
             code = f.f_code
             kind = _KIND.get(code)
@@ -181,17 +189,20 @@ class FlightRecorder:
                 break
             if kind == "worker":
                 break
+            if kind == "strategy":
+                via = code
             last = f
             f = f.f_back
         if last is None:
             return b""
-        key = (last.f_code, last.f_lineno)
+        key = (last.f_code, last.f_lineno, via)
         where = self._wheres.get(key)
         if where is None:
             code = last.f_code
-            name = code.co_filename if len(code.co_filename) < 120 else "..." + code.co_filename[-117:]
+            name = code.co_filename if len(code.co_filename) < 100 else "..." + code.co_filename[-97:]
+            issuer = via.co_qualname.split(".<locals>")[0] if via is not None else ""
             where = self._wheres[key] = _SEP.join([name.encode(), str(last.f_lineno).encode(),
-                                                   code.co_name.encode()])
+                                                   code.co_name.encode(), issuer.encode()])
         return where
 
     # ------------------------------------------------------------------ shared with the parent
@@ -292,10 +303,10 @@ def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
         if seq <= 0 or seq != seq2:
             continue
         parts = text[:n].decode(errors="replace").split("\x1f")
-        op, dtype, ranks, labels, file, line, function = (parts + [""] * 7)[:7]
+        op, dtype, ranks, labels, file, line, function, via = (parts + [""] * 8)[:8]
         entries.append(Entry(seq, group, index, nbytes, issued, op, dtype,
                              tuple(int(r) for r in ranks.split(",") if r), labels, file,
-                             int(line) if line.isdigit() else 0, function))
+                             int(line) if line.isdigit() else 0, function, via))
     entries.sort(key=lambda e: e.seq)
     return job, entries
 

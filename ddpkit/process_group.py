@@ -137,7 +137,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
             work = work_from_future(comm.emulator.submit(link, work, link_s, result))
         comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         rec = rankside.recorder()
-        if rec.enabled or (labels is not None and labels.recorder.enabled):
+        if rec.enabled or labels is not None:
             self._record(op, work, full_bytes, link, rec, labels)
         return work
 
@@ -149,7 +149,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         fields.update(link=link, group_size=self.size(), group=self._group)
         if rec.enabled:
             rec.collective(op, work, full_bytes, **fields)
-        if labels is not None and labels.recorder is not rec and labels.recorder.enabled:
+        if labels is not None and labels.recorder is not rec:
             labels.recorder.collective(op, work, full_bytes, **fields)
 
     # --- collectives: the names torch.distributed calls on a group ------------------------

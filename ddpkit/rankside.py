@@ -66,9 +66,9 @@ class NullRecorder:
         return _NO_SPAN
 
     def labels(self, **fields):
-        """Label the collectives issued inside the block (bucket, unit, ...). Off too: the flight
-        recorder keeps the labels (``ddpkit.flight``); only a recorder that is on gets the records."""
-        return Labels(self, fields)
+        """Label the collectives issued inside the block (bucket, unit, ...). Off: a shared empty
+        ``with``. A recorder that is on (a subclass, e.g. a test's counting recorder) gets them."""
+        return Labels(self, fields) if self.enabled else _NO_SPAN
 
     def collective(self, name: str, work, nbytes: int, **fields) -> None:
         """What ddpkit's process group calls for each collective it records (strategies label)."""

@@ -252,8 +252,10 @@ class Job:
             stack = self.watch.stack(rank)
             where = f"\nwhere it was waiting:\n{stack.rstrip()}" if stack else ""
             if found.kind == "failed":
-                self._kill(rank, f"rank {rank} was stopped by the cluster at once, because "
-                                 f"{found.headline()}; rank {rank}: {found.describe(rank)}{where}")
+                ended = ", ".join(str(r) for r, v in found.views.items() if v.state in ("failed", "died"))
+                self._kill(rank, f"rank {rank} was stopped by the cluster at once: it issued collective "
+                                 f"#{found.index} of {found.group_name()}, which rank(s) {ended} will never "
+                                 f"issue (they failed): {found.describe(rank)}{where}")
             else:
                 self._kill(rank, f"stopped by the cluster (its collectives parted from the others'){where}")
 
