@@ -211,6 +211,8 @@ def main() -> None:
     sys.stdin = open(os.devnull)  # input() in a job gets end-of-file, not the parent's pipe
     signal.signal(signal.SIGINT, _on_sigint)
     faulthandler.enable(file=sys.__stderr__)  # a segfault's Python stack goes to the stderr pipe
+    if hasattr(signal, "SIGUSR1"):  # the parent asks for stacks this way (ddpkit.flight); never fatal
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     for path in reversed(cfg["sys_path"]):
         if path not in sys.path:
             sys.path.insert(0, path)

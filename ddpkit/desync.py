@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddpkit.flight import Entry
+from ddpkit.flight import Entry, blocked_in_a_wait, where_in
 
 AROUND = 3  # collectives drawn before and after the one where the ranks parted
 
@@ -43,6 +43,8 @@ class RankView:
     waiting: tuple | None = None  # (group, index) it reported stuck in
     waited: float = 0.0           # for how long, when it reported
     note: str = ""                # how its job ended, in a few words ("exit code 3", the error's last line)
+    stack: str = ""               # where it was, as text: its stuck report's stack, its traceback, or
+                                  # faulthandler's dump when it died (``flight.where_in`` reads it)
 
     def last(self, group: int) -> int:
         """The index of the newest collective it issued in ``group`` (0: none)."""
@@ -177,6 +179,8 @@ def _state(v: RankView) -> str:
     if v.state == "running":
         if v.waiting is not None:
             return f"waiting in it for {v.waited:.1f} s"
+        if v.stack and blocked_in_a_wait(v.stack):
+            return "waiting (its stack ends in a collective's wait)"
         return "still running its job"
     return {"finished": "its job finished",
             "failed": f"it failed: {note}" if note else "it failed",
@@ -216,17 +220,18 @@ def short_entry(e: Entry) -> str:
     return f"{text} {e.labels}" if e.labels else text
 
 
-# ddpkit's DDP wrappers (and their Join hook), as the flight recorder names the strategy code
-DDP_CODE = ("DDPModule", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ZeRO1", "ZeRO2", "_ShadowSteps")
+# the files of ddpkit's DDP wrappers (``Entry.via`` names the strategy file a collective came through)
+DDP_FILES = ("naive.py", "bucketed.py", "overlapped.py", "ddp_module.py", "buckets.py", "comm_hooks.py",
+             "zero1.py", "zero2.py", "zero_buckets.py")
 
 
 def _by_ddp(e: Entry) -> bool:
-    return "bucket=" in e.labels or e.via.split(".")[0] in DDP_CODE
+    return "bucket=" in e.labels or e.via.split(":")[0] in DDP_FILES
 
 
 def describe_entry(e: Entry) -> str:
-    """``all_reduce of 8.0 MiB float32 (via OverlappedDDP._sync_gradients, bucket=0), at
-    job.py:40 in step: `loss.backward()```."""
+    """``all_reduce of 8.0 MiB float32 (via overlapped.py: _sync_gradients), at job.py:40 in step:
+    `loss.backward()``` (labels such as ``bucket=0`` while recording)."""
     what = e.op if e.op == "barrier" else f"{e.op} of {human_bytes(e.nbytes)} {e.dtype}".rstrip()
     how = ", ".join(x for x in (f"via {e.via}" if e.via else "", e.labels) if x)
     if how:
@@ -248,6 +253,8 @@ def where(e: Entry) -> str:
 def diagnose(views: list[RankView]) -> Diagnosis | None:
     """Have the ranks' sequences parted? The first place they did, or None (they may yet meet)."""
     by_rank = {v.rank: v for v in views}
+    for v in views:
+        _locate(v)
     found = _mismatch(by_rank) or _blocked(by_rank) or _outrun(by_rank)
     if found is None:
         return None
@@ -256,6 +263,17 @@ def diagnose(views: list[RankView]) -> Diagnosis | None:
     lanes = {r: [e for e in (by_rank[r].entries or ()) if e.group == group
                  and index - AROUND <= e.index <= index + AROUND] for r in ranks if r in by_rank}
     return Diagnosis(kind, group, tuple(ranks), index, issued, by_rank, lanes)
+
+
+def _locate(v: RankView) -> None:
+    """Give the collective a rank was in when it was seen (the one it waits in, or its newest when
+    its collective failed or it died) the user's line from the rank's stack (``flight.where_in``)."""
+    found = where_in(v.stack) if v.stack else None
+    newest = (v.entries[-1].group, v.entries[-1].index) if v.entries else None
+    where = v.pending() or (newest if v.state in ("died", "running") else None)  # running: its stack was asked for
+    e = v.entry(*where) if found is not None and where is not None else None
+    if e is not None:
+        e.file, e.line, e.function, e.via = found
 
 
 def _groups(by_rank) -> dict:
@@ -268,19 +286,18 @@ def _groups(by_rank) -> dict:
 
 
 def _mismatch(by_rank):
-    """The earliest issued (group, index) where two ranks' collectives differ."""
+    """The first (group, index) where two ranks' collectives differ (the earliest issued, on the rank
+    that issued it first; the same group's indices are in the same order on every rank)."""
     best = None
     for group, ranks in _groups(by_rank).items():
-        seen: dict = {}  # index -> (signature, issue time)
+        seen: dict = {}  # index -> (signature, its place in the sequence of the first rank to issue it)
         for r in ranks:
             for e in (by_rank[r].entries or ()) if r in by_rank else ():
                 if e.group != group:
                     continue
-                first = seen.setdefault(e.index, (e.signature(), e.issued))
-                if first[0] != e.signature():
-                    t = min(first[1], e.issued)
-                    if best is None or t < best[0]:
-                        best = (t, group, ranks, e.index)
+                first = seen.setdefault(e.index, (e.signature(), e.seq))
+                if first[0] != e.signature() and (best is None or first[1] < best[0]):
+                    best = (first[1], group, ranks, e.index)
     return None if best is None else ("mismatch", *best[1:])
 
 

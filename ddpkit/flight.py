@@ -2,11 +2,16 @@
 
 ddpkit's process group hands every collective to ``FlightRecorder.issue`` *before* launching it,
 always (recording on or off): which group, its index in that group (1 for the group's first
-collective), the op, the bytes, the dtype, the user's line of code that issued it (the first
-frame outside torch, ddpkit and the standard library), the ddpkit strategy it came through
-(``via``, from the same walk up the stack) and, while recording, the strategy's labels (bucket,
-unit: a recorder that is off opens no ``labels()`` block, ``ddpkit.rankside``). That is the
+collective), the op, the bytes, the dtype and, while recording, the strategy's labels (bucket,
+unit: a recorder that is off opens no ``labels()`` block, see ``ddpkit.rankside``). That is the
 sequence ``ddpkit.desync`` compares across ranks when they part.
+
+The user's line of code that issued a collective is taken *lazily*, from a stack, when it
+matters: the watchdog's report of a stuck collective carries the job thread's stack, a rank that
+died leaves faulthandler's dump, a failed collective its traceback; ``where_in`` finds the first
+frame outside torch, ddpkit and the standard library there, and the ddpkit strategy code the
+call came through. Walking the stack on every collective instead cost ~8 us of ~14 (15-25
+frames of torch and autograd between a collective and the user's line), 1-2% of an FSDP step.
 
 Why shared memory. A collective that parts the ranks may kill one outright: gloo aborts a rank
 that receives more bytes than it expects (``op.preamble.length <= op.nbytes``), within
@@ -14,11 +19,9 @@ milliseconds, before any Python could report. So the ring is a file mapped into 
 (``attach``; the Cluster's parent makes one per rank and reads it after the rank is gone, like an
 aircraft's recorder). Outside a Cluster (torchrun, a test) the ring is a plain bytearray.
 
-Cost. Per collective: a walk up the stack (frames classified once per code object), a few
-cached byte strings joined, one ``struct.pack_into`` and a weak reference to the ``Work``: a few
-microseconds, next to tens for the collective itself (``benchmarks/bench_desync.py``). A weak
-reference, not a strong one: holding a Work holds its tensors, which would change what
-``ddpkit.memory`` sees.
+Cost. Per collective: a cached byte string, one ``struct.pack_into`` and a weak reference to the
+``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong one: holding a Work
+holds its tensors, which would change what ``ddpkit.memory`` sees.
 
 The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
 collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
@@ -33,6 +36,7 @@ import collections
 import itertools
 import mmap
 import os
+import re
 import struct
 import sys
 import sysconfig
@@ -44,22 +48,21 @@ from dataclasses import dataclass, field
 
 SLOTS = 512          # collectives kept per rank: the newest ones (a ring)
 STALL_S = 1.0        # a collective pending this long during a job is reported as stuck
-WATCH_S = 0.25       # how often the watchdog looks
+WATCH_S = 0.25       # how often the watchdog looks (so a report comes STALL_S to STALL_S + WATCH_S late)
 
 _MAGIC = b"DDPKFLT1"
 _HEADER = struct.Struct("<8sqqq")            # magic, pid, job, slots
 _HEADER_SIZE = 64
-# seq (1, 2, ... on this rank; 0: empty), group id, index in the group, bytes, issue time
-# (time.monotonic: one clock for every process of the machine), text length, text, seq again:
-# a reader that finds the two seqs different read the slot while it was being written
-_SLOT = struct.Struct("<qiqqdH210sq")
-_TEXT = 210
+# seq (1, 2, ... on this rank; 0: empty), group id, index in the group, bytes, text length, text
+# ("op\x1fdtype\x1franks[\x1flabels]"), seq again: a reader that finds the two seqs different read
+# the slot while it was being written
+_SLOT = struct.Struct("<qiqqH218sq")
+_TEXT = 218
 _SEP = b"\x1f"
 
-_KIND: dict = {}     # code object -> "user", "lib" (torch, ddpkit, stdlib) or "worker" (the job's caller)
-
-
 def _classify(filename: str) -> str:
+    """"user", "lib" (torch, ddpkit, the standard library, installed packages), "strategy" (ddpkit's
+    strategies) or "worker" (the Cluster's job loop, which calls the job)."""
     if filename.startswith(_DDPKIT_DIR):
         if filename.startswith(_STRATEGIES_DIR):
             return "strategy"
@@ -90,31 +93,24 @@ class Entry:
     group: int           # the group: 0 the default one, then in creation order
     index: int           # its place in the group's sequence (1 for the group's first)
     nbytes: int          # the full size S (all-reduce: the buffer; all-gather: the output)
-    issued: float        # time.monotonic() when it was issued
     op: str              # "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"
     dtype: str = ""
     ranks: tuple = ()    # the group's global ranks
     labels: str = ""     # the issuing strategy's labels, e.g. "bucket=0" or "unit=layers.0" (recording only)
-    file: str = ""       # where the user's code issued it
+    file: str = ""       # where the user's code issued it (filled in from a stack: ``where_in``)
     line: int = 0
     function: str = ""
-    via: str = ""        # the ddpkit strategy code that issued it, e.g. "DDPModule.finish_gradient_synchronization"
+    via: str = ""        # the ddpkit strategy code it came through, e.g. "overlapped.py: _sync_gradients"
 
     def signature(self) -> tuple:
         """What every rank of the group must agree on for this collective to match."""
         return (self.op, self.nbytes, self.dtype)
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A collective issued and not yet seen completed (the watchdog's view of it)."""
-
-    seq: int
-    group: int
-    index: int
-    issued: float
-    work: object = None  # a weak reference to its Work, once launched
-    reported: bool = False
+# What the watchdog keeps of a collective issued and not yet seen completed: a list (the cheapest
+# thing to make on every collective), [seq, group, index, weak ref to its Work (None while it is
+# being launched), when the watchdog first saw it pending, reported stuck?]
+_SEQ, _GROUP, _INDEX, _WORK, _SEEN, _REPORTED = range(6)
 
 
 @dataclass
@@ -128,7 +124,6 @@ class FlightRecorder:
     _seq: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
     _pending: collections.deque = field(default_factory=collections.deque, repr=False)
     _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group) -> bytes
-    _wheres: dict = field(default_factory=dict, repr=False)   # (code, line) -> bytes
     path: str | None = None
     job: int = 0                   # the job running now (0: none), as the parent numbers them
     watchdog: threading.Thread | None = field(default=None, repr=False)
@@ -144,66 +139,31 @@ class FlightRecorder:
         self.groups.append(tuple(ranks))
         return len(self.groups) - 1
 
-    def issue(self, group: int, index: int, op: str, nbytes: int, dtype, labels) -> _Pending | None:
+    def issue(self, group: int, index: int, op: str, nbytes: int, dtype, labels) -> list | None:
         """Note a collective about to be launched; ``launched(p, work)`` after (``p``: what the
         watchdog watches, None when there is none)."""
         if not self.enabled:
             return None
-        seq, now = next(self._seq), time.monotonic()
-        key = (op, dtype, group)
-        text = self._texts.get(key)
+        seq = next(self._seq)
+        text = self._texts.get((op, dtype, group))
         if text is None:
             ranks = ",".join(map(str, self.groups[group]))
-            text = self._texts[key] = _SEP.join([op.encode(), str(dtype or "").removeprefix("torch.").encode(),
-                                                 ranks.encode()])
-        lab = b""
+            text = self._texts[(op, dtype, group)] = _SEP.join(
+                [op.encode(), str(dtype or "").removeprefix("torch.").encode(), ranks.encode()])
         if labels is not None and labels.fields:
-            lab = " ".join(f"{k}={v}" for k, v in labels.fields.items()).encode()[:60]
-        text = _SEP.join((text, lab, self._where()))
+            text = _SEP.join((text, " ".join(f"{k}={v}" for k, v in labels.fields.items()).encode()[:60]))
         _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * _SLOT.size,
-                        seq, group, index, nbytes, now, min(len(text), _TEXT), text, seq)
+                        seq, group, index, nbytes, min(len(text), _TEXT), text, seq)
         if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
             return None
-        p = _Pending(seq, group, index, now)
+        p = [seq, group, index, None, 0.0, False]
         self._pending.append(p)
         return p
 
     @staticmethod
-    def launched(p: _Pending | None, work) -> None:
+    def launched(p: list | None, work) -> None:
         if p is not None and work is not None:
-            p.work = weakref.ref(work)
-
-    def _where(self) -> bytes:
-        """Where it was issued: the user's line (the first frame outside torch, ddpkit and the
-        standard library; else, a ddpkit function run as the job, the outermost ddpkit frame),
-        and the outermost ddpkit strategy frame it came through (which wrapper issued it: the
-        labels say which bucket or unit only while recording)."""
-        f, last, via = sys._getframe(3), None, None   # 3: skip _where, issue and the group's _issue
-        while f is not None:
-            code = f.f_code
-            kind = _KIND.get(code)
-            if kind is None:
-                kind = _KIND[code] = _classify(code.co_filename)
-            if kind == "user":
-                last = f
-                break
-            if kind == "worker":
-                break
-            if kind == "strategy":
-                via = code
-            last = f
-            f = f.f_back
-        if last is None:
-            return b""
-        key = (last.f_code, last.f_lineno, via)
-        where = self._wheres.get(key)
-        if where is None:
-            code = last.f_code
-            name = code.co_filename if len(code.co_filename) < 100 else "..." + code.co_filename[-97:]
-            issuer = via.co_qualname.split(".<locals>")[0] if via is not None else ""
-            where = self._wheres[key] = _SEP.join([name.encode(), str(last.f_lineno).encode(),
-                                                   code.co_name.encode(), issuer.encode()])
-        return where
+            p[_WORK] = weakref.ref(work)
 
     # ------------------------------------------------------------------ shared with the parent
     def attach(self, path: str, job: int) -> None:
@@ -214,6 +174,7 @@ class FlightRecorder:
             shared[:] = bytes(self.buf)  # what was issued before (the group's first collectives)
             _HEADER.pack_into(shared, 0, _MAGIC, os.getpid(), 0, self.slots)
             self.buf, self.path = shared, path
+            _dump_stacks_on_request(path + ".stack")
         if self.watchdog is None:
             self.watchdog = threading.Thread(target=self._watch, name="ddpkit-flight-watchdog", daemon=True)
             self.watchdog.start()
@@ -235,24 +196,45 @@ class FlightRecorder:
             pending = self._pending
             while pending:  # forget what completed (or what nobody holds any more)
                 p = pending[0]
-                if p.work is None:
+                if p[_WORK] is None:
                     break   # being launched right now
-                work = p.work()
+                work = p[_WORK]()
                 if work is not None and not work.is_completed():
                     break
                 pending.popleft()
-                if p.reported:
-                    rankside.report("unstuck", seq=p.seq)
+                if p[_REPORTED]:
+                    rankside.report("unstuck", seq=p[_SEQ])
             if not pending or not self.job:
                 continue
-            p = pending[0]
-            waited = time.monotonic() - p.issued
-            if waited > STALL_S and not p.reported:
-                p.reported = True
+            p, now = pending[0], time.monotonic()
+            if not p[_SEEN]:
+                p[_SEEN] = now  # stuck is measured from here: the hot path reads no clock
+            elif now - p[_SEEN] >= STALL_S and not p[_REPORTED]:
+                p[_REPORTED] = True
                 frame = sys._current_frames().get(main)
                 stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-                rankside.report("stuck", seq=p.seq, group=p.group, index=p.index, waited=waited,
+                rankside.report("stuck", seq=p[_SEQ], group=p[_GROUP], index=p[_INDEX], waited=now - p[_SEEN],
                                 stack=_from_the_job(stack), job=self.job)
+
+
+def _dump_stacks_on_request(path: str) -> None:
+    """On SIGUSR1, faulthandler writes every thread's stack to ``path`` (appending: the parent
+    empties it before asking). It works while the job thread is blocked inside a C++ collective,
+    where no Python signal handler would run: the parent asks when the ranks parted."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)  # noqa: SIM115 (kept open)
+
+
+def job_thread(dump: str) -> str:
+    """From faulthandler's dump of every thread, the job thread's stack (the one the worker's
+    ``main`` runs), else the whole dump."""
+    for block in dump.split("\n\n"):
+        if " in main" in block and "_worker.py" in block:
+            return block.strip()
+    return dump
 
 
 def _map(path: str, size: int):
@@ -299,16 +281,50 @@ def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
         off = _HEADER_SIZE + i * _SLOT.size
         if off + _SLOT.size > len(data):
             break
-        seq, group, index, nbytes, issued, n, text, seq2 = _SLOT.unpack_from(data, off)
+        seq, group, index, nbytes, n, text, seq2 = _SLOT.unpack_from(data, off)
         if seq <= 0 or seq != seq2:
             continue
         parts = text[:n].decode(errors="replace").split("\x1f")
-        op, dtype, ranks, labels, file, line, function, via = (parts + [""] * 8)[:8]
-        entries.append(Entry(seq, group, index, nbytes, issued, op, dtype,
-                             tuple(int(r) for r in ranks.split(",") if r), labels, file,
-                             int(line) if line.isdigit() else 0, function, via))
+        op, dtype, ranks, labels = (parts + [""] * 4)[:4]
+        entries.append(Entry(seq, group, index, nbytes, op, dtype,
+                             tuple(int(r) for r in ranks.split(",") if r), labels))
     entries.sort(key=lambda e: e.seq)
     return job, entries
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+
+
+def where_in(stack: str) -> tuple[str, int, str, str] | None:
+    """``(file, line, function, via)`` from a stack as text (a traceback, ``format_stack``, or
+    faulthandler's dump, most recent call first): the innermost frame outside torch, ddpkit and
+    the standard library (else the outermost ddpkit one), and the outermost ddpkit strategy
+    frame on the way (``"overlapped.py: _sync_gradients"``); None if it names no frame."""
+    frames = _FRAME.findall(stack)
+    if "most recent call first" not in stack:
+        frames.reverse()  # innermost first
+    found, via = None, ""
+    for file, line, function in frames:
+        kind = _classify(file)
+        if kind == "worker":
+            break
+        if kind == "strategy":
+            via = f"{os.path.basename(file)}: {function}"
+        if kind != "lib" or found is None:
+            found = (file, int(line), function)
+        if kind == "user":
+            break
+    return None if found is None else (*found, via)
+
+
+def blocked_in_a_wait(stack: str) -> bool:
+    """Is the innermost frame of this stack waiting for a collective (a ``wait()``, or inside
+    ``torch.distributed``)? What a rank asked for its stack was doing."""
+    frames = _FRAME.findall(stack)
+    if not frames:
+        return False
+    file, _, function = frames[0] if "most recent call first" in stack else frames[-1]
+    return function == "wait" or os.path.join("torch", "distributed") + os.sep in file
 
 
 def ring_size(slots: int = SLOTS) -> int:
@@ -316,4 +332,5 @@ def ring_size(slots: int = SLOTS) -> int:
     return _HEADER_SIZE + slots * _SLOT.size
 
 
-__all__ = ["Entry", "FlightRecorder", "STALL_S", "read", "ring_size"]
+__all__ = ["Entry", "FlightRecorder", "STALL_S", "blocked_in_a_wait", "job_thread", "read", "ring_size",
+           "where_in"]

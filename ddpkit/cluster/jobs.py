@@ -232,7 +232,7 @@ class Job:
 
     def _diagnose(self):
         pids = {r.rank: r.pid for r in self.events.ranks}
-        return self.watch.diagnose(self._states(), self.notes, pids)
+        return self.watch.diagnose(self._states(), self.notes, pids, {**self.affected, **self.failures})
 
     def _look_for_desync(self) -> None:
         """Have the ranks' collectives parted? Then stop the ranks still running, at once: they
@@ -245,6 +245,8 @@ class Job:
         while self.pending and time.monotonic() < deadline:
             for conn in wait(list(self.pending.values()), timeout=0.05):
                 self._receive(self.workers.conns[conn], conn)
+        # ... and where the ranks still running are (those that reported stuck said so already)
+        self.watch.ask_for_stacks([r for r in self.pending if r not in self.watch.reports], self.workers.signal)
         found = self._diagnose() or found
         if found.kind != "failed":
             self.parted = found

@@ -21,6 +21,8 @@ import weakref
 from ddpkit import flight
 from ddpkit.desync import RankView, diagnose
 
+ASK_S = 0.5  # how long a rank has to answer a request for its stack
+
 
 class Rings:
     """One ring file per rank, in a private directory removed with this object (or at exit)."""
@@ -55,6 +57,7 @@ class Watch:
         self.reports: dict = {}   # rank -> its latest "stuck" report (seq, group, index, waited, stack)
         self.due = False          # something changed: diagnose at the next look
         self.checked = 0.0        # when we last diagnosed
+        self.asked: dict = {}     # rank -> its job thread's stack, asked for (ask_for_stacks)
 
     def stuck(self, rank: int, report: dict) -> None:
         if report.get("job") == self.job:
@@ -76,22 +79,48 @@ class Watch:
             return True
         return False
 
-    def diagnose(self, states: dict, notes: dict, pids: dict):
+    def diagnose(self, states: dict, notes: dict, pids: dict, texts: dict):
         """``diagnose`` over every rank: ``states`` rank -> RankView.state, ``notes`` rank -> a few
-        words on how its job ended, ``pids`` rank -> the process that wrote its ring."""
+        words on how its job ended, ``pids`` rank -> the process that wrote its ring, ``texts``
+        rank -> its traceback or death note (where it was, for the ranks no longer running)."""
         views = []
         now = time.monotonic()
         for rank, state in sorted(states.items()):
             report = self.reports.get(rank) if state == "running" else None
             waiting = (report["group"], report["index"]) if report else None
             waited = report["waited"] + now - report["at"] if report else 0.0
+            stack = report["stack"] if report else (self.asked.get(rank) if state == "running" else
+                                                     texts.get(rank, ""))
             views.append(RankView(rank, state, self.rings.read(rank, pids.get(rank)), waiting, waited,
-                                  notes.get(rank, "")))
+                                  notes.get(rank, ""), stack))
         return diagnose(views)
 
     def stack(self, rank: int) -> str:
-        """Where the rank was waiting when it reported (its job thread's stack), or ""."""
-        return self.reports.get(rank, {}).get("stack", "")
+        """Where the rank was waiting (its job thread's stack, from its report or asked for), or ""."""
+        return self.reports.get(rank, {}).get("stack", "") or self.asked.get(rank, "")
+
+    def ask_for_stacks(self, ranks, send_signal) -> None:
+        """Ask running ranks for their job thread's stack (faulthandler answers SIGUSR1 into the
+        file beside the rank's ring, even while the rank is blocked in a C++ collective)."""
+        import signal
+
+        if self.rings.dir is None or not hasattr(signal, "SIGUSR1"):
+            return
+        files = {r: os.path.join(self.rings.dir, f"rank{r}.ring.stack") for r in ranks}
+        for rank, path in files.items():
+            if os.path.exists(path):
+                open(path, "w").close()  # empty it: the rank appends
+                send_signal(rank, signal.SIGUSR1)
+        deadline, sizes = time.monotonic() + ASK_S, {}
+        while time.monotonic() < deadline and files:
+            time.sleep(0.05)
+            for rank, path in list(files.items()):
+                size = os.path.getsize(path) if os.path.exists(path) else 0
+                if size and sizes.get(rank) == size:  # written, and no longer growing
+                    with open(path) as f:
+                        self.asked[rank] = flight.job_thread(f.read())
+                    del files[rank]
+                sizes[rank] = size
 
 
 __all__ = ["Rings", "Watch"]
