@@ -123,7 +123,7 @@ class FlightRecorder:
     groups: list = field(default_factory=list)   # group id -> its global ranks
     _seq: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
     _pending: collections.deque = field(default_factory=collections.deque, repr=False)
-    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group) -> bytes
+    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) -> bytes
     path: str | None = None
     job: int = 0                   # the job running now (0: none), as the parent numbers them
     watchdog: threading.Thread | None = field(default=None, repr=False)
@@ -145,13 +145,16 @@ class FlightRecorder:
         if not self.enabled:
             return None
         seq = next(self._seq)
-        text = self._texts.get((op, dtype, group))
+        fields = labels.fields if labels is not None else None
+        key = (op, dtype, group, *fields.items()) if fields else (op, dtype, group)
+        try:
+            text = self._texts.get(key)
+        except TypeError:  # a label that cannot be hashed (a list of names): formatted every time
+            text, key = None, None
         if text is None:
-            ranks = ",".join(map(str, self.groups[group]))
-            text = self._texts[(op, dtype, group)] = _SEP.join(
-                [op.encode(), str(dtype or "").removeprefix("torch.").encode(), ranks.encode()])
-        if labels is not None and labels.fields:
-            text = _SEP.join((text, " ".join(f"{k}={v}" for k, v in labels.fields.items()).encode()[:60]))
+            text = self._text(op, dtype, group, fields)
+            if key is not None and len(self._texts) < 4096:
+                self._texts[key] = text
         _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * _SLOT.size,
                         seq, group, index, nbytes, min(len(text), _TEXT), text, seq)
         if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
@@ -159,6 +162,13 @@ class FlightRecorder:
         p = [seq, group, index, None, 0.0, False]
         self._pending.append(p)
         return p
+
+    def _text(self, op: str, dtype, group: int, fields) -> bytes:
+        """What a slot says besides the numbers: ``op\x1fdtype\x1franks[\x1flabels]``."""
+        parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, self.groups[group]))]
+        if fields:
+            parts.append(" ".join(f"{k}={v}" for k, v in fields.items())[:60])
+        return _SEP.join(p.encode() for p in parts)
 
     @staticmethod
     def launched(p: list | None, work) -> None:
