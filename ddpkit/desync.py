@@ -111,8 +111,11 @@ class Diagnosis:
         if rank not in self.ranks:
             return f"not in this group; {state}"
         if e is not None:
+            if v.state == "finished":  # gloo let a mismatched collective return here: with what data?
+                state = "its job finished: here the collective returned, so what it computed cannot be trusted"
             return f"{describe_entry(e)}; {state}"
         last = v.last(self.group)
+        so_far = f"its last here was #{last}" if last else "none in this group"
         if v.entries is None:
             return f"(its record could not be read); {state}"
         where = v.pending()
@@ -121,10 +124,10 @@ class Diagnosis:
             what = f"collective #{where[1]} of {group_name(where[0], other.ranks if other else ())}"
             if other is not None:
                 what += f": {describe_entry(other)}"
-            return f"issued nothing there (its last here was #{last}); it is waiting in {what}"
+            return f"issued nothing there ({so_far}); it is waiting in {what}"
         if v.state == "finished":
             return f"issued nothing there: it finished its job after collective #{last}"
-        return f"issued nothing there yet (its last here was #{last}); {state}"
+        return f"issued nothing there yet ({so_far}); {state}"
 
     def hint(self) -> str:
         if self.kind == "mismatch":
