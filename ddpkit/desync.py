@@ -40,25 +40,25 @@ class RankView:
                                   # collective failed), "died", "stopped" (interrupted or killed by
                                   # the cluster while it was still running)
     entries: list | None = None   # its flight recorder's entries, oldest first (None: unreadable)
-    waiting: tuple | None = None  # (group, index) it reported stuck in
+    waiting: tuple | None = None  # (group, index) it reported stuck in; a group is (ranks, ordinal)
     waited: float = 0.0           # for how long, when it reported
     note: str = ""                # how its job ended, in a few words ("exit code 3", the error's last line)
     stack: str = ""               # where it was, as text: its stuck report's stack, its traceback, or
                                   # faulthandler's dump when it died (``flight.where_in`` reads it)
 
-    def last(self, group: int) -> int:
+    def last(self, group: tuple) -> int:
         """The index of the newest collective it issued in ``group`` (0: none)."""
-        return max((e.index for e in self.entries or () if e.group == group), default=0)
+        return max((e.index for e in self.entries or () if e.key == group), default=0)
 
-    def entry(self, group: int, index: int) -> Entry | None:
-        return next((e for e in self.entries or () if e.group == group and e.index == index), None)
+    def entry(self, group: tuple, index: int) -> Entry | None:
+        return next((e for e in self.entries or () if e.key == group and e.index == index), None)
 
     def pending(self) -> tuple | None:
         """The collective it is blocked in: the one it reported, or (its collective failed) its newest."""
         if self.waiting is not None:
             return self.waiting
         if self.state == "broken" and self.entries:
-            return self.entries[-1].group, self.entries[-1].index
+            return self.entries[-1].key, self.entries[-1].index
         return None
 
 
@@ -67,8 +67,8 @@ class Diagnosis:
     """Where the ranks parted: ``kind``, the collective (``group``, ``index``), what each rank did."""
 
     kind: str                     # "mismatch", "finished", "deadlock" or "failed" (see the module)
-    group: int
-    ranks: tuple                  # the group's global ranks
+    group: int                    # the group: its ordinal among the groups of its ranks (0: the first)
+    ranks: tuple                  # ... and its global ranks
     index: int
     issued: dict                  # rank -> its Entry at (group, index), or None
     views: dict = field(default_factory=dict)   # rank -> RankView
@@ -79,8 +79,12 @@ class Diagnosis:
         """Did a DDP wrapper issue the collectives around it (ddpkit's, or torch's buckets)?"""
         return any(_by_ddp(e) for lane in self.lanes.values() for e in lane)
 
+    @property
+    def key(self) -> tuple:
+        return self.ranks, self.group
+
     def group_name(self) -> str:
-        return group_name(self.group, self.ranks)
+        return group_name(self.key, len(self.views))
 
     def summary(self) -> str:
         return f"desync at collective #{self.index} of {self.group_name()}"
@@ -114,14 +118,14 @@ class Diagnosis:
             if v.state == "finished":  # gloo let a mismatched collective return here: with what data?
                 state = "its job finished: here the collective returned, so what it computed cannot be trusted"
             return f"{describe_entry(e)}; {state}"
-        last = v.last(self.group)
+        last = v.last(self.key)
         so_far = f"its last here was #{last}" if last else "none in this group"
         if v.entries is None:
             return f"(its record could not be read); {state}"
         where = v.pending()
-        if where is not None and where != (self.group, self.index):
+        if where is not None and where != (self.key, self.index):
             other = v.entry(*where)
-            what = f"collective #{where[1]} of {group_name(where[0], other.ranks if other else ())}"
+            what = f"collective #{where[1]} of {group_name(where[0], len(self.views))}"
             if other is not None:
                 what += f": {describe_entry(other)}"
             return f"issued nothing there ({so_far}); it is waiting in {what}"
@@ -203,11 +207,14 @@ def brief(note: str, limit: int = 160) -> str:
     return note[:cut + 1] if cut > 40 else note[:limit - 3] + "..."
 
 
-def group_name(group: int, ranks) -> str:
-    who = f"ranks {', '.join(map(str, ranks))}" if ranks else ""
-    if group == 0:
-        return f"the default group ({who})" if who else "the default group"
-    return f"group {group} ({who})" if who else f"group {group}"
+def group_name(group: tuple, world: int | None = None) -> str:
+    """``the default group (ranks 0, 1)``, ``the group of ranks 0, 2``, or ``group 1 of ranks 0, 1``
+    (the second group made of those ranks: each group has a sequence of its own)."""
+    ranks, ordinal = group
+    who = ", ".join(map(str, ranks))
+    if ordinal == 0 and world is not None and tuple(ranks) == tuple(range(world)):
+        return f"the default group (ranks {who})"
+    return f"the group of ranks {who}" if ordinal == 0 else f"group {ordinal} of ranks {who}"
 
 
 def human_bytes(n: float) -> str:
@@ -261,46 +268,43 @@ def diagnose(views: list[RankView]) -> Diagnosis | None:
     found = _mismatch(by_rank) or _blocked(by_rank) or _outrun(by_rank)
     if found is None:
         return None
-    kind, group, ranks, index = found
+    kind, group, index = found
+    ranks = group[0]
     issued = {r: by_rank[r].entry(group, index) for r in ranks if r in by_rank}
-    lanes = {r: [e for e in (by_rank[r].entries or ()) if e.group == group
+    lanes = {r: [e for e in (by_rank[r].entries or ()) if e.key == group
                  and index - AROUND <= e.index <= index + AROUND] for r in ranks if r in by_rank}
-    return Diagnosis(kind, group, tuple(ranks), index, issued, by_rank, lanes)
+    return Diagnosis(kind, group[1], tuple(ranks), index, issued, by_rank, lanes)
 
 
 def _locate(v: RankView) -> None:
     """Give the collective a rank was in when it was seen (the one it waits in, or its newest when
     its collective failed or it died) the user's line from the rank's stack (``flight.where_in``)."""
     found = where_in(v.stack) if v.stack else None
-    newest = (v.entries[-1].group, v.entries[-1].index) if v.entries else None
+    newest = (v.entries[-1].key, v.entries[-1].index) if v.entries else None
     where = v.pending() or (newest if v.state in ("died", "running") else None)  # running: its stack was asked for
     e = v.entry(*where) if found is not None and where is not None else None
     if e is not None:
         e.file, e.line, e.function, e.via = found
 
 
-def _groups(by_rank) -> dict:
-    """group id -> its ranks, from what the ranks recorded."""
-    groups = {}
-    for v in by_rank.values():
-        for e in v.entries or ():
-            groups.setdefault(e.group, e.ranks)
-    return groups
+def _groups(by_rank) -> set:
+    """Every group the ranks recorded a collective of: (ranks, ordinal)."""
+    return {e.key for v in by_rank.values() for e in v.entries or ()}
 
 
 def _mismatch(by_rank):
     """The first (group, index) where two ranks' collectives differ (the earliest issued, on the rank
     that issued it first; the same group's indices are in the same order on every rank)."""
     best = None
-    for group, ranks in _groups(by_rank).items():
+    for group in _groups(by_rank):
         seen: dict = {}  # index -> (signature, its place in the sequence of the first rank to issue it)
-        for r in ranks:
+        for r in group[0]:
             for e in (by_rank[r].entries or ()) if r in by_rank else ():
-                if e.group != group:
+                if e.key != group:
                     continue
                 first = seen.setdefault(e.index, (e.signature(), e.seq))
                 if first[0] != e.signature() and (best is None or first[1] < best[0]):
-                    best = (first[1], group, ranks, e.index)
+                    best = (first[1], group, e.index)
     return None if best is None else ("mismatch", *best[1:])
 
 
@@ -323,10 +327,8 @@ def _blocked(by_rank):
         if r in memo:
             return memo[r]
         group, index = where
-        e = v.entry(group, index)
-        ranks = e.ranks if e is not None else ()
         verdict = None  # one rank of the group that never issues it is enough to wait forever
-        for m in ranks:
+        for m in group[0]:
             other = by_rank.get(m)
             if m == r or other is None or other.entries is None or other.last(group) >= index:
                 continue
@@ -343,8 +345,7 @@ def _blocked(by_rank):
             continue
         why = stuck_for_good(r, frozenset())
         if why is not None:
-            e = v.entry(*where)
-            return why, where[0], e.ranks if e is not None else (r,), where[1]
+            return why, *where
     return None
 
 
@@ -356,16 +357,15 @@ def _outrun(by_rank):
         v = by_rank[r]
         if v.state in ENDED or not v.entries:
             continue
-        for group in {e.group for e in v.entries}:
+        for group in {e.key for e in v.entries}:
             mine = v.last(group)
-            e = v.entry(group, mine)
-            for m in e.ranks if e is not None else ():
+            for m in group[0]:
                 other = by_rank.get(m)
                 if other is None or other.entries is None or other.state not in ENDED:
                     continue
                 if other.last(group) < mine:
                     kind = "finished" if other.state == "finished" else "failed"
-                    return kind, group, e.ranks, other.last(group) + 1
+                    return kind, group, other.last(group) + 1
     return None
 
 

@@ -90,7 +90,7 @@ class Entry:
     """One collective as a rank issued it (what the parent reads back from the ring)."""
 
     seq: int             # its place among all this rank's collectives (1, 2, ...)
-    group: int           # the group: 0 the default one, then in creation order
+    group: int           # the group's ordinal among the groups of the same ranks (0: the first)
     index: int           # its place in the group's sequence (1 for the group's first)
     nbytes: int          # the full size S (all-reduce: the buffer; all-gather: the output)
     op: str              # "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"
@@ -101,6 +101,11 @@ class Entry:
     line: int = 0
     function: str = ""
     via: str = ""        # the ddpkit strategy code it came through, e.g. "overlapped.py: _sync_gradients"
+
+    @property
+    def key(self) -> tuple:
+        """The group, as every member names it: (its ranks, ordinal)."""
+        return self.ranks, self.group
 
     def signature(self) -> tuple:
         """What every rank of the group must agree on for this collective to match."""
@@ -120,7 +125,7 @@ class FlightRecorder:
     slots: int = SLOTS
     enabled: bool = True           # False only to measure what it costs (benchmarks/bench_desync.py)
     buf: object = field(default=None, repr=False)
-    groups: list = field(default_factory=list)   # group id -> its global ranks
+    groups: list = field(default_factory=list)   # group number -> (its global ranks, ordinal)
     _seq: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
     _pending: collections.deque = field(default_factory=collections.deque, repr=False)
     _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) -> bytes
@@ -135,8 +140,13 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ the hot path
     def new_group(self, ranks) -> int:
-        """A group was created (the same order on every rank): its id in the records."""
-        self.groups.append(tuple(ranks))
+        """A group was created: its number here (what ``issue`` takes). In the records a group is
+        its ranks and its ordinal among the groups of the same ranks (0 for the first): what every
+        member calls it alike, since a rank only creates the groups it is in, and torch has every
+        rank create groups in the same order."""
+        ranks = tuple(ranks)
+        ordinal = sum(1 for g in self.groups if g[0] == ranks)
+        self.groups.append((ranks, ordinal))
         return len(self.groups) - 1
 
     def issue(self, group: int, index: int, op: str, nbytes: int, dtype, labels) -> list | None:
@@ -156,7 +166,7 @@ class FlightRecorder:
             if key is not None and len(self._texts) < 4096:
                 self._texts[key] = text
         _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * _SLOT.size,
-                        seq, group, index, nbytes, min(len(text), _TEXT), text, seq)
+                        seq, self.groups[group][1], index, nbytes, min(len(text), _TEXT), text, seq)
         if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
             return None
         p = [seq, group, index, None, 0.0, False]
@@ -165,7 +175,7 @@ class FlightRecorder:
 
     def _text(self, op: str, dtype, group: int, fields) -> bytes:
         """What a slot says besides the numbers: ``op\x1fdtype\x1franks[\x1flabels]``."""
-        parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, self.groups[group]))]
+        parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, self.groups[group][0]))]
         if fields:
             parts.append(" ".join(f"{k}={v}" for k, v in fields.items())[:60])
         return _SEP.join(p.encode() for p in parts)
@@ -223,8 +233,9 @@ class FlightRecorder:
                 p[_REPORTED] = True
                 frame = sys._current_frames().get(main)
                 stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-                rankside.report("stuck", seq=p[_SEQ], group=p[_GROUP], index=p[_INDEX], waited=now - p[_SEEN],
-                                stack=_from_the_job(stack), job=self.job)
+                ranks, ordinal = self.groups[p[_GROUP]]
+                rankside.report("stuck", seq=p[_SEQ], ranks=list(ranks), group=ordinal, index=p[_INDEX],
+                                waited=now - p[_SEEN], stack=_from_the_job(stack), job=self.job)
 
 
 def _dump_stacks_on_request(path: str) -> None:

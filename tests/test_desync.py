@@ -54,8 +54,18 @@ def test_the_ring_keeps_the_newest_collectives(tmp_path):
     job, entries = flight.read(str(path), os.getpid())
     assert [e.index for e in entries] == list(range(5, 13))  # the newest 8, oldest first
     e = entries[-1]
-    assert (e.group, e.op, e.nbytes, e.dtype, e.ranks, e.labels) == (world, "all_reduce", 48, "float32", (0, 1), "")
+    assert (e.key, e.op, e.nbytes, e.dtype, e.labels) == (((0, 1), 0), "all_reduce", 48, "float32", "")
     assert flight.read(str(path), pid=os.getpid() + 1) is None  # another process's ring: not this rank's
+
+
+def test_a_group_is_named_alike_by_its_members_though_each_rank_makes_only_its_own():
+    # 4 ranks, pairs as hybrid sharding makes them: rank 0 creates (0, 1), rank 2 creates (2, 3)
+    rank0, rank2 = FlightRecorder(slots=4), FlightRecorder(slots=4)
+    for fr, pair in ((rank0, (0, 1)), (rank2, (2, 3))):
+        fr.new_group(range(4))
+        fr.new_group(pair)
+    again0, again2 = rank0.new_group(range(4)), rank2.new_group(range(4))  # a second group of every rank
+    assert rank0.groups[again0] == rank2.groups[again2] == ((0, 1, 2, 3), 1)
 
 
 def test_a_slot_read_while_it_is_written_is_skipped(tmp_path):
@@ -92,12 +102,15 @@ def test_the_users_line_is_found_in_a_traceback_a_stack_or_a_fatal_errors_dump()
 
 
 # ---------------------------------------------------------------------- the diagnosis, by itself
+WORLD = ((0, 1), 0)  # the default group of 2 ranks: (its ranks, ordinal)
+
+
 def _e(index, op="all_reduce", nbytes=4096, group=0, ranks=(0, 1), via="", seq=None):
     return Entry(seq or index, group, index, nbytes, op, "float32", ranks, "", "job.py", 7, "job", via)
 
 
 def test_different_collectives_at_one_index_are_a_mismatch():
-    views = [RankView(0, "running", [_e(1), _e(2), _e(3, nbytes=12)], (0, 3), 1.2),
+    views = [RankView(0, "running", [_e(1), _e(2), _e(3, nbytes=12)], (WORLD, 3), 1.2),
              RankView(1, "died", [_e(1), _e(2), _e(3, nbytes=16)], note="killed by signal SIGABRT")]
     d = diagnose(views)
     assert (d.kind, d.index, d.issued[0].nbytes, d.issued[1].nbytes) == ("mismatch", 3, 12, 16)
@@ -110,7 +123,7 @@ def test_different_collectives_at_one_index_are_a_mismatch():
 
 def test_a_rank_that_finished_while_another_waits_parted_it_and_join_is_suggested_for_ddp():
     via = "overlapped.py: _grad_ready_hook"
-    views = [RankView(0, "running", [_e(i, via=via) for i in range(1, 5)], (0, 4), 2.0),
+    views = [RankView(0, "running", [_e(i, via=via) for i in range(1, 5)], (WORLD, 4), 2.0),
              RankView(1, "finished", [_e(i, via=via) for i in range(1, 4)])]
     d = diagnose(views)
     assert (d.kind, d.index, d.issued[1]) == ("finished", 4, None)
@@ -125,15 +138,16 @@ def test_a_rank_that_finished_while_another_waits_parted_it_and_join_is_suggeste
 
 def test_ranks_blocked_in_collectives_the_others_never_issue_are_a_deadlock():
     # the wrong process group: rank 0 all-reduces on group 1, rank 1 on the default group
-    views = [RankView(0, "running", [_e(1), _e(1, group=1, seq=2)], (1, 1), 1.5),
-             RankView(1, "running", [_e(1), _e(2, seq=2)], (0, 2), 1.5)]
+    views = [RankView(0, "running", [_e(1), _e(1, group=1, seq=2)], (((0, 1), 1), 1), 1.5),
+             RankView(1, "running", [_e(1), _e(2, seq=2)], (WORLD, 2), 1.5)]
     d = diagnose(views)
-    assert d.kind == "deadlock" and (d.group, d.index) == (1, 1)
+    assert d.kind == "deadlock" and (d.key, d.index) == (((0, 1), 1), 1)
+    assert d.summary() == "desync at collective #1 of group 1 of ranks 0, 1"
     assert "it is waiting in collective #2 of the default group" in d.describe(1)
 
 
 def test_a_straggler_has_not_parted_and_a_failure_is_not_a_desync():
-    waiting, computing = RankView(0, "running", [_e(1), _e(2)], (0, 2), 5.0), RankView(1, "running", [_e(1)])
+    waiting, computing = RankView(0, "running", [_e(1), _e(2)], (WORLD, 2), 5.0), RankView(1, "running", [_e(1)])
     assert diagnose([waiting, computing]) is None  # rank 1 may still issue #2: the timeout decides
     assert diagnose([waiting, RankView(1, "stopped", [_e(1)])]) is None
     failed = diagnose([waiting, RankView(1, "failed", [_e(1)], note="ValueError: no")])
@@ -162,7 +176,7 @@ def test_a_skipped_all_reduce_is_a_desync_within_seconds(c60):
 
     err, took = _desync(c60, skip_one)
     assert took < WITHIN_S, took
-    assert isinstance(err, RankError) and (err.index, err.group) == (3, 0)
+    assert isinstance(err, RankError) and (err.index, err.group) == (3, (0, 1))
     assert err.diagnosis.kind == "mismatch"
     assert (err.diagnosis.issued[0].nbytes, err.diagnosis.issued[1].nbytes) == (12000, 16000)
     text = str(err)
@@ -315,6 +329,6 @@ def test_the_widget_draws_the_lanes_and_marks_the_rows(c60):
 def test_the_view_says_why_a_rank_issued_nothing():
     from ddpkit.widget.desync_view import desync_view
 
-    d = diagnose([RankView(0, "running", [_e(1), _e(2)], (0, 2), 1.0), RankView(1, "finished", [_e(1)])])
+    d = diagnose([RankView(0, "running", [_e(1), _e(2)], (WORLD, 2), 1.0), RankView(1, "finished", [_e(1)])])
     svg = desync_view(d)
     assert "finished its job" in svg and "ddpkit-missing" in svg and svg.count("ddpkit-collective") == 3

@@ -151,6 +151,39 @@ def test_keyboard_interrupt_with_a_rank_stuck_in_a_collective_restarts(faulty):
     _usable(faulty)
 
 
+def test_on_nccl_an_interrupted_job_restarts_the_ranks(faulty, monkeypatch):
+    # NCCL keeps what the interrupted job queued, which no other rank will match (faked here)
+    from ddpkit.cluster import jobs
+
+    monkeypatch.setattr(jobs.Job, "backend", property(lambda self: "nccl"))
+    old = _pids(faulty)
+    _interrupt_this_process_after(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        faulty.run(time.sleep, 60)  # both ranks stop cleanly in Python: on gloo, no restart
+    assert _pids(faulty) != old
+    _usable(faulty)
+
+
+def test_a_collective_that_timed_out_inside_a_strategy_restarts_the_ranks(faulty):
+    # gloo's timeout is a plain RuntimeError, raised below OverlappedDDP's own wait(), not from
+    # torch.distributed's Python code: its message says the group is broken, so the ranks restart
+    def job():
+        import torch
+
+        model = ddpkit.OverlappedDDP(torch.nn.Linear(4, 1))
+        if ddpkit.rank() == 1:
+            time.sleep(60)  # rank 0 waits in its bucket's all-reduce until the timeout
+        model(torch.ones(2, 4)).sum().backward()
+
+    old = _pids(faulty)
+    err, took = _run_expecting_rank_error(faulty, job)
+    assert not isinstance(err, ddpkit.DesyncError)  # a straggler, not a desync: the timeout decided
+    assert err.ranks == [0] and "Timed out" in err.failures[0] and "buckets.py" in err.failures[0]
+    assert "restarted" in str(err) and _pids(faulty) != old
+    assert took < TIMEOUT + 30, took
+    _usable(faulty)  # it used to fail here, with "pair closure" and "Connection closed by peer"
+
+
 def test_an_idle_rank_ignores_a_stray_sigint(faulty):
     old = _pids(faulty)
     for pid in old:

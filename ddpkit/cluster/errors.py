@@ -38,17 +38,18 @@ class RankError(RuntimeError):
 class DesyncError(RankError):
     """The ranks' sequences of collectives parted (``ddpkit.desync``): they will never meet again.
 
-    ``.diagnosis`` (a ``ddpkit.desync.Diagnosis``) says where: the collective's index and group
-    (``.index``, ``.group``), and for each rank what it issued there, or that it finished its
-    job, or that it is still computing. The message says that first; the cluster's note (its
-    ranks were restarted: a parted process group cannot be trusted) and each rank's traceback or
-    stack follow. ``.failures`` holds the ranks of the parted group, ``.affected`` the others.
+    ``.diagnosis`` (a ``ddpkit.desync.Diagnosis``) says where: the collective's index (``.index``)
+    in the sequence of its group (``.group``: the group's ranks), and for each rank what it
+    issued there, or that it finished its job, or that it is still computing. The message says
+    that first; the cluster's note (its ranks were restarted: a parted process group cannot be
+    trusted) and each rank's traceback or stack follow. ``.failures`` holds the ranks of the
+    parted group, ``.affected`` the others.
     """
 
     def __init__(self, diagnosis, failures: dict[int, str], note: str = "",
                  affected: dict[int, str] | None = None):
         self.diagnosis = diagnosis
-        self.index, self.group = diagnosis.index, diagnosis.group
+        self.index, self.group = diagnosis.index, diagnosis.ranks
         super().__init__(failures, note, affected)
 
     def _message(self) -> str:

@@ -269,7 +269,7 @@ class Job:
         for rank in range(self.workers.settings.world_size):
             text = texts.get(rank)
             if rank in self.finished:
-                text = f"its job finished (it returned) after its collective #{diag.views[rank].last(diag.group)}"
+                text = f"its job finished (it returned) after its collective #{diag.views[rank].last(diag.key)}"
             if text is None:
                 continue
             (failures if rank in diag.ranks else affected)[rank] = text

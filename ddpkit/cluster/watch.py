@@ -87,7 +87,7 @@ class Watch:
         now = time.monotonic()
         for rank, state in sorted(states.items()):
             report = self.reports.get(rank) if state == "running" else None
-            waiting = (report["group"], report["index"]) if report else None
+            waiting = ((tuple(report["ranks"]), report["group"]), report["index"]) if report else None
             waited = report["waited"] + now - report["at"] if report else 0.0
             stack = report["stack"] if report else (self.asked.get(rank) if state == "running" else
                                                      texts.get(rank, ""))

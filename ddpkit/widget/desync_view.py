@@ -75,6 +75,6 @@ def _missing_word(d, rank: int) -> str:
     if v.state == "finished":
         return "finished its job"
     where = v.pending()
-    if where is not None and where != (d.group, d.index):
-        return f"waits in #{where[1]} of group {where[0]}"
+    if where is not None and where != (d.key, d.index):
+        return f"waits in #{where[1]} of another group"
     return "nothing issued" if v.state in ("failed", "died", "broken") else "not issued yet"
