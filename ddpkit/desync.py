@@ -1,10 +1,11 @@
 """Where the ranks parted: compare their sequences of collectives, say it in words a learner reads.
 
 Every rank's flight recorder (``ddpkit.flight``) holds its last collectives: per group, an index
-(1, 2, ...), the op, bytes, dtype, labels and the line that issued it. The Cluster's parent reads
-them when something looks wrong (a rank reported a collective stuck for ``flight.STALL_S``, a rank
-finished while others still run, a job ended in errors) and asks ``diagnose`` whether the ranks'
-sequences have *parted* -- will never match again, however long one waits:
+(1, 2, ...), the op, bytes, dtype and labels; the line of code that issued one is found in the
+rank's stack when it matters (``flight.where_in``). The Cluster's parent reads them when something
+looks wrong (a rank reported a collective stuck for ``flight.STALL_S``, a rank finished while
+others still run, a job ended in errors) and asks ``diagnose`` whether the ranks' sequences have
+*parted* -- will never match again, however long one waits:
 
 - **mismatch**: at the same index of the same group, two ranks issued different collectives
   (op, bytes or dtype): a skipped collective, a different op, different shapes;
@@ -143,7 +144,8 @@ class Diagnosis:
                 return (f"{base}: use Join -- `with torch.distributed.algorithms.Join([model]):` around "
                         "the loop lets a finished rank shadow the others' steps (or give every rank the "
                         "same number of batches)")
-            return f"{base}: give every rank the same number of steps"
+            return (f"{base}: give every rank the same number of steps (with a DDP wrapper, Join does it: "
+                    "`torch.distributed.algorithms.Join`)")
         if self.kind == "deadlock":
             return "check that every rank issues these collectives on the same process group"
         return ""

@@ -60,13 +60,14 @@ _SLOT = struct.Struct("<qiqqH218sq")
 _TEXT = 218
 _SEP = b"\x1f"
 
+
 def _classify(filename: str) -> str:
-    """"user", "lib" (torch, ddpkit, the standard library, installed packages), "strategy" (ddpkit's
-    strategies) or "worker" (the Cluster's job loop, which calls the job)."""
+    """"user", "lib" (torch, the standard library, installed packages), "ddpkit", "strategy"
+    (ddpkit's strategies) or "worker" (the Cluster's job loop, which calls the job)."""
     if filename.startswith(_DDPKIT_DIR):
         if filename.startswith(_STRATEGIES_DIR):
             return "strategy"
-        return "worker" if filename.endswith("_worker.py") else "lib"
+        return "worker" if filename.endswith("_worker.py") else "ddpkit"
     if filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or "-packages" + os.sep in filename:
         return "lib"  # torch, the standard library, installed libraries (site- or dist-packages)
     return "user"
@@ -331,7 +332,7 @@ def where_in(stack: str) -> tuple[str, int, str, str] | None:
             break
         if kind == "strategy":
             via = f"{os.path.basename(file)}: {function}"
-        if kind != "lib" or found is None:
+        if kind != "lib" or found is None:  # outward: a ddpkit frame replaces a torch one
             found = (file, int(line), function)
         if kind == "user":
             break
