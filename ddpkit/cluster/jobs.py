@@ -291,11 +291,9 @@ class Job:
                 self.affected[rank] = ("its collective failed after another rank failed:\n"
                                        + self.failures.pop(rank))
         note = UNCHANGED
-        if self.backend == "nccl" and not self.broken:
-            self.broken, note = True, NCCL_RESTARTED
-        if self.broken:
-            note = DESYNC_RESTARTED if self.parted is not None else (
-                NCCL_RESTARTED if note == NCCL_RESTARTED else RESTARTED)
+        nccl = self.backend == "nccl" and not self.broken  # only NCCL's queued collectives call for it
+        if self.broken or nccl:
+            note = DESYNC_RESTARTED if self.parted is not None else NCCL_RESTARTED if nccl else RESTARTED
             try:
                 self.workers.restart_after_fault()
             except Exception as exc:
