@@ -4,6 +4,7 @@ In the notebook (the parent process)::
 
     cluster = ddpkit.Cluster(world_size=2)   # displayed: the cluster widget
     cluster.run(fn)                          # fn runs on every rank; results in rank order
+                                             # (ranks whose collectives part: ddpkit.DesyncError)
     ddpkit.Cluster(4, network=ddpkit.Network("10GbE", gpus_per_node=2))  # an emulated network
 
 Inside a rank (a Cluster job, a torchrun script, a test)::
@@ -17,6 +18,7 @@ rank never pays for matplotlib or ipywidgets.
 import sys
 
 from ddpkit.cluster import Cluster, RankError
+from ddpkit.cluster.errors import DesyncError
 from ddpkit.network import Network
 from ddpkit.topology import Topology
 from ddpkit.rankside import device, progress, rank, world_size
@@ -44,7 +46,7 @@ def _show_clusters_as_widgets() -> None:
 _show_clusters_as_widgets()
 
 __all__ = [
-    "Cluster", "RankError", "Network", "Topology", "rank", "world_size", "device", "progress",
+    "Cluster", "RankError", "DesyncError", "Network", "Topology", "rank", "world_size", "device", "progress",
     "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
 ]
 

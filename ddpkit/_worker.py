@@ -9,7 +9,9 @@ Start-up, in order:
    cluster's random key (HMAC challenges, see ``handshake``), then say hello;
 4. join the process group through the parent's TCPStore, then report ready.
 Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
-the pickled result or the formatted traceback.
+the pickled result or the formatted traceback. With each job comes the file where this rank's
+flight recorder keeps its last collectives (``ddpkit.flight``), which the parent reads if the
+ranks' collectives part; its watchdog reports a collective stuck during the job.
 
 Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
 stop button is pressed, or when another rank failed and this one may be stuck). Between jobs
@@ -249,6 +251,8 @@ def main() -> None:
     sys.stdin = open(os.devnull)  # input() in a job gets end-of-file, not the parent's pipe
     signal.signal(signal.SIGINT, _on_sigint)
     faulthandler.enable(file=sys.__stderr__)  # a segfault's Python stack goes to the stderr pipe
+    if hasattr(signal, "SIGUSR1"):  # the parent asks for stacks this way (ddpkit.flight); never fatal
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     for path in reversed(cfg["sys_path"]):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -298,14 +302,19 @@ def main() -> None:
             break
         if msg[0] != "run":
             continue
+        flight = rankside.attached_comm().flight
+        if len(msg) > 2:  # the file to keep this rank's last collectives in, where the parent reads them
+            flight.attach(msg[2]["ring"], msg[2]["job"])
         try:
             _context.running = True
             _before_job()
             fn, args, kwargs = cloudpickle.loads(msg[1])
             result = fn(*args, **kwargs)
             _context.running = False
+            flight.end_job()
         except BaseException as exc:  # KeyboardInterrupt too: the parent asked us to stop
             _context.running = False
+            flight.end_job()
             sys.stdout.flush()
             sys.stderr.flush()
             # The traceback starts at the job's own frame: this loop's frame is noise to a learner.

@@ -13,7 +13,10 @@ reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimi
    a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
    and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
 3. on an emulated network, hands it to the link emulator (``ddpkit.emulator``) and returns a
-   ``Work`` that completes when the emulated link would have delivered it.
+   ``Work`` that completes when the emulated link would have delivered it;
+4. keeps it in the rank's flight recorder (``ddpkit.flight``), always, *before* launching it: the
+   group, its index in the group, op, bytes, dtype, labels and the user's line that issued it.
+   When ranks' sequences part, ``ddpkit.desync`` compares these.
 
 The group needs a name for torch's ``DeviceMesh`` (``fully_shard`` builds one): in C++ a
 group's name lives on its registered backend, so the real backend is registered on this one too
@@ -28,6 +31,7 @@ papers count), ``transport_bytes`` what the real backend moved.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from ddpkit.emulator import Emulator
+from ddpkit.flight import FlightRecorder
 from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
 from ddpkit.torch_internals import backend_registered, register_real_backend, work_from_future
@@ -54,13 +59,15 @@ class Count:
 
 @dataclass
 class Comm:
-    """What every ddpkit group of this rank shares: the network, its emulator and the counts."""
+    """What every ddpkit group of this rank shares: the network, its emulator, the counts and the
+    flight recorder."""
 
     network: Network
     real_backend: str                         # "gloo" or "nccl": what runs underneath
     emulator: Emulator = field(init=False)
     counts: dict = field(default_factory=lambda: defaultdict(Count))  # (op, link) -> Count
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    flight: FlightRecorder = field(default_factory=FlightRecorder, repr=False)
 
     def __post_init__(self):
         self.emulator = Emulator()
@@ -90,6 +97,15 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _dtype(tensors):
+    """The dtype of a collective's tensors (a list, or all-gather's list of lists); None: none."""
+    while isinstance(tensors, (list, tuple)):
+        if not tensors:
+            return None
+        tensors = tensors[0]
+    return tensors.dtype
+
+
 class DdpkitProcessGroup(dist.ProcessGroup):
     """A process group over the real one: each collective counted, recorded, maybe delayed."""
 
@@ -98,6 +114,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         self.comm, self.real = comm, real
         self.global_ranks = global_ranks
         self._group = tuple(global_ranks)  # names the group in records (same_collectives matches on it)
+        self._id = comm.flight.new_group(global_ranks)  # groups are made in the same order on every rank
+        self._index = itertools.count(1)   # this group's sequence: 1 for its first collective
         register_real_backend(self, real, comm.real_backend)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -107,20 +125,24 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
         """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
         (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
+        comm = self.comm
         rec, labels = rankside.recorder(), rankside.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
                                  labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
+        # into the flight recorder first: a rank that dies inside the launch (gloo aborts on a
+        # size mismatch) keeps it in its record
+        pending = comm.flight.issue(self._id, next(self._index), op, full_bytes, _dtype(result), labels)
         # the start is marked *before* the launch: a synchronous NCCL op runs on the current
         # stream, so a start event recorded after launch() would fire after the collective
         marks = [r.launch_mark() for r in recorders]
         work = launch()
         n = self.size()
-        comm = self.comm
         link, emulated = comm.network.link_for(self.global_ranks)
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         if comm.emulator.delays(link_s):
             work = comm.emulator.submit(link, work, link_s, result)
+        comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         if recorders:
             self._record(op, work, full_bytes, link, recorders, marks, labels)
         return work

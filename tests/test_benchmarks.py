@@ -12,6 +12,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY = {
     "bench_cluster.py": (["--repeats", "1", "--round-trips", "5"], "warm no-op round trip"),
+    "bench_desync.py": (["--rounds", "2", "--steps", "1", "--strategies", "overlapped"], "detection costs"),
     "bench_live.py": (["--rounds", "2", "--steps", "2"], "recording + streaming + live widget"),
     "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
     "bench_recording.py": (["--rounds", "2", "--steps", "2", "--width", "32", "--depth", "2"], "recording costs"),
@@ -37,7 +38,7 @@ def test_a_benchmark_runs_and_prints_its_figure(name):
     assert figure in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("name", ["bench_live.py", "bench_process_group.py", "bench_recording.py",
+@pytest.mark.parametrize("name", ["bench_desync.py", "bench_live.py", "bench_process_group.py", "bench_recording.py",
                                   "bench_transport.py"])
 def test_one_round_is_refused_before_any_rank_starts(name):
     run = _run(name, ["--rounds", "1"])

@@ -103,9 +103,11 @@ def test_a_failing_rank_releases_the_others_stuck_in_a_collective(faulty):
 
     err, _ = _run_expecting_rank_error(faulty, _all_reduce_unless(1, raise_))
     assert err.ranks == [1] and "gives up" in err.failures[1]
-    # rank 0 sat in all_reduce; SIGINT cannot reach Python there, so it was killed after
-    # GRACE + KILL_AFTER (4 s), well before gloo's own TIMEOUT (8 s) would have freed it.
-    assert err.affected[0].startswith("rank 0 did not stop")
+    assert not isinstance(err, ddpkit.DesyncError)  # rank 1's error is the cause, not a desync
+    # rank 0 sat in all_reduce, which rank 1 (failed) never issued: its flight recorder says so,
+    # so it was stopped at once (SIGINT cannot reach Python there), not after GRACE + KILL_AFTER.
+    assert err.affected[0].startswith("rank 0 was stopped by the cluster at once")
+    assert "which rank(s) 1 will never issue" in err.affected[0] and "all_reduce" in err.affected[0]
     assert "restarted" in str(err)
     _usable(faulty)
 
@@ -147,6 +149,39 @@ def test_keyboard_interrupt_with_a_rank_stuck_in_a_collective_restarts(faulty):
         faulty.run(_all_reduce_unless(1, lambda: time.sleep(60)))
     assert _pids(faulty) != old  # rank 0 could not leave the all-reduce: killed, restarted
     _usable(faulty)
+
+
+def test_on_nccl_an_interrupted_job_restarts_the_ranks(faulty, monkeypatch):
+    # NCCL keeps what the interrupted job queued, which no other rank will match (faked here)
+    from ddpkit.cluster import jobs
+
+    monkeypatch.setattr(jobs.Job, "backend", property(lambda self: "nccl"))
+    old = _pids(faulty)
+    _interrupt_this_process_after(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        faulty.run(time.sleep, 60)  # both ranks stop cleanly in Python: on gloo, no restart
+    assert _pids(faulty) != old
+    _usable(faulty)
+
+
+def test_a_collective_that_timed_out_inside_a_strategy_restarts_the_ranks(faulty):
+    # gloo's timeout is a plain RuntimeError, raised below OverlappedDDP's own wait(), not from
+    # torch.distributed's Python code: its message says the group is broken, so the ranks restart
+    def job():
+        import torch
+
+        model = ddpkit.OverlappedDDP(torch.nn.Linear(4, 1))
+        if ddpkit.rank() == 1:
+            time.sleep(60)  # rank 0 waits in its bucket's all-reduce until the timeout
+        model(torch.ones(2, 4)).sum().backward()
+
+    old = _pids(faulty)
+    err, took = _run_expecting_rank_error(faulty, job)
+    assert not isinstance(err, ddpkit.DesyncError)  # a straggler, not a desync: the timeout decided
+    assert err.ranks == [0] and "Timed out" in err.failures[0] and "buckets.py" in err.failures[0]
+    assert "restarted" in str(err) and _pids(faulty) != old
+    assert took < TIMEOUT + 30, took
+    _usable(faulty)  # it used to fail here, with "pair closure" and "Connection closed by peer"
 
 
 def test_an_idle_rank_ignores_a_stray_sigint(faulty):

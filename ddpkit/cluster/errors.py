@@ -1,4 +1,5 @@
-"""``RankError``: what ``Cluster.run()`` (or a start) raises when ranks fail, with their tracebacks."""
+"""``RankError``: what ``Cluster.run()`` (or a start) raises when ranks fail, with their tracebacks;
+``DesyncError``: the ranks' sequences of collectives parted (``ddpkit.desync``)."""
 from __future__ import annotations
 
 
@@ -16,16 +17,44 @@ class RankError(RuntimeError):
         self.affected = dict(sorted((affected or {}).items()))
         self.ranks = list(self.failures)
         self.note = note
+        super().__init__(self._message())
+
+    def _message(self) -> str:
         s = "s" if len(self.ranks) > 1 else ""
         head = f"rank{s} {', '.join(map(str, self.ranks))} failed"
         if self.affected:
             head += f"; rank(s) {', '.join(map(str, self.affected))} went down with it"
-        parts = [head]
-        for r, tb in self.failures.items():
-            parts.append(f"--- rank {r} ---\n{tb.rstrip()}")
-        for r, tb in self.affected.items():
-            parts.append(f"--- rank {r} (went down after rank{s} {', '.join(map(str, self.ranks))} "
-                         f"failed) ---\n{tb.rstrip()}")
-        if note:
-            parts.append(f"[ddpkit] {note}")
-        super().__init__("\n".join(parts))
+        parts = [head, *self._details(f"went down after rank{s} {', '.join(map(str, self.ranks))} failed")]
+        if self.note:
+            parts.append(f"[ddpkit] {self.note}")
+        return "\n".join(parts)
+
+    def _details(self, affected_why: str) -> list[str]:
+        parts = [f"--- rank {r} ---\n{tb.rstrip()}" for r, tb in self.failures.items()]
+        parts += [f"--- rank {r} ({affected_why}) ---\n{tb.rstrip()}" for r, tb in self.affected.items()]
+        return parts
+
+
+class DesyncError(RankError):
+    """The ranks' sequences of collectives parted (``ddpkit.desync``): they will never meet again.
+
+    ``.diagnosis`` (a ``ddpkit.desync.Diagnosis``) says where: the collective's index (``.index``)
+    in the sequence of its group (``.group``: the group's ranks), and for each rank what it
+    issued there, or that it finished its job, or that it is still computing. The message says
+    that first; the cluster's note (its ranks were restarted: a parted process group cannot be
+    trusted) and each rank's traceback or stack follow. ``.failures`` holds the ranks of the
+    parted group, ``.affected`` the others.
+    """
+
+    def __init__(self, diagnosis, failures: dict[int, str], note: str = "",
+                 affected: dict[int, str] | None = None):
+        self.diagnosis = diagnosis
+        self.index, self.group = diagnosis.index, diagnosis.ranks
+        super().__init__(failures, note, affected)
+
+    def _message(self) -> str:
+        parts = [self.diagnosis.explain()]
+        if self.note:
+            parts.append(f"[ddpkit] {self.note}")
+        parts += self._details("went down with them")
+        return "\n".join(parts)

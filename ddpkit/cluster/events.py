@@ -14,7 +14,10 @@ The kinds, ``rank`` None where it is about the whole cluster:
   ``records``, ``final``; see ``ddpkit.trace.live``);
 - around a ``run()``: ``job`` (``phase`` "start" / "end", ``recorded``), ``tick`` about ten
   times a second from the thread that waits for it (the cell that is running), ``results``
-  after a job that succeeded, ``trace`` once a recorded run's ``last_trace`` is set;
+  after a job that succeeded, ``trace`` once a recorded run's ``last_trace`` is set,
+  ``desync`` (``diagnosis``: a ``ddpkit.desync.Diagnosis``) when the ranks' collectives parted;
+- what a rank's flight recorder reports (``ddpkit.flight``): ``stuck`` (a collective pending for
+  seconds: ``group``, ``index``, ``waited``, ``stack``), ``unstuck`` (it completed after all);
 - from the caller: ``recording`` (``on``: the switch moved), ``label`` (``label``, ``run``,
   ``runs``: what the next runs are part of, e.g. a comparison's strategy and round).
 
@@ -28,6 +31,8 @@ import logging
 import queue
 import sys
 from dataclasses import dataclass, field
+
+from ddpkit.cluster.watch import Rings
 
 log = logging.getLogger("ddpkit.cluster")
 
@@ -47,11 +52,14 @@ class RankState:
 
 
 class Events:
-    """The ranks' states, their printed lines, and the observers told of every change."""
+    """The ranks' states, their printed lines, and the observers told of every change; the files
+    the ranks keep their last collectives in (``rings``, read when they part: ``ddpkit.desync``)."""
 
     def __init__(self):
         self.ranks: list[RankState] = []
         self.observers: list = []
+        self.rings = Rings()
+        self.jobs = 0  # jobs sent so far: the number of the next one
         self._lines: queue.Queue = queue.Queue()  # (rank, stream, text) not yet printed
 
     def subscribe(self, callback) -> None:

@@ -9,11 +9,20 @@ other ranks are still running two seconds after the first failure they are proba
 collective waiting for the failed rank: they get SIGINT, and are killed if that does not stop
 them within two seconds (a rank blocked inside a C++ collective cannot run Python's signal
 handler). Whenever the process group cannot be trusted any more (a rank died or was killed,
-or an error came out of torch.distributed, e.g. a collective that timed out after
-``timeout`` seconds), the cluster restarts its ranks before raising, and says so in the error:
-the next ``run()`` works, but what the ranks held is gone. Plain Python errors leave the ranks
-as they were. The caller's own KeyboardInterrupt (the notebook's stop button) is handled the
-same way: interrupt, kill what will not stop, restart only if needed.
+an error came out of torch.distributed or a collective failed or timed out -- gloo's "Timed
+out waiting", "pair closure", "Connection closed by peer", NCCL's errors --, or, on NCCL, any
+failed or interrupted job: NCCL keeps the collectives it had queued, which no other rank will
+match), the cluster restarts its ranks before raising, and says so in the error: the next
+``run()`` works, but what the ranks held is gone. Plain Python errors leave the ranks as they
+were. The caller's own KeyboardInterrupt (the notebook's stop button) is handled the same way:
+interrupt, kill what will not stop, restart only if needed.
+
+Desync. While the job runs, the ranks' sequences of collectives are watched (``watch.Watch``):
+once they have parted (``ddpkit.desync``: a rank issued a different collective, finished while
+the others wait in one, or ranks wait in collectives the others never issue), the ranks are
+stopped at once and restarted, and ``run()`` raises ``DesyncError``: which collective, what each
+rank issued there. A rank that failed or died while another waits in a collective it will never
+issue is still that failure's ``RankError``, but the waiting rank is stopped at once.
 """
 from __future__ import annotations
 
@@ -24,14 +33,16 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
-from ddpkit.cluster.errors import RankError
+from ddpkit.cluster.errors import DesyncError, RankError
 from ddpkit.cluster.events import Events
 from ddpkit.cluster.processes import Workers
+from ddpkit.cluster.watch import Watch
 
 GRACE_S = 2.0        # after a rank fails, how long the others may keep running before SIGINT
                      # (ranks that raise together can be a second apart on a loaded machine)
 KILL_AFTER_S = 2.0   # after SIGINT, how long before a rank that did not stop is killed
 TICK_S = 0.1         # "tick" to the observers this often while a job runs
+SETTLE_S = 0.3       # once the ranks parted, how long what they still say may arrive before they are stopped
 
 RESTARTED = ("the process group could not be trusted after this (a rank died or was stopped, or "
              "a collective failed or timed out), so the cluster restarted its ranks: the next "
@@ -39,6 +50,23 @@ RESTARTED = ("the process group could not be trusted after this (a rank died or 
              "models) is gone")
 UNCHANGED = ("the ranks keep running as they were (a Python error leaves the process group "
              "intact); the cluster is ready for the next run()")
+NCCL_RESTARTED = ("on NCCL a failed job leaves collectives queued that no other rank will match, so "
+                  "the cluster restarted its ranks: the next run() gets a fresh process group, and "
+                  "anything the ranks held (%%ranks variables, models) is gone")
+DESYNC_RESTARTED = ("the ranks' collectives no longer match, so their process group cannot be "
+                    "trusted: the cluster stopped them and restarted its ranks; the next run() gets a "
+                    "fresh process group, and anything the ranks held (%%ranks variables, models) is gone")
+
+# An error whose message says a collective failed or timed out: the process group is broken
+# (gloo reports these as plain RuntimeErrors, often raised below a strategy's own wait()).
+BROKEN_GROUP = ("Timed out waiting", "pair closure", "Connection closed by peer",
+                "Connection reset by peer", "NCCL", "/gloo/", "DistBackendError", "DistNetworkError")
+
+
+def broke_the_group(traceback_text: str) -> bool:
+    """Does this traceback's error say a collective failed or timed out?"""
+    tail = "\n".join(traceback_text.rstrip().splitlines()[-3:])  # the exception's message
+    return any(marker in tail for marker in BROKEN_GROUP)
 
 
 class Job:
@@ -54,6 +82,13 @@ class Job:
         self.broken = False              # the process group is suspect: restart
         self.first_failure: float | None = None
         self.interrupted_at: float | None = None
+        self.finished: set = set()       # ranks whose result arrived
+        self.died: set = set()           # ranks whose process vanished
+        self.notes: dict = {}            # rank -> how its job ended, in a few words
+        events.jobs += 1
+        self.watch = Watch(events.jobs, events.rings)
+        self.parted = None               # a ddpkit.desync.Diagnosis once the ranks' collectives parted
+        self.waiting: dict = {}          # rank -> where it waited when it was stopped (a desync)
 
     def run(self, payload: bytes) -> list:
         """Run the pickled job on every rank; the results in rank order, or ``RankError``."""
@@ -66,18 +101,26 @@ class Job:
             raise
         finally:
             self.events.flush_lines()
-        if self.failures:
+        if self.failures or self.parted is not None:
             raise self._error()
         return [self.results[r] for r in range(self.workers.settings.world_size)]
+
+    @property
+    def backend(self) -> str:
+        """The real backend under the ranks' process group ("gloo" or "nccl")."""
+        return self.workers.settings.backend
 
     def _send(self, payload: bytes) -> None:
         for conn, rank in self.workers.conns.items():
             self.workers.stderr_tail[rank].clear()
+            # the file the rank keeps its last collectives in, and the job's number (ddpkit.flight)
+            ring = {"ring": self.events.rings.path(rank), "job": self.watch.job}
             try:
-                conn.send(("run", payload))
+                conn.send(("run", payload, ring))
             except OSError:  # it died just now, between jobs
                 self.failures[rank] = self.workers.death_note(rank)
                 self.broken = True
+                self.died.add(rank)
                 self.events.set_status(rank, "dead", traceback=self.failures[rank])
                 continue
             self.pending[rank] = conn
@@ -93,6 +136,9 @@ class Job:
             if time.monotonic() - last_tick >= TICK_S:  # observers may act in the running cell
                 last_tick = time.monotonic()
                 self.events.notify("tick", None)
+            ended = len(self.pending) < len(self.workers.conns)
+            if self.pending and self.watch.should_check(ended, bool(self.pending)):
+                self._look_for_desync()
             if not (self.failures and self.pending):
                 continue
             # Some rank failed; the others may be stuck in a collective waiting for it.
@@ -113,18 +159,27 @@ class Job:
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the rank's process is gone
-            self.failures[rank] = self.workers.death_note(rank)
+            self.failures[rank] = _without_module_list(self.workers.death_note(rank))
             self.broken = True
+            self.died.add(rank)
+            self.notes[rank] = _death(self.failures[rank])
             self.pending.pop(rank)
+            self.watch.ended()
             self.events.set_status(rank, "dead", traceback=self.failures[rank])
             return
         kind = msg[0]
         if kind == "out":
             self.events.line(rank, msg[1], msg[2])
         elif kind == "event":
+            if msg[1] == "stuck":
+                self.watch.stuck(rank, msg[2])
+            elif msg[1] == "unstuck":
+                self.watch.unstuck(rank, msg[2])
             self.events.event(rank, msg[1], msg[2])
         elif kind == "result":
             self.pending.pop(rank)
+            self.finished.add(rank)
+            self.watch.ended()
             try:
                 self.results[rank] = cloudpickle.loads(msg[1])
             except Exception as exc:
@@ -135,8 +190,11 @@ class Job:
                 self.events.set_status(rank, "idle")
         elif kind == "error":
             self.pending.pop(rank)
+            self.watch.ended()
             tb, exc_type, from_distributed = msg[1], msg[2], msg[3]
-            if from_distributed:
+            lines = tb.strip().splitlines()
+            self.notes[rank] = lines[-1] if lines else exc_type
+            if from_distributed or broke_the_group(tb):
                 self.broken = True
                 self.distributed.add(rank)
             if self.interrupted_at is not None and exc_type == "KeyboardInterrupt":
@@ -153,22 +211,96 @@ class Job:
         self.pending.pop(rank)
         self.events.set_status(rank, "dead")
 
+    # ------------------------------------------------------------------ desync
+    def _states(self) -> dict:
+        """Each rank's ``ddpkit.desync.RankView.state`` now."""
+        states = {}
+        for rank in range(self.workers.settings.world_size):
+            if rank in self.pending:
+                states[rank] = "running"
+            elif rank in self.died:
+                states[rank] = "died"
+            elif rank in self.distributed:
+                states[rank] = "broken"
+            elif rank in self.failures:
+                states[rank] = "failed"
+            elif rank in self.finished:
+                states[rank] = "finished"
+            else:  # interrupted or killed by us while it was still running
+                states[rank] = "stopped"
+        return states
+
+    def _diagnose(self):
+        pids = {r.rank: r.pid for r in self.events.ranks}
+        return self.watch.diagnose(self._states(), self.notes, pids, {**self.affected, **self.failures})
+
+    def _look_for_desync(self) -> None:
+        """Have the ranks' collectives parted? Then stop the ranks still running, at once: they
+        wait (or will) in a collective that no other rank will ever issue."""
+        found = self._diagnose()
+        if found is None:
+            return
+        # What the ranks are saying now (a rank's death, an error on its way) belongs in the story
+        deadline = time.monotonic() + SETTLE_S
+        while self.pending and time.monotonic() < deadline:
+            for conn in wait(list(self.pending.values()), timeout=0.05):
+                self._receive(self.workers.conns[conn], conn)
+        # ... and where the ranks still running are (those that reported stuck said so already)
+        self.watch.ask_for_stacks([r for r in self.pending if r not in self.watch.reports], self.workers.signal)
+        found = self._diagnose() or found
+        if found.kind != "failed":
+            self.parted = found
+        for rank in list(self.pending):
+            stack = self.watch.stack(rank)
+            where = f"\nwhere it was waiting:\n{stack.rstrip()}" if stack else ""
+            if found.kind == "failed":
+                ended = ", ".join(str(r) for r, v in found.views.items() if v.state in ("failed", "died"))
+                self._kill(rank, f"rank {rank} was stopped by the cluster at once: it issued collective "
+                                 f"#{found.index} of {found.group_name()}, which rank(s) {ended} will never "
+                                 f"issue (they failed): {found.describe(rank)}{where}")
+            else:
+                self._kill(rank, f"stopped by the cluster (its collectives parted from the others'){where}")
+
+    def _desync_error(self, note: str) -> DesyncError:
+        """The ranks parted: the ranks of the parted group, what each did; the others went down."""
+        diag = self.parted
+        texts = {**self.affected, **self.failures}
+        failures, affected = {}, {}
+        for rank in range(self.workers.settings.world_size):
+            text = texts.get(rank)
+            if rank in self.finished:
+                text = f"its job finished (it returned) after its collective #{diag.views[rank].last(diag.key)}"
+            if text is None:
+                continue
+            (failures if rank in diag.ranks else affected)[rank] = text
+        return DesyncError(diag, failures, note, affected)
+
     def _error(self) -> RankError:
         """The RankError for a failed job, after restarting the ranks if the group is suspect."""
-        if self.failures.keys() - self.distributed:
+        if self.parted is None:
+            found = self._diagnose()  # the job ended in errors: did the ranks part first?
+            if found is not None and found.kind != "failed":
+                self.parted = found
+        if self.parted is not None:
+            self.broken = True
+            self.events.notify("desync", None, diagnosis=self.parted)
+        elif self.failures.keys() - self.distributed:
             # A rank raised or died; collectives that then broke on other ranks are a
             # consequence, not a second cause.
             for rank in self.distributed & self.failures.keys():
                 self.affected[rank] = ("its collective failed after another rank failed:\n"
                                        + self.failures.pop(rank))
         note = UNCHANGED
-        if self.broken:
-            note = RESTARTED
+        nccl = self.backend == "nccl" and not self.broken  # only NCCL's queued collectives call for it
+        if self.broken or nccl:
+            note = DESYNC_RESTARTED if self.parted is not None else NCCL_RESTARTED if nccl else RESTARTED
             try:
                 self.workers.restart_after_fault()
             except Exception as exc:
                 note = (f"the process group could not be trusted after this, and restarting "
                         f"the ranks failed too ({type(exc).__name__}: {exc}); call cluster.restart()")
+        if self.parted is not None:
+            return self._desync_error(note)
         return RankError(self.failures, note, self.affected)
 
     def _on_keyboard_interrupt(self) -> None:
@@ -187,6 +319,8 @@ class Job:
             for rank in list(self.pending):
                 self._kill(rank, "did not stop after SIGINT")
             self.events.flush_lines()
+            if self.backend == "nccl":  # NCCL keeps what the job queued: no other rank will match it
+                self.broken = True
             if self.broken:
                 print("[ddpkit] interrupted: some ranks did not stop cleanly, restarting them "
                       "(a fresh process group)", file=sys.stderr)
@@ -199,3 +333,21 @@ class Job:
             self.events.set_all("dead")
             print("[ddpkit] interrupted again: every rank was killed; call cluster.restart()",
                   file=sys.stderr)
+
+
+def _death(note: str) -> str:
+    """How a rank died, in a line: the signal, and what the C++ library said as it aborted."""
+    how = note.splitlines()[0].partition(": ")[2]
+    said = [line.split("what():", 1)[1].strip() for line in note.splitlines() if "what():" in line]
+    return f"{how}; {said[0]}" if said else how
+
+
+def _without_module_list(note: str) -> str:
+    """A dead rank's note without what is noise to a learner in faulthandler's dump: its list of
+    extension modules, and the stacks of the rank's helper threads (the job runs in ``main``)."""
+    blocks, out = note.split("\n\n"), []
+    for block in blocks:
+        helper = block.lstrip().startswith(("Thread 0x", "Current thread 0x")) and " in main" not in block
+        if not helper:
+            out.append("\n".join(line for line in block.splitlines() if not line.startswith("Extension modules:")))
+    return "\n\n".join(out).rstrip()

@@ -12,6 +12,7 @@ One job per file:
 - ``status``: a compact status line in the running cell, a note when a cell shuts the cluster down;
 - ``live``: the plots of a recorded run, live and replayed, fed from ``state`` (bounded);
 - ``fill_view``, ``timeline_view``, ``memory_view``, ``loss_view``: the plots, as SVG (``svg``);
+- ``desync_view``: each rank's collectives around the one where they parted (``ddpkit.DesyncError``);
 - ``throttle``: at most one update per interval, however often asked.
 
 This package is imported only when a cluster is displayed: a rank never pays for ipywidgets.

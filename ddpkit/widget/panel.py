@@ -2,8 +2,9 @@
 
 Top to bottom: a header (world size, backend, devices, and how the cluster stopped if it did);
 start / restart / stop, a **record** toggle (``cluster.record``) and **save trace** (the last
-recorded run as a Chrome trace for Perfetto); one row per rank (``RankRows``); the run's progress
-(``RunProgress``); the plots of a recorded run, live and then replayed (``LivePlots``). During a
+recorded run as a Chrome trace for Perfetto); one row per rank (``RankRows``); after a desync, each
+rank's collectives around the one where they parted (``desync_view``), until the next job; the
+run's progress (``RunProgress``); the plots of a recorded run, live and then replayed (``LivePlots``). During a
 long run a compact status line also appears in the running cell (``CellStatus``).
 
 Threads. The cluster calls ``_on_event`` from its pipe-reader threads (log lines) and from the
@@ -20,6 +21,7 @@ import time
 
 import ipywidgets as widgets
 
+from ddpkit.widget.desync_view import desync_view
 from ddpkit.widget.live import LivePlots
 from ddpkit.widget.progress import RunProgress
 from ddpkit.widget.ranks import STATUS_COLOURS, RankRows
@@ -76,6 +78,8 @@ class ClusterWidget(widgets.VBox):
         self.ranks = RankRows(cluster, log_lines)
         self.progress = RunProgress(cluster)
         self.live = LivePlots()
+        self.desync = widgets.HTML(layout=widgets.Layout(display="none"))  # the last desync's lanes
+        self.desync.add_class("ddpkit-desync-view")
         self.cell_status = CellStatus(self._describe, kernel_display() if cell_output == "kernel" else cell_output)
         self._stopped_how = ""     # how the ranks came to be stopped, for the header
         self._by_button = False    # a button is acting (its effects are not the notebook's doing)
@@ -85,7 +89,7 @@ class ClusterWidget(widgets.VBox):
             self.header,
             widgets.HBox([self.start_button, self.restart_button, self.stop_button, self.record_toggle,
                           self.save_button, self.message], layout=widgets.Layout(flex_flow="row wrap")),
-            self.ranks, self.progress, self.live,
+            self.ranks, self.desync, self.progress, self.live,
         ])
         self.add_class("ddpkit-cluster")
         self.refresh()
@@ -169,6 +173,8 @@ class ClusterWidget(widgets.VBox):
             self.record_toggle.value = fields["on"]
         elif kind == "label":
             self.progress.announce(fields["label"], fields.get("run"), fields.get("runs"))
+        elif kind == "desync":
+            self._desync(fields["diagnosis"])
 
     def _status(self, rank, fields) -> None:
         ranks = self.cluster.ranks
@@ -181,14 +187,24 @@ class ClusterWidget(widgets.VBox):
         elif rank is not None and 0 <= rank < len(ranks):
             if ranks[rank].status == "running":  # a new job: forget the last one's error
                 self.ranks.errors.pop(rank, None)
+                self.ranks.notes.pop(rank, None)
                 self.progress.update()
             if isinstance(fields.get("traceback"), str):
                 self.ranks.errors[rank] = fields["traceback"]
         self.refresh()
 
+    def _desync(self, diagnosis) -> None:
+        """The ranks' collectives parted: mark their rows, draw their lanes (until the next job)."""
+        for rank in diagnosis.ranks:
+            self.ranks.notes[rank] = f"desync at collective #{diagnosis.index}"
+        self.desync.value = desync_view(diagnosis)
+        self.desync.layout.display = None
+        self.refresh()
+
     def _job(self, fields) -> None:
         self.cell_status.job(fields["phase"])
         if fields["phase"] == "start":
+            self.desync.layout.display = "none"
             self._recorded_run = fields["recorded"]
             if fields["recorded"]:
                 self.live.start(self.cluster.world_size)

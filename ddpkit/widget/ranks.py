@@ -1,5 +1,5 @@
-"""One row per rank: its status, pid and device, then the tail of what it printed and, after a
-failure, its traceback in red.
+"""One row per rank: its status, pid and device (and, after a desync, "desync at collective #k"),
+then the tail of what it printed and, after a failure, its traceback in red.
 
 Log lines arrive one observer call each (a chatty rank prints thousands); re-sending a rank's
 whole log for every line would flood the page, so changed logs are sent at most every
@@ -49,6 +49,7 @@ class RankRows(widgets.VBox):
         self.status: list[widgets.HTML] = []
         self.logs: list[widgets.HTML] = []
         self.errors: dict[int, str] = {}  # rank -> traceback, when the cluster sends one
+        self.notes: dict[int, str] = {}   # rank -> a word on its failure, e.g. "desync at collective #7"
         self._dirty: set[int] = set()
         self._lock = threading.Lock()
         self._throttle = Throttle(self._flush, LOG_INTERVAL_S, name="ddpkit-widget-logs")
@@ -67,11 +68,14 @@ class RankRows(widgets.VBox):
             colour = STATUS_COLOURS.get(r.status, "black")
             where = f" &middot; pid {r.pid}" if r.pid and r.status != "stopped" else ""
             where += f" &middot; {html.escape(r.device)}" if r.device else ""
-            failed = r.status in ("error", "dead") or r.rank in self.errors
+            note = self.notes.get(r.rank)
+            failed = r.status in ("error", "dead") or r.rank in self.errors or note is not None
+            note = (f" &middot; <span class='ddpkit-rank-note' style='color:{STATUS_COLOURS['error']};"
+                    f"font-weight:bold'>{html.escape(note)}</span>" if note else "")
             self.status[r.rank].value = (
                 f"<div class='ddpkit-rank-row{' ddpkit-failed' if failed else ''}' "
                 f"style='{_FAILED_ROW if failed else ''}'><b>rank {r.rank}</b> <span class='ddpkit-status' "
-                f"style='color:{colour};font-weight:bold'>{r.status}</span>{where}</div>")
+                f"style='color:{colour};font-weight:bold'>{r.status}</span>{note}{where}</div>")
         self.flush_all()
 
     def changed(self, rank: int) -> None:

@@ -1,0 +1,358 @@
+"""The flight recorder: each rank's last ``SLOTS`` collectives, kept where its parent can read them.
+
+ddpkit's process group hands every collective to ``FlightRecorder.issue`` *before* launching it,
+always (recording on or off): which group, its index in that group (1 for the group's first
+collective), the op, the bytes, the dtype and, while recording, the strategy's labels (bucket,
+unit: a recorder that is off opens no ``labels()`` block, see ``ddpkit.rankside``). That is the
+sequence ``ddpkit.desync`` compares across ranks when they part.
+
+The user's line of code that issued a collective is taken *lazily*, from a stack, when it
+matters: the watchdog's report of a stuck collective carries the job thread's stack, a rank that
+died leaves faulthandler's dump, a failed collective its traceback; ``where_in`` finds the first
+frame outside torch, ddpkit and the standard library there, and the ddpkit strategy code the
+call came through. Walking the stack on every collective instead cost ~8 us of ~14 (15-25
+frames of torch and autograd between a collective and the user's line), 1-2% of an FSDP step.
+
+Why shared memory. A collective that parts the ranks may kill one outright: gloo aborts a rank
+that receives more bytes than it expects (``op.preamble.length <= op.nbytes``), within
+milliseconds, before any Python could report. So the ring is a file mapped into memory
+(``attach``; the Cluster's parent makes one per rank and reads it after the rank is gone, like an
+aircraft's recorder). Outside a Cluster (torchrun, a test) the ring is a plain bytearray.
+
+Cost. Per collective: a cached byte string, one ``struct.pack_into`` and a weak reference to the
+``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong one: holding a Work
+holds its tensors, which would change what ``ddpkit.memory`` sees.
+
+The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
+collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
+reports it to the parent (``rankside.report("stuck", ...)``, with the job thread's stack), and
+reports again when it completes after all. Only ``Work``s someone still holds can be watched:
+torch's own DDP drops its Python handle at once, so a rank stuck there is found by the other
+rule (a rank that finished while this one issued more, see ``ddpkit.desync``).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import mmap
+import os
+import re
+import struct
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+
+SLOTS = 512          # collectives kept per rank: the newest ones (a ring)
+STALL_S = 1.0        # a collective pending this long during a job is reported as stuck
+WATCH_S = 0.25       # how often the watchdog looks (so a report comes STALL_S to STALL_S + WATCH_S late)
+
+_MAGIC = b"DDPKFLT1"
+_HEADER = struct.Struct("<8sqqq")            # magic, pid, job, slots
+_HEADER_SIZE = 64
+# seq (1, 2, ... on this rank; 0: empty), group id, index in the group, bytes, text length, text
+# ("op\x1fdtype\x1franks[\x1flabels]"), seq again: a reader that finds the two seqs different read
+# the slot while it was being written
+_SLOT = struct.Struct("<qiqqH218sq")
+_TEXT = 218
+_SEP = b"\x1f"
+
+
+def _classify(filename: str) -> str:
+    """"user", "lib" (torch, the standard library, installed packages), "ddpkit", "strategy"
+    (ddpkit's strategies) or "worker" (the Cluster's job loop, which calls the job)."""
+    if filename.startswith(_DDPKIT_DIR):
+        if filename.startswith(_STRATEGIES_DIR):
+            return "strategy"
+        return "worker" if filename.endswith("_worker.py") else "ddpkit"
+    if filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or "-packages" + os.sep in filename:
+        return "lib"  # torch, the standard library, installed libraries (site- or dist-packages)
+    return "user"
+
+
+def _dirs():
+    import importlib.util
+
+    torch = importlib.util.find_spec("torch")  # found, not imported: the parent reads rings too
+    return (os.path.dirname(os.path.abspath(torch.origin)) + os.sep,
+            os.path.dirname(os.path.abspath(__file__)) + os.sep,
+            os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+
+
+_TORCH_DIR, _DDPKIT_DIR, _STDLIB_DIR = _dirs()
+_STRATEGIES_DIR = os.path.join(_DDPKIT_DIR, "strategies") + os.sep
+
+
+@dataclass
+class Entry:
+    """One collective as a rank issued it (what the parent reads back from the ring)."""
+
+    seq: int             # its place among all this rank's collectives (1, 2, ...)
+    group: int           # the group's ordinal among the groups of the same ranks (0: the first)
+    index: int           # its place in the group's sequence (1 for the group's first)
+    nbytes: int          # the full size S (all-reduce: the buffer; all-gather: the output)
+    op: str              # "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"
+    dtype: str = ""
+    ranks: tuple = ()    # the group's global ranks
+    labels: str = ""     # the issuing strategy's labels, e.g. "bucket=0" or "unit=layers.0" (recording only)
+    file: str = ""       # where the user's code issued it (filled in from a stack: ``where_in``)
+    line: int = 0
+    function: str = ""
+    via: str = ""        # the ddpkit strategy code it came through, e.g. "overlapped.py: _sync_gradients"
+
+    @property
+    def key(self) -> tuple:
+        """The group, as every member names it: (its ranks, ordinal)."""
+        return self.ranks, self.group
+
+    def signature(self) -> tuple:
+        """What every rank of the group must agree on for this collective to match."""
+        return (self.op, self.nbytes, self.dtype)
+
+
+# What the watchdog keeps of a collective issued and not yet seen completed: a list (the cheapest
+# thing to make on every collective), [seq, group, index, weak ref to its Work (None while it is
+# being launched), when the watchdog first saw it pending, reported stuck?]
+_SEQ, _GROUP, _INDEX, _WORK, _SEEN, _REPORTED = range(6)
+
+
+@dataclass
+class FlightRecorder:
+    """This rank's ring of recent collectives (``issue``), and the watchdog (``attach``)."""
+
+    slots: int = SLOTS
+    enabled: bool = True           # False only to measure what it costs (benchmarks/bench_desync.py)
+    buf: object = field(default=None, repr=False)
+    groups: list = field(default_factory=list)   # group number -> (its global ranks, ordinal)
+    _seq: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
+    _pending: collections.deque = field(default_factory=collections.deque, repr=False)
+    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) -> bytes
+    path: str | None = None
+    job: int = 0                   # the job running now (0: none), as the parent numbers them
+    watchdog: threading.Thread | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.buf is None:
+            self.buf = bytearray(_HEADER_SIZE + self.slots * _SLOT.size)
+            _HEADER.pack_into(self.buf, 0, _MAGIC, os.getpid(), 0, self.slots)
+
+    # ------------------------------------------------------------------ the hot path
+    def new_group(self, ranks) -> int:
+        """A group was created: its number here (what ``issue`` takes). In the records a group is
+        its ranks and its ordinal among the groups of the same ranks (0 for the first): what every
+        member calls it alike, since a rank only creates the groups it is in, and torch has every
+        rank create groups in the same order."""
+        ranks = tuple(ranks)
+        ordinal = sum(1 for g in self.groups if g[0] == ranks)
+        self.groups.append((ranks, ordinal))
+        return len(self.groups) - 1
+
+    def issue(self, group: int, index: int, op: str, nbytes: int, dtype, labels) -> list | None:
+        """Note a collective about to be launched; ``launched(p, work)`` after (``p``: what the
+        watchdog watches, None when there is none)."""
+        if not self.enabled:
+            return None
+        seq = next(self._seq)
+        fields = labels.fields if labels is not None else None
+        key = (op, dtype, group, *fields.items()) if fields else (op, dtype, group)
+        try:
+            text = self._texts.get(key)
+        except TypeError:  # a label that cannot be hashed (a list of names): formatted every time
+            text, key = None, None
+        if text is None:
+            text = self._text(op, dtype, group, fields)
+            if key is not None and len(self._texts) < 4096:
+                self._texts[key] = text
+        _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * _SLOT.size,
+                        seq, self.groups[group][1], index, nbytes, min(len(text), _TEXT), text, seq)
+        if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
+            return None
+        p = [seq, group, index, None, 0.0, False]
+        self._pending.append(p)
+        return p
+
+    def _text(self, op: str, dtype, group: int, fields) -> bytes:
+        """What a slot says besides the numbers: ``op\x1fdtype\x1franks[\x1flabels]``."""
+        parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, self.groups[group][0]))]
+        if fields:
+            parts.append(" ".join(f"{k}={v}" for k, v in fields.items())[:60])
+        return _SEP.join(p.encode() for p in parts)
+
+    @staticmethod
+    def launched(p: list | None, work) -> None:
+        if p is not None and work is not None:
+            p[_WORK] = weakref.ref(work)
+
+    # ------------------------------------------------------------------ shared with the parent
+    def attach(self, path: str, job: int) -> None:
+        """Keep the ring in ``path`` (made by the Cluster's parent) from now on, and start the
+        watchdog; ``job``: the job about to run. Called by the worker before each job."""
+        shared = _map(path, len(self.buf)) if path != self.path else None
+        if shared is not None:
+            shared[:] = bytes(self.buf)  # what was issued before (the group's first collectives)
+            _HEADER.pack_into(shared, 0, _MAGIC, os.getpid(), 0, self.slots)
+            self.buf, self.path = shared, path
+            _dump_stacks_on_request(path + ".stack")
+        if self.watchdog is None:
+            self.watchdog = threading.Thread(target=self._watch, name="ddpkit-flight-watchdog", daemon=True)
+            self.watchdog.start()
+        self.begin_job(job)
+
+    def begin_job(self, job: int) -> None:
+        self.job = job
+        _HEADER.pack_into(self.buf, 0, _MAGIC, os.getpid(), job, self.slots)
+
+    def end_job(self) -> None:
+        self.job = 0
+
+    def _watch(self) -> None:
+        from ddpkit import rankside
+
+        main = threading.main_thread().ident
+        while True:
+            time.sleep(WATCH_S)
+            pending = self._pending
+            while pending:  # forget what completed (or what nobody holds any more)
+                p = pending[0]
+                if p[_WORK] is None:
+                    break   # being launched right now
+                work = p[_WORK]()
+                if work is not None and not work.is_completed():
+                    break
+                pending.popleft()
+                if p[_REPORTED]:
+                    rankside.report("unstuck", seq=p[_SEQ])
+            if not pending or not self.job:
+                continue
+            p, now = pending[0], time.monotonic()
+            if not p[_SEEN]:
+                p[_SEEN] = now  # stuck is measured from here: the hot path reads no clock
+            elif now - p[_SEEN] >= STALL_S and not p[_REPORTED]:
+                p[_REPORTED] = True
+                frame = sys._current_frames().get(main)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+                ranks, ordinal = self.groups[p[_GROUP]]
+                rankside.report("stuck", seq=p[_SEQ], ranks=list(ranks), group=ordinal, index=p[_INDEX],
+                                waited=now - p[_SEEN], stack=_from_the_job(stack), job=self.job)
+
+
+def _dump_stacks_on_request(path: str) -> None:
+    """On SIGUSR1, faulthandler writes every thread's stack to ``path`` (appending: the parent
+    empties it before asking). It works while the job thread is blocked inside a C++ collective,
+    where no Python signal handler would run: the parent asks when the ranks parted."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)  # noqa: SIM115 (kept open)
+
+
+def job_thread(dump: str) -> str:
+    """From faulthandler's dump of every thread, the job thread's stack (the one the worker's
+    ``main`` runs), else the whole dump."""
+    for block in dump.split("\n\n"):
+        if " in main" in block and "_worker.py" in block:
+            return block.strip()
+    return dump
+
+
+def _map(path: str, size: int):
+    """``path`` mapped into memory, shared with every process that maps it; None if it cannot be
+    (then the parent cannot read this rank's record; its jobs run all the same)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+
+
+def _from_the_job(stack: str) -> str:
+    """The stack from the job's own frame down (the worker's loop above it is noise)."""
+    marker = "_worker.py"
+    lines = stack.splitlines(keepends=True)
+    cut = 0
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("File ") and marker in line:
+            cut = i + 2  # skip the worker's frame and its source line
+    return "".join(lines[cut:])
+
+
+# ---------------------------------------------------------------------- the parent's side
+def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
+    """``(job, entries)`` from a rank's ring file, oldest first; None if the file does not hold a
+    ring written by ``pid`` (a rank that never attached to it)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) < _HEADER_SIZE:
+        return None
+    magic, owner, job, slots = _HEADER.unpack_from(data, 0)
+    if magic != _MAGIC or (pid is not None and owner != pid):
+        return None
+    entries = []
+    for i in range(slots):
+        off = _HEADER_SIZE + i * _SLOT.size
+        if off + _SLOT.size > len(data):
+            break
+        seq, group, index, nbytes, n, text, seq2 = _SLOT.unpack_from(data, off)
+        if seq <= 0 or seq != seq2:
+            continue
+        parts = text[:n].decode(errors="replace").split("\x1f")
+        op, dtype, ranks, labels = (parts + [""] * 4)[:4]
+        entries.append(Entry(seq, group, index, nbytes, op, dtype,
+                             tuple(int(r) for r in ranks.split(",") if r), labels))
+    entries.sort(key=lambda e: e.seq)
+    return job, entries
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+
+
+def where_in(stack: str) -> tuple[str, int, str, str] | None:
+    """``(file, line, function, via)`` from a stack as text (a traceback, ``format_stack``, or
+    faulthandler's dump, most recent call first): the innermost frame outside torch, ddpkit and
+    the standard library (else the outermost ddpkit one), and the outermost ddpkit strategy
+    frame on the way (``"overlapped.py: _sync_gradients"``); None if it names no frame."""
+    frames = _FRAME.findall(stack)
+    if "most recent call first" not in stack:
+        frames.reverse()  # innermost first
+    found, via = None, ""
+    for file, line, function in frames:
+        kind = _classify(file)
+        if kind == "worker":
+            break
+        if kind == "strategy":
+            via = f"{os.path.basename(file)}: {function}"
+        if kind != "lib" or found is None:  # outward: a ddpkit frame replaces a torch one
+            found = (file, int(line), function)
+        if kind == "user":
+            break
+    return None if found is None else (*found, via)
+
+
+def blocked_in_a_wait(stack: str) -> bool:
+    """Is the innermost frame of this stack waiting for a collective (a ``wait()``, or inside
+    ``torch.distributed``)? What a rank asked for its stack was doing."""
+    frames = _FRAME.findall(stack)
+    if not frames:
+        return False
+    file, _, function = frames[0] if "most recent call first" in stack else frames[-1]
+    return function == "wait" or os.path.join("torch", "distributed") + os.sep in file
+
+
+def ring_size(slots: int = SLOTS) -> int:
+    """Bytes of a ring file (the parent makes each one this big)."""
+    return _HEADER_SIZE + slots * _SLOT.size
+
+
+__all__ = ["Entry", "FlightRecorder", "STALL_S", "blocked_in_a_wait", "job_thread", "read", "ring_size",
+           "where_in"]
