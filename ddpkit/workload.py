@@ -176,6 +176,24 @@ def load(spec: str) -> Workload:
     return workload
 
 
+def named(name: str, width: int | None = None, depth: int | None = None, seed: int = 0) -> Workload:
+    """What the command line's ``--model NAME --width W --depth D`` stands for: a built-in
+    (``ddpkit.models.MODELS``) sized by width and depth in its own terms (``models.size_kwargs``,
+    its data drawn with ``seed``), or ``package.module:function`` (``load``), which sizes its own
+    model. ValueError otherwise."""
+    from ddpkit.models import MODELS, size_kwargs
+
+    if ":" in name:
+        if width is not None or depth is not None:
+            raise ValueError(f"--width/--depth size the built-in models ({', '.join(MODELS)}); "
+                             f"{name} builds its own")
+        return load(name)
+    if name not in MODELS:
+        raise ValueError(f"--model {name!r}: not a built-in model ({', '.join(MODELS)}) nor "
+                         "package.module:function (a function returning a ddpkit.Workload)")
+    return Workload.builtin(name, seed=seed, **size_kwargs(name, width, depth))
+
+
 def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: int = 0) -> Workload:
     """What an instrument was asked to train: ``workload`` (a Workload, a built-in's name or
     ``"package.module:function"``), or the older ``model=`` name; neither: the default MLP.
@@ -186,4 +204,4 @@ def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: i
     return Workload.of(spec, model_kwargs, seed)
 
 
-__all__ = ["Workload", "load", "resolve", "shard_batch", "to_device"]
+__all__ = ["Workload", "load", "named", "resolve", "shard_batch", "to_device"]
