@@ -42,6 +42,9 @@ class Workload:
     config: dict = field(default_factory=dict, compare=False)  # a built-in's keywords (width, ...)
 
     def __post_init__(self):
+        if isinstance(self.model, nn.Module):
+            raise TypeError(f"Workload model= must build the model (e.g. lambda: {type(self.model).__name__}(...)), "
+                            "not be one: every rank builds its own")
         for what in ("model", "batch", "loss"):
             if not callable(getattr(self, what)):
                 raise TypeError(f"Workload {what}= must be callable, got {type(getattr(self, what)).__name__}")
@@ -50,11 +53,12 @@ class Workload:
     def builtin(cls, name: str = "mlp", seed: int = 0, **kwargs) -> Workload:
         """One of the course's models (``ddpkit.models.MODELS``: ``"mlp"``, ``"gpt"``) with its
         synthetic data and mean cross-entropy; ``kwargs`` go to the model (``width``, ``depth``;
-        ``dim``, ``layers``, ...), ``seed`` picks its initialization and its data."""
+        ``dim``, ``layers``, ...), ``seed`` draws its data. Its initialization is ``build(seed)``'s,
+        as for every workload (``build(s)`` equals ``models.build_model(name, seed=s)``)."""
         from ddpkit import models
 
         config = models.model_config(name, **kwargs)  # ValueError/TypeError for a bad name or keyword
-        return cls(model=functools.partial(models.build_model, name, seed=seed, **kwargs),
+        return cls(model=functools.partial(models.MODELS[name], **kwargs),
                    batch=functools.partial(models.synthetic_batch, name, seed=seed, **config),
                    loss=models.supervised_loss, name=name, config=dict(kwargs))
 
