@@ -218,7 +218,7 @@ class _StepTimer:
         return self.times_ms
 
 
-def run_strategy(strategy: str, workload="mlp", steps: int = 10, global_batch_size: int = 32,
+def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_size: int = 32,
                  optimizer: str = "sgd", record: bool = False, bucket_cap_mb: float = 25.0,
                  warmup: int = 1, seed: int = 0, model_kwargs: dict | None = None,
                  reference: dict | None = None, return_records: bool = False,
@@ -227,7 +227,7 @@ def run_strategy(strategy: str, workload="mlp", steps: int = 10, global_batch_si
     """A Cluster job: build ``workload``'s model, train ``warmup + steps`` steps, report on this rank.
 
     ``workload``: a ``ddpkit.Workload``, a built-in's name (sized by ``model_kwargs``; ``model=``
-    is the older name of this keyword) or ``"package.module:function"``; ``seed``: the model's
+    is the older name of this keyword) or ``"package.module:function"``; default the MLP. ``seed``: the model's
     initialization (and a built-in's data). Timing covers the ``steps`` steps after the warmup
     (which pays one-off costs: allocating buckets, torch DDP's bucket rebuild). With
     ``record=True`` a recorder is attached and bytes, overlap and memory are measured too — use a
