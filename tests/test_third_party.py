@@ -142,3 +142,22 @@ def test_the_command_line_compares_and_traces_a_workload_by_its_function(tmp_pat
                 "--global-batch-size", "8", "--out", str(trace))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+@pytest.mark.slow
+def test_torchrun_trains_a_workload_by_its_function_on_ddpkits_process_group(tmp_path):
+    import re
+
+    import torch
+
+    from test_torchrun import finish, free_port, torchrun
+
+    save = tmp_path / "final.pt"
+    launcher = ["--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+    (out,) = finish([torchrun(launcher, ["--strategy", "fsdp", "--model", "tests.hf_models:gpt2_tiny", "--steps", "2",
+                                         "--global-batch-size", str(BATCH), "--backend", "gloo", "--save", str(save)])])
+    reference = train_single_process(gpt2_tiny(), "sgd", steps=2, global_batch_size=BATCH)
+    assert max_abs_diff(torch.load(save), reference) < TOL
+    sent = float(re.search(r"rank 0 sent ([0-9.]+) MB through ddpkit's process group", out).group(1))
+    assert sent > 0  # counted: the collectives ran through ddpkit's process group, not a plain gloo one
