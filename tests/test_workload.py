@@ -115,6 +115,15 @@ def test_run_strategy_trains_a_notebook_workload_as_one_process(cluster_of, stra
     assert results[0]["comm_bytes_per_step"] > 0
 
 
+def test_memory_counts_a_workloads_parameters_for_the_zero_formulas():
+    from ddpkit.memory import parameter_count, predicted_model_state
+
+    gpt = Workload.builtin("gpt", **SMALL_GPT)
+    psi = parameter_count(gpt)
+    assert psi == parameter_count(gpt.build()) == sum(p.numel() for p in TinyGPT(**SMALL_GPT).parameters())
+    assert predicted_model_state("fsdp", psi, 2)["total"] == 16 * psi / 2  # fp32 Adam, ZeRO-3
+
+
 def test_the_cost_model_profiles_a_workloads_layers():
     from ddpkit import costmodel
 
