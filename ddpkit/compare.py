@@ -43,9 +43,12 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
     order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
     then one short recorded run each for bytes, overlap, memory and equality with one process. One
-    dict per strategy. ``workload``: what they train, a ``ddpkit.Workload`` (your model, its data
-    and loss), a built-in's name sized by ``model_kwargs`` (``model=`` is the older name of this
-    keyword), or ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
+    dict per strategy. ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare
+    variants too (as ``costmodel.validate`` takes them), e.g. ``{"fsdp": ("fsdp", {}), "fsdp by
+    block": ("fsdp", {"units": {GPT2Block}})}``. ``workload``: what they train, a
+    ``ddpkit.Workload`` (your model, its data and loss), a built-in's name sized by
+    ``model_kwargs`` (``model=`` is the older name of this keyword), or
+    ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
     gradients to it every step. Each run is announced to the cluster (``cluster.announce``: the
     widget labels its progress with the strategy, the round and the run's place in the whole
     comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar`` to follow the comparison on a
@@ -53,32 +56,34 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
     from ddpkit.workload import resolve
 
     wl = resolve(workload, model, model_kwargs)
-    with Series(cluster, len(strategies) * (rounds + 1), follow=progress) as series:
-        return _compare(cluster, strategies, wl, steps, rounds, global_batch_size, optimizer,
+    runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
+    with Series(cluster, len(runs) * (rounds + 1), follow=progress) as series:
+        return _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
                         bucket_cap_mb, record_steps, max_norm, series)
 
 
-def _compare(cluster, strategies, wl, steps, rounds, global_batch_size, optimizer,
+def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
              bucket_cap_mb, record_steps, max_norm, series) -> list[dict]:
     from ddpkit.experiment import run_strategy, train_single_process
 
     n = cluster.world_size
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
                   bucket_cap_mb=bucket_cap_mb, max_norm=max_norm)
-    timings = timed_rounds(series, {s: dict(strategy=s) for s in strategies}, rounds, steps, **common)
+    jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
+    timings = timed_rounds(series, jobs, rounds, steps, **common)
     per_round, errors = timings.per_round, timings.errors
 
     warmup = 1
     reference = train_single_process(wl, optimizer, steps=warmup + record_steps,
                                      global_batch_size=global_batch_size, max_norm=max_norm)
     records = []
-    for s in strategies:
+    for s, (name, options) in runs.items():
         if s in errors:
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
         series.next(f"{s}: one recorded run (bytes, memory, equality)")
-        results, err = run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
-                                    record=True, reference=reference, **common)
+        results, err = run_or_fail(cluster, s, run_strategy, name, steps=record_steps, warmup=warmup,
+                                    record=True, reference=reference, options=options, **common)
         if err:
             records.append(dict(strategy=s, world_size=n, error=err))
             continue
@@ -87,7 +92,7 @@ def _compare(cluster, strategies, wl, steps, rounds, global_batch_size, optimize
         # it (a plain gloo group) torch's collectives run out of sight: unknown, not zero
         reported = bool(r0["collectives_per_step"]) or n == 1
         records.append(dict(
-            strategy=s, world_size=n, model=wl.name, model_kwargs=dict(wl.config), steps=steps,
+            strategy=s, name=name, world_size=n, model=wl.name, model_kwargs=dict(wl.config), steps=steps,
             rounds=len(per_round[s]),
             ms_per_step=statistics.median(per_round[s]),
             ms_per_step_rounds=per_round[s],
@@ -118,10 +123,11 @@ def torch_reference(strategy: str) -> str:
 
 def _add_ratios(records: list[dict]) -> None:
     """ms_per_step over torch's own wrapper of the same family, where it ran: ``vs_torch`` (and
-    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster."""
+    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster.
+    A variant (``name`` its table row, ``strategy`` its label) is compared with its row's."""
     ok = {r["strategy"]: r for r in records if "error" not in r}
     for r in ok.values():
-        ref = ok.get(torch_reference(r["strategy"]))
+        ref = ok.get(torch_reference(r.get("name", r["strategy"])))
         if ref is not None and ref["ms_per_step"] > 0:
             r["vs_torch"] = r[f"vs_{ref['strategy']}"] = r["ms_per_step"] / ref["ms_per_step"]
             r["torch_reference"] = ref["strategy"]

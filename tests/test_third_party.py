@@ -104,11 +104,15 @@ def test_fsdp_by_blocks_gathers_less_than_one_unit_for_the_whole_model(cluster_o
 
 
 def test_compare_runs_a_workload_with_bytes_state_and_diffs(cluster_of):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
     from ddpkit.compare import compare, format_table
 
-    records = compare(cluster_of(2), ["bucketed", "fsdp", "torch_fsdp"], workload=gpt2_tiny(), steps=1, rounds=1,
-                      global_batch_size=BATCH, record_steps=1)
-    assert [r["strategy"] for r in records] == ["bucketed", "fsdp", "torch_fsdp"]
+    runs = {"bucketed": ("bucketed", {}), "fsdp": ("fsdp", {}), "fsdp by block": ("fsdp", {"units": {GPT2Block}}),
+            "torch_fsdp": ("torch_fsdp", {})}
+    records = compare(cluster_of(2), runs, workload=gpt2_tiny(), steps=1, rounds=1, global_batch_size=BATCH,
+                      record_steps=1)
+    assert [r["strategy"] for r in records] == list(runs)
     for r in records:
         assert "error" not in r, r
         assert r["model"] == "gpt2-tiny" and r["max_param_diff"] < TOL
@@ -116,8 +120,12 @@ def test_compare_runs_a_workload_with_bytes_state_and_diffs(cluster_of):
     by = {r["strategy"]: r for r in records}
     assert by["fsdp"]["model_state_bytes"] < by["bucketed"]["model_state_bytes"]  # sharded: about half
     assert by["fsdp"]["comm_bytes_per_step"] == pytest.approx(1.5 * by["bucketed"]["comm_bytes_per_step"], rel=0.05)
-    assert format_table(records).splitlines()[0].split() == format_table(  # the built-ins' columns
-        [dict(records[0], model="mlp")]).splitlines()[0].split()
+    assert by["fsdp by block"]["name"] == "fsdp" and by["fsdp by block"]["torch_reference"] == "torch_fsdp"
+    assert by["fsdp by block"]["comm_bytes_per_step"] == by["fsdp"]["comm_bytes_per_step"]  # the same units
+    table = format_table(records)
+    assert "fsdp by block" in table
+    heads = format_table([dict(records[0], model="mlp")]).splitlines()[0].split()
+    assert table.splitlines()[0].split() == heads  # the built-ins' columns
 
 
 def _cli(*argv, timeout=240):
