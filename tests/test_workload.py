@@ -151,12 +151,16 @@ def test_a_wrappers_forward_begins_a_step_unless_the_loop_began_one():
     assert rec.begin_forward() == 8
 
 
-def _my_loop(steps=40, sleep=0.04):
+def _my_loop(wrapper, steps=40, sleep=0.04):
     """An engineer's loop: no train_step, no next_step, clipping, a dict batch."""
     import torch.distributed as dist
 
+    from ddpkit.strategies.reference import TorchDDP
+
     wl = _toy_workload()
-    model = ddpkit.OverlappedDDP(wl.build(), bucket_cap_mb=0)  # a bucket per parameter: 4
+    wrap = {"OverlappedDDP": lambda m: ddpkit.OverlappedDDP(m, bucket_cap_mb=0),  # a bucket per parameter
+            "FSDP": lambda m: ddpkit.FSDP(m, units={nn.Linear}), "TorchDDP": TorchDDP}[wrapper]
+    model = wrap(wl.build())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         loss = wl.loss(model, wl.local_batch(step, 8, dist.get_rank(), dist.get_world_size()))
@@ -168,32 +172,34 @@ def _my_loop(steps=40, sleep=0.04):
     return loss.item()
 
 
-@pytest.mark.parametrize("strategy", ["OverlappedDDP"])
-def test_a_hand_written_loop_under_recording_gives_numbered_steps_and_live_frames(cluster_of, strategy):
+@pytest.mark.parametrize("wrapper", ["OverlappedDDP", "FSDP", "TorchDDP"])
+def test_a_hand_written_loop_under_recording_gives_numbered_steps_and_live_frames(cluster_of, wrapper):
     pytest.importorskip("ipywidgets")
     from ddpkit.widget import ClusterWidget
 
     cluster = cluster_of(2)
     cluster.run(int)
     widget = ClusterWidget(cluster, log_lines=10, cell_output=None)
-    frames, running = {"fill": [], "timeline": []}, {"on": False}
+    frames, running = {"fill": [], "timeline": [], "summary": []}, {"on": False}
     for name in frames:
         getattr(widget.live, name).observe(lambda ch, name=name: frames[name].append((running["on"], ch["new"])),
                                            names="value")
     try:
         with cluster.recording():
             running["on"] = True
-            cluster.run(_my_loop)
+            cluster.run(_my_loop, wrapper)
             running["on"] = False
         trace = cluster.last_trace
         assert trace.steps == list(range(40))
         comm = [r for r in trace.records if r.cat == "comm"]
         assert {r.step for r in comm} == set(range(40)) | {None}  # None: construction's broadcasts
-        assert all(len([r for r in comm if r.step == s and r.rank == 0]) == 4 for s in range(40))  # its buckets
-        for name, seen in frames.items():
-            live = {v for during, v in seen if during}
+        per_step = [len([r for r in comm if r.step == s and r.rank == 0]) for s in range(40)]
+        assert min(per_step) > 0 and per_step[-1] == per_step[2]  # each step its collectives (torch's DDP
+        # adds a broadcast of its rebuilt bucket order once, early on)
+        assert not any("step None" in v for seen in frames.values() for _, v in seen)
+        for name in ("fill", "timeline"):
+            live = {v for during, v in frames[name] if during}
             assert len(live) >= 2, f"{name}: {len(live)} frame(s) while the loop ran"
-            assert not any("step None" in v for _, v in seen)
     finally:
         widget.close()
         cluster.record = False

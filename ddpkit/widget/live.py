@@ -141,7 +141,8 @@ class LivePlots(widgets.VBox):
         losses = snap["loss"]
         newest = max(snap["latest"].values(), default=None)
         loss_text = f" &middot; loss {losses[max(losses)]:.4f}" if losses else ""
-        summary = (f"<b style='color:#c62828'>&#9679; recording</b>: step {newest} &middot; "
+        where = f"step {newest}" if newest is not None else "setting up (no step yet)"  # never "step None"
+        summary = (f"<b style='color:#c62828'>&#9679; recording</b>: {where} &middot; "
                    f"{snap['count']:,} records so far{loss_text} &middot; plots redraw every {FRAME_S:g} s")
         return summary, fill, timeline_svg, memory, loss_view(losses)
 
