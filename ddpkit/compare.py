@@ -44,8 +44,8 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
     order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
     then one short recorded run each for bytes, overlap, memory and equality with one process. One
     dict per strategy. ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare
-    variants too (as ``costmodel.validate`` takes them), e.g. ``{"fsdp": ("fsdp", {}), "fsdp by
-    block": ("fsdp", {"units": {GPT2Block}})}``. ``workload``: what they train, a
+    variants too (as ``costmodel.validate`` takes them), e.g. ``{name: (name, {}), name + " by
+    block": (name, {"units": {GPT2Block}})}`` for FSDP's units by class. ``workload``: what they train, a
     ``ddpkit.Workload`` (your model, its data and loss), a built-in's name sized by
     ``model_kwargs`` (``model=`` is the older name of this keyword), or
     ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
