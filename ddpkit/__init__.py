@@ -12,6 +12,9 @@ Inside a rank (a Cluster job, a torchrun script, a test)::
     model = ddpkit.OverlappedDDP(module)     # or NaiveDDP, BucketedDDP, ZeRO1, ZeRO2, FSDP, HSDP
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
+What an experiment trains, on any of them: ``ddpkit.Workload(model=, batch=, loss=, name=)`` (or
+``ddpkit.Workload.builtin("mlp")``), for ``ddpkit.compare.compare(cluster, names, workload=wl)``.
+
 Plots (``ddpkit.viz``) and the widget (``ddpkit.widget``) are imported on first use, so a
 rank never pays for matplotlib or ipywidgets.
 """
@@ -21,6 +24,7 @@ from ddpkit.cluster import Cluster, RankError
 from ddpkit.cluster.errors import DesyncError
 from ddpkit.network import Network
 from ddpkit.topology import Topology
+from ddpkit.workload import Workload
 from ddpkit.rankside import device, progress, rank, world_size
 from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
                                ZeRO2)
@@ -46,7 +50,8 @@ def _show_clusters_as_widgets() -> None:
 _show_clusters_as_widgets()
 
 __all__ = [
-    "Cluster", "RankError", "DesyncError", "Network", "Topology", "rank", "world_size", "device", "progress",
+    "Cluster", "RankError", "DesyncError", "Network", "Topology", "Workload", "rank", "world_size", "device",
+    "progress",
     "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
 ]
 

@@ -3,6 +3,7 @@
     python -m ddpkit compare --world-size 2 --strategies naive,bucketed,overlapped,zero1,fsdp,torch_ddp,torch_fsdp
     python -m ddpkit trace --strategy overlapped --world-size 2 --out trace.json   # open in Perfetto
     python -m ddpkit predict --world-sizes 2,4,8 --network 100GbE                  # the cost model
+    python -m ddpkit compare --model mypackage.models:gpt2_tiny    # your own ddpkit.Workload
 
 Every argument is checked before a rank process starts: a typo costs no start-up time.
 Bad arguments exit with code 2 and a message listing what is valid (argparse's convention).
@@ -20,7 +21,7 @@ import sys
 import time
 
 from ddpkit.cluster import BACKENDS, check_arguments, check_network
-from ddpkit.models import MODELS, size_kwargs
+from ddpkit.models import MODELS
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.strategies.table import unfit
@@ -106,24 +107,34 @@ def _strategies(parser, given, default, world_sizes, network) -> list[str]:
 
 def _check_run_args(parser, args) -> None:
     """Checks shared by compare and trace, before any process starts: the Cluster's own (world
-    size, backend, threads, network), then whether the global batch splits over the ranks."""
+    size, backend, threads, network), the workload (``--model``), then whether the global batch
+    splits over the ranks."""
     args.network = _network(parser, args, [args.world_size])
     settings = _checked(parser, check_arguments, args.world_size, args.backend,
                         threads_per_rank=args.threads_per_rank, network=args.network)
     args.threads_per_rank = settings.threads_per_rank
+    _workload(parser, args)
     if args.global_batch_size % args.world_size:
         parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
                      f"--world-size {args.world_size} ranks")
 
 
-def _model_kwargs(args) -> dict:
-    """--width/--depth in the model's own terms (``ddpkit.models.size_kwargs``)."""
-    return size_kwargs(args.model, args.width, args.depth)
+def _workload(parser, args):
+    """--model NAME (with --width/--depth for a built-in) as a ``ddpkit.Workload``: a built-in, or
+    ``package.module:function`` imported and called here, before any rank starts."""
+    from ddpkit.workload import named
+
+    args.workload = _checked(parser, named, args.model, args.width, args.depth)
+    return args.workload
+
+
+_MODEL_HELP = (f"a built-in ({', '.join(MODELS)}; default mlp) or package.module:function returning a "
+               "ddpkit.Workload (your model, its data and loss), importable from here")
 
 
 def _add_run_args(p, steps: int) -> None:
     p.add_argument("--world-size", type=_positive_int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="model (default mlp)")
+    p.add_argument("--model", default="mlp", metavar="NAME", help=_MODEL_HELP)
     p.add_argument("--width", type=_positive_int, default=None,
                    help="MLP width / TinyGPT dim (default: the model's)")
     p.add_argument("--depth", type=_positive_int, default=None,
@@ -179,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
     _add_network_args(p)
     p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0)
-    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--model", default="mlp", metavar="NAME", help=_MODEL_HELP)
     p.add_argument("--width", type=_positive_int, default=None)
     p.add_argument("--depth", type=_positive_int, default=None)
     p.add_argument("--global-batch-size", type=_positive_int, default=32,
@@ -224,6 +235,11 @@ def _start_cluster(args):
                           network=args.network)
 
 
+def _describe(workload) -> str:
+    """"mlp {'width': 64}": a workload's name, and a built-in's size when given."""
+    return f"{workload.name} {workload.config}" if workload.config else workload.name
+
+
 def _write_json(path: str, records: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
@@ -243,13 +259,13 @@ def cmd_compare(args, parser) -> int:
     t0 = time.perf_counter()
     with _start_cluster(args) as cluster:
         cluster.subscribe(progress)
-        records = compare(cluster, args.strategies, model=args.model, model_kwargs=_model_kwargs(args),
-                          steps=args.steps, rounds=args.rounds, global_batch_size=args.global_batch_size,
+        records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
+                          rounds=args.rounds, global_batch_size=args.global_batch_size,
                           optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     progress.close()
-    print(f"{args.world_size} ranks ({cluster.backend}) on {args.network.describe()}, model {args.model}, "
-          f"{args.steps} steps x "
-          f"{args.rounds} rounds, global batch {args.global_batch_size}, {args.optimizer}, "
+    print(f"{args.world_size} ranks ({cluster.backend}) on {args.network.describe()}, "
+          f"model {_describe(args.workload)}, {args.steps} steps x {args.rounds} rounds, "
+          f"global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.threads_per_rank} torch thread(s) per rank; "
           f"{time.perf_counter() - t0:.0f} s")
     print(format_table(records))
@@ -276,8 +292,8 @@ def cmd_trace(args, parser) -> int:
     with _start_cluster(args) as cluster:
         cluster.subscribe(progress)
         progress.start(args.strategy)
-        results = cluster.run(run_strategy, args.strategy, record=True, return_records=True, model=args.model,
-                              model_kwargs=_model_kwargs(args), steps=args.steps,
+        results = cluster.run(run_strategy, args.strategy, record=True, return_records=True,
+                              workload=args.workload, steps=args.steps,
                               global_batch_size=args.global_batch_size, optimizer=args.optimizer,
                               bucket_cap_mb=args.bucket_cap_mb)
     progress.close()
@@ -298,7 +314,6 @@ def _cmd_validate(args, parser) -> int:
     from ddpkit.costmodel.validate import format_profile, format_validation, validate
     from ddpkit.progressbar import ProgressBar
 
-    kwargs = _model_kwargs(args)
     progress = ProgressBar(total_runs=sum(args.rounds * (len(args.strategies) + (2 if n > 1 else 1))
                                         for n in args.world_sizes))
     t0 = time.perf_counter()
@@ -307,7 +322,7 @@ def _cmd_validate(args, parser) -> int:
         with ddpkit.Cluster(n, backend="auto", network=args.network) as cluster:
             cluster.subscribe(progress)
             recs, transport, profile = validate(
-                cluster, args.strategies, model=args.model, model_kwargs=kwargs, steps=args.steps,
+                cluster, args.strategies, workload=args.workload, steps=args.steps,
                 rounds=args.rounds, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
                 bucket_cap_mb=args.bucket_cap_mb, progress=progress)
         progress.close()
@@ -315,7 +330,7 @@ def _cmd_validate(args, parser) -> int:
         print(f"{n} ranks ({cluster.backend}) on {args.network.describe()}: {format_profile(profile)}")
         if transport.measured:
             print(costmodel.format_fit(transport))
-    print(f"model {args.model} {kwargs or ''}, global batch {args.global_batch_size}, {args.optimizer}, "
+    print(f"model {_describe(args.workload)}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
     for s in args.strategies:
@@ -343,6 +358,7 @@ def cmd_predict(args, parser) -> int:
     if args.fit and args.fit_ranks < 2:
         parser.error(f"--fit-ranks must be >= 2 (one rank does not communicate), got {args.fit_ranks}")
     _check_writable(parser, "--plot", args.plot)
+    _workload(parser, args)
     if args.batch_per_rank is None:
         bad = [n for n in args.world_sizes if args.global_batch_size % n]
         if bad:
@@ -350,11 +366,10 @@ def cmd_predict(args, parser) -> int:
                          f"{bad} ranks; use --batch-per-rank for weak scaling")
     if args.validate:
         return _cmd_validate(args, parser)
-    kwargs = _model_kwargs(args)
     if args.fit:
         import ddpkit
 
-        sizes = costmodel.model_calibration_sizes(args.model, kwargs)
+        sizes = costmodel.model_calibration_sizes(args.workload)
         with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here")
@@ -366,14 +381,14 @@ def cmd_predict(args, parser) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    print(f"network {network.describe()}; bucket cap {args.bucket_cap_mb:g} MiB; model {args.model} {kwargs or ''}")
+    print(f"network {network.describe()}; bucket cap {args.bucket_cap_mb:g} MiB; model {_describe(args.workload)}")
     profiles: dict = {}  # one rank's compute per (batch per rank, ranks profiled at once)
     predictions = []
     for n in args.world_sizes:
         batch = args.batch_per_rank or args.global_batch_size // n
         key = (batch, n if args.profile_on_ranks else None)
         if key not in profiles:
-            profiles[key] = costmodel.profile_for(args.model, batch, args.optimizer, kwargs, ranks=key[1],
+            profiles[key] = costmodel.profile_for(args.workload, batch, args.optimizer, ranks=key[1],
                                                   threads=args.threads)
         predictions += costmodel.predict(profiles[key], args.strategies, [n], network, args.bucket_cap_mb)
     print(costmodel.format_predictions(predictions))

@@ -2,6 +2,7 @@
 
     with ddpkit.Cluster(2) as cluster:
         records = compare(cluster, names, steps=10, rounds=3)   # names from strategies.table.STRATEGIES
+        records = compare(cluster, names, workload=wl)          # on your own model: a ddpkit.Workload
     print(format_table(records))       # or ddpkit.viz.plot_compare(records)
 
 ``python -m ddpkit compare`` is this with arguments; notebook 06 calls it directly. The timing
@@ -36,41 +37,53 @@ def spread(times: list[float]) -> str:
     return f"{statistics.median(times):.1f} ms ({min(times):.1f}-{max(times):.1f} over {len(times)} rounds)"
 
 
-def compare(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
+def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rounds=3,
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
-            progress=None) -> list[dict]:
+            progress=None, *, model=None, max_norm=None) -> list[dict]:
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
     order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
     then one short recorded run each for bytes, overlap, memory and equality with one process. One
-    dict per strategy. Each run is announced to the cluster (``cluster.announce``: the widget labels
-    its progress with the strategy, the round and the run's place in the whole comparison);
-    ``progress``: a ``ddpkit.progressbar.ProgressBar`` to follow the comparison on a terminal, or None."""
-    with Series(cluster, len(strategies) * (rounds + 1), follow=progress) as series:
-        return _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
-                        bucket_cap_mb, record_steps, series)
+    dict per strategy. ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare
+    variants too (as ``costmodel.validate`` takes them), e.g. ``{name: (name, {}), name + " by
+    block": (name, {"units": {GPT2Block}})}`` for FSDP's units by class. ``workload``: what they train, a
+    ``ddpkit.Workload`` (your model, its data and loss), a built-in's name sized by
+    ``model_kwargs`` (``model=`` is the older name of this keyword), or
+    ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
+    gradients to it every step. Each run is announced to the cluster (``cluster.announce``: the
+    widget labels its progress with the strategy, the round and the run's place in the whole
+    comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar`` to follow the comparison on a
+    terminal, or None."""
+    from ddpkit.workload import resolve
+
+    wl = resolve(workload, model, model_kwargs)
+    runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
+    with Series(cluster, len(runs) * (rounds + 1), follow=progress) as series:
+        return _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
+                        bucket_cap_mb, record_steps, max_norm, series)
 
 
-def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
-             bucket_cap_mb, record_steps, series) -> list[dict]:
+def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
+             bucket_cap_mb, record_steps, max_norm, series) -> list[dict]:
     from ddpkit.experiment import run_strategy, train_single_process
 
     n = cluster.world_size
-    common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
-                  optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
-    timings = timed_rounds(series, {s: dict(strategy=s) for s in strategies}, rounds, steps, **common)
+    common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
+                  bucket_cap_mb=bucket_cap_mb, max_norm=max_norm)
+    jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
+    timings = timed_rounds(series, jobs, rounds, steps, **common)
     per_round, errors = timings.per_round, timings.errors
 
     warmup = 1
-    reference = train_single_process(model, optimizer, steps=warmup + record_steps,
-                                     global_batch_size=global_batch_size, **(model_kwargs or {}))
+    reference = train_single_process(wl, optimizer, steps=warmup + record_steps,
+                                     global_batch_size=global_batch_size, max_norm=max_norm)
     records = []
-    for s in strategies:
+    for s, (name, options) in runs.items():
         if s in errors:
             records.append(dict(strategy=s, world_size=n, error=errors[s]))
             continue
         series.next(f"{s}: one recorded run (bytes, memory, equality)")
-        results, err = run_or_fail(cluster, s, run_strategy, s, steps=record_steps, warmup=warmup,
-                                    record=True, reference=reference, **common)
+        results, err = run_or_fail(cluster, s, run_strategy, name, steps=record_steps, warmup=warmup,
+                                    record=True, reference=reference, options=options, **common)
         if err:
             records.append(dict(strategy=s, world_size=n, error=err))
             continue
@@ -79,7 +92,7 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
         # it (a plain gloo group) torch's collectives run out of sight: unknown, not zero
         reported = bool(r0["collectives_per_step"]) or n == 1
         records.append(dict(
-            strategy=s, world_size=n, model=model, model_kwargs=dict(model_kwargs or {}), steps=steps,
+            strategy=s, name=name, world_size=n, model=wl.name, model_kwargs=dict(wl.config), steps=steps,
             rounds=len(per_round[s]),
             ms_per_step=statistics.median(per_round[s]),
             ms_per_step_rounds=per_round[s],
@@ -90,6 +103,7 @@ def _compare(cluster, strategies, model, model_kwargs, steps, rounds, global_bat
             comm_ms_per_step=r0["comm_ms_per_step"] if reported else None,
             model_state_bytes=max(res["model_state_bytes"] for res in results),
             peak_bytes=max(res["peak_bytes"] for res in results),
+            memory=[res["memory"] for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
             overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
             max_param_diff=max(res["max_param_diff"] for res in results),
         ))
@@ -109,10 +123,11 @@ def torch_reference(strategy: str) -> str:
 
 def _add_ratios(records: list[dict]) -> None:
     """ms_per_step over torch's own wrapper of the same family, where it ran: ``vs_torch`` (and
-    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster."""
+    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster.
+    A variant (``name`` its table row, ``strategy`` its label) is compared with its row's."""
     ok = {r["strategy"]: r for r in records if "error" not in r}
     for r in ok.values():
-        ref = ok.get(torch_reference(r["strategy"]))
+        ref = ok.get(torch_reference(r.get("name", r["strategy"])))
         if ref is not None and ref["ms_per_step"] > 0:
             r["vs_torch"] = r[f"vs_{ref['strategy']}"] = r["ms_per_step"] / ref["ms_per_step"]
             r["torch_reference"] = ref["strategy"]

@@ -8,10 +8,12 @@ Equality with one process: rank r trains on its slice of the global batch with a
 Averaging the N ranks' gradients gives (1/N) sum_r mean_r = the mean over the whole batch,
 which is exactly what one process computes on the whole batch.
 
-Below those: ``wrap`` (a name -> wrapper + optimizer, from ``ddpkit.strategies.table``) and
-``run_strategy``, the Cluster job behind ``python -m ddpkit compare`` and ``trace``: build, train,
-time each step (perf_counter on CPU, CUDA events on GPU), and optionally record, reading bytes,
-overlap and memory back from ``ddpkit.trace``'s records.
+``train_batch`` is the same step for any workload (``ddpkit.Workload``: a model, a batch, a
+loss); ``train_step`` is it for the course's (inputs, targets) batches. Below those: ``wrap`` (a
+name -> wrapper + optimizer, from ``ddpkit.strategies.table``) and ``run_strategy``, the Cluster
+job behind ``compare`` and ``python -m ddpkit compare`` and ``trace``: build the workload's model,
+train, time each step (perf_counter on CPU, CUDA events on GPU), and optionally record, reading
+bytes, overlap and memory back from ``ddpkit.trace``'s records.
 """
 from __future__ import annotations
 
@@ -19,14 +21,23 @@ import contextlib
 
 import torch
 
-from ddpkit.models import build_model, loss_fn, make_batch, shard_batch
+from ddpkit.models import make_batch, supervised_loss
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies.table import NAMES as STRATEGIES  # noqa: F401  (the names, for callers)
 from ddpkit.strategies.table import strategy as strategy_row
+from ddpkit.workload import resolve, shard_batch
 
 
-def train_step(model, optimizer, inputs, targets, recorder=None):
-    """Forward, backward, finish gradient sync, optimizer step; returns the local loss.
+def train_step(model, optimizer, inputs, targets, recorder=None, max_norm: float | None = None):
+    """Forward, backward, finish gradient sync, optimizer step on the course's ``(inputs,
+    targets)`` batches (mean cross-entropy); returns the local loss. ``train_batch`` below."""
+    return train_batch(model, optimizer, (inputs, targets), supervised_loss, recorder, max_norm)
+
+
+def train_batch(model, optimizer, batch, loss, recorder=None, max_norm: float | None = None):
+    """Forward (``loss(model, batch)``, a scalar), backward, finish gradient sync, clip (when
+    ``max_norm`` is given: ``model.clip_grad_norm_``, the norm of the *whole* gradient, sharded or
+    not), optimizer step; returns the local loss.
 
     ``recorder``: where the step is recorded (default: the rank's, off unless recording). A
     recorder gets the four spans and this rank's loss; when it says a memory sample is due
@@ -38,21 +49,23 @@ def train_step(model, optimizer, inputs, targets, recorder=None):
     recorder.begin_step()  # a new step index, unless the caller just started one
     sample = recorder.memory_due()
     with recorder.span("forward", cat="compute"), _activations(sample, model) as saved:
-        loss = loss_fn(model(inputs), targets)
+        value = loss(model, batch)
     if sample:
         _memory_sample(recorder, model, optimizer, saved.peak_bytes)
     with recorder.span("backward", cat="compute"):
-        loss.backward()
+        value.backward()
     with recorder.span("sync", cat="compute"):
         model.finish_gradient_synchronization()  # a no-op where backward already finished it
     with recorder.span("step", cat="compute"):
+        if max_norm is not None:
+            model.clip_grad_norm_(max_norm)
         optimizer.step()
     if sample:
         _memory_sample(recorder, model, optimizer, 0)  # backward freed the activations
     optimizer.zero_grad(set_to_none=True)
-    loss = loss.detach()
-    recorder.loss(loss)
-    return loss
+    value = value.detach()
+    recorder.loss(value)
+    return value
 
 
 def _activations(sample: bool, model):
@@ -88,21 +101,25 @@ def make_optimizer(params, name: str = "sgd"):
 
 
 def local_batch(module, global_batch_size: int, step: int, rank: int, world_size: int, seed: int = 0):
-    """This rank's slice of global batch ``step`` (``module`` is the unwrapped model)."""
+    """This rank's slice of the course's global batch ``step`` (``module``: the unwrapped model)."""
     return shard_batch(make_batch(module, global_batch_size, step, seed), rank, world_size)
 
 
-def train_single_process(model_name: str = "mlp", optimizer: str = "sgd", steps: int = 5,
-                         global_batch_size: int = 16, seed: int = 0, **model_kwargs) -> dict:
+def train_single_process(workload="mlp", optimizer: str = "sgd", steps: int = 5, global_batch_size: int = 16,
+                         seed: int = 0, max_norm: float | None = None, **model_kwargs) -> dict:
     """Train on the whole batch in this process: the reference every strategy must equal.
 
-    Returns ``{parameter name: tensor}`` after ``steps`` steps.
+    ``workload``: a ``ddpkit.Workload``, or a built-in's name sized by ``model_kwargs``. With
+    ``max_norm``, gradients are clipped to it (``torch.nn.utils.clip_grad_norm_``) before each
+    step. Returns ``{parameter name: tensor}`` after ``steps`` steps.
     """
-    model = build_model(model_name, seed=seed, **model_kwargs)
+    wl = resolve(workload, model_kwargs=model_kwargs, seed=seed)
+    model = wl.build(seed)
     opt = make_optimizer(model.parameters(), optimizer)
     for step in range(steps):
-        x, y = make_batch(model, global_batch_size, step, seed)
-        loss_fn(model(x), y).backward()
+        wl.compute_loss(model, wl.global_batch(step, global_batch_size)).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -201,27 +218,32 @@ class _StepTimer:
         return self.times_ms
 
 
-def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batch_size: int = 32,
+def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_size: int = 32,
                  optimizer: str = "sgd", record: bool = False, bucket_cap_mb: float = 25.0,
                  warmup: int = 1, seed: int = 0, model_kwargs: dict | None = None,
                  reference: dict | None = None, return_records: bool = False,
-                 report_progress: bool = True, options: dict | None = None) -> dict:
-    """A Cluster job: build, train ``warmup + steps`` steps, and report on this rank.
+                 report_progress: bool = True, options: dict | None = None, max_norm: float | None = None,
+                 model: str | None = None) -> dict:
+    """A Cluster job: build ``workload``'s model, train ``warmup + steps`` steps, report on this rank.
 
-    Timing covers the ``steps`` steps after the warmup (which pays one-off costs: allocating
-    buckets, torch DDP's bucket rebuild). With ``record=True`` a recorder is attached and
-    bytes, overlap and memory are measured too — use a separate run for timing, recording
-    costs a little. ``reference`` ({name: tensor} after warmup + steps single-process steps)
-    adds ``max_param_diff``. ``options``: more keywords for the wrapper (``wrap``). Returns a
-    plain dict (picklable, for ``Cluster.run``).
+    ``workload``: a ``ddpkit.Workload``, a built-in's name (sized by ``model_kwargs``; ``model=``
+    is the older name of this keyword) or ``"package.module:function"``; default the MLP. ``seed``: the model's
+    initialization (and a built-in's data). Timing covers the ``steps`` steps after the warmup
+    (which pays one-off costs: allocating buckets, torch DDP's bucket rebuild). With
+    ``record=True`` a recorder is attached and bytes, overlap and memory are measured too — use a
+    separate run for timing, recording costs a little. ``reference`` ({name: tensor} after warmup +
+    steps single-process steps) adds ``max_param_diff``. ``options``: more keywords for the wrapper
+    (``wrap``, e.g. FSDP's ``units={GPT2Block}``); ``max_norm``: clip gradients to it every step.
+    Returns a plain dict (picklable, for ``Cluster.run``).
     """
     import torch.distributed as dist
 
     from ddpkit.rankside import device, progress, recording
 
+    wl = resolve(workload, model, model_kwargs, seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
-    module = build_model(model, seed=seed, **(model_kwargs or {}))
+    module = wl.build(seed)
     recorder = rank_recorder()  # recording off, unless the cluster is recording (cluster.recording())
     if record:
         from ddpkit.trace import Recorder
@@ -237,14 +259,13 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
         for step in range(total):
             if record:
                 recorder.next_step()  # records carry the step index (construction is "setup")
-            x, y = local_batch(module, global_batch_size, step, rank, world, seed)
-            x, y = x.to(dev), y.to(dev)
+            batch = wl.local_batch(step, global_batch_size, rank, world, dev)
             if step == warmup and dev.type == "cuda":  # the peak of the timed steps only
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             if step >= warmup:
                 timer.start()
-            loss = train_step(wrapped, opt, x, y, recorder)
+            loss = train_batch(wrapped, opt, batch, wl.compute_loss, recorder, max_norm)
             if step >= warmup:
                 timer.stop()
             losses.append(loss)
@@ -254,7 +275,7 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
         # the allocator's peak over the timed steps: read now, before what follows (gathering the
         # full model for the comparison, the memory pass) allocates more than a step does
         gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
-        out = dict(strategy=strategy, rank=rank, world_size=world, model=model, steps=steps,
+        out = dict(strategy=strategy, rank=rank, world_size=world, model=wl.name, steps=steps,
                    step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
                    losses=[float(loss) for loss in losses])
         if record:
@@ -270,9 +291,9 @@ def run_strategy(strategy: str, model: str = "mlp", steps: int = 10, global_batc
 
             # Memory is measured in one more forward/backward/sync (no optimizer step), with the
             # gradients present as in the middle of a step (train_step ends by dropping them).
-            x, y = local_batch(module, global_batch_size, total, rank, world, seed)
+            batch = wl.local_batch(total, global_batch_size, rank, world, dev)
             with ActivationMeter(wrapped) as act:  # skips the parameters autograd saves
-                loss = loss_fn(wrapped(x.to(dev)), y.to(dev))
+                loss = wl.compute_loss(wrapped, batch)
             loss.backward()
             wrapped.finish_gradient_synchronization()
             sample = record_memory(recorder, wrapped, opt, act)

@@ -21,7 +21,9 @@ or, to catch gradients before ``zero_grad`` frees them, ``step_memory(model, opt
 
 ``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run;
 ``predicted_model_state(strategy, ...)`` the one a strategy follows (hybrid sharding: over its
-shard group, not the world).
+shard group, not the world), for Ψ = ``parameter_count(model or workload)``. The measurements of a
+whole run per strategy are ``experiment.run_strategy``'s and ``compare``'s (``memory``: per rank,
+by category), for any ``ddpkit.Workload``.
 """
 from __future__ import annotations
 
@@ -258,6 +260,15 @@ def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes
             for name, (a, b, c) in stages.items()}
 
 
+def parameter_count(model) -> int:
+    """Ψ of the ZeRO formulas: the trainable parameters of ``model`` (an ``nn.Module``, or a
+    ``ddpkit.Workload``, whose model is built here once), a tied parameter counted once."""
+    from ddpkit.workload import Workload
+
+    module = model.build() if isinstance(model, Workload) else model
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
 def shard_group_size(strategy: str, world_size: int, topology=None) -> int:
     """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
     hybrid sharding, which shards inside a node of ``topology`` (a ``ddpkit.Topology``, a
@@ -279,5 +290,5 @@ __all__ = [
     "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
     "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot",
     "reset_cuda_peak", "zero_predictions",
-    "shard_group_size", "predicted_model_state",
+    "parameter_count", "shard_group_size", "predicted_model_state",
 ]

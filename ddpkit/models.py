@@ -15,6 +15,7 @@ the same global batch to compare against.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -127,6 +128,20 @@ def size_kwargs(name: str, width: int | None = None, depth: int | None = None) -
     return {k: v for k, v in zip(_SIZE_NAMES[name], (width, depth), strict=True) if v is not None}
 
 
+def model_config(name: str, **kwargs) -> dict:
+    """Model ``name``'s constructor keywords with its defaults filled in (e.g. ``{"width": 256,
+    "depth": 32, "classes": 10}``): what its synthetic data depend on. TypeError for a keyword the
+    model does not take."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    try:
+        bound = inspect.signature(MODELS[name]).bind(**kwargs)
+    except TypeError as exc:
+        raise TypeError(f"model {name!r}: {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
 def make_batch(model: nn.Module, batch_size: int, step: int, seed: int = 0):
     """The global batch number ``step``: (inputs, targets), a pure function of its arguments.
 
@@ -134,17 +149,26 @@ def make_batch(model: nn.Module, batch_size: int, step: int, seed: int = 0):
     applied to x, so there is a rule to learn. TinyGPT: each sequence counts up from a random
     start with a random stride (mod vocab), so the next token is predictable from the last two.
     """
+    if isinstance(model, TinyGPT):
+        return synthetic_batch("gpt", step, batch_size, seed, vocab=model.vocab, seq=model.seq)
+    if not isinstance(model, MLP):
+        raise TypeError(f"make_batch knows MLP and TinyGPT, got {type(model).__name__} (pass the unwrapped model)")
+    return synthetic_batch("mlp", step, batch_size, seed, width=model.width)
+
+
+def synthetic_batch(name: str, step: int, batch_size: int, seed: int = 0, **config):
+    """``make_batch`` for model ``name`` of this ``config`` (``model_config``'s keywords; the
+    data read only ``width``, or ``vocab`` and ``seq``): what ``Workload.builtin``'s batch calls."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    if isinstance(model, TinyGPT):
-        start = torch.randint(0, model.vocab, (batch_size, 1), generator=g)
+    if name == "gpt":
+        vocab, seq = config["vocab"], config["seq"]
+        start = torch.randint(0, vocab, (batch_size, 1), generator=g)
         stride = torch.randint(1, 4, (batch_size, 1), generator=g)
-        seq = (start + stride * torch.arange(model.seq + 1)) % model.vocab
-        return seq[:, :-1], seq[:, 1:]
-    if not isinstance(model, MLP):
-        raise TypeError(f"make_batch knows MLP and TinyGPT, got {type(model).__name__} (pass the unwrapped model)")
-    width = model.width
+        tokens = (start + stride * torch.arange(seq + 1)) % vocab
+        return tokens[:, :-1], tokens[:, 1:]
+    width = config["width"]
     teacher = torch.randn(width, 10, generator=torch.Generator().manual_seed(seed)) / math.sqrt(width)
     x = torch.randn(batch_size, width, generator=g)
     return x, (x @ teacher).argmax(dim=1)
@@ -155,10 +179,7 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def shard_batch(batch, rank: int, world_size: int):
-    """This rank's contiguous slice of a global batch (the batch must split evenly)."""
-    n = batch[0].shape[0]
-    if n % world_size:
-        raise ValueError(f"a global batch of {n} does not split evenly over {world_size} ranks")
-    per = n // world_size
-    return tuple(t[rank * per:(rank + 1) * per] for t in batch)
+def supervised_loss(model, batch):
+    """A built-in workload's loss: ``loss_fn(model(inputs), targets)`` for ``batch = (inputs, targets)``."""
+    inputs, targets = batch
+    return loss_fn(model(inputs), targets)

@@ -91,6 +91,9 @@ class NullRecorder:
     def next_step(self) -> None:
         pass
 
+    def begin_forward(self) -> None:  # a wrapper's training forward (trace.Recorder: a step begins)
+        pass
+
     def loss(self, value) -> None:
         pass
 

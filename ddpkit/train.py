@@ -1,6 +1,7 @@
 """Train with any strategy under torchrun: the same code on one machine or several.
 
     torchrun --nproc-per-node 2 -m ddpkit.train --strategy overlapped --steps 20
+    torchrun --nproc-per-node 2 -m ddpkit.train --strategy fsdp --model mypackage.models:gpt2_tiny
     # two machines, one process each (run the same line on both, --node-rank 0 and 1):
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m ddpkit.train --strategy fsdp
@@ -10,7 +11,10 @@ variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_P
 torchrun's documented contract, and ``init_process_group(backend)`` with no other arguments reads
 it (the "env://" method). The rank layout is read from it once (``Topology.from_torchrun``):
 every rank picks the backend from its node's size (NCCL when the node has a GPU per rank), and
-hybrid sharding shards inside the real nodes. Everything after that is what a Cluster job does.
+hybrid sharding shards inside the real nodes. The process group is ddpkit's over that backend,
+as a Cluster's, so every collective is counted (the bytes rank 0 sent are printed at the end).
+``--model`` is a built-in or ``package.module:function`` returning a ``ddpkit.Workload``.
+Everything after that is what a Cluster job does.
 
 Checkpoints (``--checkpoint DIR``): every ``--save-every`` steps and at the end, rank 0 writes
 the full model (``full_state_dict()``: the same for every strategy, FSDP gathers its shards)
@@ -31,18 +35,21 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit import process_group
 from ddpkit.cluster import BACKENDS, resolve_backend
-from ddpkit.experiment import local_batch, train_step, wrap
-from ddpkit.models import MODELS, build_model, size_kwargs
-from ddpkit.rankside import set_device, set_topology
+from ddpkit.experiment import train_batch, wrap
+from ddpkit.models import MODELS
+from ddpkit.rankside import comm_counts, set_device, set_topology
 from ddpkit.strategies.table import DEFAULT, NAMES
 from ddpkit.topology import Topology
+from ddpkit.workload import named
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m ddpkit.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", choices=NAMES, default=DEFAULT)
-    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--model", default="mlp", metavar="NAME",
+                   help=f"a built-in ({', '.join(MODELS)}) or package.module:function returning a ddpkit.Workload")
     p.add_argument("--width", type=int, default=None, help="MLP width / TinyGPT dim")
     p.add_argument("--depth", type=int, default=None, help="MLP depth / TinyGPT layers")
     p.add_argument("--steps", type=int, default=10, help="train until this step count (total, resumed included)")
@@ -67,6 +74,10 @@ def parse_args(argv=None):
         p.error("--save-every needs --checkpoint DIR")
     if args.resume and not os.path.isfile(os.path.join(args.resume, "model.pt")):
         p.error(f"--resume {args.resume!r}: no checkpoint there (model.pt is missing)")
+    try:  # imported here, before the process group: a bad --model fails fast, on every rank alike
+        args.workload = named(args.model, args.width, args.depth, args.seed)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -103,7 +114,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"ddpkit.train: {exc}") from None
     if backend == "nccl":  # the node's GPU of this rank, on every thread ddpkit starts too
         set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # ddpkit's process group over the real backend, as in a Cluster (no emulated delay): every
+    # collective, torch's wrappers' too, is counted (and recorded, when a recorder is on)
+    process_group.install("loopback", backend)
+    dist.init_process_group(process_group.BACKEND_NAME)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     set_topology(topology)  # hybrid sharding, built by name below, shards inside these nodes
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
@@ -111,7 +125,8 @@ def main(argv=None) -> int:
     if args.global_batch_size % world:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} does not split over {world} ranks")
 
-    module = build_model(args.model, seed=args.seed, **size_kwargs(args.model, args.width, args.depth))
+    wl = args.workload
+    module = wl.build(args.seed)
     start = 0
     if args.resume:
         with open(os.path.join(args.resume, "meta.json")) as f:
@@ -128,8 +143,7 @@ def main(argv=None) -> int:
 
     dev = ddpkit.device()  # this rank's GPU under NCCL, else the CPU
     for step in range(start, args.steps):
-        x, y = local_batch(module, args.global_batch_size, step, rank, world, args.seed)
-        loss = train_step(model, opt, x.to(dev), y.to(dev))
+        loss = train_batch(model, opt, wl.local_batch(step, args.global_batch_size, rank, world, dev), wl.compute_loss)
         # the loss printed is the mean over all ranks' slices, i.e. the global batch's loss
         dist.all_reduce(loss)
         if rank == 0:
@@ -142,7 +156,9 @@ def main(argv=None) -> int:
     full = model.full_state_dict()
     checksum = sum(float(v.double().sum()) for v in full.values())
     if rank == 0:
-        print(f"final checksum {checksum:.10f} ({args.strategy}, {world} ranks, {args.steps} steps)", flush=True)
+        sent = sum(count[1] for count in comm_counts().values())  # every collective this rank took part in
+        print(f"final checksum {checksum:.10f} ({args.strategy}, {world} ranks, {args.steps} steps); "
+              f"rank 0 sent {sent / 1e6:.3f} MB through ddpkit's process group", flush=True)
         if args.save:
             torch.save({k: v.cpu() for k, v in full.items()}, args.save)
     # Leave together, and free the wrapper (its hooks, flat buffers and collective handles)

@@ -38,7 +38,14 @@ def error_of(argv, capsys) -> str:
     (["compare", "--strategies", ""], "valid: naive"),
     (["compare", "--world-size", "0"], "--world-size: expected a whole number >= 1, got 0"),
     (["compare", "--steps", "two"], "--steps: expected a whole number >= 1, got 'two'"),
-    (["compare", "--model", "resnet"], "invalid choice: 'resnet' (choose from"),
+    (["compare", "--model", "resnet"], "--model 'resnet': not a built-in model (mlp, gpt) nor package.module:function"),
+    # a workload by its function: imported and checked here, before any rank starts
+    (["compare", "--model", "no_such_package.models:gpt2"], "cannot import 'no_such_package.models'"),
+    (["trace", "--strategy", "fsdp", "--out", "t.json", "--model", "tests.hf_models:nope"],
+     "tests.hf_models has no function 'nope'"),
+    (["predict", "--model", "tests.hf_models:not_a_workload"],
+     "not_a_workload() returned a dict, not a ddpkit.Workload"),
+    (["compare", "--model", "tests.hf_models:gpt2_tiny", "--width", "8"], "--width/--depth size the built-in models"),
     (["compare", "--backend", "mpi"], "invalid choice: 'mpi'"),
     (["compare", "--bucket-cap-mb", "-1"], "expected a number of MiB >= 0"),
     (["compare", "--world-size", "3", "--global-batch-size", "32"], "does not split evenly over --world-size 3"),
@@ -122,6 +129,16 @@ def test_predict_prints_a_table_and_plots(tmp_path, capsys):
     by = {(r[0], r[1]): float(r[-1]) for r in rows}  # kB sent per step
     assert by[("2", "fsdp")] == pytest.approx(1.5 * by[("2", "overlapped")], rel=0.05)
     assert png.stat().st_size > 5000
+
+
+def test_predict_profiles_a_workload_given_by_its_function(capsys):
+    pytest.importorskip("transformers")
+    assert main(["predict", "--model", "tests.hf_models:gpt2_tiny", "--world-sizes", "2", "--global-batch-size", "8",
+                 "--strategies", "bucketed,fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "model gpt2-tiny" in out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.split()[:1] == ["2"]}
+    assert set(rows) == {"bucketed", "fsdp"}
 
 
 def test_predict_validate_puts_predictions_beside_measurements(tmp_path):

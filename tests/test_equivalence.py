@@ -5,19 +5,22 @@ with ``seed=rank`` (ranks start different, so the wrapper's rank-0 broadcast is 
 wrapped by ``experiment.wrap`` from ``ddpkit.strategies.table``, trained ``STEPS`` steps with
 ``train_step`` on the rank's slice of each global batch, and its ``full_state_dict()`` compared
 with ``train_single_process`` on the whole batch. The strategies are read from the table, so a
-new row there gets its cases here without an edit. What is particular to one strategy (no_sync,
+new row there gets its cases here without an edit. A second matrix clips the gradients every step
+(``clip_grad_norm_``, the 2-norm and, where the gradients are sharded, the inf-norm): the norm
+each wrapper returns and the parameters it leaves equal one process's. What is particular to one strategy (no_sync,
 frozen and tied parameters, collective counts, options such as FSDP's resharding) is tested in
 its own file.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.experiment import max_abs_diff, optimizer_class, wrap
+from ddpkit.experiment import local_batch, max_abs_diff, optimizer_class, wrap
 from ddpkit.models import build_model, loss_fn, make_batch
 from ddpkit.strategies.table import NAMES, STRATEGIES
 from helpers import SMALL_CAP, SMALL_GPT, SMALL_MLP, TOL, ranks, reference_params, train_on_rank
@@ -113,3 +116,65 @@ def test_key_bias_gradient_is_zero():
     assert g64[dim:2 * dim].abs().max() < 1e-15               # keys: zero in exact arithmetic
     assert g64[:dim].abs().min() > 1e-6 and g64[2 * dim:].abs().max() > 1e-3  # queries, values: not
     assert 0 < g32[dim:2 * dim].abs().max() < 1e-6             # fp32: rounding noise
+
+
+# ----------------------------------------------------------------------------- clipping
+# ``model.clip_grad_norm_(max_norm)`` after the sync, before the step: the norm of the *whole*
+# gradient, also where each rank holds only shards of it (ZeRO-1/2, FSDP, HSDP: all-reduced across
+# the shards; the inf-norm takes their max). MAX_NORM is below the gradients' norm, so every step
+# clips (the test checks it does).
+MAX_NORM = 0.05
+
+
+def _sharded(name):
+    return STRATEGIES[name].zero_stage in ("ZeRO-2", "ZeRO-3") or name == "zero1"
+
+
+CLIP_CASES = [(s, n, 2.0) for s in NAMES for n in (1, 2, 4) if STRATEGIES[s].fits(n)]
+CLIP_CASES += [(s, n, float("inf")) for s in NAMES for n in (2, 4) if _sharded(s) and STRATEGIES[s].fits(n)]
+
+
+def _clipped_loop(model, module, opt, norm_type, world, rank):
+    norms = []
+    for step in range(STEPS):
+        x, y = local_batch(module, BATCH, step, rank, world)
+        loss_fn(model(x), y).backward()
+        norms.append(float(model.clip_grad_norm_(MAX_NORM, norm_type)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def _train_clipped(strategy, norm_type):
+    """On every rank: the tied GPT with seed=rank, a hand-written loop that clips; (norms, parameters)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("gpt", seed=rank, **SMALL_GPT)
+    model, opt = wrap(strategy, module, "sgd", bucket_cap_mb=SMALL_CAP)
+    norms = _clipped_loop(model, module, opt, norm_type, world, rank)
+    return norms, {k: v.detach().cpu() for k, v in model.full_state_dict().items()}
+
+
+@functools.cache
+def _clipped_reference(norm_type):
+    """One process, the whole batch, ``torch.nn.utils.clip_grad_norm_``: (norms, parameters)."""
+    module = build_model("gpt", seed=0, **SMALL_GPT)
+    opt = torch.optim.SGD(module.parameters(), **optimizer_class("sgd")[1])
+    norms = []
+    for step in range(STEPS):
+        x, y = make_batch(module, BATCH, step)
+        loss_fn(module(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM, norm_type)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms, {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy, n, norm_type", CLIP_CASES,
+                         ids=[f"{s}-{ranks(n)}-{'inf' if t == float('inf') else 'l2'}" for s, n, t in CLIP_CASES])
+def test_clipping_equals_single_process(cluster_of, strategy, n, norm_type):
+    ref_norms, reference = _clipped_reference(norm_type)
+    assert min(ref_norms) > MAX_NORM  # every step clips
+    for rank, (norms, full) in enumerate(cluster_of(n).run(_train_clipped, strategy, norm_type)):
+        assert norms == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}: total norm"
+        diff = max_abs_diff(full, reference)
+        assert diff < TOL, f"{strategy} at {n} ranks: rank {rank} off by {diff}"

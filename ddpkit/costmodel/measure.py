@@ -16,15 +16,18 @@ from ddpkit.network import RING_STEPS, Link, collective_time, ring_bytes
 
 
 # --------------------------------------------------------------------------- compute profile
-def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int = 5,
-                  units=None) -> Profile:
+def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats: int = 5,
+                  units=None, loss=None) -> Profile:
     """Measure one process's step on ``module``: per-layer forward time (hooks), whole forward,
-    backward and optimizer step (median of ``repeats``).
+    backward and optimizer step (median of ``repeats``). The step's loss is the course's
+    ``loss_fn(module(inputs), targets)``, or with ``loss`` (a workload's: ``loss(module, batch)``)
+    ``loss(module, inputs)``, ``inputs`` being the whole batch (``targets`` unused).
 
     Backward is not timed per layer (module backward hooks are fragile): each layer gets the
     measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
     forward times are scaled so they add up to the whole forward (activations, loss included).
-    ``units`` are the FSDP units (default: ``strategies.table.fsdp_units``). The optimizer steps, so
+    ``units`` are the FSDP units, modules or classes (default: ``strategies.table.fsdp_units``: the
+    blocks of a model's largest ModuleList, for one it does not know). The optimizer steps, so
     pass a model you do not need afterwards. Also timed, right after backward: scaling every
     gradient into a flat buffer and copying it back, tensor by tensor, as bucketed DDP does
     (``copy_s_per_byte`` is half that time per byte: one pass).
@@ -32,8 +35,10 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     import torch
 
     from ddpkit.experiment import make_optimizer
-    from ddpkit.models import loss_fn
+    from ddpkit.models import supervised_loss
     from ddpkit.strategies.table import fsdp_units
+
+    batch, loss = (inputs, loss) if loss is not None else ((inputs, targets), supervised_loss)
 
     dev = next(module.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -46,7 +51,7 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
         if own:
             owners.append((name, m, [p.numel() * p.element_size() for p in own]))
     unit_of = {}
-    for unit in (fsdp_units(module) if units is None else units):
+    for unit in fsdp_units(module, units):
         uname = next(n for n, m in module.named_modules() if m is unit)
         for m in unit.modules():
             unit_of[id(m)] = uname
@@ -66,10 +71,10 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
         for _ in range(repeats + 1):  # the first is a warmup
             sync()
             t0 = time.perf_counter()
-            loss = loss_fn(module(inputs), targets)
+            value = loss(module, batch)
             sync()
             t1 = time.perf_counter()
-            loss.backward()
+            value.backward()
             sync()
             t2 = time.perf_counter()
             for p, slot in zip(params, slots, strict=True):  # what a bucketed DDP does with each gradient:
@@ -98,29 +103,32 @@ def profile_model(module, inputs, targets, optimizer: str = "sgd", repeats: int 
     return Profile(layers, med["step"], copy_s_per_byte=med["copy"] / (2 * flat.numel() * flat.element_size()))
 
 
-def profile_job(model: str = "mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
+def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
                 model_kwargs: dict | None = None, repeats: int = 5) -> Profile:
     """A Cluster job: ``profile_model`` on every rank at once, without communicating, so
-    ranks that share a machine's cores contend for them as they do in training."""
+    ranks that share a machine's cores contend for them as they do in training. ``workload``: a
+    ``ddpkit.Workload``, or a built-in's name sized by ``model_kwargs``; each rank profiles its
+    layers on a batch of ``batch_per_rank`` samples."""
     import ddpkit
-    from ddpkit.experiment import local_batch
-    from ddpkit.models import build_model
+    from ddpkit.workload import Workload
 
-    module = build_model(model, **(model_kwargs or {})).to(ddpkit.device())
-    x, y = local_batch(module, batch_per_rank, 0, 0, 1)
-    return profile_model(module, x.to(ddpkit.device()), y.to(ddpkit.device()), optimizer, repeats)
+    wl = Workload.of(workload, model_kwargs)
+    module = wl.build().to(ddpkit.device())
+    batch = wl.local_batch(0, batch_per_rank, 0, 1, ddpkit.device())
+    return profile_model(module, batch, optimizer=optimizer, repeats=repeats, loss=wl.compute_loss)
 
-def profile_for(model: str, batch_per_rank: int, optimizer: str = "sgd", model_kwargs: dict | None = None,
+
+def profile_for(workload, batch_per_rank: int, optimizer: str = "sgd", model_kwargs: dict | None = None,
                 ranks: int | None = None, threads: int | None = None) -> Profile:
     """One rank's compute at ``batch_per_rank``: profiled in this process, or, with ``ranks``,
     inside that many ranks at once (a Cluster with ``threads`` torch threads each; the slowest
     rank), so ranks sharing this machine's cores slow each other down as in a real run."""
     if ranks is None:
-        return profile_job(model, batch_per_rank, optimizer, model_kwargs)
+        return profile_job(workload, batch_per_rank, optimizer, model_kwargs)
     import ddpkit
 
     with ddpkit.Cluster(ranks, backend="auto", threads_per_rank=threads) as cluster:
-        return slowest_profile(cluster.run(profile_job, model, batch_per_rank, optimizer, model_kwargs))
+        return slowest_profile(cluster.run(profile_job, workload, batch_per_rank, optimizer, model_kwargs))
 
 
 def slowest_profile(profiles: list[Profile]) -> Profile:
@@ -145,11 +153,12 @@ def calibration_sizes(largest_bytes: float) -> tuple[int, ...]:
     sizes = [s for s in CALIBRATION_SIZES if s <= 2 * largest_bytes]
     return tuple(sizes) if len(sizes) >= 3 else CALIBRATION_SIZES[:3]
 
-def model_calibration_sizes(model: str, model_kwargs: dict | None = None) -> tuple[int, ...]:
-    """The collective sizes worth timing for this model: up to its parameter bytes, and beyond."""
-    from ddpkit.models import build_model
+def model_calibration_sizes(workload="mlp", model_kwargs: dict | None = None) -> tuple[int, ...]:
+    """The collective sizes worth timing for this workload's model (a ``ddpkit.Workload``, or a
+    built-in's name sized by ``model_kwargs``): up to its parameter bytes, and beyond."""
+    from ddpkit.workload import Workload
 
-    module = build_model(model, **(model_kwargs or {}))
+    module = Workload.of(workload, model_kwargs).build()
     return calibration_sizes(sum(p.numel() * p.element_size() for p in module.parameters()))
 
 

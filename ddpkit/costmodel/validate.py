@@ -19,21 +19,23 @@ from ddpkit.costmodel.simulate import Profile, simulate
 from ddpkit.network import LINKS
 from ddpkit.series import Series, timed_rounds
 from ddpkit.strategies.table import CostStep, strategy
+from ddpkit.workload import resolve
 
 
-def validate(cluster, strategies, model="mlp", model_kwargs=None, steps=10, rounds=3,
-             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None):
+def validate(cluster, strategies, workload=None, model_kwargs=None, steps=10, rounds=3,
+             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None, *, model=None):
     """See ``_validate``; ``strategies`` are names, or ``{label: (name, {wrapper options})}`` to
     check variants, e.g. ``{f"{name} + forward prefetch": (name, {"forward_prefetch": True})}``:
     the options go to the wrapper and, where ``CostStep`` has a field of that name, into the
-    cost model's step too. ``progress``: a ``ProgressBar`` to follow it on a terminal, or None."""
+    cost model's step too. ``workload``: a ``ddpkit.Workload`` (its layers are profiled), or a
+    built-in's name sized by ``model_kwargs`` (``model=``: the older name of this keyword).
+    ``progress``: a ``ProgressBar`` to follow it on a terminal, or None."""
     runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
-    return _validate(cluster, runs, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
-                     bucket_cap_mb, progress)
+    wl = resolve(workload, model, model_kwargs)
+    return _validate(cluster, runs, wl, steps, rounds, global_batch_size, optimizer, bucket_cap_mb, progress)
 
 
-def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_batch_size, optimizer,
-              bucket_cap_mb, progress):
+def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimizer, bucket_cap_mb, progress):
     """The cost model against measurement on one cluster: each round calibrates the collectives
     (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
     times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
@@ -49,9 +51,9 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
     the calibration's timings instead, ``Link.measured``, which holds them). A strategy that
     fails has ``error`` instead."""
     n = cluster.world_size
-    sizes = model_calibration_sizes(model, model_kwargs)
-    common = dict(model=model, model_kwargs=model_kwargs, global_batch_size=global_batch_size,
-                  optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+    sizes = model_calibration_sizes(wl)
+    common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
+                  bucket_cap_mb=bucket_cap_mb)
     calibrations, profiles = [], []
 
     def calibrate_and_profile(r: int) -> None:  # first in each timing round, in its slow spells
@@ -59,7 +61,7 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
             series.next(f"calibrating collectives (round {r + 1} of {rounds})")
             calibrations.append(slowest_rank(cluster.run(measure_collectives, sizes=sizes)))
         series.next(f"profiling compute (round {r + 1} of {rounds})")
-        ranks = cluster.run(profile_job, model, global_batch_size // n, optimizer, model_kwargs)
+        ranks = cluster.run(profile_job, wl, global_batch_size // n, optimizer)
         profiles.append(slowest_profile(ranks))
 
     jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
@@ -84,7 +86,7 @@ def _validate(cluster, runs: dict, model, model_kwargs, steps, rounds, global_ba
         pred = simulate(name, profile, n, emulated.with_floor(transport.line()), bucket_cap_mb, cost=cost)
         interpolated = simulate(name, profile, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
         measured = statistics.median(per_round[label])
-        records.append(dict(strategy=label, world_size=n, model=model, predicted_ms=pred.ms_per_step,
+        records.append(dict(strategy=label, world_size=n, model=wl.name, predicted_ms=pred.ms_per_step,
                             predicted_from_timings_ms=interpolated.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms,

@@ -74,9 +74,49 @@ def unique_named_parameters(module: nn.Module, trainable_only: bool = True):
         yield name, p
 
 
+def _trainable(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
 def default_units(module: nn.Module) -> list[nn.Module]:
-    """FSDP's default units (ours and ``TorchFSDP``'s): each child with trainable parameters."""
-    return [m for m in module.children() if any(p.requires_grad for p in m.parameters())]
+    """FSDP's default units (ours and ``TorchFSDP``'s) for a model it was told nothing about: the
+    repeated blocks, i.e. each member with trainable parameters of the ``nn.ModuleList`` holding
+    the most of them (a transformer's layers: GPT-2's ``transformer.h``, BERT's
+    ``encoder.layer``; a ResNet's stages); without a ModuleList, each child with trainable
+    parameters. The root keeps the rest (embeddings, final norm, head). Why not the children
+    always: GPT-2's are ``[transformer, lm_head]``, one unit holding the whole model, gathered at
+    once: FSDP would hold as much as DDP."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        blocks = [m for m in max(lists, key=_trainable) if _trainable(m)]  # the first of equals
+        if blocks:
+            return blocks
+    return [m for m in module.children() if _trainable(m)]
+
+
+def resolve_units(module: nn.Module, units) -> list[nn.Module]:
+    """FSDP units as modules, in ``module``'s order: a module given stays one; a class (or a
+    tuple of classes) stands for every submodule of that class, as torch's ``ModuleWrapPolicy``
+    (``units={GPT2Block}``). Every rank gets the same order, whatever order a set iterates in
+    (a set of classes hashes by id, which differs between processes). A class no submodule is
+    an instance of is a ValueError, and so is a module that is not inside ``module``."""
+    items = [units] if isinstance(units, type) else list(units)
+    classes = tuple(u for u in items if isinstance(u, type))
+    given = {id(u) for u in items if not isinstance(u, type) and u is not module}  # the root: a unit anyway
+    for u in items:
+        if not isinstance(u, (type, nn.Module)):
+            raise TypeError(f"FSDP units must be nn.Modules or module classes, got {type(u).__name__}")
+    inside = list(module.modules())[1:]  # the root is always a unit of its own
+    for cls in classes:
+        if not any(isinstance(m, cls) for m in inside):
+            raise ValueError(f"FSDP units: no submodule of {type(module).__name__} is a {cls.__name__}")
+    chosen = [m for m in inside if id(m) in given or (classes and isinstance(m, classes))]
+    missing = given - {id(m) for m in chosen}
+    if missing:
+        stray = next(u for u in items if id(u) in missing)
+        raise ValueError(f"FSDP unit {type(stray).__name__} is not a submodule of the wrapped "
+                         f"{type(module).__name__}: units must be modules inside it")
+    return chosen
 
 
 def check_same_shapes(module: nn.Module, group=None) -> None:
@@ -128,6 +168,39 @@ def prepare_module(strategy: str, module: nn.Module, group=None) -> None:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's elements (numel x element size)."""
     return t.numel() * t.element_size()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, sharded: bool = False, group=None,
+                    recorder=NULL_RECORDER) -> torch.Tensor:
+    """Scale the ``.grad`` of ``params`` so that the norm of the *whole* gradient is at most
+    ``max_norm``; returns that norm (what every wrapper's ``clip_grad_norm_`` does after the
+    gradients are synchronised, equal to one process's ``torch.nn.utils.clip_grad_norm_``).
+
+    Not ``sharded``: every rank holds the whole averaged gradient (DDP), so torch's own function
+    on it is the answer. ``sharded``: ``params`` are this rank's shards, the ranks of ``group``
+    holding disjoint pieces of the gradient (ZeRO-1/2's bucket shards, FSDP's flat shards; zero
+    padding changes no norm): each rank's norm of its shards, then one all-reduce of one scalar,
+    the sum of p-th powers (the inf-norm: the max), and the p-th root. A shard's local norm alone
+    would clip each rank by a different factor, and not by the whole gradient's."""
+    params = list(params)
+    if not sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
+    inf = norm_type == float("inf")
+    total = local if inf else local.pow(norm_type)  # (1,) sums over ranks; the inf-norm takes the max
+    with recorder.labels():  # a collective of this wrapper's, no bucket or unit
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    if not inf:
+        total = total.pow(1.0 / norm_type)
+    clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's: never scale up
+    for g in grads:
+        g.mul_(clip.to(g.dtype))
+    return total
 
 
 @contextlib.contextmanager

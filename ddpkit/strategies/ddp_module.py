@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import no_sync, prepare_module, unique_named_parameters
+from ddpkit.strategies._common import clip_grad_norm_, no_sync, prepare_module, unique_named_parameters
 from ddpkit.strategies.buckets import bucket_cap_bytes, make_buckets
 
 
@@ -71,6 +71,7 @@ class DDPModule(nn.Module, Joinable):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
+            self.recorder.begin_forward()  # a training forward begins a step, unless the loop began it
             if self._join_config.enable:
                 self._tell_finished_ranks()
             self._start_step(sync=self._require_sync)
@@ -90,6 +91,12 @@ class DDPModule(nn.Module, Joinable):
         raise NotImplementedError
 
     no_sync = no_sync
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Finish the gradients' sync, then clip them to ``max_norm`` as one process would (every
+        rank holds the whole averaged gradient); returns the total norm."""
+        self.finish_gradient_synchronization()
+        return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     def full_state_dict(self) -> dict:
         """{parameter name: tensor}: every rank holds the full model, so just detached clones."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import default_units
+from ddpkit.strategies._common import default_units, resolve_units
 from ddpkit.strategies.flat_layout import FlatLayout, free_storage
 
 
@@ -47,22 +47,17 @@ class Plan:
     param_names: list[str]   # canonical names, in module.named_parameters() order
 
 
-def plan_units(module: nn.Module, units: Iterable[nn.Module] | None = None) -> Plan:
-    """Decide the units of ``module`` (default: every child with trainable parameters; the root
-    keeps whatever no unit claims). Each trainable parameter goes to the innermost unit that
-    contains *every* use of it (tied parameters), so no unit reshards a tensor another still
-    needs; a unit left with no trainable parameter is no unit. Works on the meta device too."""
+def plan_units(module: nn.Module, units: Iterable | None = None) -> Plan:
+    """Decide the units of ``module``: ``units`` as modules or module classes
+    (``_common.resolve_units``: every submodule of a class given, e.g. ``{GPT2Block}``), in the
+    module's order; default ``_common.default_units`` (the blocks of its largest ModuleList, else
+    each child with trainable parameters). The root keeps whatever no unit claims. Each trainable
+    parameter goes to the innermost unit that contains *every* use of it (tied parameters), so no
+    unit reshards a tensor another still needs; a unit left with no trainable parameter is no
+    unit. Works on the meta device too."""
     module_names = {id(m): name for name, m in module.named_modules()}
-    if units is None:
-        units = default_units(module)
-    unit_modules: dict[str, nn.Module] = {}
-    for u in units:
-        if not isinstance(u, nn.Module):
-            raise TypeError(f"FSDP units must be nn.Modules, got {type(u).__name__}")
-        if id(u) not in module_names:
-            raise ValueError(f"FSDP unit {type(u).__name__} is not a submodule of the wrapped "
-                             f"{type(module).__name__}: units must be modules inside it")
-        unit_modules[module_names[id(u)]] = u
+    units = default_units(module) if units is None else resolve_units(module, units)
+    unit_modules: dict[str, nn.Module] = {module_names[id(u)]: u for u in units}
     unit_modules[""] = module  # the root, keeps whatever no unit claims
 
     # every name each parameter is reachable under (tied parameters have several)

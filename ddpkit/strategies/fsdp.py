@@ -3,7 +3,10 @@
 DDP keeps the whole model (parameters, gradients, optimizer state) on every rank. FSDP
 (Zhao et al., 2023; the idea is ZeRO stage 3) keeps only 1/N of each on a rank:
 
-1. The module is cut into *units* (submodules). Each unit's parameters are flattened into one
+1. The module is cut into *units* (submodules: ``units=`` as modules or module classes, e.g.
+   ``units={GPT2Block}`` as torch's ModuleWrapPolicy; by default the blocks of the model's largest
+   ``nn.ModuleList``, e.g. a transformer's layers, else each child with trainable parameters;
+   the root keeps the rest). Each unit's parameters are flattened into one
    *flat parameter* of T elements, padded to a multiple of N (at most N-1 zeros), and split in
    N equal *shards* of ceil(T/N) elements. Rank r keeps shard r; ``fsdp.parameters()`` are the
    shards, so the optimizer (and its state) only ever sees 1/N of the model.
@@ -72,7 +75,8 @@ from torch import nn
 
 from ddpkit.rankside import device as rank_device
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import all_gather_flat, nbytes, no_sync, prepare_module, reduce_scatter_flat
+from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, nbytes, no_sync, prepare_module,
+                                       reduce_scatter_flat)
 from ddpkit.strategies.deferred_init import is_deferred, materialize_by_unit
 from ddpkit.strategies.flat_layout import alloc_storage, free_storage, held_bytes
 from ddpkit.strategies.flat_param import FlatParamUnit, cast_floats, plan_units
@@ -92,7 +96,7 @@ class PendingReduce:
 class FSDP(nn.Module):
     """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time."""
 
-    def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
+    def __init__(self, module: nn.Module, units: Iterable[nn.Module | type] | None = None,
                  reshard_after_forward: bool = True, backward_prefetch: bool = True,
                  forward_prefetch: bool = False, limit_all_gathers: int | bool | None = None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
@@ -159,6 +163,8 @@ class FSDP(nn.Module):
 
     # ================================================================== forward: all-gather
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.recorder.begin_forward()  # a training forward begins a step, unless the loop began it
         if self._forward_order:
             self._last_forward_order = self._forward_order
         self._forward_order = []
@@ -318,6 +324,13 @@ class FSDP(nn.Module):
     # elements) until then, i.e. the whole model's gradients on every rank, as much as DDP holds:
     # gradient accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
     no_sync = no_sync
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Finish the sync, then clip by the norm of the whole gradient, combined from every
+        rank's shards over the shard group (hybrid: a node; its replicas hold the same shards)."""
+        self.finish_gradient_synchronization()
+        return clip_grad_norm_([u.shard for u in self.units], max_norm, norm_type, sharded=True,
+                               group=self.process_group, recorder=self.recorder)
 
     # ------------------------------------------------------------------ state and sizes
     def comm_buffer_bytes(self) -> int:

@@ -7,10 +7,10 @@
 (and torch's ZeroRedundancyOptimizer, an optimizer, built over TorchDDP by the table of strategies)
 
 Both have ``.module``, ``no_sync()``, ``finish_gradient_synchronization()`` (a no-op: torch
-finishes the reduction when ``backward()`` returns), ``full_state_dict()`` and
-``comm_buffer_bytes()``. torch's collectives happen inside C++ (DDP's reducer) or inside
-``fully_shard``'s hooks, so the recorder only sees the spans that ``train_step`` records
-around forward/backward/step; there are no per-collective records for these two.
+finishes the reduction when ``backward()`` returns), ``clip_grad_norm_()``, ``full_state_dict()``
+and ``comm_buffer_bytes()``; a training forward begins a step in the recorder, as ours do.
+torch's collectives happen inside C++ (DDP's reducer) or inside ``fully_shard``'s hooks; they
+are recorded all the same, by ddpkit's process group, which carries them.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (default_units, nbytes, prepare_module,
-                                       require_process_group, unique_named_parameters)
+from ddpkit.strategies._common import (clip_grad_norm_, default_units, nbytes, prepare_module,
+                                       require_process_group, resolve_units, unique_named_parameters)
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.buckets import bucket_cap_bytes
 
@@ -75,10 +75,16 @@ class TorchDDP(nn.Module):
         return self.ddp.module
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.recorder.begin_forward()  # as ours: a training forward begins a step, unless the loop began it
         return self.ddp(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing to do: torch DDP's reducer has averaged every gradient when backward returns."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's own clipping: every rank holds the whole averaged gradient."""
+        return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     def no_sync(self):
         return self.ddp.no_sync()
@@ -104,7 +110,7 @@ def _fully_shard():
 class TorchFSDP(nn.Module):
     """torch's FSDP2 (``fully_shard``) on each unit, then on the root, with ddpkit's interface."""
 
-    def __init__(self, module: nn.Module, units: Iterable[nn.Module] | None = None,
+    def __init__(self, module: nn.Module, units: Iterable[nn.Module | type] | None = None,
                  reshard_after_forward: bool = True, process_group=None, recorder=None, mesh=None):
         super().__init__()
         # fully_shard shards whatever each rank holds: make ranks start equal first (as ours do)
@@ -116,22 +122,26 @@ class TorchFSDP(nn.Module):
         device = next(module.parameters()).device
         if mesh is None:  # a 1-D mesh over the ranks of the group (on CPU: a "cpu" mesh, gloo underneath)
             mesh = DeviceMesh.from_group(process_group or dist.group.WORLD, device.type)
-        inside = {id(m) for m in module.modules()}
-        if units is None:  # the same default as ours: every child with trainable parameters
-            units = default_units(module)
+        # the same units as ours: modules or classes given, else the blocks of the largest ModuleList
+        units = default_units(module) if units is None else resolve_units(module, units)
         fully_shard = _fully_shard()
         for unit in units:
-            if id(unit) not in inside:
-                raise ValueError(f"TorchFSDP unit {type(unit).__name__} is not a submodule of the "
-                                 f"wrapped {type(module).__name__}")
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
         self.module = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.recorder.begin_forward()  # as ours: a training forward begins a step, unless the loop began it
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing to do: fully_shard waits for its reduce-scatters at the end of backward."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's own ``clip_grad_norm_`` on the DTensor gradients (it reduces the shards' norms
+        over the mesh itself); the total norm comes back as a plain tensor."""
+        total = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from ddpkit.models import MLP, TinyGPT
-from ddpkit.strategies._common import default_units
+from ddpkit.strategies._common import default_units, resolve_units
 from ddpkit.topology import Topology
 
 
@@ -59,6 +59,7 @@ class Strategy:
     name: str
     summary: str                      # one line, for tables and --help
     wrap: Callable                    # (module, *, bucket_cap_mb, recorder, process_group) -> model
+                                      # (the FSDP rows also take units=: modules or classes)
     optimizer: Callable               # (model, cls, defaults, *, recorder, process_group) -> optimizer
     zero_stage: str                   # "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3": the memory formula it follows
     cost: CostStep
@@ -93,11 +94,14 @@ class Strategy:
 
 
 # ----------------------------------------------------------------------------- how to build
-def fsdp_units(module) -> list:
-    """The FSDP units for the course's models: one per Linear of the MLP, one per block of
-    TinyGPT (the root keeps embeddings, final norm and the tied head); any other model gets
-    FSDP's own default (each child with trainable parameters). Used by fsdp and torch_fsdp alike,
-    and by the cost model's profile."""
+def fsdp_units(module, units=None) -> list:
+    """The FSDP units: ``units`` as given (modules or module classes, ``_common.resolve_units``),
+    else for the course's models one per Linear of the MLP and one per block of TinyGPT (the root
+    keeps embeddings, final norm and the tied head), and for any other model FSDP's own default
+    (``_common.default_units``: the blocks of its largest ModuleList, e.g. a transformer's layers).
+    Used by fsdp, hsdp and torch's alike, and by the cost model's profile."""
+    if units is not None:
+        return resolve_units(module, units)
     if isinstance(module, MLP):
         return [block[0] for block in module.layers] + [module.head]
     if isinstance(module, TinyGPT):
@@ -135,10 +139,10 @@ def _zero2(module, bucket_cap_mb, **common):
     return ZeRO2(module, bucket_cap_mb=bucket_cap_mb, **common)
 
 
-def _fsdp(module, bucket_cap_mb, **common):
+def _fsdp(module, bucket_cap_mb, units=None, **common):
     from ddpkit.strategies.fsdp import FSDP
 
-    return FSDP(module, units=fsdp_units(module), **common)
+    return FSDP(module, units=fsdp_units(module, units), **common)
 
 
 def _node_size() -> int:
@@ -149,16 +153,16 @@ def _node_size() -> int:
     return topology().ranks_per_node
 
 
-def _hsdp(module, bucket_cap_mb, **common):
+def _hsdp(module, bucket_cap_mb, units=None, **common):
     from ddpkit.strategies.hsdp import HSDP
 
-    return HSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module), **common)
+    return HSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module, units), **common)
 
 
-def _torch_hsdp(module, bucket_cap_mb, **common):
+def _torch_hsdp(module, bucket_cap_mb, units=None, **common):
     from ddpkit.strategies.reference import TorchHSDP
 
-    return TorchHSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module), **common)
+    return TorchHSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module, units), **common)
 
 
 def _torch_ddp(module, bucket_cap_mb, **common):
@@ -167,10 +171,10 @@ def _torch_ddp(module, bucket_cap_mb, **common):
     return TorchDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
 
 
-def _torch_fsdp(module, bucket_cap_mb, **common):
+def _torch_fsdp(module, bucket_cap_mb, units=None, **common):
     from ddpkit.strategies.reference import TorchFSDP
 
-    return TorchFSDP(module, units=fsdp_units(module), **common)
+    return TorchFSDP(module, units=fsdp_units(module, units), **common)
 
 
 def _local_optimizer(model, cls, defaults, recorder=None, process_group=None):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
+from ddpkit.strategies._common import all_gather_flat, clip_grad_norm_, reduce_scatter_flat
 from ddpkit.strategies.buckets import make_buckets
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
@@ -129,6 +129,13 @@ class ZeroDDPModule(DDPModule):
         """Not here: the buckets are reduce-scattered, and a hook reduces a bucket (all-reduce)."""
         raise TypeError(f"{type(self).__name__} reduce-scatters its buckets; a comm hook replaces an all-reduce: "
                         "use BucketedDDP or OverlappedDDP")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Finish the sync, then clip by the norm of the whole gradient: each rank holds the
+        averaged gradient of its shards only, so their norms are combined across ranks."""
+        self.finish_gradient_synchronization()
+        return clip_grad_norm_([b.shard for b in self.buckets], max_norm, norm_type, sharded=True,
+                               group=self.process_group, recorder=self.recorder)
 
     # ------------------------------------------------------------------ the step: 1/N, then all-gather
     def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:

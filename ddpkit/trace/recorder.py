@@ -1,7 +1,8 @@
 """The Recorder: each rank's hot path of appending tuples, resolved into Records when read.
 
 Strategies talk to a recorder through the seam in ``ddpkit/strategies/_common.py``: ``span``,
-``labels`` (around the collectives they issue), ``grad_ready`` and ``memory``; the training step
+``labels`` (around the collectives they issue), ``grad_ready``, ``memory`` and ``begin_forward``
+(a training forward through a wrapper begins a step, unless the loop began it); the training step
 adds ``loss`` and ``begin_step``. ddpkit's process group, the one writer of collective records,
 calls ``collective`` for every collective it carries, with the labels of the ``labels()`` block
 it was issued in. ``Recorder`` implements them by appending a tuple to a list -- nothing else
@@ -86,7 +87,8 @@ class Recorder:
         self._drained = 0      # raw records already handed out by drain()
         self.memory_interval_ns = MEMORY_INTERVAL_NS
         self._memory_due_at = None  # clock reading after which the next memory sample is due
-        self._fresh = False    # next_step() was called and no train_step has begun it yet
+        self._fresh = False    # next_step() was called and no train_step or forward has begun it yet
+        self._loop_began = False  # train_step began this step and its forward has not run yet
         self._watched = None  # works without a future, waited on by a thread (see _watch)
 
     def _watch(self, work, on_done) -> None:
@@ -196,6 +198,7 @@ class Recorder:
         """Start the next training step (the first call makes it step 0); returns its index."""
         self._step = 0 if self._step is None else self._step + 1
         self._fresh = True
+        self._loop_began = False
         return self._step
 
     def begin_step(self) -> int:
@@ -204,6 +207,20 @@ class Recorder:
         if not self._fresh:
             self.next_step()
         self._fresh = False
+        self._loop_began = True  # the step's forward, through a wrapper, begins no other
+        return self._step
+
+    def begin_forward(self) -> int:
+        """What a wrapper's training forward calls (every ddpkit wrapper, and torch's as the kit
+        builds them): start the next step, unless the loop began this one and no forward has run
+        in it yet (``train_step``, or ``next_step()`` by hand). So any loop gets numbered steps,
+        as torch's DDP counts its iterations by forward calls (each micro-batch under
+        ``no_sync()`` is one)."""
+        if self._fresh or self._loop_began:
+            self._fresh = self._loop_began = False
+        else:
+            self.next_step()
+            self._fresh = False
         return self._step
 
     @property

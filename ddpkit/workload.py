@@ -1,0 +1,211 @@
+"""A workload: what an experiment trains -- a model, its data and its loss, given as callables.
+
+    wl = ddpkit.Workload(
+        model=lambda: GPT2LMHeadModel(cfg),                # built on every rank
+        batch=lambda step, size: ids[step % 100, :size],   # the GLOBAL batch of `step`, `size` samples
+        loss=lambda model, batch: model(input_ids=batch, labels=batch).loss,   # a scalar tensor
+        name="gpt2-tiny")
+    ddpkit.Workload.builtin("mlp", depth=8)                # the course's models are workloads too
+
+Every instrument takes one where it took a model name: ``compare(cluster, strategies,
+workload=wl)``, ``experiment.run_strategy``, the trace, the cost model's profile, and the command
+line's ``--model NAME`` (a built-in, or ``package.module:function`` returning a Workload: ``load``).
+
+The callables travel to the ranks by value (cloudpickle, like any Cluster job), so lambdas and
+closures from a notebook cell work. Each rank builds the model under the same seed (``build``),
+so rank 0's model is the one a single process builds (every wrapper broadcasts rank 0's anyway);
+each rank asks for the whole global batch and keeps its own contiguous slice of dim 0
+(``local_batch``): a tensor, or a tuple/list/dict of tensors, nested as deep as you like. With a
+loss that is a *mean* over the samples, the ranks' averaged gradients are then the gradient of
+the whole batch (``experiment``'s docstring says why), so every strategy equals one process.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its data and its loss (see the module docstring); ``name``: how tables call it."""
+
+    model: Callable[[], nn.Module]                  # () -> a freshly built nn.Module
+    batch: Callable[[int, int], Any]                # (step, size) -> the global batch, `size` samples
+    loss: Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> a scalar tensor
+    name: str = "workload"
+    config: dict = field(default_factory=dict, compare=False)  # a built-in's keywords (width, ...)
+
+    def __post_init__(self):
+        if isinstance(self.model, nn.Module):
+            raise TypeError(f"Workload model= must build the model (e.g. lambda: {type(self.model).__name__}(...)), "
+                            "not be one: every rank builds its own")
+        for what in ("model", "batch", "loss"):
+            if not callable(getattr(self, what)):
+                raise TypeError(f"Workload {what}= must be callable, got {type(getattr(self, what)).__name__}")
+
+    @classmethod
+    def builtin(cls, name: str = "mlp", seed: int = 0, **kwargs) -> Workload:
+        """One of the course's models (``ddpkit.models.MODELS``: ``"mlp"``, ``"gpt"``) with its
+        synthetic data and mean cross-entropy; ``kwargs`` go to the model (``width``, ``depth``;
+        ``dim``, ``layers``, ...), ``seed`` draws its data. Its initialization is ``build(seed)``'s,
+        as for every workload (``build(s)`` equals ``models.build_model(name, seed=s)``)."""
+        from ddpkit import models
+
+        config = models.model_config(name, **kwargs)  # ValueError/TypeError for a bad name or keyword
+        return cls(model=functools.partial(models.MODELS[name], **kwargs),
+                   batch=functools.partial(models.synthetic_batch, name, seed=seed, **config),
+                   loss=models.supervised_loss, name=name, config=dict(kwargs))
+
+    @classmethod
+    def of(cls, spec="mlp", model_kwargs: dict | None = None, seed: int = 0) -> Workload:
+        """A Workload from what an instrument was given: a Workload, a built-in's name (sized by
+        ``model_kwargs``, its data drawn with ``seed``), or ``"package.module:function"`` (``load``)."""
+        if isinstance(spec, Workload):
+            if model_kwargs:
+                raise ValueError(f"model_kwargs {model_kwargs} size a built-in model; workload "
+                                 f"{spec.name!r} builds its own")
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"expected a ddpkit.Workload or a model name, got {type(spec).__name__}")
+        if ":" in spec:
+            if model_kwargs:
+                raise ValueError(f"model_kwargs {model_kwargs} size a built-in model; {spec} builds its own")
+            return load(spec)
+        return cls.builtin(spec, seed=seed, **(model_kwargs or {}))
+
+    # --------------------------------------------------------------------- inside a rank
+    def build(self, seed: int = 0) -> nn.Module:
+        """``model()`` under torch seed ``seed`` (the caller's random state left as it was), so
+        every process that builds it with the same seed gets the same initial parameters."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = self.model()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"workload {self.name!r}: model() returned a {type(module).__name__}, not an nn.Module")
+        return module
+
+    def global_batch(self, step: int, size: int):
+        """``batch(step, size)``, checked: tensors only, each with ``size`` samples on dim 0."""
+        batch = self.batch(step, size)
+        for where, t in _leaves(batch):
+            if not torch.is_tensor(t):
+                raise TypeError(f"workload {self.name!r}: batch{where} is a {type(t).__name__}, not a tensor "
+                                "(a batch is a tensor or a tuple/list/dict of tensors)")
+            if t.dim() == 0 or t.shape[0] != size:
+                got = "a 0-d tensor" if t.dim() == 0 else f"{t.shape[0]} samples"
+                raise ValueError(f"workload {self.name!r}: batch({step}, {size}){where} has {got} on "
+                                 f"dim 0; it must hold the {size} samples asked for")
+        return batch
+
+    def local_batch(self, step: int, size: int, rank: int, world_size: int, device=None):
+        """This rank's contiguous slice of global batch ``step`` (``size`` samples), on ``device``."""
+        return to_device(shard_batch(self.global_batch(step, size), rank, world_size), device)
+
+    def compute_loss(self, model, batch) -> torch.Tensor:
+        """``loss(model, batch)``, checked to be a scalar tensor."""
+        value = self.loss(model, batch)
+        if not torch.is_tensor(value) or value.numel() != 1:
+            what = f"a tensor of shape {list(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
+            raise TypeError(f"workload {self.name!r}: loss() returned {what}; it must be a scalar tensor")
+        return value
+
+
+# ----------------------------------------------------------------------------- batches
+def _leaves(batch, where: str = ""):
+    """(where, leaf) for every leaf of a (nested) tuple/list/dict, e.g. ("['input_ids']", t)."""
+    if isinstance(batch, dict):
+        for k, v in batch.items():
+            yield from _leaves(v, f"{where}[{k!r}]")
+    elif isinstance(batch, (tuple, list)):
+        for i, v in enumerate(batch):
+            yield from _leaves(v, f"{where}[{i}]")
+    else:
+        yield where, batch
+
+
+def _map(fn, batch):
+    """``batch`` with ``fn`` applied to each leaf, its structure (tuple, list, dict) kept."""
+    if isinstance(batch, dict):
+        return type(batch)((k, _map(fn, v)) for k, v in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map(fn, v) for v in batch)
+    return fn(batch)
+
+
+def shard_batch(batch, rank: int, world_size: int):
+    """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (the N slices of a
+    global batch of B samples hold B/N each: B must split evenly)."""
+    sizes = {t.shape[0] for _, t in _leaves(batch) if torch.is_tensor(t) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"a batch's tensors must share dim 0 (samples); found sizes {sorted(sizes) or 'none'}")
+    n = sizes.pop()
+    if n % world_size:
+        raise ValueError(f"a global batch of {n} does not split evenly over {world_size} ranks")
+    per = n // world_size
+    return _map(lambda t: t[rank * per:(rank + 1) * per], batch)
+
+
+def to_device(batch, device):
+    """Every tensor of ``batch`` on ``device`` (None: left where it is)."""
+    if device is None:
+        return batch
+    return _map(lambda t: t.to(device) if torch.is_tensor(t) else t, batch)
+
+
+# ----------------------------------------------------------------------------- by name
+def load(spec: str) -> Workload:
+    """``"package.module:function"`` -> ``function()``, which must return a Workload: imported
+    here, in the process that asks (the command line, before any rank starts), so a typo, an
+    import error or a wrong return type is a ValueError now, not a traceback from every rank."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise ValueError(f"workload {spec!r}: expected package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raised while importing
+        raise ValueError(f"workload {spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"workload {spec!r}: {module_name} has no function {fn_name!r}")
+    workload = fn()
+    if not isinstance(workload, Workload):
+        raise ValueError(f"workload {spec!r}: {fn_name}() returned a {type(workload).__name__}, "
+                         "not a ddpkit.Workload")
+    return workload
+
+
+def named(name: str, width: int | None = None, depth: int | None = None, seed: int = 0) -> Workload:
+    """What the command line's ``--model NAME --width W --depth D`` stands for: a built-in
+    (``ddpkit.models.MODELS``) sized by width and depth in its own terms (``models.size_kwargs``,
+    its data drawn with ``seed``), or ``package.module:function`` (``load``), which sizes its own
+    model. ValueError otherwise."""
+    from ddpkit.models import MODELS, size_kwargs
+
+    if ":" in name:
+        if width is not None or depth is not None:
+            raise ValueError(f"--width/--depth size the built-in models ({', '.join(MODELS)}); "
+                             f"{name} builds its own")
+        return load(name)
+    if name not in MODELS:
+        raise ValueError(f"--model {name!r}: not a built-in model ({', '.join(MODELS)}) nor "
+                         "package.module:function (a function returning a ddpkit.Workload)")
+    return Workload.builtin(name, seed=seed, **size_kwargs(name, width, depth))
+
+
+def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: int = 0) -> Workload:
+    """What an instrument was asked to train: ``workload`` (a Workload, a built-in's name or
+    ``"package.module:function"``), or the older ``model=`` name; neither: the default MLP.
+    ``model_kwargs`` and ``seed`` size a built-in and draw its data (``Workload.of``)."""
+    if workload is not None and model is not None:
+        raise TypeError("give workload= or model=, not both (model= is the older name of workload=)")
+    spec = workload if workload is not None else (model if model is not None else "mlp")
+    return Workload.of(spec, model_kwargs, seed)
+
+
+__all__ = ["Workload", "load", "named", "resolve", "shard_batch", "to_device"]
