@@ -286,11 +286,11 @@ def test_every_torchrun_rank_of_a_node_chooses_the_same_backend(monkeypatch, set
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     chosen = []
 
-    def init_process_group(backend, *a, **k):
-        chosen.append(backend)
+    def install(network, real_backend, *a, **k):  # ddpkit's process group over the real backend chosen
+        chosen.append(real_backend)
         raise _Stop
 
-    monkeypatch.setattr(train.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(train.process_group, "install", install)
     for local_rank in (0, 1):  # torchrun --nproc-per-node 2: two ranks, one node
         env = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK=str(local_rank), LOCAL_RANK=str(local_rank))
         for k, v in env.items():
