@@ -15,6 +15,7 @@ import statistics
 import warnings
 
 from ddpkit.series import Series, run_or_fail, timed_rounds
+from ddpkit.units import human_bytes
 
 
 def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: int = 1, **common) -> dict:
@@ -133,15 +134,6 @@ def _add_ratios(records: list[dict]) -> None:
             r["torch_reference"] = ref["strategy"]
 
 
-def _human_bytes(n: float) -> str:
-    """Sizes in binary units (KiB, MiB, GiB), as every notebook, plot and the widget give them."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def format_table(records: list[dict]) -> str:
     """The compare results as a fixed-width text table (bytes per rank; sent = ring cost)."""
     cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch", "ratio"),
@@ -162,7 +154,7 @@ def format_table(records: list[dict]) -> str:
             elif fmt == "ratio":
                 row.append(f"{v:.2f}x {r['torch_reference']}")
             else:
-                row.append(_human_bytes(v) if fmt == "bytes" else fmt.format(v))
+                row.append(human_bytes(v) if fmt == "bytes" else fmt.format(v))
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows if len(row) == len(heads))) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]

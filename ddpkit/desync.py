@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ddpkit.flight import Entry, blocked_in_a_wait, where_in
+from ddpkit.units import human_bytes
 
 AROUND = 3  # collectives drawn before and after the one where the ranks parted
 
@@ -219,16 +220,9 @@ def group_name(group: tuple, world: int | None = None) -> str:
     return f"the group of ranks {who}" if ordinal == 0 else f"group {ordinal} of ranks {who}"
 
 
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def short_entry(e: Entry) -> str:
     """``all_reduce 8.0 MiB`` (``bucket=0``): what a lane shows of a collective."""
-    text = e.op if e.op == "barrier" else f"{e.op} {human_bytes(e.nbytes)}"
+    text = e.op if e.op == "barrier" else f"{e.op} {human_bytes(e.nbytes, 1)}"
     return f"{text} {e.labels}" if e.labels else text
 
 
@@ -244,7 +238,7 @@ def _by_ddp(e: Entry) -> bool:
 def describe_entry(e: Entry) -> str:
     """``all_reduce of 8.0 MiB float32 (via overlapped.py: _sync_gradients), at job.py:40 in step:
     `loss.backward()``` (labels such as ``bucket=0`` while recording)."""
-    what = e.op if e.op == "barrier" else f"{e.op} of {human_bytes(e.nbytes)} {e.dtype}".rstrip()
+    what = e.op if e.op == "barrier" else f"{e.op} of {human_bytes(e.nbytes, 1)} {e.dtype}".rstrip()
     how = ", ".join(x for x in (f"via {e.via}" if e.via else "", e.labels) if x)
     if how:
         what += f" ({how})"

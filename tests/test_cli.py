@@ -126,7 +126,8 @@ def test_predict_prints_a_table_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["2"], ["4"])]
     assert [(r[0], r[1]) for r in rows] == [(n, s) for n in ("2", "4") for s in ("bucketed", "overlapped", "fsdp")]
-    by = {(r[0], r[1]): float(r[-1]) for r in rows}  # kB sent per step
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    by = {(r[0], r[1]): float(r[-2]) * scale[r[-1]] for r in rows}  # sent per step, binary units
     assert by[("2", "fsdp")] == pytest.approx(1.5 * by[("2", "overlapped")], rel=0.05)
     assert png.stat().st_size > 5000
 

@@ -24,6 +24,7 @@ from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import unfit
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.topology import Topology
+from ddpkit.units import human_bytes
 
 MiB = 1024 * 1024
 
@@ -290,8 +291,8 @@ def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), netw
 def format_predictions(predictions: list[Prediction]) -> str:
     """``python -m ddpkit predict``'s table: one line per prediction (bytes: sent by one rank)."""
     lines = [f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  "
-             f"{'sent kB/step':>12}"]
+             f"{'sent/step':>12}"]
     for p in predictions:
         lines.append(f"{p.world_size:>5}  {p.strategy:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  "
-                     f"{p.exposed_comm_ms:12.2f}  {p.comm_bytes_per_step / 1e3:12.1f}")
+                     f"{p.exposed_comm_ms:12.2f}  {human_bytes(p.comm_bytes_per_step):>12}")
     return "\n".join(lines)

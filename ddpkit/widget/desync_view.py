@@ -8,7 +8,8 @@ it waits in another collective, it is still computing). SVG, as the other views 
 """
 from __future__ import annotations
 
-from ddpkit.desync import describe_entry, human_bytes
+from ddpkit.desync import describe_entry
+from ddpkit.units import human_bytes
 from ddpkit.widget.svg import Svg, message
 
 LEFT = 150        # px for the lane labels
@@ -60,7 +61,7 @@ def _box(svg: Svg, x: float, y: float, e, parted: bool) -> None:
     svg.rect(x, y + 6, CELL - 6, LANE - 12, OP_COLOURS.get(e.op, "#eeeeee"),
              stroke=PARTED if parted else "#555", stroke_width=2 if parted else 0.6,
              title=f"#{e.index}: {describe_entry(e)}", class_="ddpkit-collective")
-    text = e.op if e.op == "barrier" else f"{e.op} {human_bytes(e.nbytes)}"
+    text = e.op if e.op == "barrier" else f"{e.op} {human_bytes(e.nbytes, 1)}"
     svg.text(x + (CELL - 6) / 2, y + LANE / 2 + 4, text, size=10, anchor="middle")
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ddpkit.memory import CATEGORIES
 from ddpkit.viz._common import CATEGORY_COLOURS
-from ddpkit.widget.svg import Scale, Svg, human_bytes, message, x_axis
+from ddpkit.units import human_bytes
+from ddpkit.widget.svg import Scale, Svg, message, x_axis
 
 WIDTH = 860
 LEFT = 70

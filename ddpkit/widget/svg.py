@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 
+from ddpkit.units import human_bytes
 from ddpkit.viz._common import comm_colour
 
 FONT = "font-family:sans-serif"
@@ -103,13 +104,6 @@ def message(text: str) -> str:
     return f"<div class='ddpkit-plot-message' style='padding:12px;color:#555;{FONT}'>{html.escape(text)}</div>"
 
 
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def collective_bars(svg: Svg, records, y: float, height: float, ms, t_end: int, when) -> None:
     """One bar per collective record, launch to completion (``t_end`` while still in flight), in
     its bucket's or unit's colour; the hover title says what, how many bytes, then ``when(r)``."""
@@ -117,4 +111,4 @@ def collective_bars(svg: Svg, records, y: float, height: float, ms, t_end: int, 
         end = r.end_ns if r.end_ns is not None else t_end
         which = f"bucket {r.bucket}" if r.bucket is not None else (r.unit or "")
         svg.rect(ms(r.start_ns), y, ms(end) - ms(r.start_ns), height, comm_colour(r), stroke="#333",
-                 stroke_width=0.5, title=f"{r.name} {which}: {human_bytes(r.nbytes)}, {when(r)}")
+                 stroke_width=0.5, title=f"{r.name} {which}: {human_bytes(r.nbytes, 1)}, {when(r)}")
