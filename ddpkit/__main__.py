@@ -25,6 +25,7 @@ from ddpkit.models import MODELS
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.strategies.table import unfit
+from ddpkit.units import human_bytes
 
 
 # --------------------------------------------------------------------------- argument types
@@ -300,7 +301,7 @@ def cmd_trace(args, parser) -> int:
     to_chrome_trace([r["records"] for r in results], path=args.out)
     r0 = results[0]
     print(f"wrote {args.out}: {args.strategy} on {args.world_size} ranks, {1 + args.steps} steps; "
-          f"{r0['comm_bytes_per_step'] / 1e6:.2f} MB sent per rank per step, overlap "
+          f"{human_bytes(r0['comm_bytes_per_step'])} sent per rank per step, overlap "
           f"{r0['overlap_fraction']:.0%}. Open it at https://ui.perfetto.dev")
     return 0
 

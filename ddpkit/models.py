@@ -2,7 +2,7 @@
 
 Two models, both small enough for a laptop CPU:
 - ``MLP``: ``depth`` residual Linear(width, width) + ReLU blocks and a Linear head. The default
-  (width 256, depth 32) has 66 parameter tensors and 2.1 M parameters (8.4 MB in fp32):
+  (width 256, depth 32) has 66 parameter tensors and 2.1 M parameters (8.04 MiB in fp32):
   many same-sized layers, so bucketing and overlap have something to work with.
 - ``TinyGPT``: a GPT-style decoder (token + position embeddings, pre-norm blocks with causal
   self-attention and an MLP, a head tied to the token embedding). It exercises tied

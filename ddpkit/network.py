@@ -146,7 +146,7 @@ LINKS = {
     "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),
     "1GbE": Link("1GbE", alpha=50e-6, beta=1 / 0.11e9),
     # The papers' regime on a laptop: communication dominates the step, as the DDP paper found
-    # on its clusters as models grow (docs/papers.md). With the course's default MLP (8.4 MB of
+    # on its clusters as models grow (docs/papers.md). With the course's default MLP (8.04 MiB of
     # gradients) on 2 CPU ranks of the development machine, one all-reduce of every gradient
     # takes ~14 ms on this link, about twice the backward pass (~7 ms), so bucket sizes and
     # overlap decide the step time, as on the papers' clusters.

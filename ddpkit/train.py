@@ -42,6 +42,7 @@ from ddpkit.models import MODELS
 from ddpkit.rankside import comm_counts, set_device, set_topology
 from ddpkit.strategies.table import DEFAULT, NAMES
 from ddpkit.topology import Topology
+from ddpkit.units import human_bytes
 from ddpkit.workload import named
 
 
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     if rank == 0:
         sent = sum(count[1] for count in comm_counts().values())  # every collective this rank took part in
         print(f"final checksum {checksum:.10f} ({args.strategy}, {world} ranks, {args.steps} steps); "
-              f"rank 0 sent {sent / 1e6:.3f} MB through ddpkit's process group", flush=True)
+              f"rank 0 sent {human_bytes(sent)} through ddpkit's process group", flush=True)
         if args.save:
             torch.save({k: v.cpu() for k, v in full.items()}, args.save)
     # Leave together, and free the wrapper (its hooks, flat buffers and collective handles)

@@ -3,7 +3,7 @@
 One idea more than ``NaiveDDP``: a ring all-reduce of S bytes over N ranks costs about
 2(N-1) alpha + 2(N-1)/N S beta. Per-parameter all-reduces pay the latency alpha once per
 tensor; packing the gradients into a few large flat buffers ("buckets") pays it once per
-bucket and moves the same bytes. The default MLP (66 tensors, 8.4 MB of fp32 gradients)
+bucket and moves the same bytes. The default MLP (66 tensors, 8.04 MiB of fp32 gradients)
 fits one 25 MiB bucket: 1 collective per step instead of 66.
 
 Bucket assignment follows torch DDP (``buckets.assign_buckets``):
@@ -19,7 +19,7 @@ default, and rebuilds the buckets once in the order gradients actually arrived; 
 Copies, not views: after backward each gradient is copied into its bucket slot (scaled by
 1/N on the way), the bucket is all-reduced, and the averaged values are copied back into
 ``.grad``. Cost: memory, one extra copy of all gradients (the buckets, ``comm_buffer_bytes()``,
-8.4 MB for the default MLP); time, one copy in and one copy out per step (cheap next to the
+8.04 MiB for the default MLP); time, one copy in and one copy out per step (cheap next to the
 network). torch DDP's ``gradient_as_bucket_view=True`` points ``.grad`` at its bucket slot
 instead, saving the extra memory and the copy out; plain copies are simpler to follow.
 """
