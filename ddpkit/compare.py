@@ -107,9 +107,21 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
             memory=[res["memory"] for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
             overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
             max_param_diff=max(res["max_param_diff"] for res in results),
+            outran_link=_outran(timings.emulated.get(s)),
         ))
     _add_ratios(records)
     return records
+
+
+OUTRAN_NOTE = 0.25  # format_table says so where at least this share of collectives outran the link
+
+
+def _outran(counts) -> float | None:
+    """The share of a run's emulated collectives whose real transfer took longer than the link
+    (None off a network): there the network is faster than this machine can emulate."""
+    if not counts or not counts[0]:
+        return None
+    return counts[1] / counts[0]
 
 
 def torch_reference(strategy: str) -> str:
@@ -171,4 +183,9 @@ def format_table(records: list[dict]) -> str:
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
     notes.append("sent/step: bytes one rank sends per step (ring algorithms); inter-node: the part that "
                  "crosses nodes (every rank its own node unless --gpus-per-node); \"-\": not recorded.")
+    slow = [f"{r['strategy']} {r['outran_link']:.0%}" for r in records if (r.get("outran_link") or 0) >= OUTRAN_NOTE]
+    if slow:
+        notes.append("network: this machine's own transport took longer than the emulated link for a share of the "
+                     f"collectives ({', '.join(slow)}): there the network is faster than this machine can emulate, "
+                     "and the times are this machine's transport, not the network's.")
     return "\n".join(lines + [""] + notes)

@@ -238,7 +238,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     """
     import torch.distributed as dist
 
-    from ddpkit.rankside import device, progress, recording
+    from ddpkit.rankside import device, emulation_counts, progress, recording
 
     wl = resolve(workload, model, model_kwargs, seed)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -263,6 +263,8 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
             if step == warmup and dev.type == "cuda":  # the peak of the timed steps only
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
+            if step == warmup:
+                emulated_before = emulation_counts()
             if step >= warmup:
                 timer.start()
             loss = train_batch(wrapped, opt, batch, wl.compute_loss, recorder, max_norm)
@@ -272,12 +274,14 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
             if report_progress:
                 progress(step + 1, total)
         times = timer.result()
+        emulated = [b - a for a, b in zip(emulated_before, emulation_counts(), strict=True)] if steps else [0, 0]
         # the allocator's peak over the timed steps: read now, before what follows (gathering the
         # full model for the comparison, the memory pass) allocates more than a step does
         gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
         out = dict(strategy=strategy, rank=rank, world_size=world, model=wl.name, steps=steps,
                    step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
-                   losses=[float(loss) for loss in losses])
+                   losses=[float(loss) for loss in losses],
+                   emulated_collectives=emulated[0], outran_link=emulated[1])
         if record:
             # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
             # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the

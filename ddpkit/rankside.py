@@ -283,6 +283,16 @@ def real_transport():
         comm.emulator.enabled = previous
 
 
+def emulation_counts() -> tuple[int, int]:
+    """``(collectives the emulated links carried, of which this machine's own transport took
+    longer than the link)`` so far on this rank, over every link; subtract two for a window.
+    (0, 0) off a network or outside a ddpkit process group."""
+    if _RANK.comm is None:
+        return 0, 0
+    counts = _RANK.comm.emulator.fidelity().values()
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
 def comm_counts() -> dict:
     """``{(collective, link): (calls, bytes sent, bytes the transport moved)}`` so far on this
     rank (empty outside a ddpkit process group). Subtract two snapshots to count a window."""

@@ -68,6 +68,7 @@ class Timings:
 
     per_round: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
+    emulated: dict = field(default_factory=dict)   # label -> [collectives on an emulated link, outran it]
 
 
 def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: int = 1,
@@ -95,4 +96,8 @@ def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: in
                 timings.errors[label] = err
             else:  # as slow as the slowest rank
                 timings.per_round[label].append(max(res["ms_per_step"] for res in results))
+                counts = timings.emulated.setdefault(label, [0, 0])
+                for res in results:
+                    counts[0] += res.get("emulated_collectives", 0)
+                    counts[1] += res.get("outran_link", 0)
     return timings

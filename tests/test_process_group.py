@@ -225,6 +225,61 @@ def test_a_collective_takes_at_least_what_the_emulated_link_takes(cluster_of):
             assert link_s <= took < link_s + 0.5  # the floor is the point; the ceiling only catches a runaway
 
 
+class _SlowWork:
+    """A stand-in for a real collective that moves its bytes in ``seconds``."""
+
+    def __init__(self, seconds):
+        self.done_at = time.perf_counter() + seconds
+
+    def wait(self):
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))
+        return True
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented")
+
+
+@pytest.mark.parametrize(("real_s", "link_s", "outran"), [(0.04, 0.08, 0), (0.08, 0.04, 1)])
+def test_the_link_counts_from_issue_and_the_slower_of_link_and_transport_decides(real_s, link_s, outran):
+    from ddpkit.emulator import Emulator
+
+    emulator = Emulator()
+    t0 = time.perf_counter()
+    work = emulator.submit("inter-node", _SlowWork(real_s), link_s, [torch.ones(1)])
+    work.wait()
+    took = time.perf_counter() - t0
+    # the link replaces the real transfer where it is slower: max(real, link), not real + link
+    assert max(real_s, link_s) <= took < max(real_s, link_s) + 0.03, took
+    assert emulator.fidelity()["inter-node"][:2] == (1, outran)  # the machine outran the link, or not
+
+
+def _emulated_share():
+    from ddpkit.experiment import run_strategy
+
+    out = run_strategy("bucketed", steps=2, model_kwargs=SMALL_MLP)
+    return out["emulated_collectives"], out["outran_link"]
+
+
+def test_a_run_counts_the_collectives_whose_real_transfer_outran_the_link(cluster_of):
+    with on_network(cluster_of(2), "0,1000") as c:       # 1 TB/s, no latency: loopback takes longer
+        for carried, outran in c.run(_emulated_share):
+            assert carried >= 2 and outran == carried
+    with on_network(c, "20000,0.1"):                     # 20 ms a message: the link is slower
+        for carried, outran in c.run(_emulated_share):
+            assert carried >= 2 and outran == 0
+    assert c.run(_emulated_share) == [(0, 0), (0, 0)]    # loopback: nothing emulated
+
+
+def test_compare_says_where_the_network_is_faster_than_this_machine_can_emulate():
+    from ddpkit.compare import format_table
+
+    row = dict(strategy="overlapped", ms_per_step=30.0, comm_bytes_per_step=2**20, max_param_diff=0.0)
+    assert "faster than this machine can emulate" in format_table([dict(row, outran_link=0.6)])
+    assert "overlapped 60%" in format_table([dict(row, outran_link=0.6)])
+    assert "emulate" not in format_table([dict(row, outran_link=0.1)])
+    assert "emulate" not in format_table([row])
+
+
 def _async_overlaps_compute_and_sleeps():
     """Launch an all-reduce on a slow link, compute while it travels, then wait."""
     t = torch.ones(100_000)
