@@ -16,9 +16,9 @@ pace of the inter-node link, one inside a node at the intra-node link's. Two con
 - the emulator (``ddpkit.emulator``), which makes a collective on this laptop last as long as it
   would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
 - the cost model (``ddpkit.costmodel``), which predicts a step. On an emulated network a
-  collective first takes what the real transport underneath takes (gloo over loopback here), then
-  what the emulated link adds: that transport is the network's ``floor``, a Link fitted on this
-  machine (``Network.transport_time`` and ``Network.emulated_time``).
+  collective moves on the real transport underneath (gloo over loopback here) and on the
+  emulated link side by side, and takes the longer of the two: that transport is the network's
+  ``floor``, a Link fitted on this machine (``Network.transport_time`` and ``Network.emulated_time``).
 """
 from __future__ import annotations
 
@@ -232,9 +232,9 @@ class Network:
         return collective_time(op, nbytes, world_size, self.floor) if self.floor is not None else 0.0
 
     def collective_time(self, op: str, nbytes: float, world_size: int) -> float:
-        """Seconds for one collective over all ``world_size`` ranks on its own: the real transport's
-        time, then the emulated link's (the emulator runs them in that order)."""
-        return self.transport_time(op, nbytes, world_size) + self.emulated_time(op, nbytes, range(world_size))
+        """Seconds for one collective over all ``world_size`` ranks on its own: the slower of the
+        real transport and the emulated link (the emulator runs them side by side, from issue)."""
+        return max(self.transport_time(op, nbytes, world_size), self.emulated_time(op, nbytes, range(world_size)))
 
     def with_floor(self, floor: Link | None) -> Network:
         """The same network over another real transport (e.g. one fitted on this machine)."""

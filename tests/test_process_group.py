@@ -412,9 +412,11 @@ def test_network_times_follow_the_ring_formulas_and_the_tiers():
     assert net.emulated_time("all_reduce", s, [0, 1, 2, 3]) == pytest.approx(collective_time("all_reduce", s, 4, inter))
     assert net.emulated_time("all_gather", s, [2, 3]) == pytest.approx(intra.alpha + s / 2 * intra.beta)
     assert Network.of("loopback").emulated_time("all_reduce", s, [0, 1]) == 0.0
-    floor = Link("floor", alpha=1e-3, beta=0.0)
+    floor = Link("floor", alpha=1e-3, beta=0.0)  # the slower of the real transport and the link decides
     assert Network.of("10GbE").with_floor(floor).collective_time("all_reduce", s, 2) == pytest.approx(
-        2e-3 + collective_time("all_reduce", s, 2, inter))
+        max(2e-3, collective_time("all_reduce", s, 2, inter)))
+    slow_floor = Link("floor", alpha=1.0, beta=0.0)
+    assert Network.of("10GbE").with_floor(slow_floor).collective_time("all_reduce", s, 2) == pytest.approx(2.0)
     assert Network.from_dict(net.to_dict()) == net
 
 

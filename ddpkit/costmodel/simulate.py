@@ -94,9 +94,10 @@ class Prediction:
 class _Stream:
     """One communication stream: collectives run one at a time, in the order issued.
 
-    On an emulated network it is two stages in a row, as the emulator runs them: the real
-    transport (one at a time, on the backend's thread), then the emulated link (one at a time),
-    so collective k may be on the link while collective k+1 moves on the transport.
+    On an emulated network it is two stages side by side, as the emulator runs them: the real
+    transport (one at a time, on the backend's thread) and the emulated link (one at a time),
+    both starting when the collective is issued (or when each frees up); it completes when both
+    are done (``ddpkit.emulator``: the slower of the two decides).
     """
 
     def __init__(self, world_size: int, network: Network):  # collectives over all world_size ranks
@@ -117,8 +118,8 @@ class _Stream:
         real = self.net.transport_time(name, nbytes, len(ranks))
         link = self.net.emulated_time(name, nbytes, ranks)
         self.transport_free = max(at, self.transport_free) + real
-        self.free = max(self.transport_free, self.free) + link
-        self.busy += real + link
+        self.free = max(self.transport_free, max(at, self.free) + link)
+        self.busy += max(real, link)
         self.bytes += ring_bytes(name, nbytes, len(ranks))
         self.count += 1
         return self.free

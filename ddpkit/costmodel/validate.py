@@ -42,10 +42,10 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     machine hits calibration and measurement alike. The model sees only the calibration and
     the profile, never a strategy's timing. On an emulated network (``cluster.network``) the
     collectives are calibrated with the emulation switched off: the fit is the real transport
-    underneath, and the model adds the emulated links, whose parameters it knows. Returns
+    underneath, and the model runs the emulated links beside it, whose parameters it knows. Returns
     ``(records, transport, profile)``: one record per strategy with ``predicted_ms`` (each
-    collective the transport's fitted line, then the emulated link's time, added as the emulator
-    runs them),
+    collective the longer of the transport's fitted line and the emulated link's time, as the
+    emulator runs them),
     ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
     ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
     the calibration's timings instead, ``Link.measured``, which holds them). A strategy that
