@@ -55,6 +55,28 @@ def test_one_bucket_equals_one_process(cluster_of, world_size):
             assert diff < TOL, f"{strategy} cap=25: rank {rank} off by {diff}"
 
 
+def _first_bucket_run(first_bucket_mb):
+    rank = dist.get_rank()
+    out = {}
+    for cls in (ddpkit.BucketedDDP, ddpkit.OverlappedDDP):
+        module = build_model("mlp", seed=rank, **SMALL_MLP)
+        model = cls(module, bucket_cap_mb=25.0, first_bucket_mb=first_bucket_mb)
+        train_on_rank(model, module, make_optimizer(model.parameters(), "sgd"), 5, 12)
+        out[cls.__name__] = (model.full_state_dict(), [b.nbytes for b in model.buckets])
+    return out
+
+
+def test_a_first_bucket_of_its_own_as_torch_ddp_lays_them_out_and_equals_one_process(cluster_of):
+    # SMALL_MLP holds 5 KiB of gradients: a 1 KiB first bucket, the rest in one more (torch's default layout, scaled)
+    reference = reference_params("mlp", "sgd", batch=12, **SMALL_MLP)
+    for out in cluster_of(2).run(_first_bucket_run, 1 / 1024):
+        for name, (params, sizes) in out.items():
+            assert len(sizes) == 2 and 1024 <= sizes[0] < sum(sizes) / 2, (name, sizes)
+            assert max_abs_diff(params, reference) < TOL, name
+    with pytest.raises(ValueError, match="MiB"):
+        ddpkit.OverlappedDDP(nn.Linear(2, 2), first_bucket_mb=-1)
+
+
 class BatchNormNet(nn.Module):
     def __init__(self):
         super().__init__()

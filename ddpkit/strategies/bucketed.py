@@ -14,7 +14,9 @@ Bucket assignment follows torch DDP (``buckets.assign_buckets``):
 - a bucket holds one dtype on one device (it is a single flat tensor);
 - frozen parameters are left out, tied parameters are in once.
 (torch DDP additionally caps its first bucket at 1 MiB when ``bucket_cap_mb`` is left at its
-default, and rebuilds the buckets once in the order gradients actually arrived; we don't.)
+default, and rebuilds the buckets once in the order gradients actually arrived. Here the cap is
+taken literally, so that a cap sweep shows both ends of the trade-off (the course's MLP in one
+bucket at 25 MiB); ``first_bucket_mb=1`` gives torch's default layout. No rebuild.)
 
 Copies, not views: after backward each gradient is copied into its bucket slot (scaled by
 1/N on the way), the bucket is all-reduced, and the averaged values are copied back into
@@ -35,9 +37,9 @@ class BucketedDDP(DDPModule):
     """Copy gradients into flat buckets after backward and all-reduce each bucket once."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-                 recorder=None, find_unused_parameters: bool = False):
+                 recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
-                         find_unused_parameters=find_unused_parameters)
+                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)
         if self.recorder.enabled:
             # Hooks only to *record* when each gradient becomes ready (the bucket fill order);
             # the reduction itself still waits for the end of backward. Recording off: no hooks.

@@ -139,11 +139,13 @@ class Bucket:
                 p.grad.copy_(slot)
 
 
-def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket) -> list:
+def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket, first_bucket_mb: float | None = None) -> list:
     """The buckets for ``named_params`` ((name, parameter), registration order): one
-    ``bucket(index, [(name, parameter), ...])`` each (ZeRO-1/2 pass their sharded bucket)."""
+    ``bucket(index, [(name, parameter), ...])`` each (ZeRO-1/2 pass their sharded bucket).
+    ``first_bucket_mb``: a cap of its own for the first bucket (torch DDP's default layout: 1)."""
     cap = bucket_cap_bytes(bucket_cap_mb)
+    first = None if first_bucket_mb is None else bucket_cap_bytes(first_bucket_mb)
     sizes = [nbytes(p) for _, p in named_params]
     kinds = [(p.dtype, p.device) for _, p in named_params]  # a bucket is one flat tensor
     return [bucket(i, [named_params[k] for k in indices])
-            for i, indices in enumerate(assign_buckets(sizes, cap, kinds))]
+            for i, indices in enumerate(assign_buckets(sizes, cap, kinds, first_cap_bytes=first))]

@@ -48,9 +48,12 @@ class DDPModule(nn.Module, Joinable):
     """
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
-                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False):
+                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
+                 first_bucket_mb: float | None = None):
         if bucketed:
             bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
+            if first_bucket_mb is not None:
+                bucket_cap_bytes(first_bucket_mb)
         super().__init__()
         Joinable.__init__(self)
         prepare_module(type(self).__name__, module, process_group)
@@ -67,7 +70,8 @@ class DDPModule(nn.Module, Joinable):
         self._comm_hook = None      # register_comm_hook: how a bucket is reduced
         if bucketed:  # the flat buckets, in the order they fill (buckets.py)
             self.bucket_cap_mb = bucket_cap_mb
-            self.buckets = make_buckets(self.named_grads, bucket_cap_mb)
+            self.first_bucket_mb = first_bucket_mb
+            self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb)
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
