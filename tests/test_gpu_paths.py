@@ -162,7 +162,8 @@ def test_the_emulator_waits_for_a_cuda_collective_on_the_host_and_leaves_the_rea
     work.finished.set()  # the GPU reached the collective's end
     t0 = time.perf_counter()
     assert emulated.wait()
-    assert time.perf_counter() - t0 >= 0.045  # the emulated link's time counts from the GPU's end
+    # the link's 50 ms ran beside the GPU's work, from issue: once the GPU is done, little is left to wait
+    assert time.perf_counter() - t0 < 0.045
     assert work.waits == ["MainThread"]  # the real wait, in the caller's thread: its stream waits
     assert emulated.get_future().value() is result
     assert ("ddpkit-link-intra-node", torch.device("cuda", 3)) in set_device.calls
