@@ -467,3 +467,37 @@ def test_ranks_magic_picks_the_named_or_the_newest_running_cluster():
         magic.find_cluster({"n": 3}, "n")
     with pytest.raises(UsageError, match="no variable"):
         magic.find_cluster({}, "nope")
+
+
+# ----------------------------------------------------------------------------- flight rings on disk
+def test_shutdown_removes_the_flight_rings_and_a_restart_makes_new_ones():
+    c = Cluster(2)
+    try:
+        c.run(lambda: None)
+        first = c._events.rings.dir
+        assert first and {"rank0.ring", "rank1.ring"} <= set(os.listdir(first))
+        c.restart()
+        assert not os.path.exists(first)
+        c.run(lambda: None)
+        second = c._events.rings.dir
+        assert second and second != first and os.path.isdir(second)
+    finally:
+        c.shutdown()
+    assert not os.path.exists(second)
+
+
+def test_ring_directories_of_parents_no_longer_running_are_swept(tmp_path):
+    import subprocess
+
+    from ddpkit.cluster.watch import PREFIX, sweep
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid runs nothing now
+    dead = tmp_path / f"{PREFIX}{gone.pid}-abc123"
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-def456"
+    other = tmp_path / "ddpkit-something-else"
+    for d in (dead, mine, other):
+        d.mkdir()
+        (d / "rank0.ring").write_bytes(b"x")
+    assert sweep(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and mine.exists() and other.exists()

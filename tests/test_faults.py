@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -227,6 +228,12 @@ def test_a_plain_script_works_and_its_ranks_exit_when_it_is_sigkilled(tmp_path):
         while time.monotonic() < deadline and any(_running(p) for p in pids):
             time.sleep(0.1)
         assert not any(_running(p) for p in pids), "orphaned ranks"
+        # no cleanup ran in the parent: its flight rings are left, until the next Cluster sweeps them
+        from ddpkit.cluster.watch import PREFIX, sweep
+
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        left = [d for d in os.listdir(base) if d.startswith(f"{PREFIX}{parent.pid}-")]
+        assert len(left) == 1 and left[0] in sweep(base) and not os.path.exists(os.path.join(base, left[0]))
     finally:
         parent.kill()
         parent.wait()

@@ -236,7 +236,8 @@ class Workers:
 
     # ------------------------------------------------------------------ stopping
     def stop(self) -> None:
-        """Ask every rank to stop, kill those still running after 3 s, release the ports."""
+        """Ask every rank to stop, kill those still running after 3 s, release the ports, remove
+        the flight rings."""
         for conn in list(self.conns):
             try:
                 conn.send(("stop",))
@@ -249,6 +250,7 @@ class Workers:
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
+        self.events.rings.close()  # the ranks' flight rings: nobody writes or reads them any more
         self.events.flush_lines()
         self.events.set_all("stopped")
 

@@ -20,26 +20,41 @@ import weakref
 
 from ddpkit import flight
 from ddpkit.desync import RankView, diagnose
+from ddpkit.liveness import alive
 
 ASK_S = 0.5  # how long a rank has to answer a request for its stack
 
 
+PREFIX = "ddpkit-flight-"  # then the parent's pid and a random part: ddpkit-flight-<pid>-<random>
+
+
 class Rings:
-    """One ring file per rank, in a private directory removed with this object (or at exit)."""
+    """One ring file per rank, in a private directory, removed when the cluster shuts down
+    (``close``), with this object, or at exit. A parent killed before any of those (a kernel
+    killed by Jupyter) leaves its directory: the next ``Rings`` of any process removes those of
+    parents no longer running (``sweep``)."""
 
     def __init__(self):
         self.dir: str | None = None
+        self._finalizer = None
 
     def path(self, rank: int) -> str:
         if self.dir is None:
             base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            self.dir = tempfile.mkdtemp(prefix="ddpkit-flight-", dir=base)
-            weakref.finalize(self, shutil.rmtree, self.dir, True)
+            sweep(base or tempfile.gettempdir())
+            self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
         path = os.path.join(self.dir, f"rank{rank}.ring")
         if not os.path.exists(path):
             with open(path, "wb") as f:
                 f.truncate(flight.ring_size())
         return path
+
+    def close(self) -> None:
+        """Remove the directory now (the ranks are gone); the next ``path`` makes a new one."""
+        if self._finalizer is not None:
+            self._finalizer()  # rmtree, once
+        self.dir, self._finalizer = None, None
 
     def read(self, rank: int, pid: int | None) -> list | None:
         """The rank's entries, oldest first; None if its ring holds nothing of this process."""
@@ -47,6 +62,18 @@ class Rings:
             return None
         found = flight.read(os.path.join(self.dir, f"rank{rank}.ring"), pid)
         return None if found is None else found[1]
+
+
+def sweep(base: str) -> list[str]:
+    """Remove the ring directories under ``base`` whose parent process is no longer running;
+    the names removed."""
+    removed = []
+    for name in os.listdir(base):
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 class Watch:

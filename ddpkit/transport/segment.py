@@ -34,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddpkit.liveness import alive
+
 # Where the slab lives: tmpfs on Linux; elsewhere (macOS) a temporary file, unlinked at once too.
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 ROW = 16                 # int64 words per rank in the control area
@@ -83,21 +85,6 @@ def unlink_segments(prefix: str) -> int:
             except OSError:
                 pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    """Is process ``pid`` still running (not gone, not a zombie waiting to be reaped)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): kill(pid, 0) is all we know
 
 
 class Segment:
@@ -220,7 +207,7 @@ class Segment:
     def _check_peers(self, what: str) -> None:
         for k in range(self.size):
             pid = self.ctrl[k * ROW + PID]
-            if k != self.rank and pid and not _alive(pid):
+            if k != self.rank and pid and not alive(pid):
                 raise ShmError(f"{what}: rank {k} of this group (pid {pid}) died; the collective cannot "
                                "complete")
 
