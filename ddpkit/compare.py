@@ -185,7 +185,8 @@ def format_table(records: list[dict]) -> str:
                  "crosses nodes (every rank its own node unless --gpus-per-node); \"-\": not recorded.")
     slow = [f"{r['strategy']} {r['outran_link']:.0%}" for r in records if (r.get("outran_link") or 0) >= OUTRAN_NOTE]
     if slow:
-        notes.append("network: this machine's own transport took longer than the emulated link for a share of the "
-                     f"collectives ({', '.join(slow)}): there the network is faster than this machine can emulate, "
-                     "and the times are this machine's transport, not the network's.")
+        notes.append("network: the real transfer ended after the emulated link's time for a share of the "
+                     f"collectives ({', '.join(slow)}; this machine's transport, or a rank that came late): there "
+                     "the network is faster than this machine can emulate, and the times are this machine's, "
+                     "not the network's.")
     return "\n".join(lines + [""] + notes)

@@ -14,8 +14,7 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
   transfer's, as on the network itself; collectives on one link run one after another, in
   issue order. (The rule was chosen on measurement, stage 3, on a 2-core machine: counted
   *after* the real transfer, a 1 MiB all-reduce on 1GbE took the link's 9.7 ms plus loopback's
-  1-3.6 ms, and the cost model, which knows only the link, came out short of every measured
-  step; counted from issue, the emulated time is the link's wherever the link is slower.)
+  1-3.6 ms; counted from issue, it takes the link's time wherever the link is slower.)
 - where this machine's transport is *slower* than the link, the real transfer decides: the
   network is faster than this machine can emulate. Each link counts how often that happened
   (``Emulator.fidelity``); ``compare`` says so under its table instead of printing figures that
@@ -67,7 +66,6 @@ class _Link:
         self.free_s = 0.0
         self.carried = 0         # collectives this link completed
         self.outran = 0          # ... of which the real transfer ended after the link's time
-        self.outran_s = 0.0      # by how much, in all
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name=f"ddpkit-link-{name}", daemon=True)
         self.thread.start()
@@ -96,9 +94,7 @@ class _Link:
             done = max(real_end, link_end)
             self.free_s = done
             self.carried += 1
-            if real_end > link_end:  # this machine's transport was slower than the link
-                self.outran += 1
-                self.outran_s += real_end - link_end
+            self.outran += real_end > link_end  # the real transfer (or a late peer) took longer
             delay = done - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
@@ -147,12 +143,13 @@ class Emulator:
         self._link(kind, device if on_gpu else None).queue.put(_Transfer(work, future, link_s, result, on_gpu, issued))
         return EmulatedWork(future, work if on_gpu else None)
 
-    def fidelity(self) -> dict[str, tuple[int, int, float]]:
-        """``{link: (collectives carried, of which the real transfer outran the link, seconds by
-        which it did in all)}`` so far; subtract two to count a window. Where most collectives
-        outran their link, the network is faster than this machine can emulate."""
+    def fidelity(self) -> dict[str, tuple[int, int]]:
+        """``{link: (collectives carried, of which the real transfer outran the link)}`` so far;
+        subtract two to count a window. Where many collectives outran their link, the network is
+        faster than this machine can emulate (a rank that issues late also makes the real
+        transfer end late: the count is an upper bound on the transport's share)."""
         with self._lock:
-            return {kind: (link.carried, link.outran, link.outran_s) for kind, link in self._links.items()}
+            return {kind: (link.carried, link.outran) for kind, link in self._links.items()}
 
     def _link(self, kind: str, device=None) -> _Link:
         with self._lock:

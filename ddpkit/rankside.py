@@ -290,7 +290,7 @@ def emulation_counts() -> tuple[int, int]:
     if _RANK.comm is None:
         return 0, 0
     counts = _RANK.comm.emulator.fidelity().values()
-    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return sum(carried for carried, _ in counts), sum(outran for _, outran in counts)
 
 
 def comm_counts() -> dict:
