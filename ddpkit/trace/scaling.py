@@ -285,6 +285,7 @@ def format_gaps(gaps) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.append("")
-    lines.append("ms per step. ideal: 1 rank's time / N (strong) or 1 rank's time (weak); gap = measured - ideal "
-                 "= contention + host + exposed comm + straggler + residual (residual as a share of the gap).")
+    lines.append("ms per step. ideal: 1 rank's time / N (strong) or 1 rank's time (weak).")
+    lines.append("gap = measured - ideal = contention + host + exposed comm + straggler + residual "
+                 "(residual: its share of the gap).")
     return "\n".join(lines)
