@@ -231,6 +231,31 @@ def _join_device(cfg: dict) -> str:
     return str(rankside.device()) if cfg.get("gpu") is not None else "cpu"
 
 
+def _keep_freed_memory() -> None:
+    """Keep the memory a step frees in this process, for the next step to reuse.
+
+    glibc's malloc hands big freed blocks back to the kernel (a gradient or an activation of the
+    course's MLP is 256 KiB) and adapts that threshold as it goes; a training step that frees
+    and reallocates the same tensors then faults every page in again, zeroed by the kernel.
+    On the 2-core reference machine that came and went from run to run: 300 000 page faults
+    instead of 70 000 over 150 steps, and a step 30% slower. Fixed thresholds (freed memory up
+    to 1 GiB stays, blocks below 32 MiB come from the heap) make every run the fast one. glibc
+    only (Linux); elsewhere nothing changes."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3   # mallopt's parameter numbers (malloc.h)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+        libc.mallopt(m_mmap_threshold, 32 << 20)      # glibc's largest allowed on 64-bit
+    except (OSError, AttributeError):                 # not glibc (musl has no mallopt)
+        pass
+
+
 def _before_job() -> None:
     """What each job starts from: on a GPU, the allocator's peak counted afresh (a rank outlives
     its jobs; ``memory.reset_cuda_peak``)."""
@@ -270,6 +295,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    _keep_freed_memory()
     if cfg["threads"]:  # 0: keep torch's default (one thread per core)
         torch.set_num_threads(cfg["threads"])
     try:

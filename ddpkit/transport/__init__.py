@@ -7,7 +7,7 @@
 
 ``ddpkit.process_group`` builds it when a Cluster runs with ``transport="shm"``.
 """
-from ddpkit.transport.segment import unlink_segments
-from ddpkit.transport.shm import ShmBackend, ShmError
+from ddpkit.transport.segment import ShmError, unlink_segments
+from ddpkit.transport.shm import ShmBackend
 
 __all__ = ["ShmBackend", "ShmError", "unlink_segments"]

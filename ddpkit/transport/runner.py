@@ -1,30 +1,60 @@
-"""A group's collectives, run one at a time in issue order: on the group's thread, or on the
-thread that waits for one.
+"""A group's queue of pieces, and who moves it: the thread that issues, the one that waits, or the
+group's own thread.
 
-Every rank must run a group's collectives in the same order, so each group has one queue. Its
-thread runs what was issued asynchronously (a bucket's all-reduce launched from a gradient hook
-progresses while backward goes on). But many calls are waited for at once (``dist.all_reduce``
-without ``async_op``: torch sets ``opts.asyncOp = False`` and calls ``wait()`` next), and
-handing those to a thread and back costs two wake-ups and the GIL passed back and forth, more
-than a small collective itself on a loaded 2-core machine. So ``Work.wait()`` runs the queue up
-to its own collective in the waiting thread, unless the group's thread is already at it, and a
-collective issued to be waited for at once does not even wake the thread. Whoever holds
-``running`` runs the queue, always from its head, so the order holds. ``running`` is reentrant:
-a future's callbacks run inside ``run`` when it completes, and one that issues a collective and
-waits for it (a comm hook) must run it there, not wait for itself.
+Every collective is a list of ``Piece``s (``ddpkit.transport.shm`` cuts them), each deposited
+into its slot and later completed (``ddpkit.transport.segment``). Every rank deposits and
+completes its pieces in issue order, the same order on every rank, so one queue per group holds
+them, and two counters say how far it got:
+
+    completed <= deposited <= issued,   deposited - completed <= S (a slot per piece in flight)
+
+A piece is deposited as soon as its slot is free (every rank completed the piece S before it),
+and completed once every peer has deposited it too. Both usually happen right where the
+collective is issued: a bucket's all-reduce launched from a gradient hook copies the bucket into
+the slab there and then (a memcpy), and the rank that comes last completes it there too. Only
+what must wait for a peer is left behind, and whoever gets there first moves it on:
+
+- ``Work.wait()`` moves the queue up to its own collective, sleeping on the doorbells, unless
+  another thread is already moving it;
+- otherwise the group's thread does, woken when an asynchronous collective is left unfinished,
+  so a collective launched from a hook progresses while backward goes on.
+
+``running`` (reentrant) is held by whoever moves the queue. A future's callbacks run inside the
+move that completes it; one that issues a collective and waits for it (a comm hook) moves the
+queue further from there, which is why every step re-reads the counters.
 """
 from __future__ import annotations
 
 import collections
+import queue
 import threading
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from ddpkit.torch_internals import FutureWork
+from ddpkit.transport.segment import Segment, ShmError
+
+
+@dataclass(eq=False)
+class Piece:
+    """One piece of a collective: what this rank writes into its region of the slot, what it reads
+    out of the slot once every rank has written, and, on the collective's last piece, what then
+    finishes the collective (a copy back) and the future it completes."""
+
+    deposit: object                      # deposit(views): views is the slot as (N, R / itemsize)
+    complete: object                     # complete(views)
+    dtype: torch.dtype
+    fingerprint: tuple[int, int, int]    # (collective number, op code, bytes): the same on every rank
+    what: str                            # for errors: "shm all_reduce #12 (4096 bytes, rank 0 of 2)"
+    finish: object = None                # the last piece's: run after it completes, then
+    future: object = field(default=None)  # ... this completes with the collective's result
+    result: object = None
 
 
 class Work(FutureWork):
-    """A collective in flight: ``wait()`` runs the group's queue up to it if no thread is doing
+    """A collective in flight: ``wait()`` moves the group's queue up to it if no thread is doing
     so, then blocks until it is done and raises its error."""
 
     def __init__(self, runner: Runner | None, future):
@@ -45,60 +75,154 @@ def finished(value) -> Work:
 
 
 class Runner:
-    """One group's queue of collectives and the thread that runs them when nobody waits."""
+    """One group's queue of pieces (see the module docstring)."""
 
-    def __init__(self, name: str):
-        self.name = name
-        self._pending: collections.deque = collections.deque()   # (run, future), in issue order
-        self._lock = threading.Lock()        # guards _pending
-        self._running = threading.RLock()     # held by whichever thread runs the queue now
-        self._bell = threading.Semaphore(0)  # wakes the group's thread
+    def __init__(self, segment: Segment, name: str, timeout_s: float):
+        self.seg, self.name, self.timeout_s = segment, name, timeout_s
+        self._pieces: collections.deque = collections.deque()  # issued and not completed, in order
+        self._issued = self._deposited = self._completed = 0
+        self._heard = dict.fromkeys(segment.peers, 0)   # pieces each peer is known to have deposited
+        self._freed = dict.fromkeys(segment.peers, 0)   # ... and to have completed
+        self._lock = threading.Lock()                   # guards _pieces and _issued (issuers append)
+        self._running = threading.RLock()               # held by whoever moves the queue
+        self._bell: queue.SimpleQueue = queue.SimpleQueue()  # wakes the group's thread
         self._thread: threading.Thread | None = None
+        self._failed: ShmError | None = None
 
-    def submit(self, run, waited: bool = False) -> Work:
-        """Queue ``run(future)`` (it must complete the future) behind the earlier ones.
-        ``waited``: the caller waits for it next (a synchronous call), so it runs then, there."""
+    # ------------------------------------------------------------------ issuing and waiting
+    def submit(self, pieces: list, result, waited: bool) -> Work:
+        """Queue a collective's pieces (the last one completes the returned Work's future with
+        ``result``); deposit and complete what can be, here, without waiting. ``waited``: the
+        caller waits for it next (a synchronous call), so what is left is moved on then, there."""
         future = torch.futures.Future()
+        if self._failed is not None:
+            future.set_exception(ShmError(f"{pieces[0].what}: this group failed earlier: {self._failed}"))
+            return Work(None, future)
+        pieces[-1].future, pieces[-1].result = future, result
         with self._lock:
-            self._pending.append((run, future))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-                self._thread.start()
-        if not waited:
-            self._bell.release()
+            self._pieces.extend(pieces)
+            self._issued += len(pieces)
+        if self._running.acquire(blocking=False):
+            try:
+                self._move(until=None, block=False)
+            finally:
+                self._running.release()
+        if not future.done() and not waited:
+            self._wake_thread()
         return Work(self, future)
 
     def help(self, future) -> None:
-        """From ``Work.wait()``: if nobody runs the queue, run it here up to ``future``."""
+        """From ``Work.wait()``: if nobody moves the queue, move it here up to ``future``."""
         if not future.done() and self._running.acquire(blocking=False):
             try:
-                self._run(until=future)
+                self._move(until=future, block=True)
             finally:
                 self._release()
 
+    def _wake_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self._thread.start()
+        self._bell.put(None)
+
     def _serve(self) -> None:
         while True:
-            self._bell.acquire()
-            # Held by a waiter: it runs the queue, and rings again if it leaves work behind.
-            if self._running.acquire(blocking=False):
-                try:
-                    self._run(until=None)
-                finally:
-                    self._release()
-
-    def _run(self, until) -> None:
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                run, future = self._pending.popleft()
-            run(future)
-            if future is until:
-                return
+            self._bell.get()
+            with self._running:  # a waiter holding it moves the queue up to its own collective, then lets go
+                self._move(until=None, block=True)
 
     def _release(self) -> None:
         self._running.release()
         with self._lock:
-            left = bool(self._pending)
-        if left:  # queued while we ran, after the thread gave up on the lock: its turn now
-            self._bell.release()
+            left = self._failed is None and self._completed < self._issued
+        if left:  # queued while we moved it, beyond our own collective: the thread's turn now
+            self._wake_thread()
+
+    # ------------------------------------------------------------------ moving the queue
+    def _move(self, until, block: bool) -> None:
+        """Deposit and complete pieces in order until ``until`` (a future) is done, or nothing is
+        left; ``block``: sleep on the doorbells for what the peers have not done yet, else stop
+        at the first piece that needs them."""
+        try:
+            while self._failed is None and (until is None or not until.done()) and self._completed < self._issued:
+                if not self._step(block):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - the peers may now wait forever: fail the group
+            self._fail(exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt in a thread that waited: it stops the job as usual
+
+    def _step(self, block: bool) -> bool:
+        """One move: complete the oldest piece if every peer has deposited it, else deposit the next
+        one if its slot is free. Neither without waiting: with ``block``, sleep for the oldest thing
+        the queue needs (the oldest piece's deposits by the peers, or the slot of the next one);
+        else False."""
+        seg = self.seg
+        head_deposited = self._completed < self._deposited
+        if head_deposited and self._hear(self._heard, seg.deposited_in, self._completed, False, ""):
+            self._complete(self._pieces[0])
+            return True
+        if self._can_deposit():
+            q = self._deposited
+            if q < seg.slots or self._hear(self._freed, seg.freed_in, q - seg.slots, False, ""):
+                self._deposit(self._pieces[q - self._completed])
+                return True
+        if not block:
+            return False
+        if head_deposited:
+            self._hear(self._heard, seg.deposited_in, self._completed, True, "has not deposited it")
+        else:
+            self._hear(self._freed, seg.freed_in, self._deposited - seg.slots, True,
+                       "has not completed the collective before it")
+        return True
+
+    def _can_deposit(self) -> bool:
+        return self._deposited < self._issued and self._deposited - self._completed < self.seg.slots
+
+    def _hear(self, counts: dict, bells: dict, q: int, block: bool, late: str) -> bool:
+        """Has every peer rung ``bells`` for piece ``q`` (counts[k] > q)? Takes the rings there are;
+        with ``block`` sleeps for the missing ones (until the group's timeout)."""
+        deadline = time.monotonic() + self.timeout_s if block else None
+        what = self._pieces[0].what if self._pieces else self.name
+        for k in self.seg.peers:
+            while counts[k] <= q:
+                if not self.seg.take(bells[k], k, deadline, what, late):
+                    return False
+                counts[k] += 1
+        return True
+
+    def _deposit(self, piece: Piece) -> None:
+        slot = self._deposited % self.seg.slots
+        views = self.seg.views(piece.dtype)[slot]
+        self.seg.stamp(slot, piece.fingerprint)
+        piece.deposit(views)
+        self._deposited += 1
+        self.seg.ring(self.seg.deposited_out)
+
+    def _complete(self, piece: Piece) -> None:
+        slot = self._completed % self.seg.slots
+        self.seg.check(slot, piece.what)
+        piece.complete(self.seg.views(piece.dtype)[slot])
+        with self._lock:
+            self._pieces.popleft()
+            self._completed += 1
+        self.seg.ring(self.seg.freed_out)
+        if piece.future is not None:
+            if piece.finish is not None:
+                piece.finish()
+            piece.future.set_result(piece.result)  # callbacks run here (they may issue more)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The collective in progress fails with ``exc``; every one queued behind it, and every
+        later one, fails at once too."""
+        if self._failed is None:
+            what = self._pieces[0].what if self._pieces else self.name
+            self._failed = exc if isinstance(exc, ShmError) else ShmError(f"{what}: {type(exc).__name__}: {exc}")
+        with self._lock:
+            pieces, self._pieces = list(self._pieces), collections.deque()
+        first = True
+        for piece in pieces:
+            if piece.future is not None and not piece.future.done():
+                piece.future.set_exception(self._failed if first else ShmError(
+                    f"{piece.what}: this group failed earlier: {self._failed}"))
+                first = False

@@ -1,22 +1,28 @@
-"""One group's shared memory: a slab every rank maps, a doorbell per rank, and a barrier on them.
+"""One group's shared memory: a slab every rank maps, and doorbells between every pair of ranks.
 
-The slab (C = chunk bytes, N = ranks in the group), one file mapped by every rank:
+The slab (N ranks, S slots, R bytes per region), one file mapped by every rank:
 
-    [control: N rows of 16 int64] [half 0: N regions of C | result C] [half 1: the same]
+    [control: N pids, then S slots x N ranks x 3 int64 fingerprints] [data: S slots x N regions of R]
 
-A collective moves its bytes through one half at a time, a chunk of at most C bytes per rank
-(``ddpkit.transport.shm``); consecutive chunks alternate halves, so a rank may fill the next
-half while a slower one still reads the last (double buffering: one barrier per chunk, not two).
+A collective moves through the slab in *pieces* of at most R bytes per rank; piece q uses slot
+q % S. Each rank writes its part of a piece into its own region of that slot (it *deposits* it),
+and reads the others' regions once they have deposited theirs (it *completes* it). So a rank
+never waits for a peer to deposit -- it waits only to complete, and only for the peers not there
+yet: no barrier, and the rank that arrives last completes at once, in the thread that issued.
 
-Each rank writes only its own control row (its pid, how many barriers it reached, the
-fingerprints of its last two collectives) and reads the others' only after a barrier. The
-doorbells are POSIX semaphores, whose post releases and whose wait acquires memory, so what a
-rank stored before it rang (data, its control row) is what the others see after they heard it,
-on weakly ordered CPUs (ARM) too. A rank waiting for its bell polls it for a few tens of
-microseconds, yielding the core to any thread that wants it (backward, the peer), then sleeps
-in the kernel: a late peer costs no CPU, and the cores stay with backward.
+The doorbells are named POSIX semaphores, one per ordered pair of ranks and per kind of news:
 
-Life cycle: group rank 0 creates the slab and the N semaphores under ``prefix`` and posts their
+- ``deposited[k]``: rank k deposited one more piece (rank k rings it, this rank takes it);
+- ``freed[k]``: rank k completed one more piece, so its slot may be used again.
+
+Each is a count, and each rank deposits and completes its pieces in order, so the m-th ring from
+rank k means k's m-th piece: no tags needed. A semaphore's post releases and its wait acquires
+memory, so what a rank stored before it rang (its region, its fingerprint) is what the others see
+after they took the ring, on weakly ordered CPUs (ARM) too. Taking a ring that is already there
+costs a fraction of a microsecond; a rank that must wait sleeps in the kernel, so a late peer costs
+no CPU and the cores stay with backward.
+
+Life cycle: group rank 0 creates the slab and the semaphores under ``prefix`` and posts their
 name in the group's store; the others attach; once every rank has, rank 0 unlinks the names.
 From then on nothing is left in ``/dev/shm``: the memory lives exactly as long as the processes
 that map it, even when they are killed. A rank that dies in the short window before the unlink
@@ -38,8 +44,7 @@ from ddpkit.liveness import alive
 
 # Where the slab lives: tmpfs on Linux; elsewhere (macOS) a temporary file, unlinked at once too.
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-ROW = 16                 # int64 words per rank in the control area
-PID, ARRIVED, FINGERPRINT = 0, 1, 2   # FINGERPRINT: 2 slots x (seq, op code, bytes), by seq parity
+FINGERPRINT = 3          # int64 words per rank and slot: (collective number, op code, bytes)
 PEER_CHECK_S = 0.25      # while waiting, look this often whether a peer has died
 _KEY = "ddpkit_shm"      # the group's store keys (beside gloo's own, in the same prefix store)
 
@@ -88,18 +93,17 @@ def unlink_segments(prefix: str) -> int:
 
 
 class Segment:
-    """This rank's view of its group's slab and doorbells; ``barrier()`` synchronizes the group."""
+    """This rank's view of its group's slab and doorbells."""
 
-    def __init__(self, store, rank: int, size: int, chunk_bytes: int, prefix: str, spin_s: float = 0.0):
-        self.rank, self.size = rank, size
-        self.chunk = max(64, chunk_bytes // 64 * 64)  # regions stay 64-byte aligned for every dtype
-        self.spin_s = spin_s
-        self.ctrl_bytes = -(-size * ROW * 8 // 4096) * 4096
-        self.nbytes = self.ctrl_bytes + 2 * (size + 1) * self.chunk
-        self.arrived = 0
+    def __init__(self, store, rank: int, size: int, slots: int, region_bytes: int, prefix: str):
+        self.rank, self.size, self.slots = rank, size, slots
+        self.region = max(64, region_bytes // 64 * 64)  # regions stay 64-byte aligned for every dtype
+        self.ctrl_bytes = -(-(size + slots * size * FINGERPRINT) * 8 // 4096) * 4096
+        self.nbytes = self.ctrl_bytes + slots * size * self.region
+        self.peers = [k for k in range(size) if k != rank]
         if rank == 0:
             token = prefix + secrets.token_hex(4)
-            self.mm = self._create(token)
+            self.mm = self._open(token, create=True)
             try:
                 store.set(f"{_KEY}/token", token)
                 store.wait([f"{_KEY}/attached/{k}" for k in range(1, size)])
@@ -107,31 +111,36 @@ class Segment:
                 self._unlink(token)
         else:
             token = store.get(f"{_KEY}/token").decode()
-            self.mm = self._attach(token)
+            self.mm = self._open(token, create=False)
             store.set(f"{_KEY}/attached/{rank}", "1")
         self.ctrl = memoryview(self.mm)[: self.ctrl_bytes].cast("q")
-        self.ctrl[rank * ROW + PID] = os.getpid()
+        self.ctrl[rank] = os.getpid()
         self._data = torch.frombuffer(self.mm, dtype=torch.uint8)[self.ctrl_bytes:]
         self._views: dict = {}
 
     # ------------------------------------------------------------------ setup
-    def _create(self, token: str):
-        fd = os.open(os.path.join(SHM_DIR, token + "m"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.nbytes)  # zero-filled: every counter starts at 0
-            mm = mmap.mmap(fd, self.nbytes)
-        finally:
-            os.close(fd)
-        self.bells = [_semaphore(f"/{token}s{k}", create=True) for k in range(self.size)]
-        return mm
+    def _bell_names(self, token: str):
+        """(receiver, sender, name) of every doorbell: ``d`` deposited, ``f`` freed."""
+        return [(r, k, f"/{token}{kind}{r}_{k}") for kind in "df"
+                for r in range(self.size) for k in range(self.size) if r != k]
 
-    def _attach(self, token: str):
-        fd = os.open(os.path.join(SHM_DIR, token + "m"), os.O_RDWR)
+    def _open(self, token: str, create: bool):
+        path = os.path.join(SHM_DIR, token + "m")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600) if create else os.open(path, os.O_RDWR)
         try:
+            if create:
+                _reserve(fd, self.nbytes)  # zero-filled: every pid and fingerprint starts at 0
             mm = mmap.mmap(fd, self.nbytes)
         finally:
             os.close(fd)
-        self.bells = [_semaphore(f"/{token}s{k}", create=False) for k in range(self.size)]
+        # the bells this rank takes (its own row) and rings (the peers' rows with it as sender)
+        bells = {(r, k, name[len(token) + 1]): _semaphore(name, create)
+                 for r, k, name in self._bell_names(token) if create or self.rank in (r, k)}
+        self.deposited_in = {k: bells[self.rank, k, "d"] for k in self.peers}   # take: k deposited
+        self.freed_in = {k: bells[self.rank, k, "f"] for k in self.peers}       # take: k freed a slot
+        self.deposited_out = [bells[k, self.rank, "d"] for k in self.peers]     # ring: I deposited
+        self.freed_out = [bells[k, self.rank, "f"] for k in self.peers]         # ring: I freed a slot
+        self._keep = bells  # rank 0 created them all: keep the handles until the others attached
         return mm
 
     def _unlink(self, token: str) -> None:
@@ -139,79 +148,75 @@ class Segment:
             os.unlink(os.path.join(SHM_DIR, token + "m"))
         except OSError:
             pass
-        for k in range(self.size):
-            _sem_unlink(f"/{token}s{k}")
+        for _, _, name in self._bell_names(token):
+            _sem_unlink(name)
 
     # ------------------------------------------------------------------ data
     def views(self, dtype: torch.dtype) -> torch.Tensor:
-        """The two halves as ``dtype``: a (2, N + 1, C / itemsize) view, row N the result area."""
+        """The slab as ``dtype``: a (S, N, R / itemsize) view, [slot, rank] one region."""
         v = self._views.get(dtype)
         if v is None:
-            v = self._views[dtype] = self._data.view(dtype).view(2, self.size + 1, -1)
+            v = self._views[dtype] = self._data.view(dtype).view(self.slots, self.size, -1)
         return v
 
-    def publish(self, seq: int, code: int, nbytes: int) -> None:
-        """Write this rank's fingerprint of collective ``seq`` (checked by ``check``)."""
-        base = self.rank * ROW + FINGERPRINT + 3 * (seq % 2)
-        self.ctrl[base], self.ctrl[base + 1], self.ctrl[base + 2] = seq, code, nbytes
+    def _fingerprint_at(self, slot: int, k: int) -> int:
+        return self.size + (slot * self.size + k) * FINGERPRINT
 
-    def check(self, seq: int, what: str) -> None:
-        """After the first barrier of collective ``seq``: did every rank issue the same one?
+    def stamp(self, slot: int, fingerprint: tuple[int, int, int]) -> None:
+        """Write this rank's fingerprint of the piece it deposits in ``slot`` (``check`` reads it)."""
+        at = self._fingerprint_at(slot, self.rank)
+        self.ctrl[at], self.ctrl[at + 1], self.ctrl[at + 2] = fingerprint
 
-        A peer cannot have overwritten its slot yet: its next-but-one collective publishes only
-        after a barrier this rank has not reached."""
-        slot = FINGERPRINT + 3 * (seq % 2)
-        mine = self.ctrl[self.rank * ROW + slot:][:3].tolist()
-        for k in range(self.size):
-            theirs = self.ctrl[k * ROW + slot:][:3].tolist()
+    def check(self, slot: int, what: str) -> None:
+        """Once every rank deposited the piece in ``slot``: did they all issue the same collective?"""
+        mine = self.ctrl[self._fingerprint_at(slot, self.rank):][:FINGERPRINT].tolist()
+        for k in self.peers:
+            theirs = self.ctrl[self._fingerprint_at(slot, k):][:FINGERPRINT].tolist()
             if theirs != mine:
-                raise ShmError(f"{what}: ranks disagree on collective #{seq}: rank {self.rank} issued "
+                raise ShmError(f"{what}: ranks disagree on collective #{mine[0]}: rank {self.rank} issued "
                                f"(op {mine[1]}, {mine[2]} bytes), rank {k} issued #{theirs[0]} (op "
                                f"{theirs[1]}, {theirs[2]} bytes); every rank must issue the same "
                                "collectives in the same order")
 
-    # ------------------------------------------------------------------ synchronization
-    def barrier(self, deadline: float, what: str) -> None:
-        """Return once every rank of the group has reached this barrier; ``ShmError`` if a peer
-        died or ``deadline`` (``time.monotonic()``) passed first.
+    # ------------------------------------------------------------------ the doorbells
+    @staticmethod
+    def ring(bells) -> None:
+        for bell in bells:
+            bell.release()
 
-        Rank r rings every peer's bell once, then hears its own N-1 times. Bells of the next
-        barrier may arrive early, but no rank can leave barrier b before all reached it: the
-        first to leave heard one ring per peer, all of barrier b, as nobody had left it yet."""
-        if self.size == 1:
-            return
-        self.arrived += 1
-        self.ctrl[self.rank * ROW + ARRIVED] = self.arrived
-        for k, bell in enumerate(self.bells):
-            if k != self.rank:
-                bell.release()
-        for _ in range(self.size - 1):
-            self._hear(deadline, what)
-
-    def _hear(self, deadline: float, what: str) -> None:
-        bell = self.bells[self.rank]
-        if self.spin_s > 0:  # poll a little before sleeping in the kernel: a wake-up costs more
-            end = time.perf_counter() + self.spin_s
-            while time.perf_counter() < end:
-                if bell.acquire(False):
-                    return
-                os.sched_yield()  # a runnable thread on this core (backward, the peer) goes first
+    def take(self, bell, k: int, deadline: float | None, what: str, late: str) -> bool:
+        """Take one ring of ``bell`` (rank k's). ``deadline`` None: only if it is there already.
+        Else sleep for it until ``deadline`` (``time.monotonic()``): ``ShmError`` if rank k died
+        or the deadline passed first (``late`` says what rank k has not done)."""
+        if bell.acquire(False):
+            return True
+        if deadline is None:
+            return False
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ShmError(f"{what}: timed out: {self._late()}")
+                raise ShmError(f"{what}: timed out: rank(s) [{k}] of this group {late} (rank {self.rank} "
+                               "waited for it): they are stuck, busy, or issued other collectives")
             if bell.acquire(True, min(left, PEER_CHECK_S)):
-                return
+                return True
             self._check_peers(what)
 
     def _check_peers(self, what: str) -> None:
-        for k in range(self.size):
-            pid = self.ctrl[k * ROW + PID]
-            if k != self.rank and pid and not alive(pid):
+        for k in self.peers:
+            pid = self.ctrl[k]
+            if pid and not alive(pid):
                 raise ShmError(f"{what}: rank {k} of this group (pid {pid}) died; the collective cannot "
                                "complete")
 
-    def _late(self) -> str:
-        late = [k for k in range(self.size) if self.ctrl[k * ROW + ARRIVED] < self.arrived]
-        return (f"rank(s) {late} of this group did not reach barrier #{self.arrived} (rank {self.rank} "
-                "waited there): they are stuck, busy, or issued other collectives")
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give the slab its pages now: a tmpfs file only grown by ``ftruncate`` would kill the
+    process with SIGBUS at the first page ``/dev/shm`` has no room for, mid-collective."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except AttributeError:  # no posix_fallocate (macOS): a plain size, as before
+        os.ftruncate(fd, nbytes)
+    except OSError as exc:
+        raise ShmError(f"the shared-memory transport needs {nbytes / 2**20:.1f} MiB in {SHM_DIR} for this "
+                       f"group and could not get it ({exc.strerror}); free some there, or use "
+                       "ddpkit.Cluster(..., transport=\"gloo\")") from None

@@ -4,43 +4,47 @@ Ranks on one host need not push gradients through the network stack: gloo over l
 a millisecond or more per collective here, and that copying is CPU work on the cores backward
 needs. NCCL and MPI move intra-node bytes through shared memory instead (DeepSpeed, vLLM and
 SGLang ship the same for CPU all-reduce); so does this backend, for the collectives data
-parallelism issues:
+parallelism issues. Every collective is cut into pieces of at most one region (``chunk_bytes``)
+per rank; each piece is *deposited* by every rank into its own region of a slot of the slab and
+*completed* by every rank once all have deposited it (``ddpkit.transport.segment``, ``runner``):
 
-- all-reduce (SUM, AVG, PRODUCT, MIN, MAX): each rank copies its chunk into its region of the
-  slab; barrier; rank r reduces the r-th 1/N slice of every region into the shared result area
-  (a reduce-scatter); barrier; every rank copies the whole result out (an all-gather). Each
-  rank adds N slices of S/N bytes, so the arithmetic is split N ways, as in a ring. Up to
-  64 KiB, one barrier instead: every rank reduces the whole of it from the N regions;
-- all-gather and reduce-scatter, in list and flat-tensor forms (and their coalesced lists),
-  broadcast and barrier: one barrier per chunk.
-Tensors bigger than a region (``chunk_bytes``, 1 MiB) go through in chunks, so the slab is
-bounded: 2 halves x (N + 1) chunks per group (6 MiB for 2 ranks). Sums run in rank order
-(0 + 1 + ... + N-1) in the tensor's dtype, so every rank gets bit-identical results.
+- all-reduce (SUM, AVG, PRODUCT, MIN, MAX): deposit my part; complete: reduce all N regions
+  straight into my tensor, in rank order (0 + 1 + ... + N-1, in the tensor's dtype), so every
+  rank computes the same bits. With 2 ranks that reads as many bytes as a reduce-scatter plus an
+  all-gather would, and needs no second meeting;
+- all-gather: deposit my part; complete: copy every region into its place in the output;
+- reduce-scatter: deposit my input's N blocks; complete: reduce the N ranks' blocks for me;
+- broadcast: the root deposits into the whole slot, the others copy it out; barrier: a piece
+  of nothing (it completes when every rank has deposited it);
+in list, flat-tensor and coalesced forms. Nobody waits to deposit (but for a free slot), so a
+collective launched from a gradient hook costs that thread a memcpy, and the rank that comes
+last completes it at once; only what waits for a peer moves on later, on the thread that waits
+for it or the group's own thread (``runner``).
+
+The slab is bounded: S slots (``slots``) x N regions; big tensors go through in as many pieces as
+they need, S of them in flight (16 MiB per group of 2 at the defaults).
 
 It *is* a ``ProcessGroupGloo`` (a Python subclass): whatever is not carried here (send/recv,
 gather, scatter, all-to-all, sparse or CUDA tensors, other dtypes or ops) runs on gloo, beside
-it, over the same group. Collectives run in issue order, on the group's thread or in the thread
-that waits for one (``runner``), and return a ``Work`` whose ``get_future()`` completes with the
-result; a failure (a peer died, the group's timeout passed, ranks issued different collectives)
-is an ``ShmError`` (a ``DistError``) on ``wait()`` and on the future, and every later collective
-on the group fails at once.
+it, over the same group. Collectives complete in issue order and return a ``Work`` whose
+``get_future()`` completes with the result; a failure (a peer died, the group's timeout passed,
+ranks issued different collectives) is an ``ShmError`` (a ``DistError``) on ``wait()`` and on
+the future, and every later collective on the group fails at once.
 """
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-from ddpkit.transport.runner import Runner, finished
-from ddpkit.transport.segment import Segment, ShmError
+from ddpkit.transport.runner import Piece, Runner, finished
+from ddpkit.transport.segment import Segment
 
-CHUNK_BYTES = 1 << 20   # bytes of one rank's region: the largest piece moved per barrier
-SMALL_BYTES = 64 << 10  # all-reduces up to this size take one barrier, each rank reducing all of it
-SPIN_US = 50.0          # how long a rank polls its doorbell (yielding the core) before it sleeps
+CHUNK_BYTES = 2 << 20   # bytes of one rank's region: the largest piece a rank deposits at once
+SLOTS = 4               # pieces in flight per group: a rank may deposit this far ahead of the slowest
 CARRIED = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, BARRIER = 1, 2, 3, 4, 5  # fingerprint op codes
@@ -73,20 +77,17 @@ class ShmBackend(dist.ProcessGroupGloo):
     """One process group of ranks on one host: collectives through a shared slab, the rest gloo."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
-                 prefix: str | None = None, chunk_bytes: int = CHUNK_BYTES, spin_us: float = SPIN_US,
-                 small_bytes: int = SMALL_BYTES):
+                 prefix: str | None = None, chunk_bytes: int = CHUNK_BYTES, slots: int = SLOTS):
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
+        if chunk_bytes < 8 * size or slots < 1:
+            raise ValueError(f"a region must hold one 8-byte element per rank ({8 * size} bytes) and there "
+                             f"must be a slot; got chunk_bytes={chunk_bytes}, slots={slots}")
         self._rank, self._size = rank, size
-        self._timeout_s = timeout.total_seconds()
         # prefix: how this group's names in /dev/shm start (a Cluster picks one per start and
         # removes leftovers by it); only group rank 0 names things
-        self._seg = Segment(store, rank, size, chunk_bytes, prefix or f"dk{os.getpid()}_", spin_us * 1e-6)
-        self._small_bytes = min(small_bytes, self._seg.chunk)  # all-reduces up to this: one barrier
-        self._runner = Runner(f"ddpkit-shm-rank{rank}of{size}")
-        self._seq = 0              # collectives run on the slab so far (the same on every rank)
-        self._half = 0             # chunks moved so far: chunk j uses half j % 2
-        self._failed: ShmError | None = None
-        self._what, self._deadline = "", 0.0   # the collective running now (read by the thread running it)
+        self._seg = Segment(store, rank, size, slots, chunk_bytes, prefix or f"dk{os.getpid()}_")
+        self._runner = Runner(self._seg, f"ddpkit-shm-rank{rank}of{size}", timeout.total_seconds())
+        self._seq = 0              # collectives carried so far (the same on every rank)
 
     # ------------------------------------------------------------------ issuing
     def _carries(self, tensors) -> bool:
@@ -101,40 +102,23 @@ class ShmBackend(dist.ProcessGroupGloo):
             return None
         return op
 
-    def _submit(self, opts, what: str, code: int, nbytes: int, body, result):
-        """Queue ``body`` behind this group's earlier collectives; a Work for its completion."""
-        return self._runner.submit(lambda future: self._execute(what, code, nbytes, body, result, future),
-                                   waited=not getattr(opts, "asyncOp", True))
+    def _issue(self, opts, name: str, code: int, nbytes: int, dtype, cuts, result, finish=None):
+        """Queue one collective: ``cuts`` its pieces as (deposit, complete) pairs of functions of
+        the slot's (N, R / itemsize) view; ``finish`` runs after the last piece completes."""
+        if not cuts:  # nothing to move (empty tensors): done, on every rank alike
+            if finish is not None:
+                finish()
+            return finished(result)
+        self._seq += 1
+        what = f"shm {name} #{self._seq} ({nbytes} bytes, rank {self._rank} of {self._size})"
+        fingerprint = (self._seq, code, nbytes)
+        pieces = [Piece(deposit, complete, dtype, fingerprint, what) for deposit, complete in cuts]
+        pieces[-1].finish = finish
+        return self._runner.submit(pieces, result, waited=not getattr(opts, "asyncOp", True))
 
-    def _execute(self, what: str, code: int, nbytes: int, body, result, future) -> None:
-        """Run one collective (on whichever thread runs the queue) and complete its future."""
-        if self._failed is None and (nbytes or code == BARRIER):  # empty tensors: nothing to move
-            self._seq += 1
-            self._what = f"shm {what} #{self._seq} ({nbytes} bytes, rank {self._rank} of {self._size})"
-            self._deadline = time.monotonic() + self._timeout_s
-            self._seg.publish(self._seq, code, nbytes)
-            try:
-                body()
-            except BaseException as exc:  # noqa: BLE001 - the peers may now wait forever: fail the group
-                self._failed = exc if isinstance(exc, ShmError) else ShmError(
-                    f"{self._what}: {type(exc).__name__}: {exc}")
-                future.set_exception(self._failed)
-                if not isinstance(exc, Exception):
-                    raise  # KeyboardInterrupt in a thread that waited: it stops the job as usual
-                return
-        if self._failed is not None:
-            future.set_exception(ShmError(f"shm {what}: this group failed earlier: {self._failed}"))
-        else:
-            future.set_result(result)
-
-    def _sync(self, first: bool) -> None:
-        self._seg.barrier(self._deadline, self._what)
-        if first:
-            self._seg.check(self._seq, self._what)
-
-    def _next_half(self) -> int:
-        self._half += 1
-        return self._half % 2
+    def _elements(self, dtype) -> int:
+        """Elements of ``dtype`` in one region."""
+        return self._seg.region // torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ the collectives
     def allreduce(self, tensors, opts=None):
@@ -142,30 +126,31 @@ class ShmBackend(dist.ProcessGroupGloo):
         op = self._carried_op(opts.reduceOp, tensors)
         if len(tensors) != 1 or op is None:
             return super().allreduce(tensors, opts)  # several tensors per rank, bitwise ops, ...: gloo
-        t = tensors[0]
-        return self._submit(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors),
-                            lambda: self._all_reduce(t, op), tensors)
+        x, copy_back = _writable(tensors[0])
+        return self._issue(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), x.dtype,
+                           self._all_reduce(x, op), tensors, copy_back)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         op = self._carried_op(opts.reduceOp, tensors)
         if op is None:
             return super().allreduce_coalesced(tensors, opts)
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective for all of them
 
-        def body():  # one flat buffer for all of them: one collective's barriers, not one per tensor
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            self._all_reduce(flat, op)
+        def copy_back():
             for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 t.copy_(part.view(t.shape))
-        return self._submit(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), body, tensors)
+        return self._issue(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), flat.dtype,
+                           self._all_reduce(flat, op), tensors, copy_back)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
         if len(tensors) != 1 or opts.rootTensor != 0 or not self._carries(tensors):
             return super().broadcast(tensors, opts)
-        t, root = tensors[0], opts.rootRank
-        return self._submit(opts, "broadcast", BROADCAST + 16 * root, _nbytes(tensors),
-                            lambda: self._broadcast(t, root), tensors)
+        x, copy_back = _writable(tensors[0])
+        root = opts.rootRank
+        return self._issue(opts, "broadcast", BROADCAST + 16 * root, _nbytes(tensors), x.dtype,
+                           self._broadcast(x, root), tensors, copy_back if self._rank != root else None)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
@@ -173,26 +158,28 @@ class ShmBackend(dist.ProcessGroupGloo):
                 or not self._carries(inputs + output_lists[0])
                 or any(o.numel() != inputs[0].numel() for o in output_lists[0])):
             return super().allgather(output_lists, inputs, opts)
-        x, outs = inputs[0], output_lists[0]
-        return self._submit(opts, "all_gather", ALL_GATHER, _nbytes(outs),
-                            lambda: self._all_gather(x, outs), output_lists)
+        cuts, finish = self._all_gather(inputs[0], output_lists[0])
+        return self._issue(opts, "all_gather", ALL_GATHER, _nbytes(output_lists[0]), inputs[0].dtype, cuts,
+                           output_lists, finish)
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         if not self._carries([output, input]) or output.numel() != self._size * input.numel():
             return super()._allgather_base(output, input, opts)
-        return self._submit(opts, "all_gather", ALL_GATHER, _nbytes([output]),
-                            lambda: self._all_gather(input, [output]), [output])
+        cuts, finish = self._all_gather(input, [output])
+        return self._issue(opts, "all_gather", ALL_GATHER, _nbytes([output]), input.dtype, cuts, [output], finish)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if not all(self._carries([o, i]) and o.numel() == self._size * i.numel()
-                   for o, i in zip(outputs, inputs, strict=True)):
+                   for o, i in zip(outputs, inputs, strict=True)) or len({i.dtype for i in inputs}) > 1:
             return self._on_gloo(dist.ProcessGroupGloo._allgather_base, outputs, inputs, opts)
-
-        def body():
-            for o, i in zip(outputs, inputs, strict=True):
-                self._all_gather(i, [o])
-        return self._submit(opts, "all_gather", ALL_GATHER, _nbytes(outputs), body, outputs)
+        cuts, finishes = [], []
+        for o, i in zip(outputs, inputs, strict=True):
+            c, f = self._all_gather(i, [o])
+            cuts += c
+            finishes.append(f)
+        return self._issue(opts, "all_gather", ALL_GATHER, _nbytes(outputs), inputs[0].dtype, cuts, outputs,
+                           lambda: [f() for f in finishes if f is not None])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -200,28 +187,31 @@ class ShmBackend(dist.ProcessGroupGloo):
         if (op is None or len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != self._size
                 or any(i.numel() != outputs[0].numel() for i in input_lists[0])):
             return super().reduce_scatter(outputs, input_lists, opts)
-        out, ins = outputs[0], input_lists[0]
-        return self._submit(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(ins),
-                            lambda: self._reduce_scatter(ins, out, op), outputs)
+        cuts, finish = self._reduce_scatter(input_lists[0], outputs[0], op)
+        return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(input_lists[0]),
+                           outputs[0].dtype, cuts, outputs, finish)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = self._carried_op(opts.reduceOp, [output, input])
         if op is None or input.numel() != self._size * output.numel():
             return super()._reduce_scatter_base(output, input, opts)
-        return self._submit(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes([input]),
-                            lambda: self._reduce_scatter([input], output, op), [output])
+        cuts, finish = self._reduce_scatter([input], output, op)
+        return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes([input]), output.dtype,
+                           cuts, [output], finish)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = self._carried_op(opts.reduceOp, outputs + inputs)
         if op is None or not all(i.numel() == self._size * o.numel() for o, i in zip(outputs, inputs, strict=True)):
             return self._on_gloo(dist.ProcessGroupGloo._reduce_scatter_base, outputs, inputs, opts)
-
-        def body():
-            for o, i in zip(outputs, inputs, strict=True):
-                self._reduce_scatter([i], o, op)
-        return self._submit(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(inputs), body, outputs)
+        cuts, finishes = [], []
+        for o, i in zip(outputs, inputs, strict=True):
+            c, f = self._reduce_scatter([i], o, op)
+            cuts += c
+            finishes.append(f)
+        return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(inputs), outputs[0].dtype,
+                           cuts, outputs, lambda: [f() for f in finishes if f is not None])
 
     def _on_gloo(self, method, outputs, inputs, opts):
         """A coalesced collective that gloo's binding lacks, pair by pair on gloo (finished)."""
@@ -230,9 +220,12 @@ class ShmBackend(dist.ProcessGroupGloo):
         return finished(outputs)
 
     def barrier(self, opts=None):
-        return self._submit(opts, "barrier", BARRIER, 0, lambda: self._sync(first=True), [])
+        nothing = [(_nothing, _nothing)]  # one empty piece: it completes once every rank deposited it
+        return self._issue(opts, "barrier", BARRIER, 0, torch.uint8, nothing, [])
 
-    # ------------------------------------------------------------------ moving the bytes (worker thread)
+    # ------------------------------------------------------------------ cutting them into pieces
+    # Each returns the (deposit, complete) pair of every piece; ``v`` is the slot, (N, R / itemsize):
+    # v[k] is rank k's region. They run later, in order, on whichever thread moves the queue.
     def _reduce(self, parts, out, op) -> None:
         """out = parts[0] op parts[1] op ... (in rank order), then / N for AVG."""
         fn, average, _ = op
@@ -245,83 +238,82 @@ class ShmBackend(dist.ProcessGroupGloo):
         if average:
             out.div_(len(parts))
 
-    def _all_reduce(self, t: torch.Tensor, op) -> None:
-        x, copy_back = _writable(t)
-        n, r, v = self._size, self._rank, self._seg.views(x.dtype)   # v: (2, N + 1, E)
-        if x.numel() * x.element_size() <= self._small_bytes:
-            # Small: one barrier, then every rank reduces all of it (in rank order, so the same
-            # bits everywhere): a second barrier costs more than N-1 additions of a few KB.
-            h = self._next_half()
-            v[h, r, :x.numel()].copy_(x)
-            self._sync(first=True)
-            self._reduce([v[h, k, :x.numel()] for k in range(n)], x, op)
-        else:
-            step = v.shape[2]
-            for i in range(0, x.numel(), step):
-                length = min(step, x.numel() - i)
-                h = self._next_half()
-                v[h, r, :length].copy_(x[i:i + length])              # my chunk into my region
-                self._sync(first=i == 0)
-                lo, hi = length * r // n, length * (r + 1) // n      # my 1/N slice: reduce it
-                if hi > lo:
-                    self._reduce([v[h, k, lo:hi] for k in range(n)], v[h, n, lo:hi], op)
-                self._sync(first=False)
-                x[i:i + length].copy_(v[h, n, :length])              # everyone's slices, reduced
-        if copy_back:
-            copy_back()
+    def _all_reduce(self, x: torch.Tensor, op) -> list:
+        n, r = self._size, self._rank
 
-    def _all_gather(self, x: torch.Tensor, outs: list) -> None:
+        def piece(i: int, length: int):
+            mine = x[i:i + length]
+
+            def deposit(v):
+                v[r, :length].copy_(mine)
+
+            def complete(v):
+                self._reduce([v[k, :length] for k in range(n)], mine, op)
+            return deposit, complete
+        return [piece(i, length) for i, length in _cut(x.numel(), self._elements(x.dtype))]
+
+    def _all_gather(self, x: torch.Tensor, outs: list):
         """``outs``: N tensors of x's size (list form) or one of N times it (flat form)."""
         x = x.reshape(-1)
-        n, r, v = self._size, self._rank, self._seg.views(x.dtype)
+        n, r = self._size, self._rank
         flats = [_writable(o) for o in outs]
         rows = flats[0][0].view(n, -1) if len(outs) == 1 else [f for f, _ in flats]
-        step = v.shape[2]
-        for i in range(0, x.numel(), step):
-            length = min(step, x.numel() - i)
-            h = self._next_half()
-            v[h, r, :length].copy_(x[i:i + length])
-            self._sync(first=i == 0)
-            if len(outs) == 1:
-                rows[:, i:i + length].copy_(v[h, :n, :length])   # one strided copy for all N rows
-            else:
-                for k in range(n):
-                    rows[k][i:i + length].copy_(v[h, k, :length])
-        for _, copy_back in flats:
-            if copy_back:
-                copy_back()
 
-    def _reduce_scatter(self, ins: list, out: torch.Tensor, op) -> None:
+        def piece(i: int, length: int):
+            def deposit(v):
+                v[r, :length].copy_(x[i:i + length])
+
+            def complete(v):
+                if len(outs) == 1:
+                    rows[:, i:i + length].copy_(v[:, :length])   # one strided copy for all N rows
+                else:
+                    for k in range(n):
+                        rows[k][i:i + length].copy_(v[k, :length])
+            return deposit, complete
+        backs = [back for _, back in flats if back is not None]
+        return ([piece(i, length) for i, length in _cut(x.numel(), self._elements(x.dtype))],
+                (lambda: [back() for back in backs]) if backs else None)
+
+    def _reduce_scatter(self, ins: list, out: torch.Tensor, op):
         """``ins``: N tensors of out's size (list form) or one of N times it (flat form)."""
-        n, r, v = self._size, self._rank, self._seg.views(out.dtype)
+        n, r = self._size, self._rank
         y, copy_back = _writable(out)
         rows = ins[0].reshape(n, -1) if len(ins) == 1 else [i.reshape(-1) for i in ins]
-        step = max(1, v.shape[2] // n)    # my region holds N blocks of `step`, one per destination
-        for i in range(0, y.numel(), step):
-            length = min(step, y.numel() - i)
-            h = self._next_half()
-            mine = v[h, r, :n * length].view(n, length)
-            if len(ins) == 1:
-                mine.copy_(rows[:, i:i + length])
-            else:
-                for k in range(n):
-                    mine[k].copy_(rows[k][i:i + length])
-            self._sync(first=i == 0)
-            self._reduce([v[h, k, r * length:(r + 1) * length] for k in range(n)], y[i:i + length], op)
-        if copy_back:
-            copy_back()
 
-    def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        x, copy_back = _writable(t)
-        v = self._seg.views(x.dtype)
-        step = v.shape[1] * v.shape[2]    # the root fills a whole half
-        for i in range(0, x.numel(), step):
-            length = min(step, x.numel() - i)
-            half = v[self._next_half()].view(-1)
-            if self._rank == root:
-                half[:length].copy_(x[i:i + length])
-            self._sync(first=i == 0)
-            if self._rank != root:
-                x[i:i + length].copy_(half[:length])
-        if copy_back and self._rank != root:
-            copy_back()
+        def piece(i: int, length: int):
+            def deposit(v):   # my region holds N blocks of `length`, one per destination rank
+                mine = v[r, :n * length].view(n, length)
+                if len(ins) == 1:
+                    mine.copy_(rows[:, i:i + length])
+                else:
+                    for k in range(n):
+                        mine[k].copy_(rows[k][i:i + length])
+
+            def complete(v):
+                self._reduce([v[k, r * length:(r + 1) * length] for k in range(n)], y[i:i + length], op)
+            return deposit, complete
+        return [piece(i, length) for i, length in _cut(y.numel(), self._elements(y.dtype) // n)], copy_back
+
+    def _broadcast(self, x: torch.Tensor, root: int) -> list:
+        """The root fills the whole slot (N regions) per piece, the others copy it out."""
+        r = self._rank
+
+        def piece(i: int, length: int):
+            def deposit(v):
+                if r == root:
+                    v.view(-1)[:length].copy_(x[i:i + length])
+
+            def complete(v):
+                if r != root:
+                    x[i:i + length].copy_(v.view(-1)[:length])
+            return deposit, complete
+        return [piece(i, length) for i, length in _cut(x.numel(), self._size * self._elements(x.dtype))]
+
+
+def _cut(numel: int, step: int):
+    """(start, length) of each piece of ``numel`` elements, ``step`` at most."""
+    return [(i, min(step, numel - i)) for i in range(0, numel, step)]
+
+
+def _nothing(v) -> None:
+    pass
