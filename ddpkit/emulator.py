@@ -83,21 +83,22 @@ class _Link:
             torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             t = self.queue.get()
+            # The link's own time first: asleep until it would have delivered, then the real
+            # collective, which has usually finished by then (no second wake-up to hear it end).
+            link_end = max(t.issued_s, self.free_s) + t.link_s
+            delay = link_end - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
             try:
+                outran = not t.work.is_completed()  # the real transfer (or a late peer) takes longer
                 _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
                 result = _value_of(t.work, t.result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            real_end = time.perf_counter()
-            link_end = max(t.issued_s, self.free_s) + t.link_s
-            done = max(real_end, link_end)
-            self.free_s = done
+            self.free_s = max(time.perf_counter(), link_end) if outran else link_end
             self.carried += 1
-            self.outran += real_end > link_end  # the real transfer (or a late peer) took longer
-            delay = done - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+            self.outran += outran
             t.future.set_result(result)
 
 

@@ -122,10 +122,18 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # --- the one path every collective takes ---------------------------------------------
-    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
+    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None, opts=None):
         """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
         (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
         comm = self.comm
+        n = self.size()
+        link, emulated = comm.network.link_for(self.global_ranks)
+        link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
+        delayed = comm.emulator.delays(link_s)
+        if delayed and opts is not None and comm.real_backend == "shm":
+            # the link's thread waits for it at once: to the shared-memory transport that is a
+            # synchronous call (its own thread is not woken to finish it)
+            opts.asyncOp = False
         rec, labels = rankside.recorder(), rankside.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
                                  labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
@@ -136,11 +144,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         # stream, so a start event recorded after launch() would fire after the collective
         marks = [r.launch_mark() for r in recorders]
         work = launch()
-        n = self.size()
-        link, emulated = comm.network.link_for(self.global_ranks)
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
-        link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
-        if comm.emulator.delays(link_s):
+        if delayed:
             work = comm.emulator.submit(link, work, link_s, result)
         comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         if recorders:
@@ -159,26 +164,28 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._issue("all_reduce", _nbytes(tensors), lambda: self.real.allreduce(tensors, opts), tensors)
+        return self._issue("all_reduce", _nbytes(tensors), lambda: self.real.allreduce(tensors, opts), tensors,
+                           opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         return self._issue("all_reduce", _nbytes(tensors),
-                           lambda: self.real.allreduce_coalesced(tensors, opts), tensors)
+                           lambda: self.real.allreduce_coalesced(tensors, opts), tensors, opts=opts)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._issue("broadcast", _nbytes(tensors), lambda: self.real.broadcast(tensors, opts), tensors)
+        return self._issue("broadcast", _nbytes(tensors), lambda: self.real.broadcast(tensors, opts), tensors,
+                           opts=opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(inputs) * self.size(),
-                           lambda: self.real.allgather(output_lists, inputs, opts), output_lists)
+                           lambda: self.real.allgather(output_lists, inputs, opts), output_lists, opts=opts)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes([output]),
-                           lambda: self.real._allgather_base(output, input, opts), [output])
+                           lambda: self.real._allgather_base(output, input, opts), [output], opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -190,7 +197,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._issue("reduce_scatter", _nbytes(outputs) * self.size(),
-                           lambda: self.real.reduce_scatter(outputs, input_lists, opts), outputs)
+                           lambda: self.real.reduce_scatter(outputs, input_lists, opts), outputs, opts=opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -199,7 +206,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
                                lambda: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
                                "all_reduce")
         return self._issue("reduce_scatter", _nbytes([input]),
-                           lambda: self.real._reduce_scatter_base(output, input, opts), [output])
+                           lambda: self.real._reduce_scatter_base(output, input, opts), [output], opts=opts)
 
     def _reduce_scatter_by_all_reduce(self, output, input, opts):
         """gloo's reduce-scatter of a flat tensor, done here: all-reduce a copy of the input, then
@@ -244,7 +251,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
-        return self._issue("barrier", 0, lambda: self.real.barrier(opts), [])
+        return self._issue("barrier", 0, lambda: self.real.barrier(opts), [], opts=opts)
 
 
 def _passed_through(name: str):

@@ -174,6 +174,9 @@ class _FakeCpuWork:
     def __init__(self):
         self.waits: list[str] = []
 
+    def is_completed(self):
+        return True
+
     def wait(self, timeout=None):
         self.waits.append(threading.current_thread().name)
         return True

@@ -235,6 +235,9 @@ class _SlowWork:
         time.sleep(max(0.0, self.done_at - time.perf_counter()))
         return True
 
+    def is_completed(self):
+        return time.perf_counter() >= self.done_at
+
     def get_future(self):
         raise RuntimeError("Work::getFuture not implemented")
 

@@ -51,6 +51,7 @@ class Piece:
     finish: object = None                # the last piece's: run after it completes, then
     future: object = field(default=None)  # ... this completes with the collective's result
     result: object = None
+    waited: bool = True                  # the last piece's: will somebody wait() for it (else the thread moves it)
 
 
 class Work(FutureWork):
@@ -65,6 +66,12 @@ class Work(FutureWork):
         if self._runner is not None:
             self._runner.help(self._future)
         return super().wait(timeout)
+
+    def is_completed(self):
+        """Done? Asking moves the queue as far as it goes without waiting (as MPI's test does)."""
+        if self._runner is not None and not self._future.done():
+            self._runner.poll()
+        return self._future.done()
 
 
 def finished(value) -> Work:
@@ -87,6 +94,7 @@ class Runner:
         self._running = threading.RLock()               # held by whoever moves the queue
         self._bell: queue.SimpleQueue = queue.SimpleQueue()  # wakes the group's thread
         self._thread: threading.Thread | None = None
+        self._unwaited = 0    # collectives in the queue that nobody promised to wait for: the thread's
         self._failed: ShmError | None = None
 
     # ------------------------------------------------------------------ issuing and waiting
@@ -98,24 +106,36 @@ class Runner:
         if self._failed is not None:
             future.set_exception(ShmError(f"{pieces[0].what}: this group failed earlier: {self._failed}"))
             return Work(None, future)
-        pieces[-1].future, pieces[-1].result = future, result
+        last = pieces[-1]
+        last.future, last.result, last.waited = future, result, waited
         with self._lock:
             self._pieces.extend(pieces)
             self._issued += len(pieces)
+            self._unwaited += not waited
         if self._running.acquire(blocking=False):
             try:
                 self._move(until=None, block=False)
             finally:
                 self._running.release()
-        if not future.done() and not waited:
+        if not waited and not future.done():
             self._wake_thread()
         return Work(self, future)
 
     def help(self, future) -> None:
-        """From ``Work.wait()``: if nobody moves the queue, move it here up to ``future``."""
-        if not future.done() and self._running.acquire(blocking=False):
+        """From ``Work.wait()``: move the queue here up to ``future`` (once whoever moves it now
+        lets go: it may have finished ``future`` by then)."""
+        if not future.done():
+            self._running.acquire()
             try:
                 self._move(until=future, block=True)
+            finally:
+                self._release()
+
+    def poll(self) -> None:
+        """Move the queue as far as it goes without waiting, if nobody is moving it."""
+        if self._running.acquire(blocking=False):
+            try:
+                self._move(until=None, block=False)
             finally:
                 self._release()
 
@@ -128,14 +148,17 @@ class Runner:
     def _serve(self) -> None:
         while True:
             self._bell.get()
-            with self._running:  # a waiter holding it moves the queue up to its own collective, then lets go
+            self._running.acquire()  # a waiter holding it moves the queue up to its own collective, then lets go
+            try:
                 self._move(until=None, block=True)
+            finally:
+                self._release()  # queued while we let go (its submitter found us running): again
 
     def _release(self) -> None:
         self._running.release()
         with self._lock:
-            left = self._failed is None and self._completed < self._issued
-        if left:  # queued while we moved it, beyond our own collective: the thread's turn now
+            left = self._failed is None and self._unwaited > 0
+        if left:  # left behind, and nobody will wait for it: the thread's turn now
             self._wake_thread()
 
     # ------------------------------------------------------------------ moving the queue
@@ -206,6 +229,7 @@ class Runner:
         with self._lock:
             self._pieces.popleft()
             self._completed += 1
+            self._unwaited -= piece.future is not None and not piece.waited
         self.seg.ring(self.seg.freed_out)
         if piece.future is not None:
             if piece.finish is not None:

@@ -10,8 +10,9 @@ per rank; each piece is *deposited* by every rank into its own region of a slot 
 
 - all-reduce (SUM, AVG, PRODUCT, MIN, MAX): deposit my part; complete: reduce all N regions
   straight into my tensor, in rank order (0 + 1 + ... + N-1, in the tensor's dtype), so every
-  rank computes the same bits. With 2 ranks that reads as many bytes as a reduce-scatter plus an
-  all-gather would, and needs no second meeting;
+  rank computes the same bits (2 ranks summing: my tensor += the peer's region, as a + b is
+  b + a exactly). With 2 ranks that reads no more bytes than a reduce-scatter plus an all-gather
+  would, and needs no second meeting;
 - all-gather: deposit my part; complete: copy every region into its place in the output;
 - reduce-scatter: deposit my input's N blocks; complete: reduce the N ranks' blocks for me;
 - broadcast: the root deposits into the whole slot, the others copy it out; barrier: a piece
@@ -248,7 +249,12 @@ class ShmBackend(dist.ProcessGroupGloo):
                 v[r, :length].copy_(mine)
 
             def complete(v):
-                self._reduce([v[k, :length] for k in range(n)], mine, op)
+                if n == 2 and op[0] is torch.add:  # a + b == b + a, bit for bit: add the peer's part in place
+                    mine.add_(v[1 - r, :length])
+                    if op[1]:
+                        mine.div_(2)
+                else:
+                    self._reduce([v[k, :length] for k in range(n)], mine, op)
             return deposit, complete
         return [piece(i, length) for i, length in _cut(x.numel(), self._elements(x.dtype))]
 
