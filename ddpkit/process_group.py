@@ -116,6 +116,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         self._group = tuple(global_ranks)  # names the group in records (same_collectives matches on it)
         self._id = comm.flight.new_group(global_ranks)  # groups are made in the same order on every rank
         self._index = itertools.count(1)   # this group's sequence: 1 for its first collective
+        self._links = (None, None)          # (network, its link_for this group): see _link_on
         register_real_backend(self, real, comm.real_backend)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -127,7 +128,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
         comm = self.comm
         n = self.size()
-        link, emulated = comm.network.link_for(self.global_ranks)
+        link, emulated = self._link_on(comm.network)
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         delayed = comm.emulator.delays(link_s)
         if delayed and opts is not None and comm.real_backend == "shm":
@@ -151,6 +152,12 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         if recorders:
             self._record(op, work, full_bytes, link, recorders, marks, labels)
         return work
+
+    def _link_on(self, network):
+        """(link name, emulated Link) of this group on ``network``, worked out once per network."""
+        if self._links[0] is not network:
+            self._links = (network, network.link_for(self.global_ranks))
+        return self._links[1]
 
     def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
         """The collective's one record (this group is its one writer): in the rank's recorder,

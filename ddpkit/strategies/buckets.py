@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ddpkit.strategies._common import nbytes
 from ddpkit.strategies.flat_layout import FlatLayout
+from ddpkit.torch_internals import copy_all
 
 
 def bucket_cap_bytes(bucket_cap_mb: float) -> float:
@@ -132,11 +133,14 @@ class Bucket:
     def copy_out(self) -> None:
         """The reduced slots back into ``.grad`` (a parameter unused here gets the average too;
         with ``find_unused_parameters`` one no rank used is set back to None afterwards)."""
+        pairs = []  # (.grad, its slot): copied in one call (``copy_all``), not one call per tensor
         for p, slot in zip(self.params, self.slots, strict=True):
             if p.grad is None:
                 p.grad = slot.clone()
             else:
-                p.grad.copy_(slot)
+                pairs.append((p.grad, slot))
+        if pairs:
+            copy_all(*map(list, zip(*pairs, strict=True)))
 
 
 def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket, first_bucket_mb: float | None = None) -> list:

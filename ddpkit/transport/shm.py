@@ -23,7 +23,7 @@ last completes it at once; only what waits for a peer moves on later, on the thr
 for it or the group's own thread (``runner``).
 
 The slab is bounded: S slots (``slots``) x N regions; big tensors go through in as many pieces as
-they need, S of them in flight (16 MiB per group of 2 at the defaults).
+they need, S of them in flight (32 MiB per group of 2 at the defaults).
 
 It *is* a ``ProcessGroupGloo`` (a Python subclass): whatever is not carried here (send/recv,
 gather, scatter, all-to-all, sparse or CUDA tensors, other dtypes or ops) runs on gloo, beside
@@ -45,7 +45,7 @@ from ddpkit.transport.runner import Piece, Runner, finished
 from ddpkit.transport.segment import Segment
 
 CHUNK_BYTES = 2 << 20   # bytes of one rank's region: the largest piece a rank deposits at once
-SLOTS = 4               # pieces in flight per group: a rank may deposit this far ahead of the slowest
+SLOTS = 8               # pieces in flight per group: a rank may deposit this far ahead of the slowest
 CARRIED = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, BARRIER = 1, 2, 3, 4, 5  # fingerprint op codes
