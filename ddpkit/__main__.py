@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from ddpkit.cluster import BACKENDS, check_arguments, check_network
+from ddpkit.cluster import BACKENDS, TRANSPORTS, check_arguments, check_network
 from ddpkit.models import MODELS
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
@@ -112,7 +112,7 @@ def _check_run_args(parser, args) -> None:
     splits over the ranks."""
     args.network = _network(parser, args, [args.world_size])
     settings = _checked(parser, check_arguments, args.world_size, args.backend,
-                        threads_per_rank=args.threads_per_rank, network=args.network)
+                        threads_per_rank=args.threads_per_rank, network=args.network, transport=args.transport)
     args.threads_per_rank = settings.threads_per_rank
     _workload(parser, args)
     if args.global_batch_size % args.world_size:
@@ -150,7 +150,14 @@ def _add_run_args(p, steps: int) -> None:
     p.add_argument("--threads-per-rank", type=int, default=None,
                    help="torch CPU threads in each rank (default: cores / ranks, at least 1; "
                         "0 leaves torch's default, which oversubscribes the cores)")
+    _add_transport_arg(p)
     _add_network_args(p)
+
+
+def _add_transport_arg(p) -> None:
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="what moves CPU ranks' bytes: shm (shared memory; auto picks it) or gloo (its sockets "
+                        "over loopback); GPU ranks use NCCL")
 
 
 def _add_network_args(p) -> None:
@@ -208,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", action="store_true",
                    help="first fit alpha and beta on this machine (all_reduce timings on --fit-ranks ranks)")
     p.add_argument("--fit-ranks", type=_positive_int, default=2)
+    _add_transport_arg(p)  # --fit and --validate time this machine's transport
     p.add_argument("--plot", metavar="PATH", help="write the predicted scaling to 256 ranks (PNG) here")
     p.add_argument("--validate", action="store_true",
                    help="check the model on this machine: per world size, fit each collective and profile "
@@ -233,7 +241,7 @@ def _start_cluster(args):
     import ddpkit
 
     return ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
-                          network=args.network)
+                          network=args.network, transport=args.transport)
 
 
 def _describe(workload) -> str:
@@ -320,7 +328,7 @@ def _cmd_validate(args, parser) -> int:
     t0 = time.perf_counter()
     records = []
     for n in args.world_sizes:
-        with ddpkit.Cluster(n, backend="auto", network=args.network) as cluster:
+        with ddpkit.Cluster(n, backend="auto", network=args.network, transport=args.transport) as cluster:
             cluster.subscribe(progress)
             recs, transport, profile = validate(
                 cluster, args.strategies, workload=args.workload, steps=args.steps,
@@ -371,7 +379,7 @@ def cmd_predict(args, parser) -> int:
         import ddpkit
 
         sizes = costmodel.model_calibration_sizes(args.workload)
-        with ddpkit.Cluster(args.fit_ranks, backend="auto") as cluster:
+        with ddpkit.Cluster(args.fit_ranks, backend="auto", transport=args.transport) as cluster:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here")
         print(costmodel.format_fit(fitted))

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ddpkit.torch_internals import FutureWork
 
 POLL_S = 100e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
+MIN_LATE_S = 50e-6  # waking later than the link's time, or than this, counts as not keeping up
 
 
 @dataclass
@@ -90,7 +91,11 @@ class _Link:
             if delay > 0:
                 time.sleep(delay)
             try:
-                outran = not t.work.is_completed()  # the real transfer (or a late peer) takes longer
+                # Did the real transfer keep up? Not if it is still going now; nor if this thread
+                # itself woke more than a link's time late: then the link was faster than this
+                # machine can follow, whatever the transfer did (at 1 TB/s the wake-up alone loses).
+                late = time.perf_counter() - link_end
+                outran = not t.work.is_completed() or late > max(t.link_s, MIN_LATE_S)
                 _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
                 result = _value_of(t.work, t.result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future

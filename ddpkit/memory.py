@@ -144,13 +144,25 @@ class TensorWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a view or an in-place op hands back an input's storage: nothing was created (a slice of
+        # the shared-memory transport's slab, say, is not 32 MiB more)
+        given = {a.untyped_storage().data_ptr() for a in _tensors(args, kwargs) if not a.is_meta}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if torch.is_tensor(t) and not t.is_meta:
+            if torch.is_tensor(t) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
                 self._live[id(t)] = t
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
         live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
         self.peak = max(self.peak, sum(live.values()))
         return out
+
+
+def _tensors(args, kwargs):
+    """The tensors among an operator's arguments (lists of them too, as in ``torch.cat``)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if torch.is_tensor(a):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if torch.is_tensor(t))
 
 
 class ActivationMeter:

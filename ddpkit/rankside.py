@@ -151,7 +151,15 @@ def world_size() -> int:
 
 def backend() -> str | None:
     """The real backend under this rank's process group ("gloo" or "nccl"; under ddpkit's own
-    group, the one it wraps), or None before ``init_process_group``."""
+    group, the one it wraps), or None before ``init_process_group``. The shared-memory transport
+    is a gloo group (``transport()`` tells them apart)."""
+    moved_by = transport()
+    return "gloo" if moved_by == "shm" else moved_by
+
+
+def transport() -> str | None:
+    """What moves this rank's bytes: "shm" (shared memory, ``ddpkit.transport``), "gloo" (its
+    sockets) or "nccl"; None before ``init_process_group``."""
     import torch.distributed as dist
 
     if not dist.is_initialized():

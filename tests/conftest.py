@@ -1,16 +1,32 @@
-"""Shared fixtures: one persistent gloo Cluster per world size for the whole test session.
+"""Shared fixtures: one persistent CPU Cluster per world size for the whole test session.
 
 Starting ranks costs ~1.5 s (each imports torch); reusing them keeps the suite fast. A test
 that leaves a cluster broken (a dead rank) gets it restarted by the next user.
+
+Every Cluster a test starts moves its bytes on the default transport (shared memory);
+``DDPKIT_TEST_TRANSPORT=gloo python -m pytest`` runs the same suite over gloo's sockets.
 """
 from __future__ import annotations
 
 import inspect
+import os
 import re
 
 import pytest
 
 import ddpkit
+
+TRANSPORT = os.environ.get("DDPKIT_TEST_TRANSPORT", "auto")
+
+
+def pytest_configure(config):
+    if TRANSPORT != "auto":  # every Cluster made in this process, the fixtures' and the tests' own
+        from ddpkit.cluster import TRANSPORTS, Cluster
+
+        if TRANSPORT not in TRANSPORTS:
+            raise pytest.UsageError(f"DDPKIT_TEST_TRANSPORT={TRANSPORT!r}: valid are {', '.join(TRANSPORTS)}")
+        defaults = Cluster.__init__.__defaults__
+        Cluster.__init__.__defaults__ = (*defaults[:-1], TRANSPORT)
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +39,7 @@ def _clusters():
 
 @pytest.fixture
 def cluster_of(_clusters):
-    """``cluster_of(n)`` -> a ready gloo Cluster with n ranks, shared across tests."""
+    """``cluster_of(n)`` -> a ready CPU Cluster with n ranks, shared across tests."""
 
     def get(world_size: int) -> ddpkit.Cluster:
         c = _clusters.get(world_size)

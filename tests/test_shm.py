@@ -232,9 +232,9 @@ def test_the_cluster_runs_on_the_transport_it_was_given(shm_cluster_of):
         from ddpkit import rankside
 
         group = dist.distributed_c10d._get_default_group()
-        return type(group._get_backend(torch.device("cpu"))).__name__, rankside.backend()
+        return type(group._get_backend(torch.device("cpu"))).__name__, rankside.backend(), rankside.transport()
 
-    assert shm_cluster_of(2).run(backend_class) == [("ShmBackend", "shm")] * 2
+    assert shm_cluster_of(2).run(backend_class) == [("ShmBackend", "gloo", "shm")] * 2
     with pytest.raises(ValueError, match="transport"):
         ddpkit.Cluster(2, backend="gloo", transport="tcp")
 

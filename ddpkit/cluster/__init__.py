@@ -1,7 +1,7 @@
 """Cluster: persistent rank processes that run notebook-defined functions.
 
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
-    ddpkit.Cluster(2, transport="shm")            # CPU ranks' bytes through shared memory, not gloo's sockets
+    ddpkit.Cluster(2, transport="gloo")           # CPU ranks' bytes through gloo's sockets, not shared memory
     ddpkit.Cluster(2, gpus=[4, 5])                # NCCL, rank 0 on cuda:4, rank 1 on cuda:5
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
     with cluster.recording():                     # record (and stream) what the jobs do
@@ -43,7 +43,9 @@ __all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "
            "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
-TRANSPORTS = ("gloo", "shm")  # what moves CPU ranks' bytes: gloo's sockets, or shared memory (ddpkit.transport)
+# What moves CPU ranks' bytes: shared memory (ddpkit.transport; "auto" picks it) or gloo's sockets.
+# GPU ranks' bytes go through NCCL whatever this says.
+TRANSPORTS = ("auto", "shm", "gloo")
 
 
 class Cluster:
@@ -51,10 +53,14 @@ class Cluster:
 
     ``gpus``: which CUDA devices the ranks use, one each (rank r on ``cuda:gpus[r]``), so that
     several notebooks share one multi-GPU machine; default the first ``world_size`` visible ones
-    (under NCCL). Checked before any rank starts (``check_gpus``)."""
+    (under NCCL). Checked before any rank starts (``check_gpus``).
+
+    ``transport``: what moves CPU ranks' bytes between them. ``"auto"`` (and ``"shm"``): shared
+    memory (``ddpkit.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
+    sockets over loopback, as across hosts and under torchrun."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "gloo"):
+                 threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto"):
         settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport)
         self.world_size = settings.world_size
         self._network = settings.network
@@ -217,7 +223,7 @@ class Cluster:
 
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
                     threads_per_rank: int | None = None, network=None, gpus=None,
-                    transport: str = "gloo") -> Settings:
+                    transport: str = "auto") -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
     command line both check with this): a ValueError naming the bad argument and what is valid."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -240,8 +246,9 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
                              "leave out gpus=, or use backend='auto' or 'nccl'")
         gpus, backend = check_gpus(gpus, world_size), "nccl"
     if transport not in TRANSPORTS or (transport == "shm" and backend == "nccl"):
-        raise ValueError(f"transport must be one of {TRANSPORTS} (\"shm\": CPU ranks only, not under "
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)} (\"shm\": CPU ranks only, not under "
                          f"backend {backend!r}), got {transport!r}")
+    transport = "nccl" if backend == "nccl" else "shm" if transport == "auto" else transport
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
     # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
     # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.

@@ -67,7 +67,7 @@ class Settings:
     threads_per_rank: int
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
     gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (NCCL); None on the CPU
-    transport: str = "gloo"  # what carries the bytes of CPU ranks: "gloo", or "shm" (ddpkit.transport)
+    transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.transport), "gloo", or "nccl" (GPUs)
 
 
 class Workers:
