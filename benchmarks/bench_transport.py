@@ -1,39 +1,44 @@
 """What moving bytes between the ranks of this host costs: α and β per collective, gloo vs shared memory.
 
     python benchmarks/bench_transport.py [--world-size 2] [--rounds 5] [--iters 8] [--sizes 4K,64K,256K,1M,8M]
-        [--candidates gloo,gloo-lo,gloo-2lo,gloo-lazy,gloo-1thread,gloo-4threads,shm,shm-block]
+        [--candidates gloo,gloo-lo,gloo-2lo,gloo-lazy,gloo-1thread,gloo-4threads,shm,shm-chunk256K,shm-slots2]
+        [--collectives all_reduce,all_gather,reduce_scatter,broadcast]
 
-Part 1, the transports alone. Inside one Cluster every rank builds each candidate as a process
-group of its own (over a fresh TCPStore, one prefix per candidate) and calls its collectives
-directly (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``, ``broadcast``, then
-``wait()``, with ``asyncOp`` off as ``dist.all_reduce(t)`` passes it), so nothing but the
-transport is timed. Everything is interleaved in one run: for every collective and size, the
-candidates take turns, in an order that rotates from round to round, so a burst of load from
-others on the machine hits them alike. A call's time is the slowest rank's (a collective is done
-when every rank has it); each cell shows the median of rounds x iters calls and its spread
-(25th-75th percentile). α and β come from a least-squares fit of the medians, t = α + S / β, S
-the full size (all-reduce: the buffer, all-gather: the output, reduce-scatter: the input,
-broadcast: the buffer).
+Part 1, the transports alone. Inside one Cluster (on gloo: its own group only sets the benchmark
+up) every rank builds each candidate as a process group of its own (over a fresh TCPStore, one
+prefix per candidate) and calls its collectives directly (``allreduce``, ``_allgather_base``,
+``_reduce_scatter_base``, ``broadcast``, then ``wait()``, with ``asyncOp`` off as
+``dist.all_reduce(t)`` passes it), so nothing but the transport is timed. Everything is
+interleaved in one run: for every collective and size, the candidates take turns, in an order
+that rotates from round to round, so a burst of load from others on the machine hits them alike.
+A call's time is the slowest rank's (a collective is done when every rank has it); each cell
+shows the median of rounds x iters calls and its spread (25th-75th percentile). α and β come
+from a least-squares fit of the medians, t = α + S / β, S the full size (all-reduce: the buffer,
+all-gather: the output, reduce-scatter: the input, broadcast: the buffer).
 
   gloo            ProcessGroupGloo as the Cluster builds it (device from the host name: loopback here)
   gloo-lo         gloo on a device bound to interface "lo" (what GLOO_SOCKET_IFNAME=lo does)
   gloo-2lo        two such devices (GLOO_SOCKET_IFNAME=lo,lo: pairs spread over two)
   gloo-lazy       gloo connecting its pairs on first use (what TORCH_GLOO_LAZY_INIT=1 does)
   gloo-1thread    gloo with 1 worker thread (default: 2); gloo-4threads: 4
-  shm             ddpkit.transport.ShmBackend as a Cluster builds it (polls its doorbell 50 µs, then sleeps)
-  shm-block       the same, sleeping in the kernel at once (more variants: see ``_shm_options``)
+  shm             ddpkit.transport.ShmBackend as a Cluster builds it: 2 MiB regions (``chunk_bytes``,
+                  the largest piece a rank deposits at once), 8 pieces in flight (``slots``)
+  shm-chunk256K   256 KiB regions: a 1 MB all-reduce goes through in 4 pieces instead of 1
+  shm-slots2      2 pieces in flight: an 8 MB all-reduce (4 pieces) deposits its third only once
+                  every rank completed its first (more, combinable: ``shm-chunk<SIZE>-slots<N>``)
 
 Part 2, the goal: between 2 ranks of a Cluster. Two Clusters, transport="gloo" and "shm", live
 together; rounds alternate between them; each times ``dist.all_reduce`` through the cluster's own
 process group (ddpkit's, over its transport: what every strategy sees) at 4 KB and 1 MB, called
 synchronously (``dist.all_reduce(t)``: the goal, shm <= 0.5x gloo at 4 KB, <= 0.4x at 1 MB) and
-asynchronously (``async_op=True``, then ``wait()``: how buckets are reduced; the collective runs on
-the group's own thread, a hand-off that costs about 0.1 ms more on shm).
+asynchronously (``async_op=True``, then ``wait()``: how buckets are reduced). On shm neither hands
+the collective to a thread to start it: the call deposits this rank's part where it is made (and
+completes it there if the peer's part is in); what is left is moved by whoever comes first,
+``wait()`` on the calling thread or, for an asynchronous call, the group's own thread.
 
 Where the kernel puts the ranks decides much of it on 2 cores: two ranks on one core take turns
-at every barrier (measured with the ranks pinned: shm 4 KB 0.07-0.10 ms on two cores, 0.28-0.42
-ms on one; gloo 0.3-2.5 ms on two, 0.6-1.2 on one). Each part prints how often, of the samples
-taken after each block of calls, the ranks sat on one core.
+at every barrier, so small collectives come out bimodal. Each part prints how often, of the
+samples taken after each block of calls, the ranks sat on one core.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ import os
 import statistics
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-CANDIDATES = ("gloo", "gloo-lo", "gloo-2lo", "gloo-lazy", "gloo-1thread", "gloo-4threads", "shm", "shm-block")
+CANDIDATES = ("gloo", "gloo-lo", "gloo-2lo", "gloo-lazy", "gloo-1thread", "gloo-4threads",
+              "shm", "shm-chunk256K", "shm-slots2")
 
 
 def _group(name: str, store, rank: int, n: int):
@@ -68,21 +74,21 @@ def _group(name: str, store, rank: int, n: int):
 
 
 def _shm_options(name: str) -> dict:
-    """``shm-block``: no polling; ``shm-spin200``: poll 200 µs; ``shm-split``: every all-reduce split
-    N ways (no one-barrier path for small ones); ``shm-chunk256K``: 256 KiB regions; combinable
-    (``shm-block-split``)."""
+    """``ShmBackend``'s keywords for a candidate: ``shm``, none (its defaults, as a Cluster builds
+    it); ``shm-chunk256K``: ``chunk_bytes`` 256 KiB per rank's region; ``shm-slots2``: ``slots``
+    2 pieces in flight; combinable (``shm-chunk256K-slots2``)."""
     opts = {}
     for part in name.split("-")[1:]:
-        if part == "block":
-            opts["spin_us"] = 0.0
-        elif part.startswith("spin"):
-            opts["spin_us"] = float(part[4:])
-        elif part == "split":
-            opts["small_bytes"] = 0
-        elif part.startswith("chunk"):
-            opts["chunk_bytes"] = _size(part[5:])
-        else:
-            raise ValueError(f"unknown shm option {part!r} in {name!r}")
+        try:
+            if part.startswith("chunk"):
+                opts["chunk_bytes"] = _size(part[5:])
+            elif part.startswith("slots"):
+                opts["slots"] = int(part[5:])
+            else:
+                raise ValueError
+        except (ValueError, IndexError, KeyError):
+            raise ValueError(f"unknown shm option {part!r} in {name!r}: chunk<SIZE> (e.g. chunk256K) "
+                             "or slots<N> (e.g. slots2)") from None
     return opts
 
 
@@ -238,12 +244,18 @@ def main() -> None:
     unknown |= set(collectives) - set(COLLECTIVES)
     if unknown:
         p.error(f"unknown candidate or collective: {sorted(unknown)}")
+    for c in candidates:
+        if c.startswith("shm-"):
+            try:
+                _shm_options(c)
+            except ValueError as err:
+                p.error(str(err))
 
     import ddpkit
 
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start; "
           f"{args.world_size} ranks, {args.rounds} rounds x {args.iters} calls per cell, interleaved")
-    with ddpkit.Cluster(args.world_size, backend="gloo") as cluster:
+    with ddpkit.Cluster(args.world_size, backend="gloo", transport="gloo") as cluster:
         per_rank = cluster.run(transports_job, candidates, collectives, sizes, args.rounds, args.iters)
     cells = {key: _stats(_slowest([r[key] for r in per_rank])) for key in per_rank[0] if key != "cpus"}
 

@@ -107,21 +107,36 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
             memory=[res["memory"] for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
             overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
             max_param_diff=max(res["max_param_diff"] for res in results),
-            outran_link=_outran(timings.emulated.get(s)),
+            outran_link=outran_share(timings.emulated.get(s)),
         ))
     _add_ratios(records)
     return records
 
 
-OUTRAN_NOTE = 0.25  # format_table says so where at least this share of collectives outran the link
+OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
 
 
-def _outran(counts) -> float | None:
-    """The share of a run's emulated collectives whose real transfer took longer than the link
-    (None off a network): there the network is faster than this machine can emulate."""
+def outran_share(counts) -> float | None:
+    """The share of a run's emulated collectives whose real transfer took longer than the link,
+    from ``[collectives on an emulated link, of which outran it]`` (None off a network): there
+    the network is faster than this machine can emulate."""
     if not counts or not counts[0]:
         return None
     return counts[1] / counts[0]
+
+
+def outran_note(shares: dict, network: str | None = None) -> str:
+    """The sentence a step time needs where at least ``OUTRAN_NOTE`` of its collectives outran
+    the emulated link (``shares``: ``{label: outran_share}``; ``network``: its name, if known);
+    "" where none did. The compare table and the cluster widget both say it, in these words."""
+    slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
+    if not slow:
+        return ""
+    which = f"the network ({network})" if network else "the network"
+    return ("network: the real transfer ended after the emulated link's time for a share of the "
+            f"collectives ({', '.join(slow)}; this machine's transport, or a rank that came late): there "
+            f"{which} is faster than this machine can emulate, and the times are this machine's, "
+            "not the network's.")
 
 
 def torch_reference(strategy: str) -> str:
@@ -183,10 +198,7 @@ def format_table(records: list[dict]) -> str:
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
     notes.append("sent/step: bytes one rank sends per step (ring algorithms); inter-node: the part that "
                  "crosses nodes (every rank its own node unless --gpus-per-node); \"-\": not recorded.")
-    slow = [f"{r['strategy']} {r['outran_link']:.0%}" for r in records if (r.get("outran_link") or 0) >= OUTRAN_NOTE]
-    if slow:
-        notes.append("network: the real transfer ended after the emulated link's time for a share of the "
-                     f"collectives ({', '.join(slow)}; this machine's transport, or a rank that came late): there "
-                     "the network is faster than this machine can emulate, and the times are this machine's, "
-                     "not the network's.")
+    outran = outran_note({r["strategy"]: r.get("outran_link") for r in records})
+    if outran:
+        notes.append(outran)
     return "\n".join(lines + [""] + notes)

@@ -414,6 +414,43 @@ def test_a_long_run_shows_its_status_in_the_running_cell(cluster_of, monkeypatch
         w.close()
 
 
+def test_a_strategy_run_says_where_the_network_was_faster_than_this_machine_can_emulate(cluster_of, monkeypatch):
+    """Beside a strategy run's step time, the panel and the cell's status line say, in compare's
+    words, when the machine's own transport could not keep up with the emulated link."""
+    import html
+
+    from ddpkit.compare import OUTRAN_NOTE, outran_note
+    from ddpkit.experiment import run_strategy
+    from ddpkit.widget import status
+    from helpers import SMALL_MLP
+
+    monkeypatch.setattr(status, "LONG_S", 0.0)  # every run gets its line in the cell
+    shown = []
+    c = cluster_of(2)
+    w = ClusterWidget(c, cell_output=shown.append)
+    try:
+        c.network = "0,1000"     # 0 us, 1000 GB/s: this machine's transport takes longer than the link
+        c.run(run_strategy, "bucketed", steps=2, model_kwargs=SMALL_MLP)
+        assert re.search(r"bucketed: \d+\.\d\d ms/step", w.progress.label.value), w.progress.label.value
+        note = html.unescape(w.progress.note.value)
+        share = int(re.search(r"bucketed (\d+)%", note).group(1)) / 100
+        assert share >= OUTRAN_NOTE and w.progress.note.layout.display != "none"
+        assert outran_note({"bucketed": share}, "alpha 0 us, 1000 GB/s") in note  # compare's sentence
+        assert "faster than this machine can emulate" in html.unescape(shown[-1].value)  # and in the cell
+
+        c.network = "20000,0.1"  # 20 ms a message: the link is the slower, its times are the network's
+        c.run(run_strategy, "bucketed", steps=2, model_kwargs=SMALL_MLP)
+        assert "ms/step" in w.progress.label.value
+        assert w.progress.note.value == "" and w.progress.note.layout.display == "none"
+        assert "emulate" not in shown[-1].value
+
+        c.run(ddpkit.rank)       # not a strategy run: no step time, no note
+        assert "ms/step" not in w.progress.label.value and w.progress.note.value == ""
+    finally:
+        w.close()
+        c.network = None
+
+
 def test_a_cell_that_shuts_the_cluster_down_says_so(cluster_of):
     shown = []
     c = cluster_of(2)

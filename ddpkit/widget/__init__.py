@@ -8,7 +8,8 @@
 One job per file:
 - ``panel``: ``ClusterWidget``, the whole view, and the observer that keeps it current;
 - ``ranks``: a row per rank (status, log tail, traceback);
-- ``progress``: the run's progress bar and what the run is part of;
+- ``progress``: the run's progress bar, what the run is part of, and a strategy run's step time
+  (with a note where the emulated network was faster than this machine can emulate);
 - ``status``: a compact status line in the running cell, a note when a cell shuts the cluster down;
 - ``live``: the plots of a recorded run, live and replayed, fed from ``state`` (bounded);
 - ``fill_view``, ``timeline_view``, ``memory_view``, ``loss_view``: the plots, as SVG (``svg``);

@@ -4,8 +4,10 @@ Top to bottom: a header (world size, backend, devices, and how the cluster stopp
 start / restart / stop, a **record** toggle (``cluster.record``) and **save trace** (the last
 recorded run as a Chrome trace for Perfetto); one row per rank (``RankRows``); after a desync, each
 rank's collectives around the one where they parted (``desync_view``), until the next job; the
-run's progress (``RunProgress``); the plots of a recorded run, live and then replayed (``LivePlots``). During a
-long run a compact status line also appears in the running cell (``CellStatus``).
+run's progress and, after a strategy run, its step time, with a note where the emulated network was
+faster than this machine can emulate (``RunProgress``); the plots of a recorded run, live and then
+replayed (``LivePlots``). During a long run a compact status line also appears in the running cell
+(``CellStatus``).
 
 Threads. The cluster calls ``_on_event`` from its pipe-reader threads (log lines) and from the
 thread that waits in ``cluster.run`` (everything else). The observer only updates state and sets
@@ -163,10 +165,8 @@ class ClusterWidget(widgets.VBox):
             self._job(fields)
         elif kind == "tick":
             self.cell_status.tick()
-        elif kind == "results" and not self._recorded_run:
-            trace = trace_of(self.cluster.last_results)  # a job that recorded by hand
-            if trace is not None:
-                self._show_trace(trace)
+        elif kind == "results":
+            self._results(self.cluster.last_results)
         elif kind == "trace":
             self._show_trace(self.cluster.last_trace)
         elif kind == "recording":
@@ -205,11 +205,21 @@ class ClusterWidget(widgets.VBox):
         self.cell_status.job(fields["phase"])
         if fields["phase"] == "start":
             self.desync.layout.display = "none"
+            self.progress.measured(None)  # the last job's step time is not this one's
             self._recorded_run = fields["recorded"]
             if fields["recorded"]:
                 self.live.start(self.cluster.world_size)
         else:
             self.progress.update()
+
+    def _results(self, results) -> None:
+        """A job returned: its step time (and whether the network was faster than this machine can
+        emulate), if it timed a strategy; its plots, if it recorded by hand."""
+        self.progress.measured(results, self.cluster.network)
+        if not self._recorded_run:
+            trace = trace_of(results)  # a job that recorded by hand
+            if trace is not None:
+                self._show_trace(trace)
 
     def _show_trace(self, trace) -> None:
         if trace is not None:
@@ -248,6 +258,8 @@ class ClusterWidget(widgets.VBox):
         parts = [f"{dots} <b>ddpkit</b> {self.cluster.world_size} ranks {'/'.join(states)}"]
         if self.progress.layout.display != "none":
             parts.append(self.progress.label.value)
+            if self.progress.note.value:  # the step time above is this machine's, not the network's
+                parts.append(self.progress.note.value)
         # the recorded run going on (or just done): the newest step every rank's loss has reached,
         # as the loss plot shows it; an unrecorded run has none (not the last recorded run's)
         latest = self.live.state.latest_loss() if self._recorded_run else None
