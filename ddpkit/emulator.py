@@ -4,24 +4,31 @@ A laptop's ranks talk over loopback, where moving a gradient costs almost nothin
 computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The emulator
 makes every collective take as long as it would on a chosen network (``ddpkit.Network``):
 
-- the real collective runs (the bytes really move, over loopback, on the real backend's own
-  thread) *while* the emulated link carries it: the link starts on it when it is issued, or when
-  the link frees up if it is still busy with an earlier one, and takes what the network takes
-  for the algorithm's bytes and latency (``Network.emulated_time``: ring all-reduce 2(N-1)/N S,
-  all-gather and reduce-scatter (N-1)/N S, and (N-1) or 2(N-1) alphas). The collective
-  completes when both are done: ``max(real end, max(issue, link free) + link time)``. So where
-  the link is slower than this machine's own transport, the link's time replaces the real
-  transfer's, as on the network itself; collectives on one link run one after another, in
+- the real collective runs (the bytes really move, over the ranks' transport: shared memory or
+  gloo's sockets) *while* the emulated link carries it: the link starts on it when it is issued,
+  or when the link frees up if it is still busy with an earlier one, and takes what the network
+  takes for the algorithm's bytes and latency (``Network.emulated_time``: ring all-reduce
+  2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S, and (N-1) or 2(N-1) alphas). The
+  collective completes when both are done: ``max(real end, max(issue, link free) + link time)``.
+  So where the link is slower than this machine's own transport, the link's time replaces the
+  real transfer's, as on the network itself; collectives on one link run one after another, in
   issue order. (The rule was chosen on measurement, stage 3, on a 2-core machine: counted
   *after* the real transfer, a 1 MiB all-reduce on 1GbE took the link's 9.7 ms plus loopback's
-  1-3.6 ms; counted from issue, it takes the link's time wherever the link is slower.)
+  1-3.6 ms; counted from issue, it takes the link's time wherever the link is slower.) The
+  link's thread sleeps until the link would have delivered, then asks whether the real
+  collective is done (asking moves the shared-memory transport along, as MPI's test does) and
+  waits for it if not: one wake-up per collective, at the emulated time;
 - where this machine's transport is *slower* than the link, the real transfer decides: the
   network is faster than this machine can emulate. Each link counts how often that happened
-  (``Emulator.fidelity``); ``compare`` says so under its table instead of printing figures that
-  read as the network's;
-- waiting sleeps: the link's thread blocks in ``Work.wait`` and ``time.sleep``, never spinning,
+  (``Emulator.fidelity``): a collective still moving when the link would have delivered it, or
+  one the link's thread could only look at more than a link's time late (a link faster than
+  this machine's own wake-ups); ``compare`` says so under its table instead of printing figures
+  that read as the network's;
+- waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
-  overlaps backward exactly as it would on a real network.
+  overlaps backward as it would on a real network, but for what the transport itself costs
+  the cores: copying and summing the bytes (``ddpkit.transport``: a memcpy and a sum per
+  bucket) is CPU work beside backward's;
 - on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
   thread's current stream wait for it -- the default stream, which backward's later kernels
   would then queue behind. So the link's thread never waits on a CUDA collective: it polls
