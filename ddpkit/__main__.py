@@ -339,6 +339,10 @@ def _cmd_validate(args, parser) -> int:
         print(f"{n} ranks ({cluster.backend}) on {args.network.describe()}: {format_profile(profile)}")
         if transport.measured:
             print(costmodel.format_fit(transport))
+        emulation = next((r["emulation_ms"] for r in recs if r.get("emulation_ms")), None)
+        if emulation:
+            print(f"  emulated collectives, waited for: {emulation * 1e3:.0f} us more than the slower of link and "
+                  "transport (the emulator's wake-ups; the model adds it)")
     print(f"model {_describe(args.workload)}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
@@ -381,7 +385,7 @@ def cmd_predict(args, parser) -> int:
         sizes = costmodel.model_calibration_sizes(args.workload)
         with ddpkit.Cluster(args.fit_ranks, backend="auto", transport=args.transport) as cluster:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
-        fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here")
+        fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here", host=cluster.backend != "nccl")
         print(costmodel.format_fit(fitted))
         # the alpha-beta lines, for every world size alike, between every pair of ranks (the nodes kept)
         network = costmodel.as_network(fitted.line(), gpus_per_node=network.gpus_per_node)

@@ -63,6 +63,11 @@ class Link:
     fills it when it has timings of several collectives (on gloo over loopback a small
     reduce-scatter costs more than a small all-gather, not the ring formulas' same alpha).
 
+    ``host``: this link is a transport that moves the bytes with the ranks' own CPU cores (gloo's
+    threads, the shared-memory transport's copies and sums), so its time is taken from their
+    compute: the cost model puts it on the rank's timeline, not beside it (as a GPU's NCCL or a
+    network card would be).
+
     ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
     ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
     instead of using the straight line. A machine's curve is not quite a line (on the
@@ -77,6 +82,7 @@ class Link:
     per_op: dict = field(default_factory=dict, compare=False)
     measured: dict = field(default_factory=dict, compare=False)
     measured_world_size: int = 0
+    host: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         for a, b in [(self.alpha, self.beta), *self.per_op.values()]:
@@ -140,7 +146,7 @@ def _interpolate(table, nbytes: float, slope: float) -> float:
 # tens of microseconds per message over TCP; NVLink (A100/H100 class) moves a few hundred GB/s
 # per GPU, a few microseconds per hop.
 LINKS = {
-    "loopback": Link("loopback", alpha=500e-6, beta=1 / 2e9),
+    "loopback": Link("loopback", alpha=500e-6, beta=1 / 2e9, host=True),
     "nvlink": Link("nvlink", alpha=5e-6, beta=1 / 200e9),
     "100GbE": Link("100GbE", alpha=20e-6, beta=1 / 10e9),
     "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),
@@ -166,7 +172,9 @@ class Network:
 
     ``inter`` is the link between nodes (every pair of ranks when ``gpus_per_node`` is None),
     ``intra`` the one inside a node, ``floor`` the real transport an emulated collective can never
-    beat (the cost model's business; None where it predicts a real cluster).
+    beat (the cost model's business; None where it predicts a real cluster), ``emulation_s`` what
+    an emulated collective that is waited for costs beyond the slower of the two on this machine
+    (the emulator's own wake-ups: measured by ``costmodel.validate``).
     """
 
     name: str = "loopback"
@@ -175,6 +183,7 @@ class Network:
     inter: Link | None = field(default=None, compare=False)
     intra: Link | None = field(default=None, compare=False)
     floor: Link | None = field(default=None, compare=False)
+    emulation_s: float = field(default=0.0, compare=False)
 
     def __post_init__(self):
         if self.inter is None and self.name != "loopback":
@@ -236,9 +245,10 @@ class Network:
         real transport and the emulated link (the emulator runs them side by side, from issue)."""
         return max(self.transport_time(op, nbytes, world_size), self.emulated_time(op, nbytes, range(world_size)))
 
-    def with_floor(self, floor: Link | None) -> Network:
-        """The same network over another real transport (e.g. one fitted on this machine)."""
-        return replace(self, floor=floor)
+    def with_floor(self, floor: Link | None, emulation_s: float | None = None) -> Network:
+        """The same network over another real transport (e.g. one fitted on this machine), and
+        with ``emulation_s`` (see the class) if given."""
+        return replace(self, floor=floor, emulation_s=self.emulation_s if emulation_s is None else emulation_s)
 
     @property
     def emulated(self) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -144,10 +145,11 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         # the start is marked *before* the launch: a synchronous NCCL op runs on the current
         # stream, so a start event recorded after launch() would fire after the collective
         marks = [r.launch_mark() for r in recorders]
+        issued = time.perf_counter()  # the link starts on it now, as the launch starts moving bytes
         work = launch()
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         if delayed:
-            work = comm.emulator.submit(link, work, link_s, result)
+            work = comm.emulator.submit(link, work, link_s, result, issued)
         comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         if recorders:
             self._record(op, work, full_bytes, link, recorders, marks, labels)

@@ -221,6 +221,26 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int)
     return out
 
 
+def measure_emulated(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=(4 * 1024, 256 * 1024),
+                     repeats: int = 3) -> dict:
+    """A Cluster job: ``measure_collectives`` with the cluster's emulated network on, what a
+    strategy's collectives take there (``emulation_overhead`` compares it with the model)."""
+    import torch.distributed as dist
+
+    from ddpkit.rankside import device
+
+    return _time_collectives(ops, sizes, repeats, 4 * MiB, device(), dist.get_world_size())
+
+
+def emulation_overhead(timings: dict, network, world_size: int) -> float:
+    """Seconds an emulated collective takes beyond the slower of the transport and the link
+    (``network.collective_time``: its floor, the transport fitted here, and its links), the
+    median over ``timings`` (``measure_emulated``'s, ``{op: [(bytes, seconds)]}``), at least 0:
+    the emulator's own wake-ups, which the model adds to every emulated collective waited for."""
+    extra = [t - network.collective_time(op, size, world_size) for op, rows in timings.items() for size, t in rows]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
 def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), repeats: int = 3) -> list:
     """A Cluster job: ``[(bytes, seconds)]`` for all-reduces in a row (``measure_collectives``)."""
     return measure_collectives(("all_reduce",), sizes, repeats)["all_reduce"]
@@ -244,7 +264,7 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def fit_link(samples, world_size: int, name: str = "fitted") -> Link:
+def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False) -> Link:
     """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
     or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
     rank's per size), which fits each collective its own line (``Link.per_op``). The timings
@@ -252,7 +272,8 @@ def fit_link(samples, world_size: int, name: str = "fitted") -> Link:
 
     Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
     fitted for *relative* error; a plain least-squares fit would let the largest size decide
-    alone and leave alpha at zero. The link's own alpha and beta are the all-reduce's.
+    alone and leave alpha at zero. The link's own alpha and beta are the all-reduce's. ``host``:
+    the transport timed moves the bytes with the ranks' own cores (``Link.host``).
     """
     if world_size < 2:
         raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
@@ -266,7 +287,7 @@ def fit_link(samples, world_size: int, name: str = "fitted") -> Link:
     alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
     measured = {op: tuple(sorted((float(s), float(t)) for s, t in rows)) for op, rows in by_op.items()}
     return Link(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
-                   measured=measured, measured_world_size=world_size)
+                measured=measured, measured_world_size=world_size, host=host)
 
 
 def slowest_rank(per_rank: list[dict]) -> dict:

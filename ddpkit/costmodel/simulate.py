@@ -95,13 +95,17 @@ class _Stream:
     """One communication stream: collectives run one at a time, in the order issued.
 
     On an emulated network it is two stages side by side, as the emulator runs them: the real
-    transport (one at a time, on the backend's thread) and the emulated link (one at a time),
-    both starting when the collective is issued (or when each frees up); it completes when both
-    are done (``ddpkit.emulator``: the slower of the two decides).
+    transport and the emulated link (one at a time), both starting when the collective is
+    issued (or when each frees up); it completes when both are done (``ddpkit.emulator``: the
+    slower of the two decides). A transport that moves the bytes with the ranks' own cores
+    (``Link.host``: gloo, shared memory) does it on the issuing rank's timeline: the step adds
+    ``host_s`` there, where it issued, and the transfer ends with that work. Any other (a GPU's)
+    runs beside the compute, one collective at a time.
     """
 
     def __init__(self, world_size: int, network: Network):  # collectives over all world_size ranks
         self.n, self.net = world_size, network
+        self.on_host = network.floor is not None and network.floor.host
         self.transport_free = 0.0
         self.free = 0.0
         self.busy = 0.0
@@ -117,12 +121,30 @@ class _Stream:
             return at
         real = self.net.transport_time(name, nbytes, len(ranks))
         link = self.net.emulated_time(name, nbytes, ranks)
-        self.transport_free = max(at, self.transport_free) + real
-        self.free = max(self.transport_free, max(at, self.free) + link)
+        if self.on_host:  # the issuer's own work (host_s), done when it is
+            real_end = at + real
+        else:
+            self.transport_free = max(at, self.transport_free) + real
+            real_end = self.transport_free
+        self.free = max(real_end, max(at, self.free) + link)
         self.busy += max(real, link)
         self.bytes += ring_bytes(name, nbytes, len(ranks))
         self.count += 1
-        return self.free
+        # the emulator hands the result over a little after the link frees (its thread wakes,
+        # then the waiter): on this machine's timeline, not on the link's
+        return self.free + (self.net.emulation_s if link > 0 else 0.0)
+
+    def host_s(self, name: str, nbytes: float, ranks=None) -> float:
+        """The seconds the issuing rank's cores spend on a collective: the transport's time where
+        it runs on them (``Link.host``), else nothing."""
+        ranks = range(self.n) if ranks is None else ranks
+        if not self.on_host or len(ranks) == 1:
+            return 0.0
+        return self.net.transport_time(name, nbytes, len(ranks))
+
+    def launch(self, name: str, nbytes: float, at: float, ranks=None) -> tuple[float, float]:
+        """``issue`` from the rank's timeline at ``at``: (when the rank goes on, when it completes)."""
+        return at + self.host_s(name, nbytes, ranks), self.issue(name, nbytes, at, ranks)
 
 
 def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
@@ -145,26 +167,29 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
         t += profile.backward_s
         for b in reversed(flat):
-            t = stream.issue("all_reduce", b, t + profile.copy_s(b))
+            t = max(stream.launch("all_reduce", b, t + profile.copy_s(b)))
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]
+    launched = []
     if overlap:
-        ready = []  # when each gradient is in its bucket slot, in backward order
+        missing = [len(b) for b in buckets]
+        bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
+        i = len(flat)
         for layer in reversed(profile.layers):  # backward runs the layers in reverse
             t += layer.backward_s
             for b in reversed(layer.param_bytes):  # its hook copies it in, delaying what follows
+                i -= 1
                 t += profile.copy_s(b)
-                ready.append(t)
-        ready.reverse()  # registration order, as the bucket indices are
-        launched = [stream.issue(reduce, size, max(ready[i] for i in b))
-                    for b, size in zip(buckets, sizes, strict=True)]
+                missing[bucket_of[i]] -= 1
+                while len(launched) < len(buckets) and missing[len(launched)] == 0:  # in bucket order
+                    t, done = stream.launch(reduce, sizes[len(launched)], t)
+                    launched.append(done)
     else:
         t += profile.backward_s
-        launched = []
         for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
-            t += profile.copy_s(size)
-            launched.append(stream.issue(reduce, size, t))
+            t, done = stream.launch(reduce, size, t + profile.copy_s(size))
+            launched.append(done)
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
         t = max(t, done) + (profile.copy_s(size) if copy_out else 0.0)
     return t
@@ -200,17 +225,17 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
 
     t = 0.0
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
-        t = stream.issue("all_gather", size[""], 0.0, node)
+        t = max(stream.launch("all_gather", size[""], 0.0, node))
     order = names
     gathered = {}
     for i, u in enumerate(order):
         if u not in gathered:
-            gathered[u] = stream.issue("all_gather", size[u], t, node)
+            t, gathered[u] = stream.launch("all_gather", size[u], t, node)
         start = max(t, gathered[u])
         held = 1 if reshard else i + 1  # units unsharded now, the root not counted
         if forward_prefetch and i + 1 < len(order) and may_prefetch(held):
             nxt = order[i + 1]
-            gathered[nxt] = stream.issue("all_gather", size[nxt], start, node)
+            start, gathered[nxt] = stream.launch("all_gather", size[nxt], start, node)
         t = start + fwd[u]
     t += fwd.get("", 0.0)  # root-level compute (embeddings, head) in forward
     t += bwd.get("", 0.0)  # ... and its backward, first
@@ -219,18 +244,21 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
     reduced = []
     for i, u in enumerate(back):
         if reshard and u not in regathered:
-            regathered[u] = stream.issue("all_gather", size[u], t, node)
+            t, regathered[u] = stream.launch("all_gather", size[u], t, node)
         start = max(t, regathered.get(u, t))
         if reshard and backward_prefetch and i + 1 < len(back) and may_prefetch(1):
             nxt = back[i + 1]
-            regathered[nxt] = stream.issue("all_gather", size[nxt], start, node)
+            start, regathered[nxt] = stream.launch("all_gather", size[nxt], start, node)
         t = start + bwd[u]
-        reduced.append((u, stream.issue("reduce_scatter", size[u], t, node)))
+        t, done = stream.launch("reduce_scatter", size[u], t, node)
+        reduced.append((u, done))
     if "" in units:
-        reduced.append(("", stream.issue("reduce_scatter", size[""], t, node)))
+        t, done = stream.launch("reduce_scatter", size[""], t, node)
+        reduced.append(("", done))
     if shards.nodes > 1:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
         for u, done in reduced:
-            stream.issue("all_reduce", size[u] / k, max(t, done), replicas)
+            t = max(t, done)
+            t, _ = stream.launch("all_reduce", size[u] / k, t, replicas)
     return max(t, stream.free)
 
 
@@ -266,12 +294,16 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
             # parameters view them), all launched at once, no copies
             flat = [b for layer in profile.layers for b in layer.param_bytes]
             sizes = [sum(flat[i] for i in b) for b in assign_buckets(flat, cap or 1, first_cap_bytes=first)]
-            end = max([stream.issue("all_gather", size, end) for size in sizes], default=end)
+            done = []
+            for size in sizes:
+                end, finished = stream.launch("all_gather", size, end)
+                done.append(finished)
+            end = max([end, *done])
         elif step.gather_params:
             # each rank stepped 1/N of the parameters; the updated ones are shared with one
             # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
             # ones back out
-            end = stream.issue("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)) + profile.copy_s(p_bytes)
+            end = max(stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n))) + profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
                       max(0.0, end - compute) * 1e3, stream.bytes, stream.count)

@@ -12,8 +12,8 @@ import dataclasses
 import statistics
 
 from ddpkit.costmodel.measure import (
-    fit_link, measure_collectives, median_profile, model_calibration_sizes, profile_job, slowest_profile,
-    slowest_rank,
+    emulation_overhead, fit_link, measure_collectives, measure_emulated, median_profile, model_calibration_sizes,
+    profile_job, slowest_profile, slowest_rank,
 )
 from ddpkit.costmodel.simulate import Profile, simulate
 from ddpkit.network import LINKS
@@ -54,12 +54,14 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     sizes = model_calibration_sizes(wl)
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
                   bucket_cap_mb=bucket_cap_mb)
-    calibrations, profiles = [], []
+    calibrations, emulations, profiles = [], [], []
 
     def calibrate_and_profile(r: int) -> None:  # first in each timing round, in its slow spells
         if n > 1:
             series.next(f"calibrating collectives (round {r + 1} of {rounds})")
             calibrations.append(slowest_rank(cluster.run(measure_collectives, sizes=sizes)))
+            if cluster.network.emulated:  # and what the emulation adds to them, waited for
+                emulations.append(slowest_rank(cluster.run(measure_emulated)))
         series.next(f"profiling compute (round {r + 1} of {rounds})")
         ranks = cluster.run(profile_job, wl, global_batch_size // n, optimizer)
         profiles.append(slowest_profile(ranks))
@@ -73,9 +75,13 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     if calibrations:  # per collective and size, the median over rounds
         merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
                        for rows in zip(*(c[op] for c in calibrations), strict=True)] for op in calibrations[0]}
-        transport = fit_link(merged, n, name=f"fitted on {n} ranks")
+        transport = fit_link(merged, n, name=f"fitted on {n} ranks", host=cluster.backend != "nccl")
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
+    if emulations:
+        merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
+                       for rows in zip(*(e[op] for e in emulations), strict=True)] for op in emulations[0]}
+        emulated = emulated.with_floor(None, emulation_overhead(merged, emulated.with_floor(transport.line()), n))
     records = []
     for label, (name, options) in runs.items():
         if label in errors:
@@ -90,7 +96,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
                             predicted_from_timings_ms=interpolated.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms,
-                            exposed_comm_ms=pred.exposed_comm_ms))
+                            exposed_comm_ms=pred.exposed_comm_ms, emulation_ms=emulated.emulation_s * 1e3))
     return records, transport, profile
 
 
