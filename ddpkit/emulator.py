@@ -20,10 +20,9 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
   waits for it if not: one wake-up per collective, at the emulated time;
 - where this machine's transport is *slower* than the link, the real transfer decides: the
   network is faster than this machine can emulate. Each link counts how often that happened
-  (``Emulator.fidelity``): a collective still moving when the link would have delivered it, or
-  one the link's thread could only look at more than a link's time late (a link faster than
-  this machine's own wake-ups); ``compare`` says so under its table instead of printing figures
-  that read as the network's;
+  (``Emulator.fidelity``): a collective still moving when the link's thread looks, or one whose
+  real end (its future's completion, stamped) came after the link's time; ``compare`` and the
+  widget say so beside their figures instead of printing figures that read as the network's;
 - waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
   overlaps backward as it would on a real network, but for what the transport itself costs
@@ -51,7 +50,6 @@ from dataclasses import dataclass
 from ddpkit.torch_internals import FutureWork
 
 POLL_S = 100e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
-MIN_LATE_S = 50e-6  # waking later than the link's time, or than this, counts as not keeping up
 
 
 @dataclass
@@ -64,6 +62,7 @@ class _Transfer:
     result: object          # the future's value if the Work has none (e.g. gloo's reduce-scatter)
     on_gpu: bool = False    # a CUDA collective: wait for it by polling (see the module docstring)
     issued_s: float = 0.0   # perf_counter when it was issued: the link starts on it then (or when free)
+    real_end: float | None = None  # perf_counter when the real collective completed, where it tells
 
 
 class _Link:
@@ -102,17 +101,34 @@ class _Link:
                 # Did the real transfer keep up? Not if it is still going now; nor if this thread
                 # itself woke more than a link's time late: then the link was faster than this
                 # machine can follow, whatever the transfer did (at 1 TB/s the wake-up alone loses).
-                late = time.perf_counter() - link_end
-                outran = not t.work.is_completed() or late > max(t.link_s, MIN_LATE_S)
+                checked = time.perf_counter()
+                moving = not t.work.is_completed()
+                # it kept up unless it is still moving now, or it had ended before we looked, but
+                # after the link's time (asking may also have finished it: then it was ready)
+                outran = moving or (t.real_end is not None and link_end < t.real_end < checked)
                 _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
                 result = _value_of(t.work, t.result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            self.free_s = max(time.perf_counter(), link_end) if outran else link_end
+            # the link is busy until the real transfer ended where that was later (not for this
+            # thread's own lateness: the next collective's link time still counts from link_end)
+            self.free_s = max(time.perf_counter(), link_end) if moving else link_end
             self.carried += 1
             self.outran += outran
             t.future.set_result(result)
+
+
+def _note_end(work, transfer: _Transfer) -> None:
+    """Have the real collective's future stamp ``transfer.real_end`` when it completes (a Work
+    without a future, gloo's reduce-scatter, stamps nothing)."""
+    def stamp(_):
+        transfer.real_end = time.perf_counter()
+
+    try:
+        work.get_future().add_done_callback(stamp)
+    except (RuntimeError, AttributeError):  # "Work::getFuture not implemented"
+        pass
 
 
 def _sleep_precisely() -> None:
@@ -171,7 +187,10 @@ class Emulator:
         future = torch.futures.Future()
         device = _device_of(result)
         on_gpu = device is not None and device.type == "cuda"
-        self._link(kind, device if on_gpu else None).queue.put(_Transfer(work, future, link_s, result, on_gpu, issued))
+        transfer = _Transfer(work, future, link_s, result, on_gpu, issued)
+        if not on_gpu:  # when did the real bytes arrive? (a CUDA future completes at launch: no use)
+            _note_end(work, transfer)
+        self._link(kind, device if on_gpu else None).queue.put(transfer)
         # a Work of ddpkit's own (the shared-memory transport's) may be waited for twice: whoever
         # waits finishes the real collective first, while the link's time runs, not after it
         ours = work if not on_gpu and isinstance(work, FutureWork) else None
