@@ -138,15 +138,16 @@ def _interpolate(table, nbytes: float, slope: float) -> float:
 
 
 # Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,
-# gloo over loopback, collectives timed back to back) by `python -m ddpkit predict --fit
-# --fit-ranks 2`: alpha 280-710 us and 1.7-2.3 GB/s over several runs (a small collective's
-# latency there drifts from second to second). Fit your own machine the same way. The others are
+# the shared-memory transport, collectives timed back to back) by `python -m ddpkit predict --fit
+# --fit-ranks 2`: alpha 58-84 us and 4.0-6.4 GB/s over three runs (over gloo's sockets, `--transport
+# gloo`: 280-710 us and 1.7-2.3 GB/s, a small collective's latency drifting from second to second).
+# Its time is the ranks' own CPU work (host=True). Fit your own machine the same way. The others are
 # round figures for the order of magnitude, not measurements: Ethernet moves at most its line
 # rate (1 GbE 0.125 GB/s, 10 GbE 1.25 GB/s, 100 GbE 12.5 GB/s), 85-90% of it in practice, with
 # tens of microseconds per message over TCP; NVLink (A100/H100 class) moves a few hundred GB/s
 # per GPU, a few microseconds per hop.
 LINKS = {
-    "loopback": Link("loopback", alpha=500e-6, beta=1 / 2e9, host=True),
+    "loopback": Link("loopback", alpha=70e-6, beta=1 / 4.5e9, host=True),
     "nvlink": Link("nvlink", alpha=5e-6, beta=1 / 200e9),
     "100GbE": Link("100GbE", alpha=20e-6, beta=1 / 10e9),
     "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),
