@@ -21,7 +21,8 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
 - where this machine's transport is *slower* than the link, the real transfer decides: the
   network is faster than this machine can emulate. Each link counts how often that happened
   (``Emulator.fidelity``): a collective still moving when the link's thread looks, or one whose
-  real end (its future's completion, stamped) came after the link's time; ``compare`` and the
+  real end came after the link's time (its future's completion, stamped; from the shared-memory
+  transport, when its last rank deposited the bytes, whoever then finished it); ``compare`` and the
   widget say so beside their figures instead of printing figures that read as the network's;
 - waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
@@ -101,11 +102,11 @@ class _Link:
                 # Did the real transfer keep up? Not if it is still going now; nor if this thread
                 # itself woke more than a link's time late: then the link was faster than this
                 # machine can follow, whatever the transfer did (at 1 TB/s the wake-up alone loses).
-                checked = time.perf_counter()
                 moving = not t.work.is_completed()
-                # it kept up unless it is still moving now, or it had ended before we looked, but
-                # after the link's time (asking may also have finished it: then it was ready)
-                outran = moving or (t.real_end is not None and link_end < t.real_end < checked)
+                # it kept up unless it is still moving now, or it ended (or, ddpkit's transport
+                # tells, its bytes were all there to be finished) after the link's time
+                ended = getattr(t.work, "ready_s", None) or t.real_end
+                outran = moving or (ended is not None and ended > link_end)
                 _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
                 result = _value_of(t.work, t.result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future

@@ -52,15 +52,23 @@ class Piece:
     future: object = field(default=None)  # ... this completes with the collective's result
     result: object = None
     waited: bool = True                  # the last piece's: will somebody wait() for it (else the thread moves it)
+    ready_s: float | None = None         # once completed: when the last rank deposited it (perf_counter s)
 
 
 class Work(FutureWork):
     """A collective in flight: ``wait()`` moves the group's queue up to it if no thread is doing
-    so, then blocks until it is done and raises its error."""
+    so, then blocks until it is done and raises its error. ``ready_s``: once done, when its last
+    bytes were all in the slab (the last rank's deposit, ``time.perf_counter`` seconds): where
+    it could have ended, whichever thread then finished it (the emulator asks)."""
 
-    def __init__(self, runner: Runner | None, future):
+    def __init__(self, runner: Runner | None, future, last: Piece | None = None):
         super().__init__(future)
         self._runner = runner
+        self._last = last
+
+    @property
+    def ready_s(self) -> float | None:
+        return self._last.ready_s if self._last is not None else None
 
     def wait(self, timeout=None):
         if self._runner is not None:
@@ -119,7 +127,7 @@ class Runner:
                 self._running.release()
         if not waited and not future.done():
             self._wake_thread()
-        return Work(self, future)
+        return Work(self, future, last)
 
     def help(self, future) -> None:
         """From ``Work.wait()``: move the queue here up to ``future`` (once whoever moves it now
@@ -225,6 +233,8 @@ class Runner:
     def _complete(self, piece: Piece) -> None:
         slot = self._completed % self.seg.slots
         self.seg.check(slot, piece.what)
+        if piece.future is not None:
+            piece.ready_s = self.seg.deposited_at(slot)
         piece.complete(self.seg.views(piece.dtype)[slot])
         with self._lock:
             self._pieces.popleft()

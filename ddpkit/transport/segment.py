@@ -2,7 +2,7 @@
 
 The slab (N ranks, S slots, R bytes per region), one file mapped by every rank:
 
-    [control: N pids, then S slots x N ranks x 3 int64 fingerprints] [data: S slots x N regions of R]
+    [control: N pids, then S slots x N ranks x 4 int64: a fingerprint and when] [data: S slots x N regions of R]
 
 A collective moves through the slab in *pieces* of at most R bytes per rank; piece q uses slot
 q % S. Each rank writes its part of a piece into its own region of that slot (it *deposits* it),
@@ -44,7 +44,7 @@ from ddpkit.liveness import alive
 
 # Where the slab lives: tmpfs on Linux; elsewhere (macOS) a temporary file, unlinked at once too.
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-FINGERPRINT = 3          # int64 words per rank and slot: (collective number, op code, bytes)
+FINGERPRINT = 4          # int64 words per rank and slot: (collective number, op code, bytes, deposited at ns)
 PEER_CHECK_S = 0.25      # while waiting, look this often whether a peer has died
 _KEY = "ddpkit_shm"      # the group's store keys (beside gloo's own, in the same prefix store)
 
@@ -163,15 +163,21 @@ class Segment:
         return self.size + (slot * self.size + k) * FINGERPRINT
 
     def stamp(self, slot: int, fingerprint: tuple[int, int, int]) -> None:
-        """Write this rank's fingerprint of the piece it deposits in ``slot`` (``check`` reads it)."""
+        """Write this rank's fingerprint of the piece it deposits in ``slot`` (``check`` reads it),
+        and when (``time.perf_counter_ns``: the system's monotonic clock, the same in every process)."""
         at = self._fingerprint_at(slot, self.rank)
         self.ctrl[at], self.ctrl[at + 1], self.ctrl[at + 2] = fingerprint
+        self.ctrl[at + 3] = time.perf_counter_ns()
+
+    def deposited_at(self, slot: int) -> float:
+        """Once every rank deposited the piece in ``slot``: when the last one did (perf_counter s)."""
+        return max(self.ctrl[self._fingerprint_at(slot, k) + 3] for k in range(self.size)) * 1e-9
 
     def check(self, slot: int, what: str) -> None:
         """Once every rank deposited the piece in ``slot``: did they all issue the same collective?"""
-        mine = self.ctrl[self._fingerprint_at(slot, self.rank):][:FINGERPRINT].tolist()
+        mine = self.ctrl[self._fingerprint_at(slot, self.rank):][:3].tolist()
         for k in self.peers:
-            theirs = self.ctrl[self._fingerprint_at(slot, k):][:FINGERPRINT].tolist()
+            theirs = self.ctrl[self._fingerprint_at(slot, k):][:3].tolist()
             if theirs != mine:
                 raise ShmError(f"{what}: ranks disagree on collective #{mine[0]}: rank {self.rank} issued "
                                f"(op {mine[1]}, {mine[2]} bytes), rank {k} issued #{theirs[0]} (op "
