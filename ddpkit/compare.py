@@ -12,6 +12,7 @@ is that loop for any set of configurations (the notebooks' sweeps).
 from __future__ import annotations
 
 import statistics
+import textwrap
 import warnings
 
 from ddpkit.series import Series, run_or_fail, timed_rounds
@@ -201,4 +202,7 @@ def format_table(records: list[dict]) -> str:
     outran = outran_note({r["strategy"]: r.get("outran_link") for r in records})
     if outran:
         notes.append(outran)
+    # each note wrapped to the table's width, or 120 columns (a notebook in a 1400 px window)
+    width = max(120, len(lines[0]))
+    notes = [textwrap.fill(note, width, subsequent_indent="  ") for note in notes]
     return "\n".join(lines + [""] + notes)

@@ -1,7 +1,7 @@
 """The emulated network: this rank's links, each a queue of collectives that complete on its clock.
 
-A laptop's ranks talk over loopback, where moving a gradient costs almost nothing next to
-computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The emulator
+A laptop's ranks talk through the machine's own memory, where moving a gradient costs little next
+to computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The emulator
 makes every collective take as long as it would on a chosen network (``ddpkit.Network``):
 
 - the real collective runs (the bytes really move, over the ranks' transport: shared memory or

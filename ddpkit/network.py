@@ -16,7 +16,7 @@ pace of the inter-node link, one inside a node at the intra-node link's. Two con
 - the emulator (``ddpkit.emulator``), which makes a collective on this laptop last as long as it
   would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
 - the cost model (``ddpkit.costmodel``), which predicts a step. On an emulated network a
-  collective moves on the real transport underneath (gloo over loopback here) and on the
+  collective moves on the real transport underneath (shared memory here) and on the
   emulated link side by side, and takes the longer of the two: that transport is the network's
   ``floor``, a Link fitted on this machine (``Network.transport_time`` and ``Network.emulated_time``).
 """
@@ -60,8 +60,8 @@ class Link:
     """One kind of connection for the alpha-beta model: ``alpha`` s per message, ``beta`` s per byte.
 
     ``per_op`` optionally gives some collectives their own ``(alpha, beta)``: ``costmodel.fit_link``
-    fills it when it has timings of several collectives (on gloo over loopback a small
-    reduce-scatter costs more than a small all-gather, not the ring formulas' same alpha).
+    fills it when it has timings of several collectives (a small reduce-scatter may cost more
+    than a small all-gather, not the ring formulas' same alpha).
 
     ``host``: this link is a transport that moves the bytes with the ranks' own CPU cores (gloo's
     threads, the shared-memory transport's copies and sums), so its time is taken from their

@@ -224,5 +224,5 @@ def _reserve(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
     except OSError as exc:
         raise ShmError(f"the shared-memory transport needs {nbytes / 2**20:.1f} MiB in {SHM_DIR} for this "
-                       f"group and could not get it ({exc.strerror}); free some there, or use "
-                       "ddpkit.Cluster(..., transport=\"gloo\")") from None
+                       f"group and could not get it ({exc.strerror}); free some there (in a container: "
+                       "docker run --shm-size=1g), or use ddpkit.Cluster(..., transport=\"gloo\")") from None

@@ -22,8 +22,9 @@ collective launched from a gradient hook costs that thread a memcpy, and the ran
 last completes it at once; only what waits for a peer moves on later, on the thread that waits
 for it or the group's own thread (``runner``).
 
-The slab is bounded: S slots (``slots``) x N regions; big tensors go through in as many pieces as
-they need, S of them in flight (32 MiB per group of 2 at the defaults).
+The slab is bounded: S slots (``slots``) x N regions, 32 MiB a group at the defaults (8 slots of 2
+MiB regions for 2 ranks, of 1 MiB for 4); big tensors go through in as many pieces as they need,
+S of them in flight.
 
 It *is* a ``ProcessGroupGloo`` (a Python subclass): whatever is not carried here (send/recv,
 gather, scatter, all-to-all, sparse or CUDA tensors, other dtypes or ops) runs on gloo, beside
@@ -44,8 +45,9 @@ from torch.distributed.distributed_c10d import AllgatherOptions  # not re-export
 from ddpkit.transport.runner import Piece, Runner, finished
 from ddpkit.transport.segment import Segment
 
-CHUNK_BYTES = 2 << 20   # bytes of one rank's region: the largest piece a rank deposits at once
+CHUNK_BYTES = 2 << 20   # bytes of one rank's region at most: the largest piece a rank deposits at once
 SLOTS = 8               # pieces in flight per group: a rank may deposit this far ahead of the slowest
+SLAB_BYTES = 32 << 20   # a group's slab at most (S x N regions): more ranks, smaller regions
 CARRIED = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, BARRIER = 1, 2, 3, 4, 5  # fingerprint op codes
@@ -78,8 +80,10 @@ class ShmBackend(dist.ProcessGroupGloo):
     """One process group of ranks on one host: collectives through a shared slab, the rest gloo."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
-                 prefix: str | None = None, chunk_bytes: int = CHUNK_BYTES, slots: int = SLOTS):
+                 prefix: str | None = None, chunk_bytes: int | None = None, slots: int = SLOTS):
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
+        if chunk_bytes is None:  # 2 MiB regions for 2 ranks, 1 MiB for 4, ...: 32 MiB a group
+            chunk_bytes = min(CHUNK_BYTES, SLAB_BYTES // (max(slots, 1) * size))
         if chunk_bytes < 8 * size or slots < 1:
             raise ValueError(f"a region must hold one 8-byte element per rank ({8 * size} bytes) and there "
                              f"must be a slot; got chunk_bytes={chunk_bytes}, slots={slots}")
