@@ -57,7 +57,8 @@ def main() -> None:
 
     import ddpkit
 
-    with ddpkit.Cluster(args.world_size, backend="gloo") as cluster:
+    # gloo under both: the layer alone is measured (the Cluster's default moves bytes through shared memory)
+    with ddpkit.Cluster(args.world_size, backend="gloo", transport="gloo") as cluster:
         for strategy in ("overlapped", "fsdp"):
             results = cluster.run(job, strategy, args.rounds, args.steps, args.batch, args.bucket_cap_mb)
             # a step lasts as long as its slowest rank, in each mode on its own
