@@ -225,7 +225,7 @@ def test_compare_on_a_two_tier_loopback(tmp_path):
                "--width", "8", "--depth", "2", "--steps", "1", "--rounds", "1", "--global-batch-size", "8",
                "--json", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "4 ranks (gloo) on loopback (no emulated link), 2 ranks per node" in res.stdout
+    assert "4 ranks (gloo, bytes through shared memory) on loopback (no emulated link), 2 ranks per node" in res.stdout
     fsdp, hsdp = json.loads(out.read_text())
     assert "error" not in fsdp and "error" not in hsdp, (fsdp, hsdp)
     assert hsdp["comm_bytes_per_step"] < fsdp["comm_bytes_per_step"]
