@@ -73,15 +73,13 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
 
     transport = LINKS["loopback"]  # the real transport under any emulated link: fitted when we can
     if calibrations:  # per collective and size, the median over rounds
-        merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
-                       for rows in zip(*(c[op] for c in calibrations), strict=True)] for op in calibrations[0]}
-        transport = fit_link(merged, n, name=f"fitted on {n} ranks", host=cluster.backend != "nccl")
+        transport = fit_link(_median_over_rounds(calibrations), n, name=f"fitted on {n} ranks",
+                             host=cluster.backend != "nccl")
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     if emulations:
-        merged = {op: [(rows[0][0], statistics.median(t for _, t in rows))
-                       for rows in zip(*(e[op] for e in emulations), strict=True)] for op in emulations[0]}
-        emulated = emulated.with_floor(None, emulation_overhead(merged, emulated.with_floor(transport.line()), n))
+        overhead = emulation_overhead(_median_over_rounds(emulations), emulated.with_floor(transport.line()), n)
+        emulated = emulated.with_floor(None, overhead)
     records = []
     for label, (name, options) in runs.items():
         if label in errors:
@@ -98,6 +96,13 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
                             measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms,
                             exposed_comm_ms=pred.exposed_comm_ms, emulation_ms=emulated.emulation_s * 1e3))
     return records, transport, profile
+
+
+def _median_over_rounds(rounds: list[dict]) -> dict:
+    """Collective timings of several rounds (``{op: [(bytes, seconds)]}`` each, the same sizes)
+    -> one, each size's median over the rounds."""
+    return {op: [(rows[0][0], statistics.median(t for _, t in rows))
+                 for rows in zip(*(r[op] for r in rounds), strict=True)] for op in rounds[0]}
 
 
 def format_validation(records: list[dict]) -> str:

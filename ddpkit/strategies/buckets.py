@@ -133,14 +133,15 @@ class Bucket:
     def copy_out(self) -> None:
         """The reduced slots back into ``.grad`` (a parameter unused here gets the average too;
         with ``find_unused_parameters`` one no rank used is set back to None afterwards)."""
-        pairs = []  # (.grad, its slot): copied in one call (``copy_all``), not one call per tensor
+        grads, slots = [], []  # copied in one call (``copy_all``), not one call per tensor
         for p, slot in zip(self.params, self.slots, strict=True):
             if p.grad is None:
                 p.grad = slot.clone()
             else:
-                pairs.append((p.grad, slot))
-        if pairs:
-            copy_all(*map(list, zip(*pairs, strict=True)))
+                grads.append(p.grad)
+                slots.append(slot)
+        if grads:
+            copy_all(grads, slots)
 
 
 def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket, first_bucket_mb: float | None = None) -> list:
