@@ -328,7 +328,7 @@ def _cmd_validate(args, parser) -> int:
     from ddpkit.costmodel.validate import format_profile, format_validation, validate
     from ddpkit.progressbar import ProgressBar
 
-    progress = ProgressBar(total_runs=sum(args.rounds * (len(args.strategies) + (2 if n > 1 else 1))
+    progress = ProgressBar(total_runs=sum(args.rounds * (len(args.strategies) + (3 if n > 1 else 2))
                                         for n in args.world_sizes))
     t0 = time.perf_counter()
     records = []

@@ -296,3 +296,34 @@ def test_scaling_plot_starts_hybrid_sharding_at_its_first_whole_node():
     assert set(lines) == {"fsdp", "hsdp (from 2 ranks)"}
     assert list(lines["hsdp (from 2 ranks)"].get_xdata()) == [2, 4, 8, 16, 32, 64, 128, 256]
     assert lines["hsdp (from 2 ranks)"].get_ydata()[0] == pytest.approx(100)
+
+
+def test_a_wrappers_host_work_is_spread_over_the_layers_compute():
+    p = _mlp_like()
+    compute = p.forward_s + p.backward_s
+    more = p.with_host(0.25 * compute)
+    assert more.forward_s + more.backward_s == pytest.approx(1.25 * compute)
+    for a, b in zip(p.layers, more.layers, strict=True):  # in proportion: every layer 1.25x
+        assert (b.forward_s, b.backward_s) == pytest.approx((1.25 * a.forward_s, 1.25 * a.backward_s))
+        assert b.param_bytes == a.param_bytes and b.unit == a.unit
+    assert more.optimizer_s == p.optimizer_s and p.with_host(0.0) is p and p.with_host(-1.0) is p
+    for s in ("bucketed", "overlapped", "fsdp"):  # one rank: the step grows by exactly that work
+        assert cm.simulate(s, more, 1, NET).ms_per_step == pytest.approx(
+            cm.simulate(s, p, 1, NET).ms_per_step + 0.25 * compute * 1e3)
+
+
+def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
+    def job():
+        from ddpkit.rankside import comm_counts
+
+        def sent():
+            return sum(c[1] for c in comm_counts().values())
+
+        before = sent()
+        out = cm.wrapper_job({"ddp": ("bucketed", {}), "sharded": ("fsdp", {"reshard_after_forward": True})},
+                             "mlp", 4, model_kwargs=dict(width=16, depth=2), steps=2)
+        return out, sent() - before
+
+    for per_step, sent in cluster_of(2).run(job):
+        assert set(per_step) == {"ddp", "sharded"} and all(0 < t < 5 for t in per_step.values())
+        assert sent == 0  # alone: every collective ran over a group of one, no byte crossed to the peer

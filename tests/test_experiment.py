@@ -156,9 +156,10 @@ def test_validate_announces_calibration_profiling_and_timing(cluster_of):
         records, _, _ = validate(cluster, ["naive"], rounds=1, steps=1, global_batch_size=8, model_kwargs=TINY)
     finally:
         cluster.unsubscribe(listener)
-    assert heard == [("calibrating collectives (round 1 of 1)", 1, 3), ("profiling compute (round 1 of 1)", 2, 3),
-                     ("naive: timing round 1 of 1", 3, 3), (None, None, None)]
-    assert records[0]["strategy"] == "naive" and records[0]["measured_ms"] > 0
+    assert heard == [("calibrating collectives (round 1 of 1)", 1, 4), ("profiling compute (round 1 of 1)", 2, 4),
+                     ("timing each wrapper alone (round 1 of 1)", 3, 4), ("naive: timing round 1 of 1", 4, 4),
+                     (None, None, None)]
+    assert records[0]["strategy"] == "naive" and records[0]["measured_ms"] > 0 and records[0]["host_ms"] >= 0
 
 
 def test_compare_announces_its_series_to_the_cluster_and_a_progress_bar(cluster_of):

@@ -3,6 +3,7 @@
     profile = costmodel.profile_model(module, x, y)            # one rank's compute (measure.py)
     costmodel.simulate(name, profile, 64, "100GbE")            # one step predicted (simulate.py)
     costmodel.predict(profile, world_sizes=(8, 64, 256))       # every strategy x world size
+    cluster.run(costmodel.wrapper_job, runs)                   # each wrapper's own host work, alone
 
 What a collective costs on a network is ``ddpkit.network``'s (re-exported here: ``Link``,
 ``Network``, their presets, ``collective_time``). On a real machine, ``measure_collectives``
@@ -14,7 +15,7 @@ network, and ``ddpkit.viz.plot_scaling`` draws them up to 256 ranks. Nothing her
 from ddpkit.costmodel.measure import (
     CALIBRATION_SIZES, calibration_sizes, fit_link, format_fit, measure_all_reduce, measure_collectives,
     median_profile, model_calibration_sizes, profile_for, profile_job, profile_model, slowest_profile,
-    slowest_rank,
+    slowest_rank, wrapper_job,
 )
 from ddpkit.costmodel.simulate import (
     STRATEGIES, Layer, MiB, Prediction, Profile, assign_buckets, format_predictions, predict, simulate,
@@ -28,5 +29,5 @@ __all__ = [
     "assign_buckets", "Layer", "Profile", "uniform_profile", "Prediction", "simulate", "predict",
     "format_predictions", "profile_model", "profile_job", "profile_for", "slowest_profile",
     "median_profile", "CALIBRATION_SIZES", "calibration_sizes", "model_calibration_sizes",
-    "measure_collectives", "measure_all_reduce", "fit_link", "slowest_rank", "format_fit",
+    "measure_collectives", "measure_all_reduce", "fit_link", "slowest_rank", "format_fit", "wrapper_job",
 ]

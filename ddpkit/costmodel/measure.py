@@ -142,6 +142,47 @@ def median_profile(profiles: list[Profile]) -> Profile:
     return ranked[len(ranked) // 2]
 
 
+# --------------------------------------------------------------------------- the wrappers' own work
+# Hybrid sharding needs nodes; alone, each is timed as its one-node form (``wrapper_job``).
+ALONE_AS = {"hsdp": "fsdp", "torch_hsdp": "torch_fsdp"}
+
+
+def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
+                bucket_cap_mb: float = 25.0, model_kwargs: dict | None = None, steps: int = 5) -> dict:
+    """A Cluster job: every rank trains each of ``runs`` (``{label: (strategy, wrapper options)}``)
+    over a process group of its own, one rank with no peer (nothing to move, nobody to wait for),
+    all ranks at once so they contend for the cores as in training; ``{label: seconds per step}``,
+    the median of ``steps`` after a warmup. Beyond the compute ``profile_job`` measures and the
+    copies the model counts, that is the wrapper's own work on the rank's cores: Python in every
+    gradient hook, flattening and unflattening, launching collectives (``validate`` adds it to
+    the model). Hybrid sharding cannot run alone: time its one-node form (``ALONE_AS``)."""
+    import torch
+    import torch.distributed as dist
+
+    import ddpkit
+    from ddpkit.experiment import train_batch, wrap
+    from ddpkit.rankside import subgroup
+    from ddpkit.workload import Workload
+
+    wl = Workload.of(workload, model_kwargs)
+    rank = dist.get_rank()
+    alone = [subgroup([r]) for r in range(dist.get_world_size())][rank]  # every rank makes every group
+    dev = ddpkit.device()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    per_step = {}
+    for label, (name, options) in runs.items():
+        model, opt = wrap(name, wl.build(0), optimizer, bucket_cap_mb, process_group=alone, options=options)
+        times = []
+        for step in range(steps + 1):  # the first is a warmup
+            batch = wl.local_batch(step, batch_per_rank, 0, 1, dev)
+            t0 = time.perf_counter()
+            train_batch(model, opt, batch, wl.compute_loss)
+            sync()
+            times.append(time.perf_counter() - t0)
+        per_step[label] = statistics.median(times[1:])
+    return per_step
+
+
 # --------------------------------------------------------------------------- collectives
 CALIBRATION_SIZES = (1024, 16 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 

@@ -15,6 +15,7 @@ plain data): nothing here switches on a strategy's name.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -65,6 +66,18 @@ class Profile:
     def copy_s(self, nbytes: float) -> float:
         """Seconds for one pass over ``nbytes`` (a bucket's copy in or out)."""
         return nbytes * self.copy_s_per_byte
+
+    def with_host(self, host_s: float) -> Profile:
+        """This profile with ``host_s`` more seconds per step spread over every layer's forward
+        and backward, in proportion to their time: a wrapper's own work (its hooks run on the
+        rank's thread, beside each layer's compute; ``measure.wrapper_job`` measures it)."""
+        compute = self.forward_s + self.backward_s
+        if host_s <= 0 or compute <= 0:
+            return self
+        k = 1 + host_s / compute
+        return dataclasses.replace(self, layers=[
+            dataclasses.replace(layer, forward_s=layer.forward_s * k, backward_s=layer.backward_s * k)
+            for layer in self.layers])
 
 
 def uniform_profile(layers: int, param_bytes: int, forward_ms: float, backward_ms: float | None = None,

@@ -12,8 +12,8 @@ import dataclasses
 import statistics
 
 from ddpkit.costmodel.measure import (
-    emulation_overhead, fit_link, measure_collectives, measure_emulated, median_profile, model_calibration_sizes,
-    profile_job, slowest_profile, slowest_rank,
+    ALONE_AS, emulation_overhead, fit_link, measure_collectives, measure_emulated, median_profile,
+    model_calibration_sizes, profile_job, slowest_profile, slowest_rank, wrapper_job,
 )
 from ddpkit.costmodel.simulate import Profile, simulate
 from ddpkit.network import LINKS
@@ -39,8 +39,11 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     """The cost model against measurement on one cluster: each round calibrates the collectives
     (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
     times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
-    machine hits calibration and measurement alike. The model sees only the calibration and
-    the profile, never a strategy's timing. On an emulated network (``cluster.network``) the
+    machine hits calibration and measurement alike; and each wrapper alone (``wrapper_job``: one
+    rank, no peer), whose step beyond the profile's compute and the copies the model counts is the
+    wrapper's own host work (hooks, flattening, launching collectives), added to the profile
+    (``Profile.with_host``, ``host_ms``). The model sees the calibration, the profile and those
+    lone steps, never a strategy's timing with its peers. On an emulated network (``cluster.network``) the
     collectives are calibrated with the emulation switched off: the fit is the real transport
     underneath, and the model runs the emulated links beside it, whose parameters it knows. Returns
     ``(records, transport, profile)``: one record per strategy with ``predicted_ms`` (each
@@ -54,7 +57,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     sizes = model_calibration_sizes(wl)
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
                   bucket_cap_mb=bucket_cap_mb)
-    calibrations, emulations, profiles = [], [], []
+    calibrations, emulations, profiles, alone = [], [], [], []
 
     def calibrate_and_profile(r: int) -> None:  # first in each timing round, in its slow spells
         if n > 1:
@@ -65,9 +68,21 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
         series.next(f"profiling compute (round {r + 1} of {rounds})")
         ranks = cluster.run(profile_job, wl, global_batch_size // n, optimizer)
         profiles.append(slowest_profile(ranks))
+        series.next(f"timing each wrapper alone (round {r + 1} of {rounds})")
+        ranks = cluster.run(wrapper_job, alone_runs, wl, global_batch_size // n, optimizer, bucket_cap_mb)
+        alone.append({key: statistics.median(rank[key] for rank in ranks) for key in alone_runs})
+
+    # One wrapper timed alone per strategy and options, the knobs the model simulates itself left
+    # out (prefetch: variants differ by less than the noise of timing them apart)
+    knobs = {f.name for f in dataclasses.fields(CostStep)}
+    alone_runs, alone_of = {}, {}
+    for label, (name, options) in runs.items():
+        plain = (ALONE_AS.get(name, name), {k: v for k, v in options.items() if k not in knobs})
+        alone_of[label] = next((key for key, run in alone_runs.items() if run == plain), label)
+        alone_runs.setdefault(alone_of[label], plain)
 
     jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
-    with Series(cluster, rounds * (len(runs) + (2 if n > 1 else 1)), follow=progress) as series:
+    with Series(cluster, rounds * (len(runs) + (3 if n > 1 else 2)), follow=progress) as series:
         timings = timed_rounds(series, jobs, rounds, steps, each_round=calibrate_and_profile, **common)
     per_round, errors = timings.per_round, timings.errors
 
@@ -85,15 +100,18 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
         if label in errors:
             records.append(dict(strategy=label, world_size=n, error=errors[label]))
             continue
-        fields = {f.name for f in dataclasses.fields(CostStep)}
-        cost = dataclasses.replace(strategy(name).cost, **{k: v for k, v in options.items() if k in fields})
-        pred = simulate(name, profile, n, emulated.with_floor(transport.line()), bucket_cap_mb, cost=cost)
-        interpolated = simulate(name, profile, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
+        cost = dataclasses.replace(strategy(name).cost, **{k: v for k, v in options.items() if k in knobs})
+        # the wrapper's own work: what a step took alone beyond what the model gives one rank
+        one = simulate(alone_runs[alone_of[label]][0], profile, 1, bucket_cap_mb=bucket_cap_mb, cost=cost)
+        host_s = max(0.0, statistics.median(a[alone_of[label]] for a in alone) - one.ms_per_step / 1e3)
+        with_host = profile.with_host(host_s)
+        pred = simulate(name, with_host, n, emulated.with_floor(transport.line()), bucket_cap_mb, cost=cost)
+        interpolated = simulate(name, with_host, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
         measured = statistics.median(per_round[label])
         records.append(dict(strategy=label, world_size=n, model=wl.name, predicted_ms=pred.ms_per_step,
                             predicted_from_timings_ms=interpolated.ms_per_step,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
-                            measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms,
+                            measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms, host_ms=host_s * 1e3,
                             exposed_comm_ms=pred.exposed_comm_ms, emulation_ms=emulated.emulation_s * 1e3))
     return records, transport, profile
 
@@ -107,10 +125,11 @@ def _median_over_rounds(rounds: list[dict]) -> dict:
 
 def format_validation(records: list[dict]) -> str:
     """predict --validate's table: predicted (alpha-beta lines) and measured ms/step, the error,
-    the rounds' spread; then the prediction from the calibration's timings, interpolated."""
+    the rounds' spread; then the prediction from the calibration's timings, interpolated; and
+    the wrapper's own host work per step, timed alone, which both predictions include."""
     w = max([10] + [len(r["strategy"]) for r in records])  # long labels ("fsdp (backward prefetch)") fit
     heads = (f"{'ranks':>5}  {'strategy':>{w}}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
-             f"{'rounds (min-max)':>16}  {'from timings':>12}  {'error':>6}")
+             f"{'rounds (min-max)':>16}  {'from timings':>12}  {'error':>6}  {'wrapper alone':>13}")
     lines = [heads]
     for r in records:
         if "error" in r:
@@ -119,7 +138,8 @@ def format_validation(records: list[dict]) -> str:
         spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
         lines.append(f"{r['world_size']:>5}  {r['strategy']:>{w}}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
                      f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_from_timings_ms']:12.2f}  "
-                     f"{r['predicted_from_timings_ms'] / r['measured_ms'] - 1:+6.0%}")
+                     f"{r['predicted_from_timings_ms'] / r['measured_ms'] - 1:+6.0%}  "
+                     f"{'+' + format(r['host_ms'], '.1f') + ' ms':>13}")
     return "\n".join(lines)
 
 
