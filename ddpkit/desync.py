@@ -52,6 +52,14 @@ class RankView:
         """The index of the newest collective it issued in ``group`` (0: none)."""
         return max((e.index for e in self.entries or () if e.key == group), default=0)
 
+    def knows(self, group: tuple) -> bool:
+        """Does its ring tell how far it got in ``group``? Not when the ring holds none of the
+        group's collectives and has dropped older ones (its oldest is not its first): a rank that
+        issued many collectives on other groups since (e.g. a group of its own) has pushed the
+        group's out. Then ``last`` says 0 and nothing can be concluded from it."""
+        entries = self.entries or ()
+        return not entries or entries[0].seq == 1 or any(e.key == group for e in entries)
+
     def entry(self, group: tuple, index: int) -> Entry | None:
         return next((e for e in self.entries or () if e.key == group and e.index == index), None)
 
@@ -326,7 +334,8 @@ def _blocked(by_rank):
         verdict = None  # one rank of the group that never issues it is enough to wait forever
         for m in group[0]:
             other = by_rank.get(m)
-            if m == r or other is None or other.entries is None or other.last(group) >= index:
+            if (m == r or other is None or other.entries is None or not other.knows(group)
+                    or other.last(group) >= index):
                 continue
             verdict = stuck_for_good(m, path | {r})
             if verdict is not None:
@@ -357,7 +366,7 @@ def _outrun(by_rank):
             mine = v.last(group)
             for m in group[0]:
                 other = by_rank.get(m)
-                if other is None or other.entries is None or other.state not in ENDED:
+                if other is None or other.entries is None or other.state not in ENDED or not other.knows(group):
                     continue
                 if other.last(group) < mine:
                     kind = "finished" if other.state == "finished" else "failed"

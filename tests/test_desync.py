@@ -154,6 +154,17 @@ def test_a_straggler_has_not_parted_and_a_failure_is_not_a_desync():
     assert failed.kind == "failed" and failed.index == 2  # a RankError; rank 0 is stopped at once
 
 
+def test_a_ring_that_dropped_a_groups_collectives_is_not_read_as_never_having_issued_them():
+    # rank 1 finished a job of many collectives on a group of its own (timing a wrapper alone): its
+    # ring (the newest SLOTS) holds none of the default group's; rank 0, slower, is still on its own
+    own = [_e(i, group=0, ranks=(1,), seq=600 + i) for i in range(1, 513)]
+    running = RankView(0, "running", [_e(1), _e(2)] + [_e(i, ranks=(0,), seq=2 + i) for i in range(1, 50)])
+    assert diagnose([running, RankView(1, "finished", own)]) is None
+    # with its first collectives still in the ring, none of the group's there means none issued
+    kept_all = [_e(i, ranks=(1,), seq=i) for i in range(1, 9)]
+    assert diagnose([running, RankView(1, "finished", kept_all)]).kind == "finished"
+
+
 def test_collective_failures_and_timeouts_count_as_a_broken_group():
     for message in ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer",
                     "RuntimeError: Timed out waiting 60000ms for send operation to complete",

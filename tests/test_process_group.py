@@ -42,8 +42,11 @@ def _bytes_per_step(name, steps=3):
     for step in range(1, 1 + steps):
         train_step(model, opt, *local_batch(module, 12, step, rank, n))
     after = comm_counts()
-    sent = {op: (calls - before.get((op, link), (0, 0, 0))[0], b - before.get((op, link), (0, 0, 0))[1])
-            for (op, link), (calls, b, _) in after.items()}
+    sent = {}  # per op, over every link (a shared cluster's earlier jobs may have used other links)
+    for (op, link), (calls, b, _) in after.items():
+        was = before.get((op, link), (0, 0, 0))
+        c0, b0 = sent.get(op, (0, 0))
+        sent[op] = (c0 + calls - was[0], b0 + b - was[1])
     param_bytes = sum(p.numel() * p.element_size() for p in build_model("mlp", **SMALL_MLP).parameters())
     return {op: (c / steps, b / steps) for op, (c, b) in sent.items() if c}, param_bytes
 
