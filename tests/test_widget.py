@@ -7,6 +7,7 @@ cell, and what a long chatty run costs the page and the kernel.
 """
 from __future__ import annotations
 
+import html
 import re
 import time
 
@@ -410,6 +411,34 @@ def test_a_long_run_shows_its_status_in_the_running_cell(cluster_of, monkeypatch
         assert len(shown) == 1 and "ddpkit-cell-status" in shown[0]._dom_classes
         line = shown[0].value
         assert "finished after" in line and "2 ranks" in line and "loss" in line
+    finally:
+        w.close()
+
+
+def test_a_series_of_runs_has_one_status_line_that_follows_it_to_its_end(cluster_of, monkeypatch):
+    """compare and validate run many short jobs from one cell: one line for the series, which
+    ends with the series (its last run, its whole time), not with its first long enough run."""
+    from ddpkit.series import Series
+    from ddpkit.widget import status
+
+    monkeypatch.setattr(status, "LONG_S", 0.3)
+    shown = []
+    c = cluster_of(2)
+    w = ClusterWidget(c, cell_output=shown.append)
+    try:
+        start = time.monotonic()
+        with Series(c, runs=3) as series:
+            for label, pause in (("first", 0.5), ("second", 0.2), ("third", 0.2)):
+                series.next(label)
+                c.run(time.sleep, pause)
+        took = time.monotonic() - start
+        assert len(shown) == 1  # the first run showed it, the next ones moved it on
+        line = html.unescape(shown[0].value)
+        assert "third" in line and "run 3 of 3" in line  # where the series ended
+        seconds = float(re.search(r"finished after (\d+\.\d) s", line).group(1))
+        assert 0.85 <= seconds <= took + 0.05  # the whole series, not the first run's 0.5 s
+        c.run(time.sleep, 0.5)  # a run of its own afterwards: a line of its own
+        assert len(shown) == 2 and "finished after 0." in shown[1].value
     finally:
         w.close()
 

@@ -172,7 +172,11 @@ class ClusterWidget(widgets.VBox):
         elif kind == "recording":
             self.record_toggle.value = fields["on"]
         elif kind == "label":
+            if fields["label"] is None:  # a series ended: its line keeps its last run's label
+                self.cell_status.series(False)
             self.progress.announce(fields["label"], fields.get("run"), fields.get("runs"))
+            if fields["label"] is not None:
+                self.cell_status.series(True)
         elif kind == "desync":
             self._desync(fields["diagnosis"])
 

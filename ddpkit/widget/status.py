@@ -4,9 +4,11 @@ run takes a while, and a plain note in the cell that shut the cluster down.
 The widget sits where the cluster was displayed, often far above the cell that is running
 (Run All scrolls to the bottom). So once a run has gone on for ``LONG_S`` seconds, a one-line
 status -- each rank's state, what the run is, its step, the loss when recorded -- appears in
-that run's own cell and follows it to its end ("done in 12.3 s", or which rank failed). The
-cluster tells its observers about a run on the thread that waits for it, i.e. the running
-cell's, so whatever is displayed from those calls lands in that cell's output.
+that run's own cell and follows it to its end ("done in 12.3 s", or which rank failed). A
+series of runs (``ddpkit.series``: compare, validate) gets one line for the whole series, which
+follows it from run to run and ends with the series, not with the first run long enough to show
+one. The cluster tells its observers about a run on the thread that waits for it, i.e. the
+running cell's, so whatever is displayed from those calls lands in that cell's output.
 """
 from __future__ import annotations
 
@@ -41,15 +43,32 @@ class CellStatus:
         self.describe, self.cell_output = describe, cell_output
         self.line: widgets.HTML | None = None  # the current run's status line, once shown
         self.started: float | None = None
+        self.series_started: float | None = None  # a series of runs goes on: one line for all of it
         self._updated = 0.0
 
-    def job(self, phase: str) -> None:
-        if phase == "start":
-            self.started, self.line = time.monotonic(), None
-        elif self.started is not None:
-            took = time.monotonic() - self.started
+    def series(self, on: bool) -> None:
+        """A series of runs begins (``on``) or ends: its runs share one line, ended with it."""
+        if on and self.series_started is None:
+            self.series_started, self.line = time.monotonic(), None
+        elif not on and self.series_started is not None:
+            took = time.monotonic() - self.series_started
             if self.line is not None:
                 self.line.value = self.describe(f"finished after {took:.1f} s")
+            self.series_started, self.started, self.line = None, None, None
+
+    def job(self, phase: str) -> None:
+        now = time.monotonic()
+        if phase == "start":
+            if self.series_started is None:
+                self.started, self.line = now, None
+            else:  # the series' line, if shown, follows it to this run
+                self.started = self.series_started
+        elif self.started is not None:
+            if self.line is not None:
+                if self.series_started is None:
+                    self.line.value = self.describe(f"finished after {now - self.started:.1f} s")
+                else:
+                    self.line.value = self.describe(f"{now - self.started:.0f} s")
             self.started = None
 
     def tick(self) -> None:
