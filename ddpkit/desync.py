@@ -18,7 +18,9 @@ others still run, a job ended in errors) and asks ``diagnose`` whether the ranks
   once instead of waiting for a timeout.
 
 A rank that is merely slow (still computing, the others waiting for it) has not parted: that is
-for the timeout to decide. ``Diagnosis.explain()`` is what ``ddpkit.DesyncError`` says first.
+for the timeout to decide. Nor is a rank whose ring no longer holds any of a group's collectives
+(newer ones on other groups pushed them out) read as never having issued them (``RankView.knows``).
+``Diagnosis.explain()`` is what ``ddpkit.DesyncError`` says first.
 """
 from __future__ import annotations
 
