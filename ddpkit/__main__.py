@@ -244,11 +244,6 @@ def _start_cluster(args):
                           network=args.network, transport=args.transport)
 
 
-def _carried_by(cluster) -> str:
-    """"gloo, bytes through shared memory", "gloo" or "nccl": what a run's collectives went through."""
-    return f"{cluster.backend}, bytes through shared memory" if cluster.transport == "shm" else cluster.backend
-
-
 def _describe(workload) -> str:
     """"mlp {'width': 64}": a workload's name, and a built-in's size when given."""
     return f"{workload.name} {workload.config}" if workload.config else workload.name
@@ -277,7 +272,7 @@ def cmd_compare(args, parser) -> int:
                           rounds=args.rounds, global_batch_size=args.global_batch_size,
                           optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     progress.close()
-    print(f"{args.world_size} ranks ({_carried_by(cluster)}) on {args.network.describe()}, "
+    print(f"{args.world_size} ranks ({cluster.carried_by}) on {args.network.describe()}, "
           f"model {_describe(args.workload)}, {args.steps} steps x {args.rounds} rounds, "
           f"global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.threads_per_rank} torch thread(s) per rank; "
@@ -341,7 +336,7 @@ def _cmd_validate(args, parser) -> int:
                 bucket_cap_mb=args.bucket_cap_mb, progress=progress)
         progress.close()
         records.extend(recs)
-        print(f"{n} ranks ({_carried_by(cluster)}) on {args.network.describe()}: {format_profile(profile)}")
+        print(f"{n} ranks ({cluster.carried_by}) on {args.network.describe()}: {format_profile(profile)}")
         if transport.measured:
             print(costmodel.format_fit(transport))
         emulation = next((r["emulation_ms"] for r in recs if r.get("emulation_ms")), None)

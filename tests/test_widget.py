@@ -415,6 +415,17 @@ def test_a_long_run_shows_its_status_in_the_running_cell(cluster_of, monkeypatch
         w.close()
 
 
+def test_the_header_says_what_carries_the_ranks_bytes(cluster_of):
+    c = cluster_of(2)
+    expected = {"shm": "gloo, bytes through shared memory", "gloo": "gloo"}[c.transport]
+    assert c.carried_by == expected  # the command line's headers say the same (test_cli)
+    w = ClusterWidget(c, cell_output=None)
+    try:
+        assert f"backend {expected} &middot;" in w.header.value
+    finally:
+        w.close()
+
+
 def test_a_series_of_runs_has_one_status_line_that_follows_it_to_its_end(cluster_of, monkeypatch):
     """compare and validate run many short jobs from one cell: one line for the series, which
     ends with the series (its last run, its whole time), not with its first long enough run."""

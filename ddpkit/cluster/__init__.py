@@ -88,6 +88,12 @@ class Cluster:
         return [r.device for r in self.ranks]
 
     @property
+    def carried_by(self) -> str:
+        """What the ranks' collectives go through, in words: "gloo, bytes through shared memory"
+        (the CPU default), "gloo" (its sockets) or "nccl"."""
+        return f"{self.backend}, bytes through shared memory" if self.transport == "shm" else self.backend
+
+    @property
     def network(self):
         """The network the ranks' collectives are emulated on (a ``ddpkit.Network``). Assign a
         ``Network`` or a preset name to switch it between runs, without restarting the ranks."""

@@ -45,6 +45,7 @@ from ddpkit.liveness import alive
 # Where the slab lives: tmpfs on Linux; elsewhere (macOS) a temporary file, unlinked at once too.
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 FINGERPRINT = 4          # int64 words per rank and slot: (collective number, op code, bytes, deposited at ns)
+AGREED = 3               # ... the first of them, which every rank's must equal (``check``)
 PEER_CHECK_S = 0.25      # while waiting, look this often whether a peer has died
 _KEY = "ddpkit_shm"      # the group's store keys (beside gloo's own, in the same prefix store)
 
@@ -175,9 +176,9 @@ class Segment:
 
     def check(self, slot: int, what: str) -> None:
         """Once every rank deposited the piece in ``slot``: did they all issue the same collective?"""
-        mine = self.ctrl[self._fingerprint_at(slot, self.rank):][:3].tolist()
+        mine = self.ctrl[self._fingerprint_at(slot, self.rank):][:AGREED].tolist()
         for k in self.peers:
-            theirs = self.ctrl[self._fingerprint_at(slot, k):][:3].tolist()
+            theirs = self.ctrl[self._fingerprint_at(slot, k):][:AGREED].tolist()
             if theirs != mine:
                 raise ShmError(f"{what}: ranks disagree on collective #{mine[0]}: rank {self.rank} issued "
                                f"(op {mine[1]}, {mine[2]} bytes), rank {k} issued #{theirs[0]} (op "

@@ -245,7 +245,7 @@ class ClusterWidget(widgets.VBox):
         state = (f" &middot; <b style='color:{STATUS_COLOURS['stopped']}'>stopped {html.escape(self._stopped_how)}"
                  "</b> (start brings it back)" if stopped else "")
         self.header.value = (f"<b>ddpkit cluster</b> &middot; world size {c.world_size} &middot; "
-                             f"backend {html.escape(c.backend)}{_moved_by(c)} &middot; devices "
+                             f"backend {html.escape(c.carried_by)} &middot; devices "
                              f"{html.escape(devices)}{state}")
         # start only from stopped (start() refuses otherwise); restart is always offered: it is
         # the way out of a dead or wedged rank (a click waits while a cell runs, so it cannot
@@ -272,9 +272,3 @@ class ClusterWidget(widgets.VBox):
             parts.append(f"loss {latest[1]:.4f} at step {latest[0]}")
         parts.append(html.escape(when))
         return f"<span style='font-size:12px'>{' &middot; '.join(parts)}</span>"
-
-
-def _moved_by(cluster) -> str:
-    """", bytes through shared memory" where the CPU ranks' transport is not the backend's own."""
-    transport = getattr(cluster, "transport", None)
-    return ", bytes through shared memory" if transport == "shm" else ""

@@ -58,17 +58,15 @@ class CellStatus:
 
     def job(self, phase: str) -> None:
         now = time.monotonic()
-        if phase == "start":
+        if phase == "start":  # in a series, its line (if shown) follows it to this run
             if self.series_started is None:
-                self.started, self.line = now, None
-            else:  # the series' line, if shown, follows it to this run
-                self.started = self.series_started
+                self.line = None
+            self.started = self.series_started or now
         elif self.started is not None:
-            if self.line is not None:
-                if self.series_started is None:
-                    self.line.value = self.describe(f"finished after {now - self.started:.1f} s")
-                else:
-                    self.line.value = self.describe(f"{now - self.started:.0f} s")
+            if self.line is not None:  # a series ends with the series, not with its runs
+                took = now - self.started
+                when = f"{took:.0f} s" if self.series_started else f"finished after {took:.1f} s"
+                self.line.value = self.describe(when)
             self.started = None
 
     def tick(self) -> None:
