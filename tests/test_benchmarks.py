@@ -16,6 +16,7 @@ TINY = {
                             "sync cost per iteration"),
     "bench_desync.py": (["--rounds", "2", "--steps", "1", "--strategies", "overlapped"], "detection costs"),
     "bench_live.py": (["--rounds", "2", "--steps", "2"], "recording + streaming + live widget"),
+    "bench_overlap.py": (["--networks", "10GbE", "--rounds", "1", "--steps", "1"], "bucketed/overlapped"),
     "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
     "bench_recording.py": (["--rounds", "2", "--steps", "2", "--width", "32", "--depth", "2"], "recording costs"),
     "bench_transport.py": (["--rounds", "2", "--iters", "1", "--sizes", "4K,64K", "--candidates", "gloo,shm",
@@ -45,3 +46,8 @@ def test_a_benchmark_runs_and_prints_its_figure(name):
 def test_one_round_is_refused_before_any_rank_starts(name):
     run = _run(name, ["--rounds", "1"])
     assert run.returncode == 2 and "--rounds >= 2" in run.stderr, run.stderr
+
+
+def test_an_unknown_network_is_refused_before_any_rank_starts():
+    run = _run("bench_overlap.py", ["--networks", "10GbE,wifi"])
+    assert run.returncode == 2 and "unknown network 'wifi'" in run.stderr, run.stderr
