@@ -28,6 +28,8 @@ def _loops(chunk_ms: float, iters: int) -> tuple[float, float, float]:
     import torch
     import torch.distributed as dist
 
+    from ddpkit.strategies._common import all_gather_flat  # torch 2.13's name, without its warning
+
     a = torch.randn(256, 256)
     reps = 1
     for r in range(dist.get_world_size()):  # one rank at a time: a chunk is timed on a core of its own
@@ -49,7 +51,7 @@ def _loops(chunk_ms: float, iters: int) -> tuple[float, float, float]:
                 for _ in range(reps):
                     a @ a
             if sync:
-                dist.all_gather_into_tensor(out, small)
+                all_gather_flat(out, small)
             times.append(time.perf_counter() - t)
         return statistics.median(times[iters // 10:]) * 1e3  # the first tenth warms up
 
