@@ -57,6 +57,46 @@ def warm_round_trips(world_size: int, n: int) -> list[float]:
     return times
 
 
+def _fresh_group(nbytes: int, calls: int) -> tuple[float, list[float], list[float]]:
+    """On every rank: a new group over all of them (ms to make it and pass a barrier), then
+    ``calls`` all-reduces of ``nbytes`` on it, then ``calls`` more: each call's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(nbytes // 4)
+    dist.all_reduce(t)  # the tensor and the code path are warm; only the group is new
+    dist.barrier()
+    t0 = time.perf_counter()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    dist.barrier(group=group)
+    made = time.perf_counter() - t0
+    times = []
+    for _ in range(2 * calls):
+        t1 = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        times.append(time.perf_counter() - t1)
+    dist.destroy_process_group(group)
+    return made, times[:calls], times[calls:]
+
+
+def fresh_groups(world_size: int, repeats: int, sizes=(1 << 20, 4 << 20), calls: int = 8) -> dict:
+    """{bytes: (ms to make a group, first calls' median ms, later calls' median ms)}, each the
+    median over ``repeats`` groups of the slowest rank's figures (8 calls: every slot once)."""
+    import ddpkit
+
+    out = {}
+    with ddpkit.Cluster(world_size=world_size, backend="gloo") as cluster:
+        for nbytes in sizes:
+            made, first, later = [], [], []
+            for _ in range(repeats):
+                ranks = cluster.run(_fresh_group, nbytes, calls)
+                made.append(max(r[0] for r in ranks))
+                first.append(statistics.median(max(c) for c in zip(*(r[1] for r in ranks), strict=True)))
+                later.append(statistics.median(max(c) for c in zip(*(r[2] for r in ranks), strict=True)))
+            out[nbytes] = tuple(1e3 * statistics.median(x) for x in (made, first, later))
+    return out
+
+
 def spawn_start(world_size: int) -> float:
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -87,6 +127,9 @@ def main() -> None:
           f"{statistics.median(spawns):.2f} s (runs: {', '.join(f'{t:.2f}' for t in spawns)})")
     print(f"warm no-op round trip, {ws} ranks: median {1e3 * statistics.median(trips):.3f} ms, "
           f"p90 {1e3 * p90:.3f} ms over {len(trips)} runs (target <= 5 ms)")
+    for nbytes, (made, first, later) in fresh_groups(a.world_size, a.repeats).items():
+        print(f"new group of {ws} ranks: made in {made:.1f} ms; all-reduce of {nbytes >> 20} MiB: first 8 calls "
+              f"{first:.3f} ms, the next 8 {later:.3f} ms (medians over {a.repeats} groups)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY = {
-    "bench_cluster.py": (["--repeats", "1", "--round-trips", "5"], "warm no-op round trip"),
+    "bench_cluster.py": (["--repeats", "1", "--round-trips", "5"], "first 8 calls"),
     "bench_contention.py": (["--world-sizes", "2", "--chunks-ms", "0.5", "--iters", "10", "--repeats", "1"],
                             "sync cost per iteration"),
     "bench_desync.py": (["--rounds", "2", "--steps", "1", "--strategies", "overlapped"], "detection costs"),
