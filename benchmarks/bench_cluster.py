@@ -9,7 +9,9 @@ Prints, for a gloo Cluster:
   90th percentile; target <= 5 ms;
 and, for comparison in the same run, ``torch.multiprocessing.spawn`` of the same number of
 ranks that each join a gloo process group, pass one barrier and exit: what a notebook would
-pay per experiment without persistent ranks.
+pay per experiment without persistent ranks. Then a new shared-memory process group (its slab
+mapped, every page in place) and its first all-reduces, one per slot of the slab, against the same
+group's next ones: what a fresh cluster's first collectives cost.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import argparse
 import statistics
 import time
 from datetime import timedelta
+
+from ddpkit.transport.shm import SLOTS  # a group's slab has this many slots, used in turn
 
 
 def _noop():
@@ -58,7 +62,7 @@ def warm_round_trips(world_size: int, n: int) -> list[float]:
 
 
 def _fresh_group(nbytes: int, calls: int) -> tuple[float, list[float], list[float]]:
-    """On every rank: a new group over all of them (ms to make it and pass a barrier), then
+    """On every rank: a new group over all of them (seconds to make it and pass a barrier), then
     ``calls`` all-reduces of ``nbytes`` on it, then ``calls`` more: each call's seconds."""
     import torch
     import torch.distributed as dist
@@ -79,13 +83,14 @@ def _fresh_group(nbytes: int, calls: int) -> tuple[float, list[float], list[floa
     return made, times[:calls], times[calls:]
 
 
-def fresh_groups(world_size: int, repeats: int, sizes=(1 << 20, 4 << 20), calls: int = 8) -> dict:
+def fresh_groups(world_size: int, repeats: int, sizes=(1 << 20, 4 << 20), calls: int = SLOTS) -> dict:
     """{bytes: (ms to make a group, first calls' median ms, later calls' median ms)}, each the
-    median over ``repeats`` groups of the slowest rank's figures (8 calls: every slot once)."""
+    median over ``repeats`` shared-memory groups of the slowest rank's figures (``SLOTS`` calls:
+    every slot of the slab used once, for the first time)."""
     import ddpkit
 
     out = {}
-    with ddpkit.Cluster(world_size=world_size, backend="gloo") as cluster:
+    with ddpkit.Cluster(world_size=world_size, backend="gloo", transport="shm") as cluster:
         for nbytes in sizes:
             made, first, later = [], [], []
             for _ in range(repeats):
@@ -128,8 +133,8 @@ def main() -> None:
     print(f"warm no-op round trip, {ws} ranks: median {1e3 * statistics.median(trips):.3f} ms, "
           f"p90 {1e3 * p90:.3f} ms over {len(trips)} runs (target <= 5 ms)")
     for nbytes, (made, first, later) in fresh_groups(a.world_size, a.repeats).items():
-        print(f"new group of {ws} ranks: made in {made:.1f} ms; all-reduce of {nbytes >> 20} MiB: first 8 calls "
-              f"{first:.3f} ms, the next 8 {later:.3f} ms (medians over {a.repeats} groups)")
+        print(f"new shared-memory group of {ws} ranks: made in {made:.1f} ms; all-reduce of {nbytes >> 20} MiB: "
+              f"first {SLOTS} calls {first:.3f} ms, the next {SLOTS} {later:.3f} ms (medians over {a.repeats} groups)")
 
 
 if __name__ == "__main__":
