@@ -24,6 +24,7 @@ from ddpkit.cluster import Cluster, RankError
 from ddpkit.cluster.errors import DesyncError
 from ddpkit.network import Network
 from ddpkit.topology import Topology
+from ddpkit.torch_internals import check_torch
 from ddpkit.workload import Workload
 from ddpkit.rankside import device, progress, rank, world_size
 from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
@@ -48,6 +49,7 @@ def _show_clusters_as_widgets() -> None:
 
 
 _show_clusters_as_widgets()
+check_torch()  # outside the tested torch range: one warning naming it, before any rank starts
 
 __all__ = [
     "Cluster", "RankError", "DesyncError", "Network", "Topology", "Workload", "rank", "world_size", "device",

@@ -166,7 +166,7 @@ def _is_distributed_failure(exc: BaseException) -> bool:
     """
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    if isinstance(exc, dist.DistError):
         return True
     marker = os.sep + os.path.join("torch", "distributed") + os.sep
     tb = exc.__traceback__

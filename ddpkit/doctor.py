@@ -21,6 +21,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ddpkit.torch_internals import supported_range, torch_problem
+
 TINY = dict(width=32, depth=3)  # the MLP: 4 Linears, ~2.5k parameters
 STEPS, WARMUP = 2, 1
 BUCKET_CAP_MB = 0.002  # ~2 kB: the tiny model still fills several buckets
@@ -213,7 +215,9 @@ def machine() -> str:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     where = f"{gpus} CUDA GPU(s): {torch.cuda.get_device_name(0)}" if gpus else "no CUDA GPU"
-    return (f"torch {torch.__version__}, Python {platform.python_version()}, "
+    inside = "in" if torch_problem() is None else "OUTSIDE"
+    return (f"torch {torch.__version__} ({inside} the tested range {supported_range()}), "
+            f"Python {platform.python_version()}, "
             f"{os.cpu_count()} CPU cores, {where}")
 
 
@@ -240,6 +244,9 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
                              f"{', '.join(name for name, _ in todo)}")
         todo = [(name, fn) for name, fn in todo if name in only]
     out(f"ddpkit doctor: {machine()}")
+    problem = torch_problem()
+    if problem:  # a warning, not a crash: the rows below say what works on this torch
+        out(f"WARNING: {problem}")
     if own:
         if one_gpu_short:
             out(f"  note: {visible} GPU(s) for {ws} ranks: NCCL refuses two ranks on one GPU, so the "

@@ -38,13 +38,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from ddpkit.emulator import Emulator
 from ddpkit.flight import FlightRecorder
 from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
-from ddpkit.torch_internals import backend_registered, register_real_backend, work_from_future
+from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, mark_synchronous,
+                                    register_real_backend, work_from_future)
 
 BACKEND_NAME = "ddpkit"
 
@@ -135,7 +135,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         if delayed and opts is not None and comm.real_backend == "shm":
             # the link's thread waits for it at once: to the shared-memory transport that is a
             # synchronous call (its own thread is not woken to finish it)
-            opts.asyncOp = False
+            mark_synchronous(opts)
         rec, labels = rankside.recorder(), rankside.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
                                  labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
@@ -153,7 +153,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         if recorders:
             self._record(op, work, full_bytes, link, recorders, marks, labels)
-        return work
+        return hold_for_torch(work)  # torch 2.6-2.7 let C++ keep only its half of a Python Work
 
     def _link_on(self, network):
         """(link name, emulated Link) of this group on ``network``, worked out once per network."""

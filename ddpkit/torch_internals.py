@@ -1,8 +1,23 @@
-"""Every private (underscored) torch API ddpkit uses, in one place, each with why we need it.
+"""Every private (underscored) or version-dependent torch API ddpkit uses, in one place, each with
+why we need it and the releases it was checked on.
 
-Private APIs may change between torch releases; keeping them here means one file to check when
-torch moves, and each one fails soft (returns False or raises a clear error) where it can.
+ddpkit leans on torch internals on purpose: a Python process group under every collective (torch's
+DDP, ``fully_shard`` and ZeroRedundancyOptimizer included) is how it sees torch's own wrappers.
+So it states a tested range, ``SUPPORTED`` (floor and newest release), proves it in CI (``.ci/compat``
+runs the doctor, the equivalence matrix and the process-group, shared-memory, desync and
+third-party-model tests on the floor and the newest), and warns once, naming the range, on any
+other torch (``check_torch``, called by ``import ddpkit`` and by the doctor's first line).
+The floor, 2.6: the oldest release whose ``fully_shard`` lives in ``torch.distributed.fsdp``, and
+what long-lived lab and cloud images still ship; everything below behaves as said on every release
+from 2.6 to 2.15 (checked on 2.6, 2.11, 2.13 and 2.15) unless a line says otherwise.
 
+- ``check_torch``, ``SUPPORTED``: the tested range and the one warning outside it;
+- ``loopback_tcp_store``: the rendezvous store on a socket we bound (libuv's store takes a
+  listening fd from 2.8; 2.6-2.7 take it only with the legacy store);
+- ``all_gather_flat``, ``reduce_scatter_flat``: the flat collectives (renamed ``*_single`` in 2.12);
+- ``fully_shard``: torch's FSDP2 (public in ``torch.distributed.fsdp`` from 2.6);
+- ``AllgatherOptions``: the options object a Python process group's ``allgather`` hands to the real
+  backend's (not re-exported by ``torch.distributed``);
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
 - ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
 - ``register_real_backend``, ``backend_registered``: what ddpkit's own
@@ -10,11 +25,100 @@ torch moves, and each one fails soft (returns False or raises a clear error) whe
   needs nothing private: ``dist.Work`` subclassed, as torch's tests of Python groups do);
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
 - ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``.
+
+Beyond these names, ``ddpkit.process_group`` overrides the methods torch calls on a Python
+``ProcessGroup`` (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``, ...): their names
+and arguments are torch's, and the compatibility job is what proves them on each release.
 """
 from __future__ import annotations
 
+import os
+import warnings
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+# the options a Python group's ``allgather`` passes on to the real backend's (every release in
+# the range keeps it in the C extension only)
+from torch._C._distributed_c10d import AllgatherOptions  # noqa: F401
+
+# The tested range, (major, minor) of the floor and of the newest release proven in CI.
+SUPPORTED = ((2, 6), (2, 15))
+
+
+def torch_version(text: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``text`` (default: the torch imported here), "2.15.0+cu132" -> (2, 15)."""
+    parts = (text or torch.__version__).split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+def supported_range() -> str:
+    """The tested range as a reader says it: "2.6 to 2.15"."""
+    (a, b), (c, d) = SUPPORTED
+    return f"{a}.{b} to {c}.{d}"
+
+
+def torch_problem(text: str | None = None) -> str | None:
+    """What is wrong with this torch for ddpkit, in one sentence; None inside the tested range."""
+    version = torch_version(text)
+    if SUPPORTED[0] <= version <= SUPPORTED[1]:
+        return None
+    shown = text or torch.__version__
+    side = "older than" if version < SUPPORTED[0] else "newer than"
+    return (f"ddpkit is tested with torch {supported_range()}; this is torch {shown}, {side} that range: "
+            f"it may fail in ways the kit cannot explain. Install a torch in the range, e.g. "
+            f"pip install 'torch>={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1] + 1}'")
+
+
+class UntestedTorchWarning(UserWarning):
+    """The torch imported is outside ddpkit's tested range (``SUPPORTED``)."""
+
+
+def check_torch() -> str | None:
+    """Warn once (``UntestedTorchWarning``) when this torch is outside the tested range; return
+    the problem, or None."""
+    problem = torch_problem()
+    if problem is not None:
+        warnings.warn(problem, UntestedTorchWarning, stacklevel=3)
+    return problem
+
+
+def loopback_tcp_store(sock, timeout: float):
+    """The rendezvous ``TCPStore``, hosted here on ``sock``, a socket already bound (to loopback)
+    and listening; the store owns a duplicate of its fd.
+
+    torch's default store backend (libuv, from 2.4) accepts a listening fd only from 2.8
+    (earlier: ``NotImplementedError``), so 2.6-2.7 get the legacy store, which always did.
+    """
+    legacy = {"use_libuv": False} if torch_version() < (2, 8) else {}
+    return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                         master_listen_fd=os.dup(sock.fileno()), timeout=timedelta(seconds=timeout), **legacy)
+
+
+def is_async(opts) -> bool:
+    """Did the caller launch this collective asynchronously (``async_op=True``)? Options carry it
+    as ``asyncOp`` from 2.7; on 2.6 a backend cannot tell, and takes every call as asynchronous."""
+    return getattr(opts, "asyncOp", True)
+
+
+def mark_synchronous(opts) -> None:
+    """Tell the real backend that its caller waits for this collective at once (``asyncOp``, from
+    2.7; on 2.6 nothing to tell, see ``is_async``)."""
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+
+
+# The flat collectives (one tensor in, one out): torch 2.12 renamed ``all_gather_into_tensor`` and
+# ``reduce_scatter_tensor`` to ``*_single`` (same meaning) and deprecates the old names after it.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def fully_shard(module, **kwargs):
+    """torch's FSDP2 on ``module`` (public in ``torch.distributed.fsdp`` from 2.6)."""
+    from torch.distributed.fsdp import fully_shard as shard
+
+    return shard(module, **kwargs)
 
 # torch's dispatch mode: a context in which every operator call passes through
 # ``__torch_dispatch__`` (``ddpkit.memory.TensorWatch`` counts the tensors operators create). It
@@ -80,6 +184,11 @@ def register_real_backend(group, real, real_backend: str) -> None:
     kind = dist.ProcessGroup.BackendType.NCCL if real_backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
     device = torch.device("cuda" if real_backend == "nccl" else "cpu")
     group._register_backend(device, kind, real)
+    # torch 2.15's init_process_group attaches its Flight Recorder to every group with a
+    # registered device backend, and asks the group for its *default* backend type, which
+    # _register_backend does not set ("Could not find the default backend type 0"). Earlier
+    # releases never ask; setting it there is harmless (checked on 2.6, 2.13 and 2.15).
+    group._set_default_backend(kind)
 
 
 class FutureWork(dist.Work):
@@ -95,10 +204,14 @@ class FutureWork(dist.Work):
         self._future = future
 
     def wait(self, timeout=None):
-        self._future.wait()  # raises what the collective raised
+        try:
+            self._future.wait()  # raises what the collective raised
+        finally:
+            _HELD.pop(id(self), None)
         return True
 
     def get_future(self):
+        _HELD.pop(id(self), None)  # whoever asks goes on with the future, not with this Work
         return self._future
 
     def is_completed(self):
@@ -106,6 +219,28 @@ class FutureWork(dist.Work):
 
     def result(self):
         return self._future.value()
+
+
+# A Python ``Work`` handed to C++ (torch DDP's reducer, ``_verify_params_across_processes``) lives
+# on as two halves: the C++ object C++ holds, and the Python object whose ``wait()`` C++ calls
+# through pybind's trampoline. From 2.8 (checked on 2.13 and 2.15) torch keeps the Python half
+# alive with the C++ one (``PyWorkHolder``); on 2.6 (and 2.7, unchecked) nothing does, so once
+# Python drops it C++'s ``wait()`` reaches the base ``Work`` and blocks forever (2.6: torch DDP's
+# constructor hung over the shared-memory transport). There, a Work returned by ddpkit's process
+# group is held here until somebody waits on it or takes its future (``hold_for_torch``).
+_HELD: dict[int, FutureWork] = {}
+_HOLD = torch_version() < (2, 8)
+_HELD_AT_MOST = 1024  # Works nobody ever waits on (fire and forget) are let go past this, done ones first
+
+
+def hold_for_torch(work):
+    """``work``, held alive until waited on where this torch would drop it (see ``_HELD``)."""
+    if _HOLD and isinstance(work, FutureWork):
+        if len(_HELD) >= _HELD_AT_MOST:
+            for key in [k for k, w in list(_HELD.items()) if w.is_completed()]:
+                _HELD.pop(key, None)
+        _HELD[id(work)] = work
+    return work
 
 
 def work_from_future(future) -> FutureWork:

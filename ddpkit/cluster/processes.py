@@ -37,7 +37,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
@@ -52,7 +51,9 @@ log = logging.getLogger("ddpkit.cluster")
 
 # Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
 # beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
-WORKER_MAIN = "from ddpkit._worker import main; main()"
+# The parent has already warned about a torch outside the tested range: its ranks stay quiet.
+WORKER_MAIN = ("import warnings; warnings.filterwarnings('ignore', message='ddpkit is tested with torch'); "
+               "from ddpkit._worker import main; main()")
 STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
             "call cluster.start()")
 
@@ -291,16 +292,14 @@ class Workers:
 
 def _loopback_store(timeout: float):
     """The rendezvous TCPStore, hosted here, listening on loopback only."""
-    import torch.distributed as dist
+    from ddpkit.torch_internals import loopback_tcp_store
 
     # Left to itself, TCPStore listens on every interface, so we bind its socket to loopback.
     # The store owns (and closes) the fd we give it.
     store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     store_sock.bind(("127.0.0.1", 0))
     store_sock.listen(128)
-    store = dist.TCPStore("127.0.0.1", store_sock.getsockname()[1], is_master=True,
-                          wait_for_workers=False, master_listen_fd=os.dup(store_sock.fileno()),
-                          timeout=timedelta(seconds=max(timeout, 60.0)))
+    store = loopback_tcp_store(store_sock, timeout=max(timeout, 60.0))
     store_sock.close()
     return store
 

@@ -44,9 +44,7 @@ from torch import nn
 from ddpkit.rankside import NULL_RECORDER, NullRecorder  # noqa: F401  (the seam's do-nothing side)
 
 
-# torch 2.12+ renamed the flat collectives (*_into_tensor / *_tensor -> *_single); same meaning.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat  # noqa: F401  (renamed in 2.12)
 
 
 

@@ -26,6 +26,7 @@ from ddpkit.strategies._common import (clip_grad_norm_, default_units, nbytes, p
                                        require_process_group, resolve_units, unique_named_parameters)
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.buckets import bucket_cap_bytes
+from ddpkit.torch_internals import fully_shard
 
 
 class TorchDDP(nn.Module):
@@ -98,15 +99,6 @@ class TorchDDP(nn.Module):
         return sum(nbytes(p) for _, p in unique_named_parameters(self.module))
 
 
-def _fully_shard():
-    """fully_shard's public home moved in torch 2.6; older releases keep it in _composable."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch 2.4-2.5
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
 class TorchFSDP(nn.Module):
     """torch's FSDP2 (``fully_shard``) on each unit, then on the root, with ddpkit's interface."""
 
@@ -124,7 +116,6 @@ class TorchFSDP(nn.Module):
             mesh = DeviceMesh.from_group(process_group or dist.group.WORLD, device.type)
         # the same units as ours: modules or classes given, else the blocks of the largest ModuleList
         units = default_units(module) if units is None else resolve_units(module, units)
-        fully_shard = _fully_shard()
         for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
         self.module = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -44,6 +44,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions  # not re-export
 
 from ddpkit.transport.runner import Piece, Runner, finished
 from ddpkit.transport.segment import Segment
+from ddpkit.torch_internals import is_async
 
 CHUNK_BYTES = 2 << 20   # bytes of one rank's region at most: the largest piece a rank deposits at once
 SLOTS = 8               # pieces in flight per group: a rank may deposit this far ahead of the slowest
@@ -119,7 +120,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         fingerprint = (self._seq, code, nbytes)
         pieces = [Piece(deposit, complete, dtype, fingerprint, what) for deposit, complete in cuts]
         pieces[-1].finish = finish
-        return self._runner.submit(pieces, result, waited=not getattr(opts, "asyncOp", True))
+        return self._runner.submit(pieces, result, waited=not is_async(opts))
 
     def _elements(self, dtype) -> int:
         """Elements of ``dtype`` in one region."""
