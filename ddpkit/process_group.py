@@ -153,7 +153,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         if recorders:
             self._record(op, work, full_bytes, link, recorders, marks, labels)
-        return hold_for_torch(work)  # torch 2.6-2.7 let C++ keep only its half of a Python Work
+        return hold_for_torch(work)  # torch 2.6 let C++ keep only its half of a Python Work
 
     def _link_on(self, network):
         """(link name, emulated Link) of this group on ``network``, worked out once per network."""

@@ -7,15 +7,19 @@ So it states a tested range, ``SUPPORTED`` (floor and newest release), proves it
 runs the doctor, the equivalence matrix and the process-group, shared-memory, desync and
 third-party-model tests on the floor and the newest), and warns once, naming the range, on any
 other torch (``check_torch``, called by ``import ddpkit`` and by the doctor's first line).
-The floor, 2.6: the oldest release whose ``fully_shard`` lives in ``torch.distributed.fsdp``, and
-what long-lived lab and cloud images still ship; everything below behaves as said on every release
-from 2.6 to 2.15 (checked on 2.6, 2.11, 2.13 and 2.15) unless a line says otherwise.
+The floor, 2.7: the oldest release on which torch's own ``fully_shard`` (FSDP2, the course's
+reference for sharding) runs on CPU ranks over gloo; on 2.6 it fails inside torch ("'Stream'
+object has no attribute 'record_event'") while every ddpkit strategy and torch's DDP still pass
+the doctor. Everything below behaves as said from 2.7 to 2.15 (the doctor checked on 2.6, 2.7.1,
+2.8.0, 2.11, 2.13 and 2.15) unless a line says otherwise.
 
 - ``check_torch``, ``SUPPORTED``: the tested range and the one warning outside it;
 - ``loopback_tcp_store``: the rendezvous store on a socket we bound (libuv's store takes a
-  listening fd from 2.8; 2.6-2.7 take it only with the legacy store);
+  listening fd from 2.8; 2.7 takes it only with the legacy store);
 - ``all_gather_flat``, ``reduce_scatter_flat``: the flat collectives (renamed ``*_single`` in 2.12);
 - ``fully_shard``: torch's FSDP2 (public in ``torch.distributed.fsdp`` from 2.6);
+- ``is_async``, ``mark_synchronous``: a collective's ``asyncOp`` option (from 2.8);
+- ``hold_for_torch``: a Python ``Work`` kept alive for C++ (2.6 only; ``PyWorkHolder`` from 2.7);
 - ``AllgatherOptions``: the options object a Python process group's ``allgather`` hands to the real
   backend's (not re-exported by ``torch.distributed``);
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
@@ -43,7 +47,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # noqa: F401
 
 # The tested range, (major, minor) of the floor and of the newest release proven in CI.
-SUPPORTED = ((2, 6), (2, 15))
+SUPPORTED = ((2, 7), (2, 15))
 
 
 def torch_version(text: str | None = None) -> tuple[int, int]:
@@ -53,7 +57,7 @@ def torch_version(text: str | None = None) -> tuple[int, int]:
 
 
 def supported_range() -> str:
-    """The tested range as a reader says it: "2.6 to 2.15"."""
+    """The tested range as a reader says it: "2.7 to 2.15"."""
     (a, b), (c, d) = SUPPORTED
     return f"{a}.{b} to {c}.{d}"
 
@@ -88,7 +92,7 @@ def loopback_tcp_store(sock, timeout: float):
     and listening; the store owns a duplicate of its fd.
 
     torch's default store backend (libuv, from 2.4) accepts a listening fd only from 2.8
-    (earlier: ``NotImplementedError``), so 2.6-2.7 get the legacy store, which always did.
+    (earlier: ``NotImplementedError``), so 2.7 (and 2.6) get the legacy store, which always did.
     """
     legacy = {"use_libuv": False} if torch_version() < (2, 8) else {}
     return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
@@ -97,13 +101,13 @@ def loopback_tcp_store(sock, timeout: float):
 
 def is_async(opts) -> bool:
     """Did the caller launch this collective asynchronously (``async_op=True``)? Options carry it
-    as ``asyncOp`` from 2.7; on 2.6 a backend cannot tell, and takes every call as asynchronous."""
+    as ``asyncOp`` from 2.8; before, a backend cannot tell, and takes every call as asynchronous."""
     return getattr(opts, "asyncOp", True)
 
 
 def mark_synchronous(opts) -> None:
     """Tell the real backend that its caller waits for this collective at once (``asyncOp``, from
-    2.7; on 2.6 nothing to tell, see ``is_async``)."""
+    2.8; before, nothing to tell, see ``is_async``)."""
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = False
 
@@ -187,7 +191,7 @@ def register_real_backend(group, real, real_backend: str) -> None:
     # torch 2.15's init_process_group attaches its Flight Recorder to every group with a
     # registered device backend, and asks the group for its *default* backend type, which
     # _register_backend does not set ("Could not find the default backend type 0"). Earlier
-    # releases never ask; setting it there is harmless (checked on 2.6, 2.13 and 2.15).
+    # releases never ask; setting it there is harmless (checked on 2.6 to 2.15).
     group._set_default_backend(kind)
 
 
@@ -223,13 +227,13 @@ class FutureWork(dist.Work):
 
 # A Python ``Work`` handed to C++ (torch DDP's reducer, ``_verify_params_across_processes``) lives
 # on as two halves: the C++ object C++ holds, and the Python object whose ``wait()`` C++ calls
-# through pybind's trampoline. From 2.8 (checked on 2.13 and 2.15) torch keeps the Python half
-# alive with the C++ one (``PyWorkHolder``); on 2.6 (and 2.7, unchecked) nothing does, so once
-# Python drops it C++'s ``wait()`` reaches the base ``Work`` and blocks forever (2.6: torch DDP's
-# constructor hung over the shared-memory transport). There, a Work returned by ddpkit's process
-# group is held here until somebody waits on it or takes its future (``hold_for_torch``).
+# through pybind's trampoline. From 2.7 torch keeps the Python half alive with the C++ one
+# (``PyWorkHolder``); on 2.6, below the tested range, nothing does, so once Python drops it C++'s
+# ``wait()`` reaches the base ``Work`` and blocks forever (torch DDP's constructor hung over the
+# shared-memory transport). There, a Work returned by ddpkit's process group is held here until
+# somebody waits on it or takes its future (``hold_for_torch``): a hang is worse than a warning.
 _HELD: dict[int, FutureWork] = {}
-_HOLD = torch_version() < (2, 8)
+_HOLD = torch_version() < (2, 7)
 _HELD_AT_MOST = 1024  # Works nobody ever waits on (fire and forget) are let go past this, done ones first
 
 
