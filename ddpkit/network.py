@@ -13,7 +13,7 @@ or two tiers (``gpus_per_node=k``: ranks r // k share a node, joined by a fast `
 nodes are joined by the slow ``inter`` link). A collective whose group spans nodes runs at the
 pace of the inter-node link, one inside a node at the intra-node link's. Two consumers read it:
 
-- the emulator (``ddpkit.emulator``), which makes a collective on this laptop last as long as it
+- the emulator (``ddpkit.comm.emulator``), which makes a collective on this laptop last as long as it
   would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
 - the cost model (``ddpkit.costmodel``), which predicts a step. On an emulated network a
   collective moves on the real transport underneath (shared memory here) and on the

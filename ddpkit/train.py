@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit import process_group
+from ddpkit.comm import process_group
 from ddpkit.cluster import BACKENDS, resolve_backend
 from ddpkit.experiment import train_batch, wrap
 from ddpkit.models import MODELS

@@ -18,7 +18,7 @@ This file is the public face; the work is done by the pieces beside it, one job 
 - ``pickling``: turn a notebook's function into bytes a rank can run;
 - ``events``: what the parent knows about each rank, and the observers (the widget) told of it;
 - ``errors``: ``RankError``.
-The other end of the job channel is ``ddpkit._worker``; what a job can ask there is
+The other end of the job channel is ``ddpkit.cluster.worker``; what a job can ask there is
 ``ddpkit.rankside``.
 
 Recording is the one place the cluster reaches into a later layer, the recorder's: the switch
@@ -43,7 +43,7 @@ __all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "
            "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
-# What moves CPU ranks' bytes: shared memory (ddpkit.transport; "auto" picks it) or gloo's sockets.
+# What moves CPU ranks' bytes: shared memory (ddpkit.comm.transport; "auto" picks it) or gloo's sockets.
 # GPU ranks' bytes go through NCCL whatever this says.
 TRANSPORTS = ("auto", "shm", "gloo")
 
@@ -56,7 +56,7 @@ class Cluster:
     (under NCCL). Checked before any rank starts (``check_gpus``).
 
     ``transport``: what moves CPU ranks' bytes between them. ``"auto"`` (and ``"shm"``): shared
-    memory (``ddpkit.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
+    memory (``ddpkit.comm.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
     sockets over loopback, as across hosts and under torchrun."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,

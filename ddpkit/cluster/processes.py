@@ -50,9 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ddpkit.cluster")
 
-# Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
-# beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
-WORKER_MAIN = "from ddpkit._worker import main; main()"
+# Not ``-m ddpkit.cluster.worker``: that runs the file as ``__main__``, a second copy of the module
+# beside the ``ddpkit.cluster.worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
+WORKER_MAIN = "from ddpkit.cluster.worker import main; main()"
 STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
             "call cluster.start()")
 
@@ -67,7 +67,7 @@ class Settings:
     threads_per_rank: int
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
     gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (NCCL); None on the CPU
-    transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.transport), "gloo", or "nccl" (GPUs)
+    transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.comm.transport), "gloo", or "nccl" (GPUs)
 
 
 class Workers:
@@ -280,7 +280,7 @@ class Workers:
             conn.close()
         self.procs, self.conns, self._readers = [], {}, []
         if self.settings is not None and self.settings.transport == "shm":
-            from ddpkit.transport.segment import unlink_segments
+            from ddpkit.comm.transport.segment import unlink_segments
 
             unlink_segments(self.shm_prefix)  # ranks that died while setting up a group left these
         if self.admission is not None:

@@ -27,7 +27,7 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
 - waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
   overlaps backward as it would on a real network, but for what the transport itself costs
-  the cores: copying and summing the bytes (``ddpkit.transport``: a memcpy and a sum per
+  the cores: copying and summing the bytes (``ddpkit.comm.transport``: a memcpy and a sum per
   bucket) is CPU work beside backward's;
 - on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
   thread's current stream wait for it -- the default stream, which backward's later kernels
