@@ -244,3 +244,32 @@ class EmulatedWork(FutureWork):
         if self._real is not None:
             self._real.wait()
         return True
+
+
+# ----------------------------------------------------------------------------- the verdict
+# Read in the parent, from the ranks' ``fidelity`` counts (``rankside.emulation_counts``, summed by
+# ``run_strategy`` and ``series.timed_rounds``): where the real transfer outran the link.
+OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
+
+
+def outran_share(counts) -> float | None:
+    """The share of a run's emulated collectives whose real transfer took longer than the link,
+    from ``[collectives on an emulated link, of which outran it]`` (None off a network): there
+    the network is faster than this machine can emulate."""
+    if not counts or not counts[0]:
+        return None
+    return counts[1] / counts[0]
+
+
+def outran_note(shares: dict, network: str | None = None) -> str:
+    """The sentence a step time needs where at least ``OUTRAN_NOTE`` of its collectives outran
+    the emulated link (``shares``: ``{label: outran_share}``; ``network``: its name, if known);
+    "" where none did. The compare table and the cluster widget both say it, in these words."""
+    slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
+    if not slow:
+        return ""
+    which = f"the network ({network})" if network else "the network"
+    return ("network: the real transfer ended after the emulated link's time for a share of the "
+            f"collectives ({', '.join(slow)}; this machine's transport, or a rank that came late): there "
+            f"{which} is faster than this machine can emulate, and the times are this machine's, "
+            "not the network's.")

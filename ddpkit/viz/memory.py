@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ddpkit.memory import CATEGORIES, STAGE_OF_STRATEGY
 from ddpkit.trace import Trace, memory_peak
-from ddpkit.viz._common import CATEGORY_COLOURS, byte_unit, new_figure, no_data
+from ddpkit.viz._common import byte_unit, new_figure, no_data
+from ddpkit.viz.style import CATEGORY_COLOURS
 
 
 def _per_rank(value) -> list[dict]:

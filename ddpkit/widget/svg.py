@@ -11,7 +11,7 @@ import html
 import math
 
 from ddpkit.units import human_bytes
-from ddpkit.viz._common import comm_colour
+from ddpkit.viz.style import comm_colour
 
 FONT = "font-family:sans-serif"
 
