@@ -138,16 +138,21 @@ def _map(fn, batch):
     return fn(batch)
 
 
+def samples_per_rank(global_batch_size: int, world_size: int) -> int:
+    """B/N: each rank's share of a global batch of B samples; ValueError unless B splits evenly
+    over the N ranks (the one check, for the batches here and the command lines' arguments)."""
+    if global_batch_size % world_size:
+        raise ValueError(f"a global batch of {global_batch_size} does not split evenly over {world_size} ranks")
+    return global_batch_size // world_size
+
+
 def shard_batch(batch, rank: int, world_size: int):
     """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (the N slices of a
     global batch of B samples hold B/N each: B must split evenly)."""
     sizes = {t.shape[0] for _, t in _leaves(batch) if torch.is_tensor(t) and t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"a batch's tensors must share dim 0 (samples); found sizes {sorted(sizes) or 'none'}")
-    n = sizes.pop()
-    if n % world_size:
-        raise ValueError(f"a global batch of {n} does not split evenly over {world_size} ranks")
-    per = n // world_size
+    per = samples_per_rank(sizes.pop(), world_size)
     return _map(lambda t: t[rank * per:(rank + 1) * per], batch)
 
 
@@ -208,4 +213,4 @@ def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: i
     return Workload.of(spec, model_kwargs, seed)
 
 
-__all__ = ["Workload", "load", "named", "resolve", "shard_batch", "to_device"]
+__all__ = ["Workload", "load", "named", "resolve", "samples_per_rank", "shard_batch", "to_device"]
