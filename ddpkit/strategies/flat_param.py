@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ddpkit.nested import map_leaves
 from ddpkit.strategies._common import default_units, resolve_units
 from ddpkit.strategies.flat_layout import FlatLayout, free_storage
 
@@ -173,11 +174,4 @@ class FlatParamUnit:
 
 def cast_floats(obj, dtype):
     """Floating-point tensors in (nested) args/kwargs cast to the compute dtype (mixed precision)."""
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
-
+    return map_leaves(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, obj)

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.nested import tensors
 from ddpkit.rankside import device as rank_device
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, nbytes, no_sync, prepare_module,
@@ -175,7 +176,7 @@ class FSDP(nn.Module):
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             # the first hook to fire in backward: arrange for the end-of-backward work
-            for t in _tensors(out):
+            for t in tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._root_pre_backward)
         else:  # no backward will come: free everything (a forward prefetch too)
@@ -237,7 +238,7 @@ class FSDP(nn.Module):
                 return None
             if self.reshard_after_forward:
                 self._reshard(unit)  # free now, all-gather again before this unit's backward
-            for t in _tensors(output):
+            for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
             return None
@@ -391,18 +392,6 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.fsdp._post_backward(ctx.unit, grads)
         return None, None, None
-
-
-def _tensors(obj):
-    """Every tensor inside a (nested) tuple/list/dict output."""
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _check_limit(limit):
