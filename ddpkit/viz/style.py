@@ -5,6 +5,8 @@ importing it. A count with its noun (``plural``) is ``ddpkit.units``'s, beside t
 """
 from __future__ import annotations
 
+from ddpkit.memory import CATEGORIES
+
 # Compute spans and collectives get fixed colours, so every plot reads the same way.
 SPAN_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "step": "#55a868"}
 OVERLAP_COLOUR = "#2ca02c"
@@ -15,11 +17,10 @@ BUCKET_COLOURS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8
                   "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
                   "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")
 
-# One colour per memory category (``ddpkit.memory.CATEGORIES``, and FSDP's unsharded parameters).
-CATEGORY_COLOURS = {
-    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-    "communication_buffers": "#8172b3", "activations": "#c44e52", "unsharded_parameters": "#937860",
-}
+# One colour per memory category, in the order of ``ddpkit.memory.CATEGORIES`` (the one list of them).
+CATEGORY_COLOURS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52", "#937860"),
+                            strict=True))
+OTHER_COLOUR = "#937860"  # the plots' colour for a category not in the list (a job's own)
 
 
 def bucket_colour(bucket):
