@@ -120,36 +120,18 @@ class FSDP(nn.Module):
         # gradients are averaged over every rank: the shard group times its replicas
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
 
-        # --- the plan: which unit owns which parameter (flat_param.plan_units; nothing changed yet)
+        # --- plan: which unit owns which parameter (flat_param.plan_units; nothing changed yet)
         plan = plan_units(module, units)
         self.param_names: list[str] = plan.param_names  # canonical names, in named_parameters() order
-
-        # --- materialize, flatten and shard the units one by one --------------------------------
-        # A module built on the meta device (deferred initialization) becomes real unit by unit,
-        # so the whole model never exists on this rank; an eager one is real already.
-        if is_deferred(module):
-            group = None if replicate_group is not None else process_group
-            ready = materialize_by_unit(module, plan.units, device or rank_device(), param_init_fn, group)
-        else:
-            ready = ((unit, unit.params) for unit in plan.units)
-        built: dict[str, FlatParamUnit] = {}
-        for unit, params in ready:
-            built[unit.name] = FlatParamUnit(unit.name, unit.module, params, self.rank, self.world_size,
-                                             self.param_dtype, self.reduce_dtype)
-            # take the originals out of the module: from here on they exist only as views into
-            # the gathered buffer, set while the unit is unsharded
-            for _, _, places in params:
-                for mod, attr in places:
-                    mod._parameters.pop(attr, None)
-            del params  # deferred init: nothing holds the unit's full parameters any more
+        # --- build: materialize, flatten and shard the units one by one (_build_units, below)
+        built = self._build_units(plan, device, param_init_fn)
         self.units: list[FlatParamUnit] = [built[unit.name] for unit in plan.units]  # the plan's order
         self.root_unit: FlatParamUnit | None = built.get("")
         # frozen parameters stay whole in the module, never reduced (real now, if deferred)
         self.frozen: dict[str, nn.Parameter] = {name: module.get_parameter(name) for name in plan.frozen}
         # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
-
-        # --- the hooks that drive communication (forward below, backward after it) -------------
+        # --- hook: what drives communication (forward below, backward after it)
         for unit in self.units:
             if unit is not self.root_unit:  # the root is gathered by forward() itself
                 unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
@@ -161,6 +143,23 @@ class FSDP(nn.Module):
         self._last_forward_order: list[FlatParamUnit] = []  # forward prefetch follows it
         self._pending_reduce: list[PendingReduce] = []
         self._unsharded_bytes = 0
+
+    def _build_units(self, plan, device, param_init_fn) -> dict[str, FlatParamUnit]:
+        """``{unit name: FlatParamUnit}``, each unit flattened and sharded as soon as its parameters
+        are real. A module built on the meta device (deferred initialization) becomes real unit by
+        unit, so the whole model never exists on this rank; an eager one is real already. Each
+        unit takes its parameters out of the module (``FlatParamUnit``)."""
+        if is_deferred(self.module):
+            group = None if self.replicate_group is not None else self.process_group
+            ready = materialize_by_unit(self.module, plan.units, device or rank_device(), param_init_fn, group)
+        else:
+            ready = ((unit, unit.params) for unit in plan.units)
+        built = {}
+        for unit, params in ready:
+            built[unit.name] = FlatParamUnit(unit.name, unit.module, params, self.rank, self.world_size,
+                                             self.param_dtype, self.reduce_dtype)
+            del params  # deferred init: nothing holds the unit's full parameters any more
+        return built
 
     # ================================================================== forward: all-gather
     def forward(self, *args, **kwargs):
