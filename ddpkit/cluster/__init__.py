@@ -256,8 +256,9 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
                          f"backend {backend!r}), got {transport!r}")
     transport = "nccl" if backend == "nccl" else "shm" if transport == "auto" else transport
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
-    # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
-    # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
+    # on C cores would run N*C threads and fight over the cores (a step many times slower:
+    # `compare --threads-per-rank 0` shows it); torchrun avoids this with OMP_NUM_THREADS=1.
+    # Default: C / N.
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport)

@@ -237,8 +237,9 @@ def _keep_freed_memory() -> None:
     glibc's malloc hands big freed blocks back to the kernel (a gradient or an activation of the
     course's MLP is 256 KiB) and adapts that threshold as it goes; a training step that frees
     and reallocates the same tensors then faults every page in again, zeroed by the kernel.
-    On the 2-core reference machine that came and went from run to run: 300 000 page faults
-    instead of 70 000 over 150 steps, and a step 30% slower. Fixed thresholds (freed memory up
+    On a small machine that came and went from run to run: the slow runs took several times the
+    page faults, and a slower step (a rank's ``resource.getrusage(RUSAGE_SELF).ru_minflt`` counts
+    them). Fixed thresholds (freed memory up
     to 1 GiB stays, blocks below 32 MiB come from the heap) make every run the fast one. glibc
     only (Linux); elsewhere nothing changes."""
     import ctypes

@@ -12,9 +12,10 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
   collective completes when both are done: ``max(real end, max(issue, link free) + link time)``.
   So where the link is slower than this machine's own transport, the link's time replaces the
   real transfer's, as on the network itself; collectives on one link run one after another, in
-  issue order. (The rule was chosen on measurement, stage 3, on a 2-core machine: counted
-  *after* the real transfer, a 1 MiB all-reduce on 1GbE took the link's 9.7 ms plus loopback's
-  1-3.6 ms; counted from issue, it takes the link's time wherever the link is slower.) The
+  issue order. (Counted *after* the real transfer instead, a collective would take the link's
+  time plus the transport's on every link; counted from issue, it takes the link's time wherever
+  the link is slower: ``tests/test_process_group.py`` holds the rule, and ``compare`` on a
+  ``--network`` shows it.) The
   link's thread sleeps until the link would have delivered, then asks whether the real
   collective is done (asking moves the shared-memory transport along, as MPI's test does) and
   waits for it if not: one wake-up per collective, at the emulated time;

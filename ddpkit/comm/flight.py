@@ -10,8 +10,10 @@ The user's line of code that issued a collective is taken *lazily*, from a stack
 matters: the watchdog's report of a stuck collective carries the job thread's stack, a rank that
 died leaves faulthandler's dump, a failed collective its traceback; ``where_in`` finds the first
 frame outside torch, ddpkit and the standard library there, and the ddpkit strategy code the
-call came through. Walking the stack on every collective instead cost ~8 us of ~14 (15-25
-frames of torch and autograd between a collective and the user's line), 1-2% of an FSDP step.
+call came through. Walking the stack on every collective instead (15-25 frames of torch and
+autograd between a collective and the user's line) cost more than all the rest the recorder does
+per collective, which an FSDP step issues by the dozen (``python benchmarks/bench_desync.py``
+measures what the recorder costs a step).
 
 Why shared memory. A collective that parts the ranks may kill one outright: gloo aborts a rank
 that receives more bytes than it expects (``op.preamble.length <= op.nbytes``), within
