@@ -20,7 +20,7 @@ import statistics
 import time
 from datetime import timedelta
 
-from ddpkit.transport.shm import SLOTS  # a group's slab has this many slots, used in turn
+from ddpkit.comm.transport.shm import SLOTS  # a group's slab has this many slots, used in turn
 
 
 def _noop():

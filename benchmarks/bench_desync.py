@@ -3,7 +3,7 @@
     python benchmarks/bench_desync.py [--world-size 2] [--rounds 20] [--steps 5]
 
 Detection is always on: ddpkit's process group hands every collective to the rank's flight
-recorder (``ddpkit.flight``: a walk up the stack, one ``struct.pack_into`` into a ring the parent
+recorder (``ddpkit.comm.flight``: a walk up the stack, one ``struct.pack_into`` into a ring the parent
 can read, a weak reference for the watchdog) before launching it. The parent reads nothing while
 a job goes well, and the watchdog thread wakes four times a second. Inside one Cluster, every rank
 trains the default MLP (256x32) with a strategy, switching the recorder off and on in alternating

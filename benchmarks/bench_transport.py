@@ -21,7 +21,7 @@ all-gather: the output, reduce-scatter: the input, broadcast: the buffer).
   gloo-2lo        two such devices (GLOO_SOCKET_IFNAME=lo,lo: pairs spread over two)
   gloo-lazy       gloo connecting its pairs on first use (what TORCH_GLOO_LAZY_INIT=1 does)
   gloo-1thread    gloo with 1 worker thread (default: 2); gloo-4threads: 4
-  shm             ddpkit.transport.ShmBackend as a Cluster builds it: 2 MiB regions (``chunk_bytes``,
+  shm             ddpkit.comm.transport.ShmBackend as a Cluster builds it: 2 MiB regions (``chunk_bytes``,
                   the largest piece a rank deposits at once), 8 pieces in flight (``slots``)
   shm-chunk256K   256 KiB regions: a 1 MB all-reduce goes through in 4 pieces instead of 1
   shm-slots2      2 pieces in flight: an 8 MB all-reduce (4 pieces) deposits its third only once
@@ -57,7 +57,7 @@ def _group(name: str, store, rank: int, n: int):
 
     import torch.distributed as dist
 
-    from ddpkit.transport import ShmBackend
+    from ddpkit.comm.transport import ShmBackend
 
     timeout = timedelta(seconds=60)
     if name.startswith("shm"):

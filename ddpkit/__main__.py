@@ -26,6 +26,7 @@ from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.strategies.table import unfit
 from ddpkit.units import human_bytes
+from ddpkit.workload import samples_per_rank
 
 
 # --------------------------------------------------------------------------- argument types
@@ -115,9 +116,7 @@ def _check_run_args(parser, args) -> None:
                         threads_per_rank=args.threads_per_rank, network=args.network, transport=args.transport)
     args.threads_per_rank = settings.threads_per_rank
     _workload(parser, args)
-    if args.global_batch_size % args.world_size:
-        parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
-                     f"--world-size {args.world_size} ranks")
+    _checked(parser, samples_per_rank, args.global_batch_size, args.world_size)
 
 
 def _workload(parser, args):
@@ -264,10 +263,9 @@ def cmd_compare(args, parser) -> int:
     from ddpkit.compare import compare, format_table
     from ddpkit.progressbar import ProgressBar
 
-    progress = ProgressBar(total_runs=len(args.strategies) * (args.rounds + 1))
+    progress = ProgressBar()  # compare's series subscribes it and announces each run, counted
     t0 = time.perf_counter()
     with _start_cluster(args) as cluster:
-        cluster.subscribe(progress)
         records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
                           rounds=args.rounds, global_batch_size=args.global_batch_size,
                           optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
@@ -297,7 +295,7 @@ def cmd_trace(args, parser) -> int:
     from ddpkit.progressbar import ProgressBar
     from ddpkit.trace import to_chrome_trace
 
-    progress = ProgressBar(total_runs=1)
+    progress = ProgressBar()  # one run, which no series announces: started here
     with _start_cluster(args) as cluster:
         cluster.subscribe(progress)
         progress.start(args.strategy)
@@ -323,13 +321,11 @@ def _cmd_validate(args, parser) -> int:
     from ddpkit.costmodel.validate import format_profile, format_validation, validate
     from ddpkit.progressbar import ProgressBar
 
-    progress = ProgressBar(total_runs=sum(args.rounds * (len(args.strategies) + (3 if n > 1 else 2))
-                                        for n in args.world_sizes))
+    progress = ProgressBar()  # validate's series subscribes it and announces each run, counted
     t0 = time.perf_counter()
     records = []
     for n in args.world_sizes:
         with ddpkit.Cluster(n, backend="auto", network=args.network, transport=args.transport) as cluster:
-            cluster.subscribe(progress)
             recs, transport, profile = validate(
                 cluster, args.strategies, workload=args.workload, steps=args.steps,
                 rounds=args.rounds, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
@@ -373,10 +369,11 @@ def cmd_predict(args, parser) -> int:
     _check_writable(parser, "--plot", args.plot)
     _workload(parser, args)
     if args.batch_per_rank is None:
-        bad = [n for n in args.world_sizes if args.global_batch_size % n]
-        if bad:
-            parser.error(f"--global-batch-size {args.global_batch_size} does not split evenly over "
-                         f"{bad} ranks; use --batch-per-rank for weak scaling")
+        for n in args.world_sizes:
+            try:
+                samples_per_rank(args.global_batch_size, n)
+            except ValueError as exc:
+                parser.error(f"{exc}; use --batch-per-rank for weak scaling")
     if args.validate:
         return _cmd_validate(args, parser)
     if args.fit:

@@ -15,6 +15,7 @@ import statistics
 import textwrap
 import warnings
 
+from ddpkit.comm.emulator import outran_note, outran_share
 from ddpkit.series import Series, run_or_fail, timed_rounds
 from ddpkit.units import human_bytes
 
@@ -112,32 +113,6 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
         ))
     _add_ratios(records)
     return records
-
-
-OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
-
-
-def outran_share(counts) -> float | None:
-    """The share of a run's emulated collectives whose real transfer took longer than the link,
-    from ``[collectives on an emulated link, of which outran it]`` (None off a network): there
-    the network is faster than this machine can emulate."""
-    if not counts or not counts[0]:
-        return None
-    return counts[1] / counts[0]
-
-
-def outran_note(shares: dict, network: str | None = None) -> str:
-    """The sentence a step time needs where at least ``OUTRAN_NOTE`` of its collectives outran
-    the emulated link (``shares``: ``{label: outran_share}``; ``network``: its name, if known);
-    "" where none did. The compare table and the cluster widget both say it, in these words."""
-    slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
-    if not slow:
-        return ""
-    which = f"the network ({network})" if network else "the network"
-    return ("network: the real transfer ended after the emulated link's time for a share of the "
-            f"collectives ({', '.join(slow)}; this machine's transport, or a rank that came late): there "
-            f"{which} is faster than this machine can emulate, and the times are this machine's, "
-            "not the network's.")
 
 
 def torch_reference(strategy: str) -> str:

@@ -291,19 +291,15 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
         if reference is not None:
             out["max_param_diff"] = _diff_to(reference, wrapped)
         if record:
-            from ddpkit.memory import ActivationMeter, record_memory
+            from ddpkit.memory import MODEL_STATES, measure_step
 
             # Memory is measured in one more forward/backward/sync (no optimizer step), with the
             # gradients present as in the middle of a step (train_step ends by dropping them).
             batch = wl.local_batch(total, global_batch_size, rank, world, dev)
-            with ActivationMeter(wrapped) as act:  # skips the parameters autograd saves
-                loss = wl.compute_loss(wrapped, batch)
-            loss.backward()
-            wrapped.finish_gradient_synchronization()
-            sample = record_memory(recorder, wrapped, opt, act)
+            sample = measure_step(wrapped, opt, batch, wl.compute_loss, recorder)
             opt.zero_grad(set_to_none=True)
             out["memory"] = sample
-            out["model_state_bytes"] = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
+            out["model_state_bytes"] = sum(sample[c] for c in MODEL_STATES)
             peak_sample = out.pop("peak_memory_sample")
             if gpu_peak is not None:
                 out["peak_bytes"] = gpu_peak

@@ -16,7 +16,7 @@ Printed lines appear live, prefixed ``[rank N]``; an error on any rank raises ``
 """
 from __future__ import annotations
 
-from ddpkit import _worker
+from ddpkit.cluster import worker
 from ddpkit.cluster import Cluster
 
 
@@ -41,9 +41,9 @@ def find_cluster(user_ns: dict, name: str = "") -> Cluster:
 def ranks(line: str, cell: str, user_ns: dict) -> list:
     """Run ``cell`` on every rank; print each rank's trailing expression; their reprs in rank order."""
     cluster = find_cluster(user_ns, line.strip())
-    # run_cell is referenced by module (ddpkit._worker), so the ranks use their own copy,
+    # run_cell is referenced by module (ddpkit.cluster.worker), so the ranks use their own copy,
     # which holds their persistent namespace.
-    outs = cluster.run(_worker.run_cell, cell)
+    outs = cluster.run(worker.run_cell, cell)
     for r, out in enumerate(outs):
         if out is not None:
             print(f"Out[rank {r}]: {out}")

@@ -1,6 +1,6 @@
 """Memory per rank by category, and what the ZeRO formulas predict for it.
 
-Categories (bytes, per rank):
+Categories (bytes, per rank; ``CATEGORIES``, the one list of them, in the order plots stack them):
 - ``parameters``: the tensors ``model.parameters()`` yields (for FSDP: the local shards);
 - ``gradients``: their ``.grad`` tensors (absent after ``zero_grad(set_to_none=True)``);
 - ``optimizer_state``: per-element optimizer state (SGD momentum, Adam's exp_avg and
@@ -8,7 +8,9 @@ Categories (bytes, per rank):
 - ``communication_buffers``: the wrapper's ``comm_buffer_bytes()`` (buckets, gathered flat
   parameters) where it has one;
 - ``activations``: bytes autograd saved for backward during a forward, measured with
-  ``ActivationMeter`` (``torch.autograd.graph.saved_tensors_hooks``).
+  ``ActivationMeter`` (``torch.autograd.graph.saved_tensors_hooks``);
+- ``unsharded_parameters``: FSDP's gathered flat parameters, which it reports itself while it
+  holds them (a memory counter in the recorder: ``memory_sweep`` reads its most).
 On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocated`` (the peak
 since the job began: a Cluster's ranks live across jobs, and each job starts from
 ``reset_cuda_peak``).
@@ -17,7 +19,8 @@ since the job began: a Cluster's ranks live across jobs, and each job starts fro
         train_step(model, opt, x, y)
     recorder.memory(**memory_by_category(model, opt, activations=act))
 
-or, to catch gradients before ``zero_grad`` frees them, ``step_memory(model, opt, x, y, loss_fn)``.
+or, to catch the gradients before ``zero_grad`` frees them, the one memory-measuring pass:
+``measure_step(model, opt, batch, loss)`` (forward, backward, sync, measure).
 
 ``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run;
 ``predicted_model_state(strategy, ...)`` the one a strategy follows (hybrid sharding: over its
@@ -32,10 +35,15 @@ import weakref
 
 import torch
 
+from ddpkit.nested import tensors
 from ddpkit.strategies.table import STRATEGIES
 from ddpkit.torch_internals import TorchDispatchMode, allocator_history
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations")
+# Every category, in the order plots stack them: model states first, then what the ZeRO formulas
+# leave out.
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations",
+              "unsharded_parameters")
+MODEL_STATES = CATEGORIES[:3]  # what the ZeRO formulas count
 
 # Which ZeRO stage each ddpkit strategy is, for putting predictions beside measurements.
 STAGE_OF_STRATEGY = {name: row.zero_stage for name, row in STRATEGIES.items()}
@@ -111,21 +119,31 @@ def record_memory(recorder, model, optimizer=None, activations=None) -> dict[str
     return sample
 
 
-def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> dict[str, int]:
-    """Run one training step (as ``ddpkit.experiment.train_step`` does) and measure memory at
-    its peak for model states: after ``optimizer.step()``, before ``zero_grad``, when the
-    parameters, gradients and optimizer state all exist. Activations: bytes saved in forward.
-    Sends the sample to ``recorder.memory`` too when a recorder is given; returns it.
-    """
-    with ActivationMeter(model) as act:
-        loss = loss_fn(model(inputs), targets)
-    loss.backward()
+def measure_step(model, optimizer, batch, loss, recorder=None, stepped: bool = False) -> dict[str, int]:
+    """The memory-measuring pass: forward (``loss(model, batch)``, a scalar; the bytes it saved
+    for backward counted by ``ActivationMeter``), backward, the gradients' sync, then what this
+    rank holds (``memory_by_category``, also sent to ``recorder.memory`` when given). Measured with
+    the gradients present, as in the middle of a step; ``stepped``: after ``optimizer.step()`` too,
+    when parameters, gradients and optimizer state all exist. The caller steps, or not, and drops
+    the gradients (``zero_grad``) after."""
+    with ActivationMeter(model) as act:  # skips the parameters autograd saves
+        value = loss(model, batch)
+    value.backward()
     model.finish_gradient_synchronization()
-    optimizer.step()
+    if stepped:
+        optimizer.step()
     sample = memory_by_category(model, optimizer, activations=act)
-    optimizer.zero_grad(set_to_none=True)
     if recorder is not None:
         recorder.memory(**sample)
+    return sample
+
+
+def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> dict[str, int]:
+    """One training step (as ``ddpkit.experiment.train_step`` does) measured at the peak of the
+    model states: ``measure_step`` after ``optimizer.step()``, then ``zero_grad``."""
+    sample = measure_step(model, optimizer, (inputs, targets), lambda m, b: loss_fn(m(b[0]), b[1]), recorder,
+                          stepped=True)
+    optimizer.zero_grad(set_to_none=True)
     return sample
 
 
@@ -146,7 +164,7 @@ class TensorWatch(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # a view or an in-place op hands back an input's storage: nothing was created (a slice of
         # the shared-memory transport's slab, say, is not 32 MiB more)
-        given = {a.untyped_storage().data_ptr() for a in _tensors(args, kwargs) if not a.is_meta}
+        given = {a.untyped_storage().data_ptr() for a in tensors((args, kwargs)) if not a.is_meta}
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if torch.is_tensor(t) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
                 self._live[id(t)] = t
@@ -154,15 +172,6 @@ class TensorWatch(TorchDispatchMode):
         live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
         self.peak = max(self.peak, sum(live.values()))
         return out
-
-
-def _tensors(args, kwargs):
-    """The tensors among an operator's arguments (lists of them too, as in ``torch.cat``)."""
-    for a in (*args, *(kwargs or {}).values()):
-        if torch.is_tensor(a):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if torch.is_tensor(t))
 
 
 class ActivationMeter:
@@ -299,8 +308,8 @@ def predicted_model_state(strategy: str, num_params: int, world_size: int, topol
 
 
 __all__ = [
-    "CATEGORIES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
-    "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot",
+    "CATEGORIES", "MODEL_STATES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
+    "measure_step", "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot",
     "reset_cuda_peak", "zero_predictions",
     "parameter_count", "shard_group_size", "predicted_model_state",
 ]

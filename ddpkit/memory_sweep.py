@@ -10,13 +10,14 @@ gradient), FSDP's unsharded units (a gathered unit is full size whatever N, and 
 one more), and the optimizer state is only there after the optimizer's first step (torch's
 optimizers allocate it lazily: measured before it, no rung saves anything).
 
-``memory_job`` runs on every rank (a Cluster job): it trains a few steps of a strategy with
-AdamW and measures, per rank, in bytes:
+``memory_job`` runs on every rank (a Cluster job): it trains a few steps of a strategy on a
+workload (``ddpkit.Workload``, default the course's MLP) with AdamW and measures, per rank, in
+bytes, every category of ``ddpkit.memory.CATEGORIES``:
 
-- ``parameters``, ``gradients``, ``optimizer_state``, ``communication_buffers``: after a
-  steady step's backward and synchronisation, before its optimizer step (gradients present,
-  optimizer state from the steps before: what ``ddpkit.memory.memory_by_category`` counts);
-- ``activations``: what autograd saved in that step's forward (``ActivationMeter``);
+- ``parameters``, ``gradients``, ``optimizer_state``, ``communication_buffers``, ``activations``:
+  the memory-measuring pass (``ddpkit.memory.measure_step``) of a steady step, after its backward
+  and synchronisation, before its optimizer step (gradients present, optimizer state from the
+  steps before; activations: what autograd saved in that step's forward);
 - ``unsharded_parameters``: the most bytes of gathered flat parameters FSDP held at once
   during the step (its own counter; 0 for the other rungs);
 - ``optimizer_state_before_first_step``: the optimizer state after the first backward, before
@@ -24,37 +25,33 @@ AdamW and measures, per rank, in bytes:
 """
 from __future__ import annotations
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "unsharded_parameters",
-              "activations")  # the categories stacked, model states first
 
-
-def memory_job(strategy: str, per_rank_batch: int = 32, steps: int = 2, optimizer: str = "adamw",
-               model: str = "mlp", model_kwargs: dict | None = None, bucket_cap_mb: float = 25.0) -> dict:
-    """A Cluster job: train ``steps`` steps of ``strategy`` on ``per_rank_batch`` samples per rank;
-    this rank's memory by category (see the module docstring), in bytes."""
+def memory_job(strategy: str, workload=None, per_rank_batch: int = 32, steps: int = 2, optimizer: str = "adamw",
+               bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
+    """A Cluster job: train ``steps`` steps of ``strategy`` on ``workload`` (a ``ddpkit.Workload``
+    or a built-in's name; default the MLP), ``per_rank_batch`` samples per rank; this rank's memory
+    by category (see the module docstring), in bytes."""
     import torch.distributed as dist
 
-    from ddpkit.experiment import local_batch, wrap
-    from ddpkit.memory import ActivationMeter, memory_by_category
-    from ddpkit.models import build_model, loss_fn
+    from ddpkit.experiment import wrap
+    from ddpkit.memory import CATEGORIES, MODEL_STATES, measure_step
+    from ddpkit.nested import map_leaves
     from ddpkit.rankside import device
     from ddpkit.trace import Recorder
+    from ddpkit.workload import resolve
 
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the first step allocates the optimizer state), got {steps}")
+    wl = resolve(workload, seed=seed)
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
-    module = build_model(model, seed=0, **(model_kwargs or {}))
     rec = Recorder(rank=rank, world_size=world, device=str(dev))  # FSDP reports its unsharded bytes to it
-    wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder=rec)
+    wrapped, opt = wrap(strategy, wl.build(seed), optimizer, bucket_cap_mb, recorder=rec)
     out: dict = {}
     for step in range(steps):
-        x, y = (t.clone() for t in local_batch(module, per_rank_batch * world, step, rank, world))  # own storage
+        # its own storage: a slice of the global batch would count the whole batch as activations
+        batch = map_leaves(lambda t: t.clone(), wl.local_batch(step, per_rank_batch * world, rank, world, dev))
         rec.clear()
-        with ActivationMeter(wrapped) as act:
-            loss = loss_fn(wrapped(x.to(dev)), y.to(dev))
-        loss.backward()
-        wrapped.finish_gradient_synchronization()
-        sample = memory_by_category(wrapped, opt, act)
+        sample = measure_step(wrapped, opt, batch, wl.compute_loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step == 0:
@@ -62,18 +59,19 @@ def memory_job(strategy: str, per_rank_batch: int = 32, steps: int = 2, optimize
     out.update({c: sample.get(c, 0) for c in CATEGORIES})
     out["unsharded_parameters"] = max((r.args.get("unsharded_parameters", 0) for r in rec.records
                                        if r.kind == "counter" and r.cat == "memory"), default=0)
-    out["model_state"] = out["parameters"] + out["gradients"] + out["optimizer_state"]
+    out["model_state"] = sum(out[c] for c in MODEL_STATES)
     out["total"] = sum(out[c] for c in CATEGORIES)
     return out
 
 
-def memory_against_n(cluster, strategies, per_rank_batch: int = 32, **job_kwargs) -> dict[str, dict]:
-    """``memory_job`` for each strategy on ``cluster``: ``{strategy: the rank holding the most's
-    measurement, with "world_size" and "ranks" (every rank's)}``. Run it on clusters of 1, 2, 4
-    ranks for the sweep (``ddpkit.viz.plot_memory_against_n`` draws ``{n: this}``)."""
+def memory_against_n(cluster, strategies, workload=None, per_rank_batch: int = 32, **job_kwargs) -> dict[str, dict]:
+    """``memory_job`` for each strategy on ``cluster``, training ``workload`` (default the MLP):
+    ``{strategy: the rank holding the most's measurement, with "world_size" and "ranks" (every
+    rank's)}``. Run it on clusters of 1, 2, 4 ranks for the sweep (``ddpkit.viz.plot_memory_against_n``
+    draws ``{n: this}``)."""
     out = {}
     for s in strategies:
-        ranks = cluster.run(memory_job, s, per_rank_batch=per_rank_batch, **job_kwargs)
+        ranks = cluster.run(memory_job, s, workload, per_rank_batch=per_rank_batch, **job_kwargs)
         out[s] = dict(max(ranks, key=lambda r: r["total"]), world_size=cluster.world_size, ranks=ranks)
     return out
 

@@ -13,7 +13,7 @@ or two tiers (``gpus_per_node=k``: ranks r // k share a node, joined by a fast `
 nodes are joined by the slow ``inter`` link). A collective whose group spans nodes runs at the
 pace of the inter-node link, one inside a node at the intra-node link's. Two consumers read it:
 
-- the emulator (``ddpkit.emulator``), which makes a collective on this laptop last as long as it
+- the emulator (``ddpkit.comm.emulator``), which makes a collective on this laptop last as long as it
   would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
 - the cost model (``ddpkit.costmodel``), which predicts a step. On an emulated network a
   collective moves on the real transport underneath (shared memory here) and on the
@@ -70,9 +70,9 @@ class Link:
 
     ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
     ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
-    instead of using the straight line. A machine's curve is not quite a line (on the
-    development machine the all-reduce line could miss 16 MiB by 20-35%), but one timing is
-    noisier than a line through six: ``predict --validate`` shows both. Every other world size
+    instead of using the straight line. A machine's curve is not quite a line (a line through six
+    sizes can miss one of them by more than the noise), but one timing is noisier than a line
+    through six: ``predict --validate`` shows both. Every other world size
     uses the lines. ``line()`` is the same link without the timings.
     """
 
@@ -139,9 +139,9 @@ def _interpolate(table, nbytes: float, slope: float) -> float:
 
 # Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,
 # the shared-memory transport, collectives timed back to back) by `python -m ddpkit predict --fit
-# --fit-ranks 2`: alpha 58-84 us and 4.0-6.4 GB/s over three runs (over gloo's sockets, `--transport
-# gloo`: 280-710 us and 1.7-2.3 GB/s, a small collective's latency drifting from second to second).
-# Its time is the ranks' own CPU work (host=True). Fit your own machine the same way. The others are
+# --fit-ranks 2`, a round figure inside what three runs printed (`--transport gloo` fits gloo's
+# sockets instead). Its time is the ranks' own CPU work (host=True). Fit your own machine the same
+# way: the fit prints its alpha and beta, and how they move from run to run. The others are
 # round figures for the order of magnitude, not measurements: Ethernet moves at most its line
 # rate (1 GbE 0.125 GB/s, 10 GbE 1.25 GB/s, 100 GbE 12.5 GB/s), 85-90% of it in practice, with
 # tens of microseconds per message over TCP; NVLink (A100/H100 class) moves a few hundred GB/s
@@ -154,9 +154,10 @@ LINKS = {
     "1GbE": Link("1GbE", alpha=50e-6, beta=1 / 0.11e9),
     # The papers' regime on a laptop: communication dominates the step, as the DDP paper found
     # on its clusters as models grow (docs/papers.md). With the course's default MLP (8.04 MiB of
-    # gradients) on 2 CPU ranks of the development machine, one all-reduce of every gradient
-    # takes ~14 ms on this link, about twice the backward pass (~7 ms), so bucket sizes and
-    # overlap decide the step time, as on the papers' clusters.
+    # gradients) on 2 ranks, one all-reduce of every gradient takes S beta + 2 alpha, about 14 ms
+    # on this link, chosen longer than that model's backward pass on a small CPU machine (the
+    # backward alone: `python benchmarks/bench_overlap.py --networks paper`), so bucket sizes
+    # and overlap decide the step time, as on the papers' clusters.
     "paper": Link("paper", alpha=100e-6, beta=1 / 0.6e9),
 }
 

@@ -1,9 +1,9 @@
 """A one-line progress bar on the terminal for a series of Cluster runs (compare, validate).
 
     bar = ProgressBar()
-    cluster.subscribe(bar)     # what the series announces (cluster.announce: "<strategy>: timing
-                               # round 1 of 3", run 1 of 12) and rank 0's ddpkit.progress(done, total)
-    compare(cluster, ...)      # a ddpkit.series.Series counts the runs and announces each
+    compare(cluster, ..., progress=bar)  # its ddpkit.series.Series subscribes the bar to the cluster:
+                                         # each run announced ("<strategy>: timing round 1 of 3",
+                                         # run 1 of 12), and rank 0's ddpkit.progress(done, total)
     bar.close()
 
 The bar counts nothing itself: the run number comes from the series' announcement (the one
@@ -51,7 +51,7 @@ class ProgressBar:
         fill = int(width * frac)
         line = (f"[{'#' * fill}{'.' * (width - fill)}] {frac:4.0%} run {self.run}/{self.runs} "
                 f"{self.label}: step {done}/{total}")
-        if line == self._shown:  # e.g. subscribed twice: once by the caller, once for a series
+        if line == self._shown:  # nothing new: the same state is written once
             return
         self._shown = line
         if self.tty:

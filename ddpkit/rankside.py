@@ -108,7 +108,7 @@ class _Rank:
     """This process's rank-wide settings (one instance, ``_RANK``)."""
 
     recorder = NULL_RECORDER
-    comm = None  # ddpkit.process_group.Comm, once this process joined with backend "ddpkit"
+    comm = None  # ddpkit.comm.process_group.Comm, once this process joined with backend "ddpkit"
     reporter = None  # send(kind, payload) to the cluster, inside a Cluster worker
     topology = None  # ddpkit.Topology, where the process's launcher set one (set_topology)
     device = None  # this rank's GPU (a torch.device), once its launcher chose one (set_device)
@@ -158,7 +158,7 @@ def backend() -> str | None:
 
 
 def transport() -> str | None:
-    """What moves this rank's bytes: "shm" (shared memory, ``ddpkit.transport``), "gloo" (its
+    """What moves this rank's bytes: "shm" (shared memory, ``ddpkit.comm.transport``), "gloo" (its
     sockets) or "nccl"; None before ``init_process_group``."""
     import torch.distributed as dist
 
@@ -229,7 +229,7 @@ def subgroup(ranks):
 
 # ----------------------------------------------------------------------------- the network
 def attach_comm(comm) -> None:
-    """This process's ``ddpkit.process_group.Comm`` (its counts, its emulator): every group the
+    """This process's ``ddpkit.comm.process_group.Comm`` (its counts, its emulator): every group the
     ``"ddpkit"`` backend creates from now on reports to it (``process_group.install`` calls this)."""
     _RANK.comm = comm
 

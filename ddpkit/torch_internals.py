@@ -25,7 +25,7 @@ the doctor. Everything below behaves as said from 2.7 to 2.15 (the doctor checke
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
 - ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
 - ``register_real_backend``, ``backend_registered``: what ddpkit's own
-  process group (``ddpkit.process_group``) needs to stand in for gloo or NCCL (its ``FutureWork``
+  process group (``ddpkit.comm.process_group``) needs to stand in for gloo or NCCL (its ``FutureWork``
   needs nothing private: ``dist.Work`` subclassed, as torch's tests of Python groups do);
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
 - ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``.

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit import process_group
+from ddpkit.comm import process_group
 from ddpkit.cluster import BACKENDS, resolve_backend
 from ddpkit.experiment import train_batch, wrap
 from ddpkit.models import MODELS
@@ -43,7 +43,7 @@ from ddpkit.rankside import comm_counts, set_device, set_topology
 from ddpkit.strategies.table import DEFAULT, NAMES
 from ddpkit.topology import Topology
 from ddpkit.units import human_bytes
-from ddpkit.workload import named
+from ddpkit.workload import named, samples_per_rank
 
 
 def parse_args(argv=None):
@@ -123,8 +123,10 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(f"{world} ranks ({backend}) as {topology.describe()}: {args.strategy}", flush=True)
-    if args.global_batch_size % world:
-        raise SystemExit(f"--global-batch-size {args.global_batch_size} does not split over {world} ranks")
+    try:
+        samples_per_rank(args.global_batch_size, world)
+    except ValueError as exc:
+        raise SystemExit(f"ddpkit.train: --global-batch-size: {exc}") from None
 
     wl = args.workload
     module = wl.build(args.seed)

@@ -1,4 +1,5 @@
-"""Sizes in binary units (KiB, MiB, GiB), the one convention of the notebooks, the CLI and the widget."""
+"""Sizes in binary units (KiB, MiB, GiB) and counts with their noun: the one convention of the
+notebooks, the CLI, the plots and the widget."""
 
 from __future__ import annotations
 
@@ -9,3 +10,8 @@ def human_bytes(n: float, digits: int = 2) -> str:
         if abs(n) >= size:
             return f"{n / size:.{digits}f} {unit}"
     return f"{n:.0f} B"
+
+
+def plural(n: int, word: str) -> str:
+    """"1 bucket", "8 buckets": a count with its noun, never "1 buckets"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.nested import leaves, map_leaves, tensors
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -93,7 +95,7 @@ class Workload:
     def global_batch(self, step: int, size: int):
         """``batch(step, size)``, checked: tensors only, each with ``size`` samples on dim 0."""
         batch = self.batch(step, size)
-        for where, t in _leaves(batch):
+        for where, t in leaves(batch):
             if not torch.is_tensor(t):
                 raise TypeError(f"workload {self.name!r}: batch{where} is a {type(t).__name__}, not a tensor "
                                 "(a batch is a tensor or a tuple/list/dict of tensors)")
@@ -117,45 +119,29 @@ class Workload:
 
 
 # ----------------------------------------------------------------------------- batches
-def _leaves(batch, where: str = ""):
-    """(where, leaf) for every leaf of a (nested) tuple/list/dict, e.g. ("['input_ids']", t)."""
-    if isinstance(batch, dict):
-        for k, v in batch.items():
-            yield from _leaves(v, f"{where}[{k!r}]")
-    elif isinstance(batch, (tuple, list)):
-        for i, v in enumerate(batch):
-            yield from _leaves(v, f"{where}[{i}]")
-    else:
-        yield where, batch
-
-
-def _map(fn, batch):
-    """``batch`` with ``fn`` applied to each leaf, its structure (tuple, list, dict) kept."""
-    if isinstance(batch, dict):
-        return type(batch)((k, _map(fn, v)) for k, v in batch.items())
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map(fn, v) for v in batch)
-    return fn(batch)
+def samples_per_rank(global_batch_size: int, world_size: int) -> int:
+    """B/N: each rank's share of a global batch of B samples; ValueError unless B splits evenly
+    over the N ranks (the one check, for the batches here and the command lines' arguments)."""
+    if global_batch_size % world_size:
+        raise ValueError(f"a global batch of {global_batch_size} does not split evenly over {world_size} ranks")
+    return global_batch_size // world_size
 
 
 def shard_batch(batch, rank: int, world_size: int):
     """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (the N slices of a
     global batch of B samples hold B/N each: B must split evenly)."""
-    sizes = {t.shape[0] for _, t in _leaves(batch) if torch.is_tensor(t) and t.dim() > 0}
+    sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"a batch's tensors must share dim 0 (samples); found sizes {sorted(sizes) or 'none'}")
-    n = sizes.pop()
-    if n % world_size:
-        raise ValueError(f"a global batch of {n} does not split evenly over {world_size} ranks")
-    per = n // world_size
-    return _map(lambda t: t[rank * per:(rank + 1) * per], batch)
+    per = samples_per_rank(sizes.pop(), world_size)
+    return map_leaves(lambda t: t[rank * per:(rank + 1) * per], batch)
 
 
 def to_device(batch, device):
     """Every tensor of ``batch`` on ``device`` (None: left where it is)."""
     if device is None:
         return batch
-    return _map(lambda t: t.to(device) if torch.is_tensor(t) else t, batch)
+    return map_leaves(lambda t: t.to(device) if torch.is_tensor(t) else t, batch)
 
 
 # ----------------------------------------------------------------------------- by name
@@ -208,4 +194,4 @@ def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: i
     return Workload.of(spec, model_kwargs, seed)
 
 
-__all__ = ["Workload", "load", "named", "resolve", "shard_batch", "to_device"]
+__all__ = ["Workload", "load", "named", "resolve", "samples_per_rank", "shard_batch", "to_device"]

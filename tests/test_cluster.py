@@ -290,8 +290,8 @@ def test_gpus_without_cuda_or_with_gloo_are_refused(monkeypatch):
 
 
 def test_each_rank_is_told_its_gpu_and_binds_it_before_joining(eight_gpus, monkeypatch):
-    from ddpkit import _worker, rankside
-    from ddpkit.cluster import check_arguments
+    from ddpkit import rankside
+    from ddpkit.cluster import check_arguments, worker
     from ddpkit.cluster.events import Events
     from ddpkit.cluster.processes import Workers
 
@@ -305,10 +305,10 @@ def test_each_rank_is_told_its_gpu_and_binds_it_before_joining(eight_gpus, monke
     bound = []  # the worker's side, with CUDA patched out
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: bound.append(torch.device(dev)))
     monkeypatch.setattr(rankside._RANK, "device", None)
-    assert _worker._join_device(configs[1]) == "cuda:5"
+    assert worker._join_device(configs[1]) == "cuda:5"
     assert bound == [torch.device("cuda", 5)] and ddpkit.device() == torch.device("cuda", 5)
     monkeypatch.setattr(rankside._RANK, "device", None)
-    assert _worker._join_device(dict(configs[1], gpu=None)) == "cpu" and bound == [torch.device("cuda", 5)]
+    assert worker._join_device(dict(configs[1], gpu=None)) == "cpu" and bound == [torch.device("cuda", 5)]
 
 
 @pytest.mark.gpu

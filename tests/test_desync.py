@@ -13,10 +13,10 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit import flight
+from ddpkit.comm import flight
 from ddpkit.cluster import Cluster, RankError, jobs
-from ddpkit.desync import RankView, diagnose
-from ddpkit.flight import Entry, FlightRecorder
+from ddpkit.comm.desync import RankView, diagnose
+from ddpkit.comm.flight import Entry, FlightRecorder
 
 TIMEOUT = 60.0    # the issue's setting: detection must not depend on it
 WITHIN_S = 10.0   # ... and must come well before it
@@ -86,7 +86,7 @@ def test_the_users_line_is_found_in_a_traceback_a_stack_or_a_fatal_errors_dump()
     torch_file = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
     ddpkit_dir = os.path.dirname(ddpkit.__file__)
     strategy = os.path.join(ddpkit_dir, "strategies", "overlapped.py")
-    worker = os.path.join(ddpkit_dir, "_worker.py")
+    worker = os.path.join(ddpkit_dir, "cluster", "worker.py")
     traceback_text = (f'Traceback (most recent call last):\n  File "/home/me/train.py", line 12, in job\n'
                       f'    loss.backward()\n  File "{strategy}", line 107, in _sync_gradients\n'
                       f'  File "{torch_file}", line 3252, in all_reduce\n    work.wait()\nRuntimeError: timed out')

@@ -283,18 +283,18 @@ def test_the_plan_is_a_pure_function_of_the_module_and_its_units():
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     plan = plan_units(module)  # default units: each child with trainable parameters
     assert plan.param_names == [n for n, _ in module.named_parameters()] and plan.frozen == ["pos.weight"]
-    owner = {name: unit.name for unit in plan.units for name, _, _ in unit.params}
+    owner = {q.name: unit.name for unit in plan.units for q in unit.params}
     assert owner["tok.weight"] == ""  # tied to head.weight: only the root holds both uses
     assert "pos" not in [u.name for u in plan.units] and plan.units[-1].name == ""  # root last
-    places = next(pl for unit in plan.units for name, _, pl in unit.params if name == "tok.weight")
+    places = next(q.places for unit in plan.units for q in unit.params if q.name == "tok.weight")
     assert places == [(module.tok, "weight"), (module.head, "weight")]
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # nothing changed
     with torch.device("meta"):
         meta = TinyGPT(**SMALL_GPT)
     meta.pos.weight.requires_grad_(False)
     meta_plan = plan_units(meta)
-    assert [(u.name, [n for n, _, _ in u.params]) for u in meta_plan.units] == \
-        [(u.name, [n for n, _, _ in u.params]) for u in plan.units]
+    assert [(u.name, [q.name for q in u.params]) for u in meta_plan.units] == \
+        [(u.name, [q.name for q in u.params]) for u in plan.units]
     with pytest.raises(ValueError, match="not a submodule"):
         plan_units(module, [nn.Linear(2, 2)])
 

@@ -147,7 +147,7 @@ class _FakeCudaWork:
 
 def test_the_emulator_waits_for_a_cuda_collective_on_the_host_and_leaves_the_real_wait_to_the_caller(
         monkeypatch, set_device):
-    from ddpkit.emulator import Emulator
+    from ddpkit.comm.emulator import Emulator
 
     streams = []  # the link thread's own stream: completion events must not queue behind compute
     monkeypatch.setattr(torch.cuda, "Stream", lambda dev: ("stream on", torch.device(dev)))
@@ -186,7 +186,7 @@ class _FakeCpuWork:
 
 
 def test_on_the_cpu_the_link_thread_waits_once_and_the_caller_does_not_wait_again(set_device):
-    from ddpkit.emulator import Emulator
+    from ddpkit.comm.emulator import Emulator
 
     work, result = _FakeCpuWork(), [torch.ones(2)]
     emulated = Emulator().submit("inter-node", work, 0.0, result)
@@ -245,7 +245,7 @@ class _FakeNCCL:
 
 
 def test_the_nccl_group_gets_the_clusters_timeout_its_name_and_its_global_ranks(monkeypatch):
-    from ddpkit import process_group
+    from ddpkit.comm import process_group
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
     monkeypatch.setattr(_FakeNCCL, "made", [])
@@ -267,7 +267,7 @@ def test_the_nccl_group_gets_the_clusters_timeout_its_name_and_its_global_ranks(
 
 # ----------------------------------------------------------------------------- 5: results on the CPU
 def test_a_result_is_pickled_with_its_tensors_copied_to_the_cpu():
-    from ddpkit._worker import _pickle
+    from ddpkit.cluster.worker import _pickle
 
     base = torch.arange(1000.0)
     param = torch.nn.Parameter(torch.ones(3))
@@ -391,7 +391,7 @@ def test_hybrid_sharding_makes_its_groups_once_per_layout(cluster_of):
 
 # ----------------------------------------------------------------------------- 10: peak per job
 def test_each_job_starts_a_fresh_allocator_peak_on_the_ranks_gpu(monkeypatch, set_device):
-    from ddpkit._worker import _before_job
+    from ddpkit.cluster.worker import _before_job
 
     resets = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: resets.append(dev))

@@ -197,13 +197,14 @@ def test_hybrid_sharding_state_divides_by_the_real_node_size():
 def test_memory_against_n_follows_the_formulas_and_says_what_they_leave_out(cluster_of):
     """memory_sweep on 1 and 2 ranks: model states equal the ZeRO formula at each N; DDP's buckets
     and the activations stay whole; no optimizer state before the first step; FSDP holds a unit."""
+    from ddpkit import Workload
+    from ddpkit.memory import parameter_count
     from ddpkit.memory_sweep import formula_totals, memory_against_n
-    from ddpkit.models import build_model
 
-    kwargs = dict(model_kwargs=dict(width=64, depth=4), per_rank_batch=8)
+    workload = Workload.builtin("mlp", width=64, depth=4)
     rungs = ["overlapped", "zero1", "zero2", "fsdp"]
-    sweep = {n: memory_against_n(cluster_of(n), rungs, **kwargs) for n in (1, 2)}
-    psi = sum(p.numel() for p in build_model("mlp", width=64, depth=4).parameters())
+    sweep = {n: memory_against_n(cluster_of(n), rungs, workload, per_rank_batch=8) for n in (1, 2)}
+    psi = parameter_count(workload)
     formula = formula_totals(sweep, psi)
     for n in (1, 2):
         for s in rungs:

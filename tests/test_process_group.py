@@ -249,7 +249,7 @@ class _SlowWork:
 
 @pytest.mark.parametrize(("real_s", "link_s", "outran"), [(0.04, 0.08, 0), (0.08, 0.04, 1)])
 def test_the_link_counts_from_issue_and_the_slower_of_link_and_transport_decides(real_s, link_s, outran):
-    from ddpkit.emulator import Emulator
+    from ddpkit.comm.emulator import Emulator
 
     emulator = Emulator()
     t0 = time.perf_counter()

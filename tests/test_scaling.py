@@ -1,11 +1,11 @@
-"""The scaling gap taken apart (ddpkit.trace.scaling): on synthetic traces whose parts are known
+"""The scaling gap taken apart (ddpkit.trace.gap): on synthetic traces whose parts are known
 by construction, and on real recorded runs at 1 and 2 ranks."""
 from __future__ import annotations
 
 import pytest
 
 from ddpkit.trace import Record, Trace
-from ddpkit.trace.scaling import GAP_PARTS, STEP_PARTS, decompose, format_gaps, step_breakdown, step_ends
+from ddpkit.trace.gap import GAP_PARTS, STEP_PARTS, decompose, format_gaps, step_breakdown, step_ends
 
 MS = 1_000_000
 

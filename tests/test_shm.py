@@ -1,4 +1,4 @@
-"""The shared-memory transport (``ddpkit.transport``, ``Cluster(transport="shm")``).
+"""The shared-memory transport (``ddpkit.comm.transport``, ``Cluster(transport="shm")``).
 
 - every collective form it carries gives gloo's result, bit for bit, at 1, 2 and 4 ranks, for
   several dtypes, ops and sizes (regions of 256 bytes, so most tensors go through in many
@@ -23,7 +23,7 @@ import pytest
 import ddpkit
 import test_equivalence as eq
 from ddpkit.cluster import RankError
-from ddpkit.transport.segment import SHM_DIR
+from ddpkit.comm.transport.segment import SHM_DIR
 
 TIMEOUT = 10.0
 SMALL_CHUNK = 256   # bytes per region in the comparisons: 1000 float64 move in 32 chunks
@@ -65,7 +65,7 @@ def _groups(chunk_bytes: int = SMALL_CHUNK, timeout: float = TIMEOUT):
     import torch.distributed as dist
 
     from ddpkit.cluster.processes import _loopback_store
-    from ddpkit.transport import ShmBackend
+    from ddpkit.comm.transport import ShmBackend
 
     rank, n = dist.get_rank(), dist.get_world_size()
     store = _loopback_store(30.0) if rank == 0 else None

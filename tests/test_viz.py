@@ -95,7 +95,7 @@ def test_timeline_renders_all_steps_one_step_and_a_list():
 def test_timeline_title_is_overlap_fraction_of_the_steps_drawn_and_splits_backward():
     from matplotlib.colors import to_hex
 
-    from ddpkit.viz._common import WAIT_COLOUR
+    from ddpkit.viz.style import WAIT_COLOUR
 
     # step 1: buckets launched at +1.4, +2.8, +4.2 ms into backward, 1.8 ms each: 4.6 ms of
     # communication, 2.8 of it before the last gradient (61%); step 0: all of it after backward

@@ -459,7 +459,7 @@ def test_a_strategy_run_says_where_the_network_was_faster_than_this_machine_can_
     words, when the machine's own transport could not keep up with the emulated link."""
     import html
 
-    from ddpkit.compare import OUTRAN_NOTE, outran_note
+    from ddpkit.comm.emulator import OUTRAN_NOTE, outran_note
     from ddpkit.experiment import run_strategy
     from ddpkit.widget import status
     from helpers import SMALL_MLP
@@ -743,7 +743,7 @@ def test_the_widget_and_the_plot_draw_torch_ddps_buckets_as_the_figure_has_them(
     each gradient's bucket from the all-reduce that carried it, and both views draw exactly that."""
     from ddpkit.trace import bucket_fill, bucket_fill_order
     from ddpkit.viz import plot_bucket_fill
-    from ddpkit.viz._common import bucket_colour
+    from ddpkit.viz.style import bucket_colour
 
     with widget.cluster.recording():
         widget.cluster.run(_torch_ddp_steps, 3)

@@ -18,7 +18,7 @@ This file is the public face; the work is done by the pieces beside it, one job 
 - ``pickling``: turn a notebook's function into bytes a rank can run;
 - ``events``: what the parent knows about each rank, and the observers (the widget) told of it;
 - ``errors``: ``RankError``.
-The other end of the job channel is ``ddpkit._worker``; what a job can ask there is
+The other end of the job channel is ``ddpkit.cluster.worker``; what a job can ask there is
 ``ddpkit.rankside``.
 
 Recording is the one place the cluster reaches into a later layer, the recorder's: the switch
@@ -43,7 +43,7 @@ __all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "
            "resolve_backend"]
 
 BACKENDS = ("auto", "gloo", "nccl")
-# What moves CPU ranks' bytes: shared memory (ddpkit.transport; "auto" picks it) or gloo's sockets.
+# What moves CPU ranks' bytes: shared memory (ddpkit.comm.transport; "auto" picks it) or gloo's sockets.
 # GPU ranks' bytes go through NCCL whatever this says.
 TRANSPORTS = ("auto", "shm", "gloo")
 
@@ -56,7 +56,7 @@ class Cluster:
     (under NCCL). Checked before any rank starts (``check_gpus``).
 
     ``transport``: what moves CPU ranks' bytes between them. ``"auto"`` (and ``"shm"``): shared
-    memory (``ddpkit.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
+    memory (``ddpkit.comm.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
     sockets over loopback, as across hosts and under torchrun."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
@@ -256,8 +256,9 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
                          f"backend {backend!r}), got {transport!r}")
     transport = "nccl" if backend == "nccl" else "shm" if transport == "auto" else transport
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
-    # on C cores would run N*C threads and fight (on 2 cores, 2 ranks made the 256x32 MLP's
-    # step ~20x slower); torchrun avoids this with OMP_NUM_THREADS=1. Default: C / N.
+    # on C cores would run N*C threads and fight over the cores (a step many times slower:
+    # `compare --threads-per-rank 0` shows it); torchrun avoids this with OMP_NUM_THREADS=1.
+    # Default: C / N.
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport)

@@ -5,7 +5,7 @@ whatever it unpickles is as good as executed (pickle can call any function). So:
 - the socket listens on loopback (127.0.0.1, port chosen by the OS): nothing off this machine
   can reach it;
 - each connection must first pass a mutual HMAC challenge with a random key made per cluster
-  start (``_worker.handshake``), in its own thread with a time limit, so a stranger that
+  start (``worker.handshake``), in its own thread with a time limit, so a stranger that
   connects and says nothing cannot stall the others. Only then is anything unpickled;
 - an admitted worker then says hello: its rank, the start (generation) it belongs to, its pid.
 A connection that fails any of this is refused and logged (logger ``ddpkit.cluster``).
@@ -18,7 +18,7 @@ import queue
 import socket
 import threading
 
-from ddpkit._worker import HANDSHAKE_TIMEOUT, handshake
+from ddpkit.cluster.worker import HANDSHAKE_TIMEOUT, handshake
 
 log = logging.getLogger("ddpkit.cluster")
 

@@ -1,5 +1,5 @@
 """``RankError``: what ``Cluster.run()`` (or a start) raises when ranks fail, with their tracebacks;
-``DesyncError``: the ranks' sequences of collectives parted (``ddpkit.desync``)."""
+``DesyncError``: the ranks' sequences of collectives parted (``ddpkit.comm.desync``)."""
 from __future__ import annotations
 
 
@@ -36,9 +36,9 @@ class RankError(RuntimeError):
 
 
 class DesyncError(RankError):
-    """The ranks' sequences of collectives parted (``ddpkit.desync``): they will never meet again.
+    """The ranks' sequences of collectives parted (``ddpkit.comm.desync``): they will never meet again.
 
-    ``.diagnosis`` (a ``ddpkit.desync.Diagnosis``) says where: the collective's index (``.index``)
+    ``.diagnosis`` (a ``ddpkit.comm.desync.Diagnosis``) says where: the collective's index (``.index``)
     in the sequence of its group (``.group``: the group's ranks), and for each rank what it
     issued there, or that it finished its job, or that it is still computing. The message says
     that first; the cluster's note (its ranks were restarted: a parted process group cannot be

@@ -15,8 +15,8 @@ The kinds, ``rank`` None where it is about the whole cluster:
 - around a ``run()``: ``job`` (``phase`` "start" / "end", ``recorded``), ``tick`` about ten
   times a second from the thread that waits for it (the cell that is running), ``results``
   after a job that succeeded, ``trace`` once a recorded run's ``last_trace`` is set,
-  ``desync`` (``diagnosis``: a ``ddpkit.desync.Diagnosis``) when the ranks' collectives parted;
-- what a rank's flight recorder reports (``ddpkit.flight``): ``stuck`` (a collective pending for
+  ``desync`` (``diagnosis``: a ``ddpkit.comm.desync.Diagnosis``) when the ranks' collectives parted;
+- what a rank's flight recorder reports (``ddpkit.comm.flight``): ``stuck`` (a collective pending for
   seconds: ``group``, ``index``, ``waited``, ``stack``), ``unstuck`` (it completed after all);
 - from the caller: ``recording`` (``on``: the switch moved), ``label`` (``label``, ``run``,
   ``runs``: what the next runs are part of, e.g. a comparison's strategy and round).
@@ -53,7 +53,7 @@ class RankState:
 
 class Events:
     """The ranks' states, their printed lines, and the observers told of every change; the files
-    the ranks keep their last collectives in (``rings``, read when they part: ``ddpkit.desync``)."""
+    the ranks keep their last collectives in (``rings``, read when they part: ``ddpkit.comm.desync``)."""
 
     def __init__(self):
         self.ranks: list[RankState] = []

@@ -18,7 +18,7 @@ were. The caller's own KeyboardInterrupt (the notebook's stop button) is handled
 interrupt, kill what will not stop, restart only if needed.
 
 Desync. While the job runs, the ranks' sequences of collectives are watched (``watch.Watch``):
-once they have parted (``ddpkit.desync``: a rank issued a different collective, finished while
+once they have parted (``ddpkit.comm.desync``: a rank issued a different collective, finished while
 the others wait in one, or ranks wait in collectives the others never issue), the ranks are
 stopped at once and restarted, and ``run()`` raises ``DesyncError``: which collective, what each
 rank issued there. A rank that failed or died while another waits in a collective it will never
@@ -87,7 +87,7 @@ class Job:
         self.notes: dict = {}            # rank -> how its job ended, in a few words
         events.jobs += 1
         self.watch = Watch(events.jobs, events.rings)
-        self.parted = None               # a ddpkit.desync.Diagnosis once the ranks' collectives parted
+        self.parted = None               # a ddpkit.comm.desync.Diagnosis once the ranks' collectives parted
         self.waiting: dict = {}          # rank -> where it waited when it was stopped (a desync)
 
     def run(self, payload: bytes) -> list:
@@ -113,7 +113,7 @@ class Job:
     def _send(self, payload: bytes) -> None:
         for conn, rank in self.workers.conns.items():
             self.workers.stderr_tail[rank].clear()
-            # the file the rank keeps its last collectives in, and the job's number (ddpkit.flight)
+            # the file the rank keeps its last collectives in, and the job's number (ddpkit.comm.flight)
             ring = {"ring": self.events.rings.path(rank), "job": self.watch.job}
             try:
                 conn.send(("run", payload, ring))
@@ -213,7 +213,7 @@ class Job:
 
     # ------------------------------------------------------------------ desync
     def _states(self) -> dict:
-        """Each rank's ``ddpkit.desync.RankView.state`` now."""
+        """Each rank's ``ddpkit.comm.desync.RankView.state`` now."""
         states = {}
         for rank in range(self.workers.settings.world_size):
             if rank in self.pending:

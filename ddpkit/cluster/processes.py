@@ -49,11 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ddpkit.cluster")
 
-# Not ``-m ddpkit._worker``: that runs the file as ``__main__``, a second copy of the module
-# beside the ``ddpkit._worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
+# Not ``-m ddpkit.cluster.worker``: that runs the file as ``__main__``, a second copy of the module
+# beside the ``ddpkit.cluster.worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
 # The parent has already warned about a torch outside the tested range: its ranks stay quiet.
 WORKER_MAIN = ("import warnings; warnings.filterwarnings('ignore', message='ddpkit is tested with torch'); "
-               "from ddpkit._worker import main; main()")
+               "from ddpkit.cluster.worker import main; main()")
 STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
             "call cluster.start()")
 
@@ -68,7 +68,7 @@ class Settings:
     threads_per_rank: int
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
     gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (NCCL); None on the CPU
-    transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.transport), "gloo", or "nccl" (GPUs)
+    transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.comm.transport), "gloo", or "nccl" (GPUs)
 
 
 class Workers:
@@ -281,7 +281,7 @@ class Workers:
             conn.close()
         self.procs, self.conns, self._readers = [], {}, []
         if self.settings is not None and self.settings.transport == "shm":
-            from ddpkit.transport.segment import unlink_segments
+            from ddpkit.comm.transport.segment import unlink_segments
 
             unlink_segments(self.shm_prefix)  # ranks that died while setting up a group left these
         if self.admission is not None:

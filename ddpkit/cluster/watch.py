@@ -1,11 +1,11 @@
 """The parent's side of desync detection: the ranks' ring files, their stuck reports, when to look.
 
-Each rank keeps its last collectives in a ring (``ddpkit.flight``) mapped from a file that the
+Each rank keeps its last collectives in a ring (``ddpkit.comm.flight``) mapped from a file that the
 parent makes here, one per rank, in a private directory (in ``/dev/shm`` where there is one): the
 parent reads it whenever it diagnoses, even after the rank died. The job message tells the rank
 which file is its own (``Rings.path``) and the job's number.
 
-A ``Watch`` per job decides when to diagnose (``ddpkit.desync.diagnose``): when a rank reports a
+A ``Watch`` per job decides when to diagnose (``ddpkit.comm.desync.diagnose``): when a rank reports a
 collective stuck longer than ``flight.STALL_S``, when a rank's job ends while others still run
 (then again every ``STALL_S`` while they do), and once more when the job ends in errors. Between
 those nothing is read: a job that goes well costs the parent nothing.
@@ -18,8 +18,8 @@ import tempfile
 import time
 import weakref
 
-from ddpkit import flight
-from ddpkit.desync import RankView, diagnose
+from ddpkit.comm import flight
+from ddpkit.comm.desync import RankView, diagnose
 from ddpkit.liveness import alive
 
 ASK_S = 0.5  # how long a rank has to answer a request for its stack

@@ -211,7 +211,8 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
     Calls are timed *back to back*, the way a strategy issues them (a barrier before each row,
     none between calls), so alpha includes what each call costs the host: on gloo over loopback
     waking the sending and receiving threads, which on a busy CPU is most of a small collective's
-    time (a 4 KiB all-reduce: ~0.2 ms alone after a barrier, 0.4-1.5 ms in a row). A row holds
+    time, and more of it in a row than alone after a barrier (``python -m ddpkit predict --fit``
+    prints the alpha this gives on your machine). A row holds
     about ``calls_bytes`` bytes (4 to 32 calls). Each size runs once untimed first: gloo's first
     collectives on a group pay for connections and buffers.
 

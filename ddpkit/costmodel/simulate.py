@@ -109,7 +109,7 @@ class _Stream:
 
     On an emulated network it is two stages side by side, as the emulator runs them: the real
     transport and the emulated link (one at a time), both starting when the collective is
-    issued (or when each frees up); it completes when both are done (``ddpkit.emulator``: the
+    issued (or when each frees up); it completes when both are done (``ddpkit.comm.emulator``: the
     slower of the two decides). A transport that moves the bytes with the ranks' own cores
     (``Link.host``: gloo, shared memory) does it on the issuing rank's timeline: the step adds
     ``host_s`` there, where it issued, and the transfer ends with that work. Any other (a GPU's)

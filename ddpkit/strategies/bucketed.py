@@ -40,13 +40,8 @@ class BucketedDDP(DDPModule):
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)
-        if self.recorder.enabled:
-            # Hooks only to *record* when each gradient becomes ready (the bucket fill order);
-            # the reduction itself still waits for the end of backward. Recording off: no hooks.
-            for bucket in self.buckets:
-                for name, p in zip(bucket.names, bucket.params, strict=True):
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, name=name, i=bucket.index: self.recorder.grad_ready(name, bucket=i))
+        # hooks only to record the bucket fill order: the reduction waits for the end of backward
+        self._record_fill_order()
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:

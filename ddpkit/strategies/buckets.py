@@ -4,10 +4,12 @@
     Bucket(index, named_params)        one bucket: its flat buffer, a slot in it per gradient,
                                        how many gradients are still missing in this step, and
                                        the handle of its all-reduce once launched
+    InOrder(buckets, recorder, finish) buckets launched from gradient hooks, strictly in order
 
 ``BucketedDDP`` fills every bucket after backward; ``OverlappedDDP`` fills them from gradient
-hooks during backward and launches each as soon as it is full. Both talk to a bucket through
-the same four calls: ``copy_in``, ``all_reduce``, ``wait``, ``copy_out``. A communication hook
+hooks during backward and launches each as soon as it is full (``InOrder``, which ZeRO-2 shares
+for its reduce-scatters). Both talk to a bucket through the same four calls: ``copy_in``,
+``all_reduce``, ``wait``, ``copy_out``. A communication hook
 (``comm_hooks.py``, registered with the wrapper's ``register_comm_hook``) replaces how
 ``all_reduce`` reduces the flat buffer, e.g. in fp16 to halve the bytes. The cost model
 (``ddpkit.costmodel``) assigns buckets with the same ``assign_buckets``. Where each gradient sits in
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from ddpkit.strategies._common import nbytes
 from ddpkit.strategies.flat_layout import FlatLayout
-from ddpkit.torch_internals import copy_all
+from ddpkit.torch_internals import copy_all, queue_at_end_of_backward
 
 
 def bucket_cap_bytes(bucket_cap_mb: float) -> float:
@@ -142,6 +144,60 @@ class Bucket:
                 slots.append(slot)
         if grads:
             copy_all(grads, slots)
+
+
+class InOrder:
+    """Buckets launched from the gradient hooks, strictly in bucket order (OverlappedDDP, ZeRO2).
+
+    A bucket complete before an earlier one waits for it, so every rank issues the same collectives
+    in the same order whichever gradient arrives first. The first gradient of a step queues
+    ``finish`` (the wrapper's sync) at the end of backward, which completes what never arrived
+    (``complete_the_rest``) and launches what is still ``due``. A bucket keeps its own progress
+    (``ready``, ``missing``, by its ``copy_in``); this keeps which bucket is next."""
+
+    def __init__(self, buckets: list, recorder, finish, owner: str):
+        self.buckets, self.recorder, self.finish, self.owner = buckets, recorder, finish, owner
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Each training forward: every bucket empty, none launched, the end of backward not queued."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self.launched = 0          # buckets[:launched] are launched
+        self.end_queued = False
+
+    def arrive(self, bucket, j: int, scale: float, sync: bool) -> bool:
+        """Gradient j of ``bucket`` is ready (recorded: the bucket fill order). In a backward that
+        syncs, it goes into its bucket times ``scale`` (``bucket.copy_in``), once per step, and the
+        first of the step queues ``finish``: True, launch what is ``due``. Inside ``no_sync()``
+        (``sync`` False) nothing more: it accumulates in ``.grad``."""
+        if self.recorder.enabled:
+            self.recorder.grad_ready(bucket.names[j], bucket=bucket.index)
+        if not sync:
+            return False
+        if bucket.ready[j]:
+            raise RuntimeError(f"{self.owner}: the gradient of {bucket.names[j]!r} became ready twice in one "
+                               "step; each gradient must arrive once per backward")
+        if not self.end_queued:
+            queue_at_end_of_backward(self.finish)
+            self.end_queued = True
+        with torch.no_grad():
+            bucket.copy_in(j, scale)
+        return True
+
+    def due(self):
+        """The complete buckets next in order, each yielded once (launch it: it counts as launched)."""
+        while self.launched < len(self.buckets) and self.buckets[self.launched].missing == 0:
+            self.launched += 1
+            yield self.buckets[self.launched - 1]
+
+    def complete_the_rest(self, scale: float) -> None:
+        """The end of backward: a gradient that never arrived (its parameter unused in this forward)
+        goes in as its ``.grad`` holds it (what ``no_sync()`` accumulated), or as zeros."""
+        for bucket in self.buckets[self.launched:]:
+            for j, ready in enumerate(bucket.ready):
+                if not ready:
+                    bucket.copy_in(j, scale)
 
 
 def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket, first_bucket_mb: float | None = None) -> list:

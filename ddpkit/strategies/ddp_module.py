@@ -73,6 +73,16 @@ class DDPModule(nn.Module, Joinable):
             self.first_bucket_mb = first_bucket_mb
             self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb)
 
+    def _record_fill_order(self) -> None:
+        """Hooks only to *record* when each gradient becomes ready (the bucket fill order), for a
+        wrapper that reduces after backward (BucketedDDP, ZeRO1); recording off: no hooks."""
+        if not self.recorder.enabled:
+            return
+        for bucket in self.buckets:
+            for name, p in zip(bucket.names, bucket.params, strict=True):
+                p.register_post_accumulate_grad_hook(
+                    lambda p, name=name, i=bucket.index: self.recorder.grad_ready(name, bucket=i))
+
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
             self.recorder.begin_forward()  # a training forward begins a step, unless the loop began it

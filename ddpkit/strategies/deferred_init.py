@@ -23,6 +23,7 @@ from rank 0, as for an eager model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -48,15 +49,14 @@ def materialize_by_unit(module: nn.Module, units: list, device, param_init_fn: C
     """Materialize ``module``'s meta parameters and buffers module by module, and yield
     ``(unit, params)`` as soon as every parameter of a unit is real (the root, unit "", at the
     end). ``units`` is FSDP's plan (``flat_param.plan_units``): ``UnitPlan``s whose ``params``
-    are ``[(name, meta parameter, [(submodule, attribute), ...every place it is used])]``;
-    ``params`` yielded are the same with the real parameters.
+    are ``UnitParam``s of meta parameters; ``params`` yielded are the same with the real ones.
 
     Nothing here keeps a unit's real parameters once yielded: the caller takes its shard and
     drops them, so the full unit is freed before the next one is allocated. Frozen parameters
     (no unit owns them) end up real in the module, where the caller finds them.
     """
     init = param_init_fn or _reset_parameters
-    unit_of = {id(p): unit for unit in units for _, p, _ in unit.params}
+    unit_of = {id(q.param): unit for unit in units for q in unit.params}
     remaining = {unit.name: len(unit.params) for unit in units}
     aliases = {}  # id(meta parameter) -> every (submodule, attribute) holding it
     for mod in module.modules():
@@ -99,4 +99,4 @@ def materialize_by_unit(module: nn.Module, units: list, device, param_init_fn: C
 
 def _hand_over(unit, real: dict) -> list:
     """The unit's parameters, real now, forgotten here (so they can be freed once flattened)."""
-    return [(name, real.pop(id(p), p), places) for name, p, places in unit.params]
+    return [replace(q, param=real.pop(id(q.param), q.param)) for q in unit.params]

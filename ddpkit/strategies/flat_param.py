@@ -5,12 +5,13 @@
 
 - ``plan_units``: a pure function of the module and the chosen units (no communication, nothing
   changed): for each unit its parameters, every place each is used, in order; which parameters
-  are frozen; the original names in order. Construction then materializes the units one by one.
+  are frozen; the original names in order (each parameter a ``UnitParam``: its name, the tensor,
+  every place the module holds it). Construction then materializes the units one by one.
 - ``FlatParamUnit``: the unit's parameters laid end to end in one flat tensor of T elements,
   padded to N * ceil(T/N) (a ``FlatLayout``, ``flat_layout.py``); this rank's shard of ceil(T/N)
   elements (an ``nn.Parameter``, what the optimizer steps); the full gathered buffer whose
   storage is freed while resharded; and the views that put the original parameters back into
-  the module while it is gathered.
+  the module while it is gathered (built, it has taken the originals out of the module).
 - mixed precision: a unit may gather in ``param_dtype`` (e.g. bf16) and reduce gradients in
   ``reduce_dtype`` while its shard stays in the parameters' own dtype (fp32), as FSDP's
   ``MixedPrecision`` does; ``cast_floats`` casts a forward's floating-point inputs to match.
@@ -23,18 +24,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ddpkit.nested import map_leaves
 from ddpkit.strategies._common import default_units, resolve_units
 from ddpkit.strategies.flat_layout import FlatLayout, free_storage
 
 
 # ----------------------------------------------------------------------------- the plan
 @dataclass
+class UnitParam:
+    """One parameter a unit will flatten: its name, the tensor, and every place the module holds it."""
+
+    name: str            # canonical: the first name module.named_parameters() gives it
+    param: torch.Tensor  # on the meta device until deferred initialization makes it real
+    places: list         # [(submodule, attribute)]: every place it is used (a tied one has several)
+
+
+@dataclass
 class UnitPlan:
     """One unit to build: its module and the parameters it will flatten, in order."""
 
-    name: str            # the module's qualified name; "" is the root
+    name: str                # the module's qualified name; "" is the root
     module: nn.Module
-    params: list         # [(canonical name, parameter, [(submodule, attribute), ...every place it is used])]
+    params: list[UnitParam]
 
 
 @dataclass
@@ -74,11 +85,11 @@ def plan_units(module: nn.Module, units: Iterable | None = None) -> Plan:
             continue
         # the innermost unit whose subtree contains every use of p
         owner = next(u for u in by_depth if all(n.startswith(u + ".") or u == "" for n in names))
-        aliases = []
+        places = []
         for n in names:
             mod_name, _, attr = n.rpartition(".")
-            aliases.append((module.get_submodule(mod_name), attr))
-        owned[owner].append((names[0], p, aliases))
+            places.append((module.get_submodule(mod_name), attr))
+        owned[owner].append(UnitParam(names[0], p, places))
     return Plan([UnitPlan(name, unit_modules[name], params) for name, params in owned.items() if params],
                 frozen, param_names)
 
@@ -87,17 +98,16 @@ def plan_units(module: nn.Module, units: Iterable | None = None) -> Plan:
 class FlatParamUnit:
     """One unit: its flat parameter's layout, the local shard, and the gathered buffer."""
 
-    def __init__(self, name: str, module: nn.Module, params: list, rank: int, world_size: int,
+    def __init__(self, name: str, module: nn.Module, params: list[UnitParam], rank: int, world_size: int,
                  param_dtype=None, reduce_dtype=None):
         self.name, self.module = name or "(root)", module
-        # params: [(canonical name, parameter, [(submodule, attribute)] every place it is used)]
-        dtypes = {p.dtype for _, p, _ in params}
+        dtypes = {q.param.dtype for q in params}
         if len(dtypes) != 1:
             raise ValueError(f"unit {self.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                              "FSDP flattens a unit into one tensor of one dtype")
-        self.names = [n for n, _, _ in params]
-        self.aliases = [a for _, _, a in params]
-        tensors = [p for _, p, _ in params]
+        self.names = [q.name for q in params]
+        self.aliases = [q.places for q in params]
+        tensors = [q.param for q in params]
         # T elements end to end, padded to N * ceil(T/N) (padding <= N-1); shard r of ceil(T/N)
         self.layout = FlatLayout.of(tensors, world_size, rank)
         device = tensors[0].device
@@ -105,6 +115,11 @@ class FlatParamUnit:
         # this rank's shard, in the parameters' own dtype: what the optimizer steps
         self.shard = nn.Parameter(self.layout.shard(flat).clone())
         del flat
+        # the originals out of the module: from here on they exist only as views into the gathered
+        # buffer, set while the unit is unsharded (deferred init: nothing else holds them now)
+        for places in self.aliases:
+            for mod, attr in places:
+                mod._parameters.pop(attr, None)
         self.param_dtype = param_dtype or self.shard.dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
@@ -173,11 +188,4 @@ class FlatParamUnit:
 
 def cast_floats(obj, dtype):
     """Floating-point tensors in (nested) args/kwargs cast to the compute dtype (mixed precision)."""
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
-
+    return map_leaves(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, obj)

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.nested import tensors
 from ddpkit.rankside import device as rank_device
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, nbytes, no_sync, prepare_module,
@@ -119,36 +120,18 @@ class FSDP(nn.Module):
         # gradients are averaged over every rank: the shard group times its replicas
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
 
-        # --- the plan: which unit owns which parameter (flat_param.plan_units; nothing changed yet)
+        # --- plan: which unit owns which parameter (flat_param.plan_units; nothing changed yet)
         plan = plan_units(module, units)
         self.param_names: list[str] = plan.param_names  # canonical names, in named_parameters() order
-
-        # --- materialize, flatten and shard the units one by one --------------------------------
-        # A module built on the meta device (deferred initialization) becomes real unit by unit,
-        # so the whole model never exists on this rank; an eager one is real already.
-        if is_deferred(module):
-            group = None if replicate_group is not None else process_group
-            ready = materialize_by_unit(module, plan.units, device or rank_device(), param_init_fn, group)
-        else:
-            ready = ((unit, unit.params) for unit in plan.units)
-        built: dict[str, FlatParamUnit] = {}
-        for unit, params in ready:
-            built[unit.name] = FlatParamUnit(unit.name, unit.module, params, self.rank, self.world_size,
-                                             self.param_dtype, self.reduce_dtype)
-            # take the originals out of the module: from here on they exist only as views into
-            # the gathered buffer, set while the unit is unsharded
-            for _, _, places in params:
-                for mod, attr in places:
-                    mod._parameters.pop(attr, None)
-            del params  # deferred init: nothing holds the unit's full parameters any more
+        # --- build: materialize, flatten and shard the units one by one (_build_units, below)
+        built = self._build_units(plan, device, param_init_fn)
         self.units: list[FlatParamUnit] = [built[unit.name] for unit in plan.units]  # the plan's order
         self.root_unit: FlatParamUnit | None = built.get("")
         # frozen parameters stay whole in the module, never reduced (real now, if deferred)
         self.frozen: dict[str, nn.Parameter] = {name: module.get_parameter(name) for name in plan.frozen}
         # fsdp.parameters() = these shards (+ frozen parameters still inside the module)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
-
-        # --- the hooks that drive communication (forward below, backward after it) -------------
+        # --- hook: what drives communication (forward below, backward after it)
         for unit in self.units:
             if unit is not self.root_unit:  # the root is gathered by forward() itself
                 unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
@@ -160,6 +143,23 @@ class FSDP(nn.Module):
         self._last_forward_order: list[FlatParamUnit] = []  # forward prefetch follows it
         self._pending_reduce: list[PendingReduce] = []
         self._unsharded_bytes = 0
+
+    def _build_units(self, plan, device, param_init_fn) -> dict[str, FlatParamUnit]:
+        """``{unit name: FlatParamUnit}``, each unit flattened and sharded as soon as its parameters
+        are real. A module built on the meta device (deferred initialization) becomes real unit by
+        unit, so the whole model never exists on this rank; an eager one is real already. Each
+        unit takes its parameters out of the module (``FlatParamUnit``)."""
+        if is_deferred(self.module):
+            group = None if self.replicate_group is not None else self.process_group
+            ready = materialize_by_unit(self.module, plan.units, device or rank_device(), param_init_fn, group)
+        else:
+            ready = ((unit, unit.params) for unit in plan.units)
+        built = {}
+        for unit, params in ready:
+            built[unit.name] = FlatParamUnit(unit.name, unit.module, params, self.rank, self.world_size,
+                                             self.param_dtype, self.reduce_dtype)
+            del params  # deferred init: nothing holds the unit's full parameters any more
+        return built
 
     # ================================================================== forward: all-gather
     def forward(self, *args, **kwargs):
@@ -175,7 +175,7 @@ class FSDP(nn.Module):
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             # the first hook to fire in backward: arrange for the end-of-backward work
-            for t in _tensors(out):
+            for t in tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._root_pre_backward)
         else:  # no backward will come: free everything (a forward prefetch too)
@@ -237,7 +237,7 @@ class FSDP(nn.Module):
                 return None
             if self.reshard_after_forward:
                 self._reshard(unit)  # free now, all-gather again before this unit's backward
-            for t in _tensors(output):
+            for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
             return None
@@ -391,18 +391,6 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.fsdp._post_backward(ctx.unit, grads)
         return None, None, None
-
-
-def _tensors(obj):
-    """Every tensor inside a (nested) tuple/list/dict output."""
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _check_limit(limit):

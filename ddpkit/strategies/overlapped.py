@@ -41,8 +41,7 @@ import torch
 from torch import nn
 
 from ddpkit.strategies.ddp_module import DDPModule
-from ddpkit.strategies.buckets import Bucket
-from ddpkit.torch_internals import queue_at_end_of_backward
+from ddpkit.strategies.buckets import Bucket, InOrder
 
 
 class OverlappedDDP(DDPModule):
@@ -52,8 +51,9 @@ class OverlappedDDP(DDPModule):
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)
-        self._next_bucket = 0      # the next bucket to launch, in bucket order
-        self._end_queued = False   # the end-of-backward callback is queued for this step
+        # which bucket is launched next, in bucket order (the rules above; buckets.InOrder)
+        self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
+                                 type(self).__name__)
         for bucket in self.buckets:
             for j, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, j))
@@ -61,34 +61,18 @@ class OverlappedDDP(DDPModule):
     def _start_step(self, sync: bool) -> None:
         # Each training forward resets the per-step state the hooks update.
         super()._start_step(sync)
-        for bucket in self.buckets:
-            bucket.reset()
-        self._next_bucket = 0
-        self._end_queued = False
+        self._in_order.new_step()
 
     def _grad_ready_hook(self, bucket: Bucket, j: int):
         """The hook for gradient j of ``bucket``: copy it in; launch the buckets now complete."""
-        name = bucket.names[j]
 
         def hook(p: nn.Parameter) -> None:
-            if self.recorder.enabled:
-                self.recorder.grad_ready(name, bucket=bucket.index)
-            if not self._sync_pending:  # inside no_sync() (or a forward not through us)
-                return
-            if bucket.ready[j]:
-                raise RuntimeError(
-                    f"OverlappedDDP: the gradient of {name!r} became ready twice in one step; "
-                    "each gradient must arrive once per backward")
-            if not self._end_queued:
-                queue_at_end_of_backward(self.finish_gradient_synchronization)
-                self._end_queued = True
-            with torch.no_grad():
-                bucket.copy_in(j, 1.0 / self.world_size)  # .grad / N into its bucket slot
-            # Launch every complete bucket in bucket order, starting from the next one due:
-            # async, so autograd goes on computing earlier layers while the bytes travel.
-            while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
-                self.buckets[self._next_bucket].all_reduce(self.process_group, self.recorder, self._comm_hook)
-                self._next_bucket += 1
+            # recorded; in a backward that syncs (not inside no_sync()) .grad / N into its bucket slot
+            if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
+                # Launch every complete bucket in bucket order, starting from the next one due:
+                # async, so autograd goes on computing earlier layers while the bytes travel.
+                for due in self._in_order.due():
+                    due.all_reduce(self.process_group, self.recorder, self._comm_hook)
 
         return hook
 
@@ -97,12 +81,9 @@ class OverlappedDDP(DDPModule):
         # Runs at the end of backward (queued by the first hook), or from an explicit
         # finish_gradient_synchronization() when no hook fired at all.
         has_grad = self._has_grad()  # the hooks copy, they leave .grad alone
-        for bucket in self.buckets[self._next_bucket:]:
-            for j, ready in enumerate(bucket.ready):
-                if not ready:  # no gradient in this backward: see the docstring
-                    bucket.copy_in(j, 1.0 / self.world_size)
-            bucket.all_reduce(self.process_group, self.recorder, self._comm_hook)
-        self._next_bucket = len(self.buckets)
+        self._in_order.complete_the_rest(1.0 / self.world_size)  # no gradient in this backward: see above
+        for due in self._in_order.due():
+            due.all_reduce(self.process_group, self.recorder, self._comm_hook)
         for bucket in self.buckets:
             bucket.wait()
             bucket.copy_out()  # the averaged bucket back into .grad

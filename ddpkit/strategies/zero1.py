@@ -44,11 +44,7 @@ class ZeRO1(ZeroDDPModule):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
         super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
         self._reduced = False  # a synchronised backward has used the gradients
-        if self.recorder.enabled:  # hooks only to record the bucket fill order
-            for bucket in self.buckets:
-                for name, p in zip(bucket.names, bucket.params, strict=True):
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, name=name, i=bucket.index: self.recorder.grad_ready(name, bucket=i))
+        self._record_fill_order()  # hooks only to record the bucket fill order, as BucketedDDP's
 
     def _start_step(self, sync: bool) -> None:
         super()._start_step(sync)

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddpkit.strategies.buckets import InOrder
 from ddpkit.strategies.zero_buckets import ZeroBucket, ZeroDDPModule
-from ddpkit.torch_internals import queue_at_end_of_backward
 
 
 class ZeRO2(ZeroDDPModule):
@@ -38,65 +38,41 @@ class ZeRO2(ZeroDDPModule):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
         super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
+        # which bucket is launched next, in bucket order (as OverlappedDDP's: buckets.InOrder)
+        self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
+                                 type(self).__name__)
+        self._next_done = 0  # the next launched bucket whose reduce-scatter we collect
         for bucket in self.buckets:
             bucket.free_gradient()  # allocated when the bucket's first gradient arrives
             for j, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, j))
-        self._next_bucket = 0     # the next bucket to launch, in bucket order
-        self._next_done = 0       # the next launched bucket whose reduce-scatter we collect
-        self._end_queued = False  # the end-of-backward callback is queued for this step
 
     def _start_step(self, sync: bool) -> None:
         super()._start_step(sync)
-        for bucket in self.buckets:
-            bucket.reset()
-        self._next_bucket = self._next_done = 0
-        self._end_queued = False
+        self._in_order.new_step()
+        self._next_done = 0
 
     # ------------------------------------------------------------------ backward: reduce-scatter
     def _grad_ready_hook(self, bucket: ZeroBucket, j: int):
         """The hook for gradient j of ``bucket``: copy it in, free it, launch complete buckets."""
-        name = bucket.names[j]
 
         def hook(p: nn.Parameter) -> None:
-            if self.recorder.enabled:
-                self.recorder.grad_ready(name, bucket=bucket.index)
-            if not self._sync_pending:  # inside no_sync(): keep accumulating in .grad
-                return
-            if bucket.ready[j]:
-                raise RuntimeError(f"ZeRO2: the gradient of {name!r} became ready twice in one step; "
-                                   "each gradient must arrive once per backward")
-            if not self._end_queued:
-                queue_at_end_of_backward(self.finish_gradient_synchronization)
-                self._end_queued = True
-            with torch.no_grad():
-                self._copy_in(bucket, j)
-                self._launch_complete_buckets()
-                self._collect_finished(block=False)  # free what is already reduced
+            # recorded; in a backward that syncs (not inside no_sync(), where it accumulates in .grad)
+            # .grad / N into the bucket's flat gradient, and .grad freed (ZeroBucket.copy_in)
+            if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
+                with torch.no_grad():
+                    # every complete bucket, in bucket order from the next one due: async, so
+                    # autograd goes on computing earlier layers' gradients while this one travels
+                    for due in self._in_order.due():
+                        due.reduce_scatter(self.process_group, self.recorder)
+                    self._collect_finished(block=False)  # free what is already reduced
 
         return hook
-
-    def _copy_in(self, bucket: ZeroBucket, j: int) -> None:
-        """Gradient j (or zeros, if it has none) / N into its bucket's flat gradient; free .grad."""
-        bucket.alloc_gradient()
-        p = bucket.params[j]
-        if p.grad is not None:
-            torch.mul(p.grad.detach(), 1.0 / self.world_size, out=bucket.slot(j))
-            p.grad = None  # the full gradient lives on only in the bucket, until it is reduced
-        bucket.ready[j] = True
-        bucket.missing -= 1
-
-    def _launch_complete_buckets(self) -> None:
-        # every complete bucket, in bucket order from the next one due: async, so autograd goes
-        # on computing earlier layers' gradients while this one travels
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
-            self.buckets[self._next_bucket].reduce_scatter(self.process_group, self.recorder)
-            self._next_bucket += 1
 
     def _collect_finished(self, block: bool) -> None:
         """Launched buckets, in order, whose reduce-scatter is done (all of them if ``block``):
         our shard of the sum becomes the shard's gradient, and the full flat gradient is freed."""
-        while self._next_done < self._next_bucket:
+        while self._next_done < self._in_order.launched:
             bucket = self.buckets[self._next_done]
             if not block and not bucket.work.is_completed():
                 return
@@ -112,12 +88,11 @@ class ZeRO2(ZeroDDPModule):
     @torch.no_grad()
     def _sync_gradients(self) -> None:
         # the end of backward (queued by the first hook), or an explicit
-        # finish_gradient_synchronization() when no hook fired at all
-        for bucket in self.buckets[self._next_bucket:]:
-            for j, ready in enumerate(bucket.ready):
-                if not ready:  # no gradient in this backward: zeros, or what no_sync() accumulated
-                    self._copy_in(bucket, j)
-        self._launch_complete_buckets()
+        # finish_gradient_synchronization() when no hook fired at all: zeros, or what no_sync()
+        # accumulated, for a gradient that never arrived; launch the rest; wait for every bucket
+        self._in_order.complete_the_rest(1.0 / self.world_size)
+        for due in self._in_order.due():
+            due.reduce_scatter(self.process_group, self.recorder)
         self._collect_finished(block=True)
 
     def comm_buffer_bytes(self) -> int:

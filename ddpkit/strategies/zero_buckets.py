@@ -79,6 +79,18 @@ class ZeroBucket:
         """Gradient j's place in the flat gradient, shaped like its parameter."""
         return self.layout.view(self.gradient, j)
 
+    def copy_in(self, j: int, scale: float) -> None:
+        """ZeRO-2: gradient j times ``scale`` into its slot of the flat gradient (allocated with
+        the bucket's first; a gradient missing stays zeros) and ``.grad`` freed: the full gradient
+        lives on only in the bucket, until it is reduced."""
+        self.alloc_gradient()
+        p = self.params[j]
+        if p.grad is not None:
+            torch.mul(p.grad.detach(), scale, out=self.slot(j))
+            p.grad = None
+        self.ready[j] = True
+        self.missing -= 1
+
     # ZeRO-2 holds the flat gradient only while the bucket is being reduced
     def alloc_gradient(self) -> None:
         if not is_allocated(self.gradient):

@@ -8,7 +8,7 @@
     to_chrome_trace(trace, "trace.json")       # open in ui.perfetto.dev (chrome.py)
     overlap_fraction(trace)                    # numbers measured from records (measures.py)
     bucket_fill(trace), timeline(trace)        # what the plots and the widget draw (figures.py)
-    decompose(trace_at_1, trace_at_n)          # the gap to perfect scaling, in parts (scaling.py)
+    decompose(trace_at_1, trace_at_n)          # the gap to perfect scaling, in parts (gap.py)
 
 Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
 """
@@ -23,7 +23,7 @@ from ddpkit.trace.measures import (
 )
 from ddpkit.trace.recorder import Recorder
 from ddpkit.trace.records import Record, Trace, as_trace
-from ddpkit.trace.scaling import Gap, StepBreakdown, decompose, format_gaps, step_breakdown
+from ddpkit.trace.gap import Gap, StepBreakdown, decompose, format_gaps, step_breakdown
 
 __all__ = [
     "Record", "Recorder", "Trace", "as_trace", "to_chrome_trace", "ring_bytes",

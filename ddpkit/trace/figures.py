@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ddpkit.trace.measures import backward_phases, overlap_fraction, overlap_intervals
 from ddpkit.trace.records import Record, as_trace
+from ddpkit.units import plural
 
 
 def bucket_fill_order(trace, rank: int = 0, step: int = -1) -> list[tuple[str, int | None, int]]:
@@ -114,30 +115,40 @@ def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS)
     mine = [r for r in trace.records if r.rank == rank and r.step == s]
     ready = bucket_fill_order(trace, rank, s)
     computing, waiting = backward_phases(mine, rank, s)
-    return BucketFill(rank, s, ready, fill_rows(ready, max_rows), comm, _rows_by_bucket(comm), computing, waiting)
+    return BucketFill(rank, s, ready, fill_rows(ready, max_rows), comm, comm_rows(comm, by_op=True), computing, waiting)
 
 
-def _rows_by_bucket(comm) -> list[tuple[str, list]]:
-    """A row per bucket's (or unit's) collective ("bucket 2 all_reduce", "layers.0 all_gather")
-    while there are few; else collectives packed into rows, so 66 of them fit on a screen."""
-    key = lambda r: (r.name, r.bucket if r.bucket is not None else r.unit)  # noqa: E731
-    keys = list(dict.fromkeys(key(r) for r in comm))
-    if len(keys) > FILL_COMM_ROWS:
-        return [(f"{len(row)} collective{'' if len(row) == 1 else 's'}" if i == 0 else "", row)
-                for i, row in enumerate(pack_rows(comm))]
-    label = lambda name, which: f"{'bucket ' if isinstance(which, int) else ''}{'' if which is None else which} {name}"  # noqa: E731
-    return [(label(*k).strip(), [r for r in comm if key(r) == k]) for k in keys]
-
-
-def comm_rows(comm) -> list[tuple[str, list]]:
-    """The timeline's rows of one rank's collectives: (label, collectives) per row, a row per
-    bucket while there are few, else packed rows (each collective in the first row free when it
-    launched)."""
+def comm_rows(comm, by_op: bool = False) -> list[tuple[str, list]]:
+    """One rank's collectives in rows, ``[(label, [Record])]``, for both figures. While there are
+    few, a row per bucket ("bucket 2": the timeline, ``TIMELINE_BUCKET_ROWS``, where each collective
+    must be a bucket's) or, ``by_op``, per bucket's or unit's collective ("bucket 2 all_reduce",
+    "layers.0 all_gather": the bucket fill figure, ``FILL_COMM_ROWS``); else packed rows
+    (``pack_rows``: each collective in the first row free when it launched), so 66 fit a screen."""
     comm = sorted(comm, key=lambda r: r.start_ns)
-    buckets = list(dict.fromkeys(r.bucket for r in comm))
-    if comm and None not in buckets and len(buckets) <= TIMELINE_BUCKET_ROWS:
-        return [(f"bucket {b}", [r for r in comm if r.bucket == b]) for b in sorted(buckets)]
+    if by_op:
+        key = lambda r: (r.bucket if r.bucket is not None else r.unit, r.name)  # noqa: E731
+        keys = list(dict.fromkeys(map(key, comm)))  # in launch order
+        fits = len(keys) <= FILL_COMM_ROWS
+    else:
+        key = lambda r: r.bucket  # noqa: E731
+        keys = list(dict.fromkeys(map(key, comm)))
+        fits = bool(comm) and None not in keys and len(keys) <= TIMELINE_BUCKET_ROWS
+        keys = sorted(keys) if fits else keys
+    if fits:
+        return [(_row_label(k, by_op), [r for r in comm if key(r) == k]) for k in keys]
+    if by_op:
+        return [(plural(len(row), "collective") if i == 0 else "", row) for i, row in enumerate(pack_rows(comm))]
     return [(f"comm {i + 1}", row) for i, row in enumerate(pack_rows(comm, TIMELINE_PACKED_ROWS))]
+
+
+def _row_label(key, by_op: bool) -> str:
+    """"bucket 2" (a bucket's row); by op: "bucket 2 all_reduce", "layers.0 all_gather", "all_reduce"."""
+    if not by_op:
+        return f"bucket {key}"
+    which, name = key
+    if which is None:
+        return name
+    return f"bucket {which} {name}" if isinstance(which, int) else f"{which} {name}"
 
 
 def pack_rows(comm, max_rows: int | None = None) -> list[list]:

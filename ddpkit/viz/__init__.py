@@ -6,7 +6,7 @@
     plot_memory({strategy: [...], ...}, predicted=...)   # memory samples per strategy
     plot_compare(records)            # a compare run (ddpkit.compare): ms/step, bytes, state
     plot_scaling(profile)            # the cost model's predicted scaling to 256 ranks
-    plot_scaling_gap(gaps)           # a measured gap to perfect scaling, in parts (trace.scaling)
+    plot_scaling_gap(gaps)           # a measured gap to perfect scaling, in parts (trace.gap)
     plot_memory_against_n(sweep)     # memory per rank at 1, 2, 4 ranks (ddpkit.memory_sweep)
 
 matplotlib is imported inside the functions, never at import time, so ranks that only

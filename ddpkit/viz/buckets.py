@@ -4,7 +4,9 @@ with matplotlib."""
 from __future__ import annotations
 
 from ddpkit.trace import as_trace, bucket_fill
-from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data, plural
+from ddpkit.units import plural
+from ddpkit.viz._common import new_figure, no_data
+from ddpkit.viz.style import WAIT_COLOUR, bucket_colour, comm_colour
 
 
 def plot_bucket_fill(trace, rank: int = 0, step: int = -1):

@@ -1,7 +1,7 @@
 """The gap to perfect scaling, stacked: ideal time, then each part of the gap, per world size."""
 from __future__ import annotations
 
-from ddpkit.trace.scaling import GAP_PARTS, PART_LABELS
+from ddpkit.trace.gap import GAP_PARTS, PART_LABELS
 from ddpkit.viz._common import new_figure
 
 PART_COLOURS = {"contention": "#dd8452", "host_overhead": "#937860", "exposed_comm": "#8172b3",
@@ -10,7 +10,7 @@ IDEAL_COLOUR = "#c9d6e8"
 
 
 def plot_scaling_gap(gaps, title: str | None = None):
-    """Stacked bars of ``ddpkit.trace.scaling.decompose`` results (a matplotlib Figure): one panel
+    """Stacked bars of ``ddpkit.trace.gap.decompose`` results (a matplotlib Figure): one panel
     per mode (strong, weak), one bar per world size. Each bar starts with the perfect-scaling time
     (pale blue), then stacks the parts of the gap (compute contention, host overhead, exposed
     communication, straggler wait); a part below zero (better than its share of one rank's) is

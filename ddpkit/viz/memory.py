@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ddpkit.memory import CATEGORIES, STAGE_OF_STRATEGY
 from ddpkit.trace import Trace, memory_peak
-from ddpkit.viz._common import CATEGORY_COLOURS, byte_unit, new_figure, no_data
+from ddpkit.viz._common import byte_unit, new_figure, no_data
+from ddpkit.viz.style import CATEGORY_COLOURS, OTHER_COLOUR
 
 
 def _per_rank(value) -> list[dict]:
@@ -85,7 +86,7 @@ def plot_memory(measured, predicted=None, title: str | None = None):
                 v = sample.get(c, 0) / size
                 if not v:
                     continue
-                ax.bar(x, v, bottom=bottom, width=0.8, color=CATEGORY_COLOURS.get(c, "#937860"),
+                ax.bar(x, v, bottom=bottom, width=0.8, color=CATEGORY_COLOURS.get(c, OTHER_COLOUR),
                        alpha=0.45 if is_prediction else 0.95, hatch="//" if is_prediction else None,
                        edgecolor="black", lw=0.4)
                 bottom += v
@@ -111,7 +112,7 @@ def plot_memory(measured, predicted=None, title: str | None = None):
     from matplotlib.patches import Patch
 
     # the legend in category order (the stacking order, bottom first)
-    handles = [Patch(facecolor=CATEGORY_COLOURS.get(c, "#937860"), edgecolor="black", lw=0.4) for c in cats][::-1]
+    handles = [Patch(facecolor=CATEGORY_COLOURS.get(c, OTHER_COLOUR), edgecolor="black", lw=0.4) for c in cats][::-1]
     labels = [c.replace("_", " ") for c in cats][::-1]  # top of the stack first
     if any(_prediction_for(label, predicted)[1] for label in groups):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//"))
@@ -138,11 +139,10 @@ def plot_memory_against_n(sweep: dict, formulas: dict | None = None, title: str 
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    # model states at the bottom, then what the formulas leave out
-    swept = [c for c in CATEGORIES if c != "activations"] + ["unsharded_parameters", "activations"]
     sizes = sorted(sweep)
     strategies = list(dict.fromkeys(s for n in sizes for s in sweep[n]))
-    cats = [c for c in swept if any(sweep[n][s].get(c) for n in sizes for s in sweep[n])]
+    # model states at the bottom, then what the formulas leave out (CATEGORIES' order)
+    cats = [c for c in CATEGORIES if any(sweep[n][s].get(c) for n in sizes for s in sweep[n])]
     tallest = max(sum(sweep[n][s].get(c, 0) for c in cats) for n in sizes for s in sweep[n])
     unit, size = byte_unit(tallest)
     fig = new_figure(3.8, width_in=max(9.0, 1.9 * len(strategies) + 1.8))
@@ -154,7 +154,7 @@ def plot_memory_against_n(sweep: dict, formulas: dict | None = None, title: str 
             for c in cats:
                 v = sweep[n][s].get(c, 0) / size
                 if v:
-                    ax.bar(i, v, bottom=bottom, width=0.7, color=CATEGORY_COLOURS.get(c, "#937860"),
+                    ax.bar(i, v, bottom=bottom, width=0.7, color=CATEGORY_COLOURS.get(c, OTHER_COLOUR),
                            edgecolor="black", lw=0.4)
                     bottom += v
             if formulas and (s, n) in formulas:
@@ -164,7 +164,7 @@ def plot_memory_against_n(sweep: dict, formulas: dict | None = None, title: str 
         ax.set_title(s, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel(f"memory per rank ({unit})")
-    handles = [Patch(facecolor=CATEGORY_COLOURS.get(c, "#937860"), edgecolor="black", lw=0.4) for c in cats][::-1]
+    handles = [Patch(facecolor=CATEGORY_COLOURS.get(c, OTHER_COLOUR), edgecolor="black", lw=0.4) for c in cats][::-1]
     labels = [c.replace("_", " ") for c in cats][::-1]
     if formulas:
         handles.append(Line2D([], [], color="black", lw=1.8))

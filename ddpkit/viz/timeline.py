@@ -11,9 +11,9 @@ for the same steps.
 from __future__ import annotations
 
 from ddpkit.trace import as_trace, timeline
-from ddpkit.viz._common import (
-    OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, bucket_colour, comm_colour, new_figure, no_data, plural,
-)
+from ddpkit.units import plural
+from ddpkit.viz._common import new_figure, no_data
+from ddpkit.viz.style import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, bucket_colour, comm_colour
 
 
 def plot_timeline(trace, steps=None, ranks=None):

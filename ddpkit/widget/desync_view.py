@@ -1,6 +1,6 @@
 """The desync view: each rank's sequence of collectives around the one where the ranks parted.
 
-It draws a ``ddpkit.desync.Diagnosis`` (what ``ddpkit.DesyncError`` carries): a lane per rank,
+It draws a ``ddpkit.comm.desync.Diagnosis`` (what ``ddpkit.DesyncError`` carries): a lane per rank,
 a box per collective of the parted group, by index (``AROUND`` before and after), the op and
 size written in it (hover: dtype, labels, the line of code that issued it). The parted index is
 a red column; a rank that issued nothing there gets a dashed box saying why (its job finished,
@@ -8,7 +8,7 @@ it waits in another collective, it is still computing). SVG, as the other views 
 """
 from __future__ import annotations
 
-from ddpkit.desync import describe_entry
+from ddpkit.comm.desync import describe_entry
 from ddpkit.units import human_bytes
 from ddpkit.widget.svg import Svg, message
 

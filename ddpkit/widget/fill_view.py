@@ -10,7 +10,8 @@ after its last gradient was ready.
 from __future__ import annotations
 
 from ddpkit.trace.figures import BucketFill
-from ddpkit.viz._common import WAIT_COLOUR, bucket_colour, plural
+from ddpkit.units import plural
+from ddpkit.viz.style import WAIT_COLOUR, bucket_colour
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 
 WIDTH = 860

@@ -23,7 +23,7 @@ import ipywidgets as widgets
 
 from ddpkit.trace.figures import bucket_fill, loss_per_step, memory_series, peak_of, timeline
 from ddpkit.trace.records import Trace
-from ddpkit.viz._common import plural
+from ddpkit.units import plural
 from ddpkit.widget.fill_view import fill_view
 from ddpkit.widget.loss_view import loss_view
 from ddpkit.widget.memory_view import memory_view

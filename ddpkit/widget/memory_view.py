@@ -9,8 +9,8 @@ point: the most one rank held at once among the samples, and the view lists what
 from __future__ import annotations
 
 from ddpkit.memory import CATEGORIES
-from ddpkit.viz._common import CATEGORY_COLOURS
 from ddpkit.units import human_bytes
+from ddpkit.viz.style import CATEGORY_COLOURS
 from ddpkit.widget.svg import Scale, Svg, message, x_axis
 
 WIDTH = 860

@@ -9,9 +9,9 @@ the terminal bar computes it), not a bar that restarts with every job.
 
 A job that returns ``run_strategy``'s dicts (a strategy run, compare's too) measured a step
 time: the label ends with it, the slowest rank's, until the next job. On an emulated network
-that this machine's own transport could not keep up with (``compare.OUTRAN_NOTE`` of the
+that this machine's own transport could not keep up with (``emulator.OUTRAN_NOTE`` of the
 collectives or more ended after the link's time), a note below says so, in compare's words
-(``compare.outran_note``): that step time is the machine's, not the network's.
+(``ddpkit.comm.emulator.outran_note``): that step time is the machine's, not the network's.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import html
 
 import ipywidgets as widgets
 
-from ddpkit.compare import outran_note, outran_share
+from ddpkit.comm.emulator import outran_note, outran_share
 from ddpkit.progressbar import overall
 
 NOTE_COLOUR = "#e65100"

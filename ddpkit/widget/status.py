@@ -17,7 +17,7 @@ import time
 
 import ipywidgets as widgets
 
-from ddpkit.viz._common import plural
+from ddpkit.units import plural
 
 LONG_S = 2.0     # a run shorter than this gets no status line (most cells)
 UPDATE_S = 0.5   # the line changes at most this often

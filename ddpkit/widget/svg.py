@@ -1,8 +1,9 @@
 """A few lines of SVG: what the widget's live plots are drawn with.
 
 The live plots redraw a few times a second while ranks train on the same cores, so they are
-built as SVG text (a millisecond or two) rather than rendered by matplotlib (a tenth of a
-second of CPU taken from the ranks each time). The browser draws them; a test reads them as
+built as SVG text (string formatting) rather than rendered by matplotlib (laying out and
+rasterising a figure: CPU taken from the ranks each time; ``python benchmarks/bench_live.py``
+measures what the live widget costs a step). The browser draws them; a test reads them as
 strings. Every mark can carry a ``<title>``: hovering shows what it is.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import html
 import math
 
 from ddpkit.units import human_bytes
-from ddpkit.viz._common import comm_colour
+from ddpkit.viz.style import comm_colour
 
 FONT = "font-family:sans-serif"
 

@@ -12,7 +12,8 @@ and ranks drawn.
 from __future__ import annotations
 
 from ddpkit.trace.figures import Timeline
-from ddpkit.viz._common import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, plural
+from ddpkit.units import plural
+from ddpkit.viz.style import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 
 WIDTH = 860

@@ -1,8 +1,8 @@
 """A group's queue of pieces, and who moves it: the thread that issues, the one that waits, or the
 group's own thread.
 
-Every collective is a list of ``Piece``s (``ddpkit.transport.shm`` cuts them), each deposited
-into its slot and later completed (``ddpkit.transport.segment``). Every rank deposits and
+Every collective is a list of ``Piece``s (``ddpkit.comm.transport.shm`` cuts them), each deposited
+into its slot and later completed (``ddpkit.comm.transport.segment``). Every rank deposits and
 completes its pieces in issue order, the same order on every rank, so one queue per group holds
 them, and two counters say how far it got:
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddpkit.torch_internals import FutureWork
-from ddpkit.transport.segment import Segment, ShmError
+from ddpkit.comm.transport.segment import Segment, ShmError
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ Start-up, in order:
 4. join the process group through the parent's TCPStore, then report ready.
 Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
 the pickled result or the formatted traceback. With each job comes the file where this rank's
-flight recorder keeps its last collectives (``ddpkit.flight``), which the parent reads if the
+flight recorder keeps its last collectives (``ddpkit.comm.flight``), which the parent reads if the
 ranks' collectives part; its watchdog reports a collective stuck during the job.
 
 Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
@@ -237,8 +237,9 @@ def _keep_freed_memory() -> None:
     glibc's malloc hands big freed blocks back to the kernel (a gradient or an activation of the
     course's MLP is 256 KiB) and adapts that threshold as it goes; a training step that frees
     and reallocates the same tensors then faults every page in again, zeroed by the kernel.
-    On the 2-core reference machine that came and went from run to run: 300 000 page faults
-    instead of 70 000 over 150 steps, and a step 30% slower. Fixed thresholds (freed memory up
+    On a small machine that came and went from run to run: the slow runs took several times the
+    page faults, and a slower step (a rank's ``resource.getrusage(RUSAGE_SELF).ru_minflt`` counts
+    them). Fixed thresholds (freed memory up
     to 1 GiB stays, blocks below 32 MiB come from the heap) make every run the fast one. glibc
     only (Linux); elsewhere nothing changes."""
     import ctypes
@@ -276,7 +277,7 @@ def main() -> None:
     sys.stdin = open(os.devnull)  # input() in a job gets end-of-file, not the parent's pipe
     signal.signal(signal.SIGINT, _on_sigint)
     faulthandler.enable(file=sys.__stderr__)  # a segfault's Python stack goes to the stderr pipe
-    if hasattr(signal, "SIGUSR1"):  # the parent asks for stacks this way (ddpkit.flight); never fatal
+    if hasattr(signal, "SIGUSR1"):  # the parent asks for stacks this way (ddpkit.comm.flight); never fatal
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     for path in reversed(cfg["sys_path"]):
         if path not in sys.path:
@@ -306,7 +307,7 @@ def main() -> None:
                               timeout=timedelta(seconds=max(cfg["timeout"], 60.0)))
         # ddpkit's own process group over the real backend: it counts, records and (on an
         # emulated network) delays every collective, torch's wrappers' included
-        from ddpkit import process_group
+        from ddpkit.comm import process_group
 
         real = "shm" if cfg.get("transport") == "shm" else cfg["backend"]  # Cluster(transport=...)
         process_group.install(cfg["network"], real, shm_prefix=cfg.get("shm_prefix"))
@@ -364,9 +365,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # The Cluster starts workers with ``-c "from ddpkit._worker import main; main()"``; under
+    # The Cluster starts workers with ``-c "from ddpkit.cluster.worker import main; main()"``; under
     # ``python -m`` this file would be ``__main__``, a second copy of the module, so run the
     # importable copy's main(), whose ``_context`` ``%%ranks`` cells see.
-    from ddpkit._worker import main as _main
+    from ddpkit.cluster.worker import main as _main
 
     _main()

@@ -12,11 +12,11 @@ reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimi
    with its link and group, in the rank's recorder when recording is on (``rankside.recorder()``);
    a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
    and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
-3. on an emulated network, hands it to the link emulator (``ddpkit.emulator``) and returns a
+3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``) and returns a
    ``Work`` that completes when the emulated link would have delivered it;
-4. keeps it in the rank's flight recorder (``ddpkit.flight``), always, *before* launching it: the
+4. keeps it in the rank's flight recorder (``ddpkit.comm.flight``), always, *before* launching it: the
    group, its index in the group, op, bytes, dtype, labels and the user's line that issued it.
-   When ranks' sequences part, ``ddpkit.desync`` compares these.
+   When ranks' sequences part, ``ddpkit.comm.desync`` compares these.
 
 The group needs a name for torch's ``DeviceMesh`` (``fully_shard`` builds one): in C++ a
 group's name lives on its registered backend, so the real backend is registered on this one too
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ddpkit.emulator import Emulator
-from ddpkit.flight import FlightRecorder
+from ddpkit.comm.emulator import Emulator
+from ddpkit.comm.flight import FlightRecorder
 from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
 from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, mark_synchronous,
@@ -283,7 +283,7 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
     emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
     ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
     ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
-    ``shm_prefix`` (``ddpkit.transport``)."""
+    ``shm_prefix`` (``ddpkit.comm.transport``)."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 
@@ -309,7 +309,7 @@ def _real_backend(name: str, opts, shm_prefix: str | None = None):
         options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
     if name == "shm":  # a gloo group whose collectives move their bytes through shared memory
-        from ddpkit.transport import ShmBackend
+        from ddpkit.comm.transport import ShmBackend
 
         return ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix)
     return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)

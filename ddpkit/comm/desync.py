@@ -1,6 +1,6 @@
 """Where the ranks parted: compare their sequences of collectives, say it in words a learner reads.
 
-Every rank's flight recorder (``ddpkit.flight``) holds its last collectives: per group, an index
+Every rank's flight recorder (``ddpkit.comm.flight``) holds its last collectives: per group, an index
 (1, 2, ...), the op, bytes, dtype and labels; the line of code that issued one is found in the
 rank's stack when it matters (``flight.where_in``). The Cluster's parent reads them when something
 looks wrong (a rank reported a collective stuck for ``flight.STALL_S``, a rank finished while
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddpkit.flight import Entry, blocked_in_a_wait, where_in
+from ddpkit.comm.flight import Entry, blocked_in_a_wait, where_in
 from ddpkit.units import human_bytes
 
 AROUND = 3  # collectives drawn before and after the one where the ranks parted

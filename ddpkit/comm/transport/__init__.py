@@ -5,9 +5,9 @@
 - ``shm``: ``ShmBackend``, a gloo process group whose collectives move their bytes through the
   slab instead (all-reduce, all-gather, reduce-scatter, broadcast, barrier); the rest is gloo's.
 
-``ddpkit.process_group`` builds it when a Cluster runs with ``transport="shm"``.
+``ddpkit.comm.process_group`` builds it when a Cluster runs with ``transport="shm"``.
 """
-from ddpkit.transport.segment import ShmError, unlink_segments
-from ddpkit.transport.shm import ShmBackend
+from ddpkit.comm.transport.segment import ShmError, unlink_segments
+from ddpkit.comm.transport.shm import ShmBackend
 
 __all__ = ["ShmBackend", "ShmError", "unlink_segments"]

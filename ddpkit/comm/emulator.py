@@ -12,9 +12,10 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
   collective completes when both are done: ``max(real end, max(issue, link free) + link time)``.
   So where the link is slower than this machine's own transport, the link's time replaces the
   real transfer's, as on the network itself; collectives on one link run one after another, in
-  issue order. (The rule was chosen on measurement, stage 3, on a 2-core machine: counted
-  *after* the real transfer, a 1 MiB all-reduce on 1GbE took the link's 9.7 ms plus loopback's
-  1-3.6 ms; counted from issue, it takes the link's time wherever the link is slower.) The
+  issue order. (Counted *after* the real transfer instead, a collective would take the link's
+  time plus the transport's on every link; counted from issue, it takes the link's time wherever
+  the link is slower: ``tests/test_process_group.py`` holds the rule, and ``compare`` on a
+  ``--network`` shows it.) The
   link's thread sleeps until the link would have delivered, then asks whether the real
   collective is done (asking moves the shared-memory transport along, as MPI's test does) and
   waits for it if not: one wake-up per collective, at the emulated time;
@@ -27,7 +28,7 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
 - waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
   so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
   overlaps backward as it would on a real network, but for what the transport itself costs
-  the cores: copying and summing the bytes (``ddpkit.transport``: a memcpy and a sum per
+  the cores: copying and summing the bytes (``ddpkit.comm.transport``: a memcpy and a sum per
   bucket) is CPU work beside backward's;
 - on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
   thread's current stream wait for it -- the default stream, which backward's later kernels
@@ -244,3 +245,32 @@ class EmulatedWork(FutureWork):
         if self._real is not None:
             self._real.wait()
         return True
+
+
+# ----------------------------------------------------------------------------- the verdict
+# Read in the parent, from the ranks' ``fidelity`` counts (``rankside.emulation_counts``, summed by
+# ``run_strategy`` and ``series.timed_rounds``): where the real transfer outran the link.
+OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
+
+
+def outran_share(counts) -> float | None:
+    """The share of a run's emulated collectives whose real transfer took longer than the link,
+    from ``[collectives on an emulated link, of which outran it]`` (None off a network): there
+    the network is faster than this machine can emulate."""
+    if not counts or not counts[0]:
+        return None
+    return counts[1] / counts[0]
+
+
+def outran_note(shares: dict, network: str | None = None) -> str:
+    """The sentence a step time needs where at least ``OUTRAN_NOTE`` of its collectives outran
+    the emulated link (``shares``: ``{label: outran_share}``; ``network``: its name, if known);
+    "" where none did. The compare table and the cluster widget both say it, in these words."""
+    slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
+    if not slow:
+        return ""
+    which = f"the network ({network})" if network else "the network"
+    return ("network: the real transfer ended after the emulated link's time for a share of the "
+            f"collectives ({', '.join(slow)}; this machine's transport, or a rank that came late): there "
+            f"{which} is faster than this machine can emulate, and the times are this machine's, "
+            "not the network's.")

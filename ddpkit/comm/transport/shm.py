@@ -6,7 +6,7 @@ needs. NCCL and MPI move intra-node bytes through shared memory instead (DeepSpe
 SGLang ship the same for CPU all-reduce); so does this backend, for the collectives data
 parallelism issues. Every collective is cut into pieces of at most one region (``chunk_bytes``)
 per rank; each piece is *deposited* by every rank into its own region of a slot of the slab and
-*completed* by every rank once all have deposited it (``ddpkit.transport.segment``, ``runner``):
+*completed* by every rank once all have deposited it (``ddpkit.comm.transport.segment``, ``runner``):
 
 - all-reduce (SUM, AVG, PRODUCT, MIN, MAX): deposit my part; complete: reduce all N regions
   straight into my tensor, in rank order (0 + 1 + ... + N-1, in the tensor's dtype), so every
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-from ddpkit.transport.runner import Piece, Runner, finished
-from ddpkit.transport.segment import Segment
+from ddpkit.comm.transport.runner import Piece, Runner, finished
+from ddpkit.comm.transport.segment import Segment
 from ddpkit.torch_internals import is_async
 
 CHUNK_BYTES = 2 << 20   # bytes of one rank's region at most: the largest piece a rank deposits at once

@@ -4,14 +4,16 @@ ddpkit's process group hands every collective to ``FlightRecorder.issue`` *befor
 always (recording on or off): which group, its index in that group (1 for the group's first
 collective), the op, the bytes, the dtype and, while recording, the strategy's labels (bucket,
 unit: a recorder that is off opens no ``labels()`` block, see ``ddpkit.rankside``). That is the
-sequence ``ddpkit.desync`` compares across ranks when they part.
+sequence ``ddpkit.comm.desync`` compares across ranks when they part.
 
 The user's line of code that issued a collective is taken *lazily*, from a stack, when it
 matters: the watchdog's report of a stuck collective carries the job thread's stack, a rank that
 died leaves faulthandler's dump, a failed collective its traceback; ``where_in`` finds the first
 frame outside torch, ddpkit and the standard library there, and the ddpkit strategy code the
-call came through. Walking the stack on every collective instead cost ~8 us of ~14 (15-25
-frames of torch and autograd between a collective and the user's line), 1-2% of an FSDP step.
+call came through. Walking the stack on every collective instead (15-25 frames of torch and
+autograd between a collective and the user's line) cost more than all the rest the recorder does
+per collective, which an FSDP step issues by the dozen (``python benchmarks/bench_desync.py``
+measures what the recorder costs a step).
 
 Why shared memory. A collective that parts the ranks may kill one outright: gloo aborts a rank
 that receives more bytes than it expects (``op.preamble.length <= op.nbytes``), within
@@ -28,7 +30,7 @@ collective not yet completed; once it has waited longer than ``STALL_S`` during 
 reports it to the parent (``rankside.report("stuck", ...)``, with the job thread's stack), and
 reports again when it completes after all. Only ``Work``s someone still holds can be watched:
 torch's own DDP drops its Python handle at once, so a rank stuck there is found by the other
-rule (a rank that finished while this one issued more, see ``ddpkit.desync``).
+rule (a rank that finished while this one issued more, see ``ddpkit.comm.desync``).
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def _classify(filename: str) -> str:
     if filename.startswith(_DDPKIT_DIR):
         if filename.startswith(_STRATEGIES_DIR):
             return "strategy"
-        return "worker" if filename.endswith("_worker.py") else "ddpkit"
+        return "worker" if filename.endswith(os.sep + _WORKER_FILE) else "ddpkit"
     if filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or "-packages" + os.sep in filename:
         return "lib"  # torch, the standard library, installed libraries (site- or dist-packages)
     return "user"
@@ -78,12 +80,13 @@ def _dirs():
 
     torch = importlib.util.find_spec("torch")  # found, not imported: the parent reads rings too
     return (os.path.dirname(os.path.abspath(torch.origin)) + os.sep,
-            os.path.dirname(os.path.abspath(__file__)) + os.sep,
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # ddpkit/, above comm/
             os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
 
 
 _TORCH_DIR, _DDPKIT_DIR, _STDLIB_DIR = _dirs()
 _STRATEGIES_DIR = os.path.join(_DDPKIT_DIR, "strategies") + os.sep
+_WORKER_FILE = os.path.join("cluster", "worker.py")  # the Cluster's job loop, which calls the job
 
 
 @dataclass
@@ -254,7 +257,7 @@ def job_thread(dump: str) -> str:
     """From faulthandler's dump of every thread, the job thread's stack (the one the worker's
     ``main`` runs), else the whole dump."""
     for block in dump.split("\n\n"):
-        if " in main" in block and "_worker.py" in block:
+        if " in main" in block and _WORKER_FILE in block:
             return block.strip()
     return dump
 
@@ -275,7 +278,7 @@ def _map(path: str, size: int):
 
 def _from_the_job(stack: str) -> str:
     """The stack from the job's own frame down (the worker's loop above it is noise)."""
-    marker = "_worker.py"
+    marker = _WORKER_FILE
     lines = stack.splitlines(keepends=True)
     cut = 0
     for i, line in enumerate(lines):

@@ -1,0 +1,38 @@
+"""How every figure looks, in the plots (matplotlib) and in the widget (SVG) alike: the colours.
+
+Plain strings and small functions, no matplotlib: the widget's SVG views read them without
+importing it. A count with its noun (``plural``) is ``ddpkit.units``'s, beside the byte sizes.
+"""
+from __future__ import annotations
+
+from ddpkit.memory import CATEGORIES
+
+# Compute spans and collectives get fixed colours, so every plot reads the same way.
+SPAN_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "step": "#55a868"}
+OVERLAP_COLOUR = "#2ca02c"
+WAIT_COLOUR = "#c9c9c9"  # backward waiting for communication (after its last gradient was ready)
+
+# matplotlib's tab20, as hex: one colour per bucket (or FSDP unit), cycling after 20.
+BUCKET_COLOURS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728",
+                  "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
+                  "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")
+
+# One colour per memory category, in the order of ``ddpkit.memory.CATEGORIES`` (the one list of them).
+CATEGORY_COLOURS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52", "#937860"),
+                            strict=True))
+OTHER_COLOUR = "#937860"  # the plots' colour for a category not in the list (a job's own)
+
+
+def bucket_colour(bucket):
+    """A colour per bucket index (tab20 cycles after 20 buckets; None -> grey)."""
+    if bucket is None:
+        return "#7f7f7f"
+    return BUCKET_COLOURS[int(bucket) % 20]
+
+
+def comm_colour(r):
+    """A collective's colour: its bucket's, or a stable colour per FSDP unit name."""
+    if r.bucket is not None or r.unit is None:
+        return bucket_colour(r.bucket)
+    return bucket_colour(sum(map(ord, r.unit)))
+
