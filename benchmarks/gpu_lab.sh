@@ -5,6 +5,7 @@
 #     bash benchmarks/gpu_lab.sh --dry-run OUTDIR     # seconds: every part's command resolved, none run
 #     PYTHON=/path/to/python bash benchmarks/gpu_lab.sh OUTDIR   # another interpreter (default python3)
 #     bash benchmarks/gpu_lab.sh --stand-in OUTDIR    # a rehearsal without CUDA: CUDA parts on gloo
+#     bash benchmarks/gpu_lab.sh --only "trace on CUDA,doctor" $OUT   # a rerun of the parts named
 #
 # It installs the wheels carried in .whl/ (bash benchmarks/gpu_wheels.sh made them here) that the
 # machine lacks into a folder of their own, never touching its torch; ddpkit itself is not
@@ -17,7 +18,7 @@
 # The parts and their runner: benchmarks/gpu_lab_parts.py. Exit status 1 if a part FAILED.
 set -uo pipefail
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2

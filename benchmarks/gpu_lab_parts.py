@@ -1,6 +1,6 @@
 """The GPU lab's parts and their runner: what ``bash benchmarks/gpu_lab.sh OUTDIR`` runs (docs/gpu.md).
 
-    python benchmarks/gpu_lab_parts.py run OUTDIR [--dry-run | --stand-in] [--wheels DIR] [--budget S]
+    python benchmarks/gpu_lab_parts.py run OUTDIR [--dry-run | --stand-in] [--only A,B] [--wheels DIR] [--budget S]
     python benchmarks/gpu_lab_parts.py check-wheels DIR PYVER   # every wheel's needs carried or on the image
     python benchmarks/gpu_lab_parts.py install DIR TARGET       # the wheels this Python lacks, into TARGET
     python benchmarks/gpu_lab_parts.py env                      # device, torch, CUDA, NCCL: key=value lines
@@ -16,7 +16,8 @@ installs the wheels if their folder is there, then resolves every part's command
 it: the ddpkit command lines parsed by the CLI's own parser, pytest's paths and plugins found.
 ``--stand-in`` (a rehearsal on a machine without CUDA) runs the CUDA parts that can run on the
 CPU there, on gloo, to prove their plumbing (files written, figures read back); their rows say
-"stand-in", and they prove nothing of CUDA.
+"stand-in", and they prove nothing of CUDA. ``--only`` runs the parts named (as the summary
+names them, comma-separated): a rerun of those that failed, in the minutes a lease has left.
 
 The runner itself never imports torch (it holds no CUDA context on the GPU it lends the parts),
 and the parts use ddpkit only through its command line and public names (``ddpkit.Cluster``,
@@ -109,8 +110,11 @@ def lab_parts(gpus: int) -> list[Part]:
         Part("CUDA memory snapshot", [sys.executable, HERE, "snapshot", f"{out}/snapshot.pickle"], 90,
              needs="cuda"),
         # addopts cleared: pyproject's name nbval, which these tests do not need
+        # (a test module that cannot be imported, e.g. without the carried nbformat, is an error
+        # in the count, and the GPU tests still run)
         Part("pytest -m gpu", [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "tests/", "-q",
-                               "-rs", "-p", "no:cacheprovider", "--timeout", "120"], 180, needs="cuda"),
+                               "-rs", "-p", "no:cacheprovider", "--timeout", "120",
+                               "--continue-on-collection-errors"], 180, needs="cuda"),
     ]
     if gpus >= 2:
         parts += [
@@ -243,7 +247,13 @@ class Lab:
 
 
 def run(out: str, dry: bool = False, wheels: str | None = None, budget_s: float = BUDGET_S,
-        stand_in: bool = False) -> int:
+        stand_in: bool = False, only: list[str] | None = None) -> int:
+    names = [p.name for p in lab_parts(gpus=1)] + [p.name for p in lab_parts(gpus=2)]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        print(f"no part called {', '.join(map(repr, unknown))}; the parts: {', '.join(dict.fromkeys(names))}",
+              file=sys.stderr)
+        return 2
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("logs.txt", "summary.txt"):
@@ -284,7 +294,8 @@ def run(out: str, dry: bool = False, wheels: str | None = None, budget_s: float 
 
     # 3. the parts
     for part in lab_parts(gpus):
-        lab.run_part(part, have)
+        if only is None or part.name in only:
+            lab.run_part(part, have)
 
     took = time.monotonic() - lab.started
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -563,7 +574,7 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, args = argv[0], argv[1:]
     if cmd == "run":
-        flags = {"--wheels": None, "--budget": BUDGET_S}
+        flags = {"--wheels": None, "--budget": BUDGET_S, "--only": None}
         rest = []
         while args:
             a = args.pop(0)
@@ -572,11 +583,12 @@ def main(argv: list[str]) -> int:
             elif a not in ("--dry-run", "--stand-in"):
                 rest.append(a)
         if len(rest) != 1 or rest[0].startswith("-"):
-            print("usage: gpu_lab_parts.py run OUTDIR [--dry-run | --stand-in] [--wheels DIR] [--budget S]",
-                  file=sys.stderr)
+            print("usage: gpu_lab_parts.py run OUTDIR [--dry-run | --stand-in] [--only A,B] [--wheels DIR] "
+                  "[--budget S]", file=sys.stderr)
             return 2
+        only = [n.strip() for n in flags["--only"].split(",") if n.strip()] if flags["--only"] else None
         return run(rest[0], dry="--dry-run" in argv, wheels=flags["--wheels"], budget_s=float(flags["--budget"]),
-                   stand_in="--stand-in" in argv)
+                   stand_in="--stand-in" in argv, only=only)
     if cmd == "check-wheels":
         return check_wheels(*args)
     if cmd == "install":

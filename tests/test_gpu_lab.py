@@ -135,3 +135,9 @@ def test_the_lab_writes_at_most_8_files_and_carries_no_torch(tmp_path):
     (tmp_path / "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
     with pytest.raises(SystemExit, match="never carry it"):
         parts.install(str(tmp_path), str(tmp_path / "site"))
+
+
+def test_a_rerun_names_its_parts_and_a_wrong_name_is_refused_before_anything_runs(tmp_path):
+    run = _lab("--only", "compare on CUDA,nope", tmp_path / "out")
+    assert run.returncode == 2 and "no part called 'nope'" in run.stderr and "compare on CUDA" in run.stderr
+    assert not (tmp_path / "out").exists()
