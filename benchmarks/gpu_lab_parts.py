@@ -84,7 +84,7 @@ def _refused_two_ranks_on_one_gpu(rc: int, text: str) -> tuple[bool, str]:
     said = [line for line in text.splitlines() if "error:" in line]
     if rc == 2 and said and "one GPU per rank" in said[-1]:
         return True, f"refused, as the kit says: {said[-1].split('error:', 1)[1].strip()}"
-    return False, f"expected the kit's refusal (exit 2, 'one GPU per rank'), got exit {rc}: {_last_line(text)}"
+    return False, f"expected the kit's refusal (exit 2, 'one GPU per rank'), got exit {rc}: {_why(text)}"
 
 
 def _compare_figures(out: Path) -> list[str]:
@@ -238,7 +238,7 @@ class Lab:
         if part.judge is not None:
             ok, detail = part.judge(rc, text)
         else:
-            ok, detail = rc == 0, _last_line(text) if rc == 0 else f"exit {rc}: {_last_line(text)}"
+            ok, detail = rc == 0, _last_line(text) if rc == 0 else f"exit {rc}: {_why(text)}"
         if ok and part.note:
             detail = f"{detail} [{part.note}]"
         self.record("ok" if ok else "FAILED", part.name, took, detail, () if ok else _failure_lines(text))
@@ -280,14 +280,14 @@ def run(out: str, dry: bool = False, wheels: str | None = None, budget_s: float 
     else:
         rc, text, took = lab.execute("carried wheels", [sys.executable, HERE, "install", str(folder), str(site)], 180)
         lab.record("ok" if rc == 0 else "FAILED", "carried wheels", took, _last_line(text) if rc == 0 else
-                   f"exit {rc}: {_last_line(text)}")
+                   f"exit {rc}: {_why(text)}")
     importlib.invalidate_caches()
 
     # 2. what this machine is (a part of its own: it imports torch, the runner does not)
     rc, text, took = lab.execute("env", [sys.executable, HERE, "env"], 90)
     facts = dict(line.split("=", 1) for line in text.splitlines() if re.match(r"^\w+=", line))
     lab.record("ok" if rc == 0 else "FAILED", "env", took, f"{facts.get('device', '?')}, torch "
-               f"{facts.get('torch', '?')}" if rc == 0 else f"exit {rc}: {_last_line(text)}",
+               f"{facts.get('torch', '?')}" if rc == 0 else f"exit {rc}: {_why(text)}",
                () if rc == 0 else _failure_lines(text))
     gpus = int(facts.get("gpus", 0))
     have = {"cuda": gpus > 0, "nbval": importlib.util.find_spec("nbval") is not None}
@@ -385,10 +385,21 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+_ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:|\berror: ")
+
+
+def _why(text: str) -> str:
+    """The line that says why a part failed: the last error raised (a rank's traceback ends in
+    one, before the kit's note that the ranks keep running), else the last line."""
+    errors = [line.strip() for line in text.splitlines() if _ERROR.search(line.strip())]
+    return errors[-1][:300] if errors else _last_line(text)
+
+
 def _failure_lines(text: str, most: int = 6) -> list[str]:
     """Lines naming what failed (pytest's and doctor's FAILED rows, errors), for the summary."""
     hits = [line.strip()[:240] for line in text.splitlines()
             if re.search(r"\bFAILED\b|Error\b|error:", line) and line.strip()]
+    hits = [h for h in dict.fromkeys(hits) if h != _why(text)[:240]]
     return hits[-most:]
 
 
