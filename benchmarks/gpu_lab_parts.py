@@ -109,9 +109,9 @@ def lab_parts(gpus: int) -> list[Part]:
                                       "nccl", "--out", f"{out}/trace.json"), 90, needs="cuda"),
         Part("CUDA memory snapshot", [sys.executable, HERE, "snapshot", f"{out}/snapshot.pickle"], 90,
              needs="cuda"),
-        # addopts cleared: pyproject's name nbval, which these tests do not need
-        # (a test module that cannot be imported, e.g. without the carried nbformat, is an error
-        # in the count, and the GPU tests still run)
+        # addopts cleared: pyproject's adds nbval's options, which these tests do not need (a test
+        # module that cannot be imported, e.g. without the carried nbformat, is counted an error,
+        # and the GPU tests still run)
         Part("pytest -m gpu", [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "tests/", "-q",
                                "-rs", "-p", "no:cacheprovider", "--timeout", "120",
                                "--continue-on-collection-errors"], 180, needs="cuda"),
@@ -156,6 +156,8 @@ class Lab:
     dry: bool
     budget_s: float
     stand_in: bool = False
+    mode: str = ""
+    facts: dict = field(default_factory=dict)  # the env part's key=value lines
     started: float = field(default_factory=time.monotonic)
     rows: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
@@ -176,6 +178,22 @@ class Lab:
         self.rows.append(row)
         self.rows.extend(f"{'':<8} {'':<24}          {line}" for line in more)
         print(f"[{time.monotonic() - self.started:4.0f} s] {row}", flush=True)
+        self.write_summary()  # after every part: a lab cut short still leaves its rows
+
+    def write_summary(self) -> str:
+        f = self.facts.get
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        c = self.counts
+        head = [f"ddpkit GPU lab, {now}, {self.mode}",
+                f"device: {f('device', '?')}",
+                f"torch {f('torch', '?')}, CUDA {f('cuda', '?')}, NCCL {f('nccl', '?')}, Python {f('python', '?')}, "
+                f"{f('cpus', '?')} CPUs",
+                f"ddpkit from {f('ddpkit', '?')}, cloudpickle {f('cloudpickle', '?')}",
+                f"{c['ok']} ok, {c['FAILED']} FAILED, {c['SKIPPED']} SKIPPED in "
+                f"{time.monotonic() - self.started:.0f} s (budget {self.budget_s:.0f} s for the parts)", ""]
+        summary = "\n".join(head + self.rows + ([""] + self.extra if self.extra else [])) + "\n"
+        (self.out / "summary.txt").write_text(summary)
+        return summary
 
     def execute(self, name: str, argv: list[str], timeout_s: float) -> tuple[int | None, str, float]:
         """Run ``argv`` in a session of its own, output to the log; past ``timeout_s`` its group is
@@ -259,9 +277,9 @@ def run(out: str, dry: bool = False, wheels: str | None = None, budget_s: float 
     for name in ("logs.txt", "summary.txt"):
         (out_dir / name).unlink(missing_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_lab."))
-    lab = Lab(out_dir, work, dry, budget_s, stand_in=stand_in and not dry)
     mode = ("dry run: each part's command resolved, none run" if dry else
             "rehearsal: CUDA parts stood in for on the CPU where they can" if stand_in else "full")
+    lab = Lab(out_dir, work, dry, budget_s, stand_in=stand_in and not dry, mode=mode)
     print(f"ddpkit GPU lab ({mode}) into {out_dir}; {sys.executable}", flush=True)
 
     # 1. the carried wheels, into a folder of their own ahead of the machine's packages
@@ -285,11 +303,11 @@ def run(out: str, dry: bool = False, wheels: str | None = None, budget_s: float 
 
     # 2. what this machine is (a part of its own: it imports torch, the runner does not)
     rc, text, took = lab.execute("env", [sys.executable, HERE, "env"], 90)
-    facts = dict(line.split("=", 1) for line in text.splitlines() if re.match(r"^\w+=", line))
-    lab.record("ok" if rc == 0 else "FAILED", "env", took, f"{facts.get('device', '?')}, torch "
-               f"{facts.get('torch', '?')}" if rc == 0 else f"exit {rc}: {_why(text)}",
+    lab.facts = dict(line.split("=", 1) for line in text.splitlines() if re.match(r"^\w+=", line))
+    lab.record("ok" if rc == 0 else "FAILED", "env", took, f"{lab.facts.get('device', '?')}, torch "
+               f"{lab.facts.get('torch', '?')}" if rc == 0 else f"exit {rc}: {_why(text)}",
                () if rc == 0 else _failure_lines(text))
-    gpus = int(facts.get("gpus", 0))
+    gpus = int(lab.facts.get("gpus", 0))
     have = {"cuda": gpus > 0, "nbval": importlib.util.find_spec("nbval") is not None}
 
     # 3. the parts
@@ -297,17 +315,7 @@ def run(out: str, dry: bool = False, wheels: str | None = None, budget_s: float 
         if only is None or part.name in only:
             lab.run_part(part, have)
 
-    took = time.monotonic() - lab.started
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = [f"ddpkit GPU lab, {now}, {mode}",
-            f"device: {facts.get('device', '?')}",
-            f"torch {facts.get('torch', '?')}, CUDA {facts.get('cuda', '?')}, NCCL {facts.get('nccl', '?')}, "
-            f"Python {facts.get('python', '?')}, {facts.get('cpus', '?')} CPUs",
-            f"ddpkit from {facts.get('ddpkit', '?')}, cloudpickle {facts.get('cloudpickle', '?')}",
-            f"{lab.counts['ok']} ok, {lab.counts['FAILED']} FAILED, {lab.counts['SKIPPED']} SKIPPED in {took:.0f} s "
-            f"(budget {budget_s:.0f} s for the parts)", ""]
-    summary = "\n".join(head + lab.rows + ([""] + lab.extra if lab.extra else [])) + "\n"
-    (out_dir / "summary.txt").write_text(summary)
+    summary = lab.write_summary()
     shutil.rmtree(work, ignore_errors=True)
     print("\n" + summary, flush=True)
     return 1 if lab.counts["FAILED"] else 0
