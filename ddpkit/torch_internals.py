@@ -7,15 +7,17 @@ So it states a tested range, ``SUPPORTED`` (floor and newest release), proves it
 runs the doctor, the equivalence matrix and the process-group, shared-memory, desync and
 third-party-model tests on the floor and the newest), and warns once, naming the range, on any
 other torch (``check_torch``, called by ``import ddpkit`` and by the doctor's first line).
-The floor, 2.7: the oldest release on which torch's own ``fully_shard`` (FSDP2, the course's
-reference for sharding) runs on CPU ranks over gloo; on 2.6 it fails inside torch ("'Stream'
-object has no attribute 'record_event'") while every ddpkit strategy and torch's DDP still pass
-the doctor. Everything below behaves as said from 2.7 to 2.15 (the doctor checked on 2.6, 2.7.1,
-2.8.0, 2.11, 2.13 and 2.15) unless a line says otherwise.
+The floor, 2.8: the oldest release on which torch's own ``fully_shard`` (FSDP2, the course's
+reference for sharding), hybrid sharding on a 2-D mesh included, runs on CPU ranks over gloo. On
+2.7 its hybrid form fails inside torch (``assert all_reduce_event is not None`` in
+``post_backward``), on 2.6 every form does ("'Stream' object has no attribute 'record_event'");
+every ddpkit strategy and torch's DDP still train there (the shims below for 2.6-2.7 are kept so
+that a torch below the range warns instead of hanging). Checked: the compatibility job on 2.7.1,
+2.8.0, 2.13 and 2.15; the doctor on 2.6, 2.7.1, 2.8.0, 2.11, 2.13 and 2.15.
 
 - ``check_torch``, ``SUPPORTED``: the tested range and the one warning outside it;
 - ``loopback_tcp_store``: the rendezvous store on a socket we bound (libuv's store takes a
-  listening fd from 2.8; 2.7 takes it only with the legacy store);
+  listening fd from 2.8; 2.6-2.7, below the range, take it only with the legacy store);
 - ``all_gather_flat``, ``reduce_scatter_flat``: the flat collectives (renamed ``*_single`` in 2.12);
 - ``fully_shard``: torch's FSDP2 (public in ``torch.distributed.fsdp`` from 2.6);
 - ``is_async``, ``mark_synchronous``: a collective's ``asyncOp`` option (from 2.8);
@@ -47,7 +49,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # noqa: F401
 
 # The tested range, (major, minor) of the floor and of the newest release proven in CI.
-SUPPORTED = ((2, 7), (2, 15))
+SUPPORTED = ((2, 8), (2, 15))
 
 
 def torch_version(text: str | None = None) -> tuple[int, int]:
@@ -57,7 +59,7 @@ def torch_version(text: str | None = None) -> tuple[int, int]:
 
 
 def supported_range() -> str:
-    """The tested range as a reader says it: "2.7 to 2.15"."""
+    """The tested range as a reader says it: "2.8 to 2.15"."""
     (a, b), (c, d) = SUPPORTED
     return f"{a}.{b} to {c}.{d}"
 
@@ -92,7 +94,7 @@ def loopback_tcp_store(sock, timeout: float):
     and listening; the store owns a duplicate of its fd.
 
     torch's default store backend (libuv, from 2.4) accepts a listening fd only from 2.8
-    (earlier: ``NotImplementedError``), so 2.7 (and 2.6) get the legacy store, which always did.
+    (earlier: ``NotImplementedError``), so 2.6-2.7 get the legacy store, which always did.
     """
     legacy = {"use_libuv": False} if torch_version() < (2, 8) else {}
     return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
