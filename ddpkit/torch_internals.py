@@ -20,6 +20,7 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
   listening fd from 2.8; 2.6-2.7, below the range, take it only with the legacy store);
 - ``all_gather_flat``, ``reduce_scatter_flat``: the flat collectives (renamed ``*_single`` in 2.12);
 - ``fully_shard``: torch's FSDP2 (public in ``torch.distributed.fsdp`` from 2.6);
+- ``is_chatter``: torch 2.8's gloo announcing its connections on every rank (dropped);
 - ``is_async``, ``mark_synchronous``: a collective's ``asyncOp`` option (from 2.8);
 - ``hold_for_torch``: a Python ``Work`` kept alive for C++ (2.6 only; ``PyWorkHolder`` from 2.7);
 - ``AllgatherOptions``: the options object a Python process group's ``allgather`` hands to the real
@@ -39,6 +40,7 @@ and arguments are torch's, and the compatibility job is what proves them on each
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from datetime import timedelta
 
@@ -112,6 +114,17 @@ def mark_synchronous(opts) -> None:
     2.8; before, nothing to tell, see ``is_async``)."""
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = False
+
+
+# torch 2.8's gloo prints a line for every group it connects ("[Gloo] Rank 0 is connected to 1 peer
+# ranks. Expected number of connected peer ranks is : 1"), below Python, on every rank: in a
+# notebook, a screenful of it for each Cluster. Not printed by 2.13 or 2.15.
+_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def is_chatter(line: str) -> bool:
+    """Is ``line`` (a rank's output below Python) torch's progress chatter, dropped by the cluster?"""
+    return _CHATTER.match(line) is not None
 
 
 # The flat collectives (one tensor in, one out): torch 2.12 renamed ``all_gather_into_tensor`` and

@@ -55,3 +55,11 @@ def test_the_doctor_says_whether_this_torch_is_in_the_range():
     from ddpkit.doctor import machine
 
     assert f"the tested range {supported_range()}" in machine()
+
+
+def test_torch_28s_connection_chatter_is_dropped_and_nothing_else():
+    from ddpkit.torch_internals import is_chatter
+
+    assert is_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+    assert not is_chatter("[W1126 gloo] a real warning about Rank 1")
+    assert not is_chatter("Traceback (most recent call last):")

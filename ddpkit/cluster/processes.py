@@ -41,6 +41,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from ddpkit.cluster.admission import Admission
+from ddpkit.torch_internals import is_chatter
 from ddpkit.cluster.errors import RankError
 from ddpkit.cluster.events import Events
 
@@ -309,6 +310,8 @@ def _read_pipe(workers_ref, rank: int, stream: str, pipe, generation: int, tail)
     try:
         for raw in iter(pipe.readline, b""):
             text = raw.decode(errors="replace").rstrip("\n")
+            if is_chatter(text):
+                continue
             if stream == "stderr":
                 tail.append(text)
             workers = workers_ref()
