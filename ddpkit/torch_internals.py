@@ -21,7 +21,7 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
 - ``all_gather_flat``, ``reduce_scatter_flat``: the flat collectives (renamed ``*_single`` in 2.12);
 - ``fully_shard``: torch's FSDP2 (public in ``torch.distributed.fsdp`` from 2.6);
 - ``is_chatter``: torch 2.8's gloo announcing its connections on every rank (dropped);
-- ``is_async``, ``mark_synchronous``: a collective's ``asyncOp`` option (from 2.8);
+- ``is_async``: a collective's ``asyncOp`` option (from 2.8);
 - ``hold_for_torch``: a Python ``Work`` kept alive for C++ (2.6 only; ``PyWorkHolder`` from 2.7);
 - ``AllgatherOptions``: the options object a Python process group's ``allgather`` hands to the real
   backend's (not re-exported by ``torch.distributed``);
@@ -107,13 +107,6 @@ def is_async(opts) -> bool:
     """Did the caller launch this collective asynchronously (``async_op=True``)? Options carry it
     as ``asyncOp`` from 2.8; before, a backend cannot tell, and takes every call as asynchronous."""
     return getattr(opts, "asyncOp", True)
-
-
-def mark_synchronous(opts) -> None:
-    """Tell the real backend that its caller waits for this collective at once (``asyncOp``, from
-    2.8; before, nothing to tell, see ``is_async``)."""
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = False
 
 
 # torch 2.8's gloo prints a line for every group it connects ("[Gloo] Rank 0 is connected to 1 peer

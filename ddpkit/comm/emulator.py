@@ -47,7 +47,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddpkit.torch_internals import FutureWork
 
@@ -65,6 +65,11 @@ class _Transfer:
     on_gpu: bool = False    # a CUDA collective: wait for it by polling (see the module docstring)
     issued_s: float = 0.0   # perf_counter when it was issued: the link starts on it then (or when free)
     real_end: float | None = None  # perf_counter when the real collective completed, where it tells
+    deferred: bool = False  # the NIC's rule: the bytes move when the rank waits (see the docstring)
+    drive: bool = False     # ... unless its future was handed out: then the link's thread moves them
+    passed: bool = False    # the link's thread has delivered it (set under ``lock``)
+    link_end: float = 0.0   # perf_counter when the link delivered it
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class _Link:
@@ -75,6 +80,8 @@ class _Link:
         self.free_s = 0.0
         self.carried = 0         # collectives this link completed
         self.outran = 0          # ... of which the real transfer ended after the link's time
+        self.moved_s = 0.0       # the NIC's rule: time the rank spent moving the bytes when it waited
+        self.lock = threading.Lock()  # carried/outran/moved_s are also counted by waiting threads
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name=f"ddpkit-link-{name}", daemon=True)
         self.thread.start()
@@ -99,6 +106,13 @@ class _Link:
             delay = link_end - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+            with t.lock:
+                t.passed, t.link_end = True, link_end
+                drive = t.drive or not t.deferred
+            if not drive:  # delivered; the rank moves the bytes when it waits (EmulatedWork.wait)
+                self.free_s = link_end
+                t.future.set_result(t.result)
+                continue
             try:
                 # Did the real transfer keep up? Not if it is still going now; nor if this thread
                 # itself woke more than a link's time late: then the link was faster than this
@@ -116,9 +130,14 @@ class _Link:
             # the link is busy until the real transfer ended where that was later (not for this
             # thread's own lateness: the next collective's link time still counts from link_end)
             self.free_s = max(time.perf_counter(), link_end) if moving else link_end
+            self.count(outran)
+            t.future.set_result(result)
+
+    def count(self, outran: bool, moved_s: float = 0.0) -> None:
+        with self.lock:
             self.carried += 1
             self.outran += outran
-            t.future.set_result(result)
+            self.moved_s += moved_s
 
 
 def _note_end(work, transfer: _Transfer) -> None:
@@ -189,14 +208,16 @@ class Emulator:
         future = torch.futures.Future()
         device = _device_of(result)
         on_gpu = device is not None and device.type == "cuda"
-        transfer = _Transfer(work, future, link_s, result, on_gpu, issued)
+        deferred = not on_gpu and getattr(work, "deferred", False)  # the shared-memory transport's
+        transfer = _Transfer(work, future, link_s, result, on_gpu, issued, deferred=deferred)
         if not on_gpu:  # when did the real bytes arrive? (a CUDA future completes at launch: no use)
             _note_end(work, transfer)
-        self._link(kind, device if on_gpu else None).queue.put(transfer)
+        link = self._link(kind, device if on_gpu else None)
+        link.queue.put(transfer)
         # a Work of ddpkit's own (the shared-memory transport's) may be waited for twice: whoever
         # waits finishes the real collective first, while the link's time runs, not after it
         ours = work if not on_gpu and isinstance(work, FutureWork) else None
-        return EmulatedWork(future, work if on_gpu else None, ours)
+        return EmulatedWork(future, work if on_gpu else None, ours, transfer if deferred else None, link)
 
     def fidelity(self) -> dict[str, tuple[int, int]]:
         """``{link: (collectives carried, of which the real transfer outran the link)}`` so far;
@@ -204,7 +225,16 @@ class Emulator:
         faster than this machine can emulate (a rank that issues late also makes the real
         transfer end late: the count is an upper bound on the transport's share)."""
         with self._lock:
-            return {kind: (link.carried, link.outran) for kind, link in self._links.items()}
+            links = list(self._links.items())
+        return {kind: (link.carried, link.outran) for kind, link in links}
+
+    def moved_s(self) -> float:
+        """Seconds this rank spent moving the bytes of NIC-carried collectives when it waited for
+        them (the transport's part of their time; the rest was the link's); subtract two to count
+        a window."""
+        with self._lock:
+            links = list(self._links.values())
+        return sum(link.moved_s for link in links)
 
     def _link(self, kind: str, device=None) -> _Link:
         with self._lock:
@@ -230,24 +260,65 @@ class EmulatedWork(FutureWork):
     then -- a CUDA collective, ``real`` -- does the real ``wait()`` in the caller's own thread, so
     the caller's current stream waits for the collective as torch's own ``Work`` would make it.
     ``first``: a CPU collective whose ``wait()`` may run twice (ddpkit's own), finished by the
-    caller before it waits for the link. ``get_future()`` completes at the emulated time (the
-    recorder's completion callback)."""
+    caller before it waits for the link. ``transfer``: a collective under the NIC's rule, whose
+    bytes move only when somebody waits (``first``'s wait), or, once its future is handed out
+    (torch's DDP, a comm hook), on the link's thread when the link delivers it: a future's
+    callbacks read the result, so it must be there when the future completes. ``get_future()``
+    completes at the emulated time."""
 
-    def __init__(self, future, real=None, first=None):
+    def __init__(self, future, real=None, first=None, transfer: _Transfer | None = None, link: _Link | None = None):
         super().__init__(future)
         self._real = real
         self._first = first
+        self._transfer = transfer
+        self._link = link
 
     def wait(self, timeout=None) -> bool:
         if self._first is not None:
-            self._first.wait()  # the real bytes, moved while the link's time runs (or its error)
+            if self._transfer is not None:
+                self._move_bytes()
+            else:
+                self._first.wait()  # the real bytes, moved while the link's time runs (or its error)
         super().wait(timeout)  # raises the real collective's error, if it failed
         if self._real is not None:
             self._real.wait()
         return True
 
+    def _move_bytes(self) -> None:
+        """The NIC's rule: this rank moves the bytes now, while it would wait anyway; counted as
+        the transport's time, and as outrunning the link where moving them took longer than it."""
+        t = self._transfer
+        start = time.perf_counter()
+        self._first.wait()
+        end = time.perf_counter()
+        self._transfer = None  # counted once
+        self._link.count(outran=end - max(start, t.issued_s) > t.link_s, moved_s=end - start)
 
-# ----------------------------------------------------------------------------- the verdict
+    def get_future(self):
+        t = self._transfer
+        if t is not None:
+            with t.lock:
+                t.drive = True         # the link's thread moves the bytes (and counts them) before it
+                delivered = t.passed   # completes the future, unless it has delivered already: then
+            if delivered:              # they move here, now
+                self._move_bytes()
+            self._transfer = None
+        return super().get_future()
+
+    def observed(self) -> FutureWork:
+        """A Work for watching only (the recorder): done once the link has delivered the collective
+        and its bytes have moved, without changing who moves them (``get_future`` would)."""
+        if self._transfer is None or self._first is None:
+            return self
+        import torch
+
+        both = torch.futures.collect_all([self._future, self._first.get_future()])
+        return FutureWork(both)
+
+    def is_completed(self):
+        return self._future.done() and (self._first is None or self._first.get_future().done())
+
+
 # Read in the parent, from the ranks' ``fidelity`` counts (``rankside.emulation_counts``, summed by
 # ``run_strategy`` and ``series.timed_rounds``): where the real transfer outran the link.
 OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link

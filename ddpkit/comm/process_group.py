@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ddpkit.comm.emulator import Emulator
+from ddpkit.comm.emulator import EmulatedWork, Emulator
 from ddpkit.comm.flight import FlightRecorder
 from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
-from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, mark_synchronous,
-                                    register_real_backend, work_from_future)
+from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, register_real_backend,
+                                    work_from_future)
 
 BACKEND_NAME = "ddpkit"
 
@@ -132,10 +132,6 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         link, emulated = self._link_on(comm.network)
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         delayed = comm.emulator.delays(link_s)
-        if delayed and opts is not None and comm.real_backend == "shm":
-            # the link's thread waits for it at once: to the shared-memory transport that is a
-            # synchronous call (its own thread is not woken to finish it)
-            mark_synchronous(opts)
         rec, labels = rankside.recorder(), rankside.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
                                  labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
@@ -146,7 +142,14 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         # stream, so a start event recorded after launch() would fire after the collective
         marks = [r.launch_mark() for r in recorders]
         issued = time.perf_counter()  # the link starts on it now, as the launch starts moving bytes
-        work = launch()
+        nic = delayed and comm.real_backend == "shm"  # the emulated NIC moves the bytes (comm.emulator)
+        if nic:
+            self.real.defer = True
+        try:
+            work = launch()
+        finally:
+            if nic:
+                self.real.defer = False
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         if delayed:
             work = comm.emulator.submit(link, work, link_s, result, issued)
@@ -167,8 +170,9 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         on this thread) when that is another one, e.g. a job's own ``recorder=``."""
         fields = dict(labels.fields) if labels is not None else {}
         fields.update(link=link, group_size=self.size(), group=self._group)
+        watched = work.observed() if isinstance(work, EmulatedWork) else work  # see EmulatedWork.observed
         for r, mark in zip(recorders, marks, strict=True):
-            r.collective(op, work, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
+            r.collective(op, watched, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
 
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):

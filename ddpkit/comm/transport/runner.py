@@ -61,10 +61,11 @@ class Work(FutureWork):
     bytes were all in the slab (the last rank's deposit, ``time.perf_counter`` seconds): where
     it could have ended, whichever thread then finished it (the emulator asks)."""
 
-    def __init__(self, runner: Runner | None, future, last: Piece | None = None):
+    def __init__(self, runner: Runner | None, future, last: Piece | None = None, deferred: bool = False):
         super().__init__(future)
         self._runner = runner
         self._last = last
+        self.deferred = deferred  # carried by an emulated NIC: moved only by whoever waits for it
 
     @property
     def ready_s(self) -> float | None:
@@ -106,20 +107,24 @@ class Runner:
         self._failed: ShmError | None = None
 
     # ------------------------------------------------------------------ issuing and waiting
-    def submit(self, pieces: list, result, waited: bool) -> Work:
+    def submit(self, pieces: list, result, waited: bool, deferred: bool = False) -> Work:
         """Queue a collective's pieces (the last one completes the returned Work's future with
         ``result``); deposit and complete what can be, here, without waiting. ``waited``: the
-        caller waits for it next (a synchronous call), so what is left is moved on then, there."""
+        caller waits for it next (a synchronous call), so what is left is moved on then, there.
+        ``deferred``: an emulated NIC carries it (``ddpkit.comm.emulator``): nothing moves here,
+        nor on the group's thread; whoever waits for it (or for a later one) moves it."""
         future = torch.futures.Future()
         if self._failed is not None:
             future.set_exception(ShmError(f"{pieces[0].what}: this group failed earlier: {self._failed}"))
             return Work(None, future)
         last = pieces[-1]
-        last.future, last.result, last.waited = future, result, waited
+        last.future, last.result, last.waited = future, result, waited or deferred
         with self._lock:
             self._pieces.extend(pieces)
             self._issued += len(pieces)
-            self._unwaited += not waited
+            self._unwaited += not last.waited
+        if deferred:
+            return Work(self, future, last, deferred=True)
         if self._running.acquire(blocking=False):
             try:
                 self._move(until=None, block=False)
@@ -158,7 +163,9 @@ class Runner:
             self._bell.get()
             self._running.acquire()  # a waiter holding it moves the queue up to its own collective, then lets go
             try:
-                self._move(until=None, block=True)
+                # up to the last collective nobody will wait for, not beyond: what an emulated NIC
+                # carries behind it waits for its own waiter
+                self._move(until=None, block=True, unwaited_only=True)
             finally:
                 self._release()  # queued while we let go (its submitter found us running): again
 
@@ -170,12 +177,14 @@ class Runner:
             self._wake_thread()
 
     # ------------------------------------------------------------------ moving the queue
-    def _move(self, until, block: bool) -> None:
+    def _move(self, until, block: bool, unwaited_only: bool = False) -> None:
         """Deposit and complete pieces in order until ``until`` (a future) is done, or nothing is
-        left; ``block``: sleep on the doorbells for what the peers have not done yet, else stop
-        at the first piece that needs them."""
+        left (``unwaited_only``: no collective that nobody will wait for is left); ``block``: sleep
+        on the doorbells for what the peers have not done yet, else stop at the first piece that
+        needs them."""
         try:
-            while self._failed is None and (until is None or not until.done()) and self._completed < self._issued:
+            while (self._failed is None and (until is None or not until.done()) and self._completed < self._issued
+                   and not (unwaited_only and self._unwaited == 0)):
                 if not self._step(block):
                     return
         except BaseException as exc:  # noqa: BLE001 - the peers may now wait forever: fail the group

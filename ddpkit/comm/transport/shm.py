@@ -94,6 +94,9 @@ class ShmBackend(dist.ProcessGroupGloo):
         self._seg = Segment(store, rank, size, slots, chunk_bytes, prefix or f"dk{os.getpid()}_")
         self._runner = Runner(self._seg, f"ddpkit-shm-rank{rank}of{size}", timeout.total_seconds())
         self._seq = 0              # collectives carried so far (the same on every rank)
+        # set by ddpkit's process group around a launch that an emulated link carries: the bytes
+        # then move when somebody waits for them, not from the issue (see ddpkit.comm.emulator)
+        self.defer = False
 
     # ------------------------------------------------------------------ issuing
     def _carries(self, tensors) -> bool:
@@ -120,7 +123,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         fingerprint = (self._seq, code, nbytes)
         pieces = [Piece(deposit, complete, dtype, fingerprint, what) for deposit, complete in cuts]
         pieces[-1].finish = finish
-        return self._runner.submit(pieces, result, waited=not is_async(opts))
+        return self._runner.submit(pieces, result, waited=not is_async(opts), deferred=self.defer)
 
     def _elements(self, dtype) -> int:
         """Elements of ``dtype`` in one region."""
