@@ -5,7 +5,8 @@ to computing it, so overlap, bucket sizes and hybrid sharding have nothing to sh
 makes every collective take as long as it would on a chosen network (``ddpkit.Network``):
 
 - the real collective runs (the bytes really move, over the ranks' transport: shared memory or
-  gloo's sockets) *while* the emulated link carries it: the link starts on it when it is issued,
+  gloo's sockets; on shared memory when the rank waits, see the NIC's rule below) while the
+  emulated link carries it: the link starts on it when it is issued,
   or when the link frees up if it is still busy with an earlier one, and takes what the network
   takes for the algorithm's bytes and latency (``Network.emulated_time``: ring all-reduce
   2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S, and (N-1) or 2(N-1) alphas). The
@@ -21,15 +22,28 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
   waits for it if not: one wake-up per collective, at the emulated time;
 - where this machine's transport is *slower* than the link, the real transfer decides: the
   network is faster than this machine can emulate. Each link counts how often that happened
-  (``Emulator.fidelity``): a collective still moving when the link's thread looks, or one whose
+  (``Emulator.fidelity``): under the NIC's rule, one whose bytes took the rank longer to move
+  than the link's time; otherwise one still moving when the link's thread looks, or one whose
   real end came after the link's time (its future's completion, stamped; from the shared-memory
   transport, when its last rank deposited the bytes, whoever then finished it); ``compare`` and the
   widget say so beside their figures instead of printing figures that read as the network's;
 - waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
-  so backward keeps both CPU cores. An async collective launched from a gradient hook therefore
-  overlaps backward as it would on a real network, but for what the transport itself costs
-  the cores: copying and summing the bytes (``ddpkit.comm.transport``: a memcpy and a sum per
-  bucket) is CPU work beside backward's;
+  so backward keeps both CPU cores;
+- the NIC's rule. On the cluster being emulated, a network card and NCCL move the bytes, not the
+  cores that run backward. Here the transport's copies and sums (``ddpkit.comm.transport``: a
+  memcpy and a sum per bucket) are CPU work, and with one core per rank, done from the issue they
+  were charged to the backward they overlapped: overlapped DDP paid them inside backward while
+  bucketed DDP got them free under the link's time, and overlap measured as a loss (stage 4's
+  issue: bucketed/overlapped 0.73-0.91 on 10GbE). So on an emulated network the shared-memory
+  transport defers a collective (``Runner.submit(deferred=True)``): nothing moves at the issue nor
+  on its group's thread, the link's time runs from the issue as before, and the bytes move when
+  the rank waits for the collective (``EmulatedWork.wait``), on a core that would otherwise idle:
+  a step takes compute + the link's exposed time + the transfer's tail. A collective whose future
+  is handed out instead (torch's DDP and our comm hooks chain work on it; its callbacks read the
+  result) has its bytes moved by the link's thread when the link delivers it. Results stay exact
+  (``tests/test_equivalence.py`` on 10GbE); gloo's sockets (``transport="gloo"``) move bytes on
+  gloo's own threads and NCCL on the GPU: neither is deferred. The time ranks spent moving bytes
+  is counted (``Emulator.moved_s``: the transport's part; the rest of a collective was the link);
 - on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
   thread's current stream wait for it -- the default stream, which backward's later kernels
   would then queue behind. So the link's thread never waits on a CUDA collective: it polls
