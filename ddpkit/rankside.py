@@ -301,6 +301,12 @@ def emulation_counts() -> tuple[int, int]:
     return sum(carried for carried, _ in counts), sum(outran for _, outran in counts)
 
 
+def transport_seconds() -> float:
+    """Seconds this rank has spent moving the bytes of collectives that an emulated NIC carried
+    (``ddpkit.comm.emulator``: the transport's part of their time) so far; 0 off a network."""
+    return 0.0 if _RANK.comm is None else _RANK.comm.emulator.moved_s()
+
+
 def comm_counts() -> dict:
     """``{(collective, link): (calls, bytes sent, bytes the transport moved)}`` so far on this
     rank (empty outside a ddpkit process group). Subtract two snapshots to count a window."""
