@@ -110,6 +110,9 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
             overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
             max_param_diff=max(res["max_param_diff"] for res in results),
             outran_link=outran_share(timings.emulated.get(s)),
+            # on an emulated network: of the step, ms the rank spent moving bytes itself (the NIC's rule)
+            transport_ms_per_step=(statistics.median(timings.transport[s]) if timings.emulated.get(s, [0])[0]
+                                   else None),
         ))
     _add_ratios(records)
     return records
@@ -139,11 +142,15 @@ def _add_ratios(records: list[dict]) -> None:
 
 def format_table(records: list[dict]) -> str:
     """The compare results as a fixed-width text table (bytes per rank; sent = ring cost)."""
+    moving = any(r.get("transport_ms_per_step") is not None for r in records)  # an emulated network
     cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch", "ratio"),
             ("comm_bytes_per_step", "bytes"), ("inter_node_bytes_per_step", "bytes"), ("model_state_bytes", "bytes"),
             ("peak_bytes", "bytes"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
     heads = ["strategy", "ms/step", "vs torch", "sent/step", "inter-node", "model state",
              "peak", "overlap", "max |diff|"]
+    if moving:
+        cols.insert(2, ("transport_ms_per_step", "{:.2f}"))
+        heads.insert(2, "moving bytes")
     rows = []
     for r in records:
         if "error" in r:
@@ -174,6 +181,10 @@ def format_table(records: list[dict]) -> str:
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
     notes.append("sent/step: bytes one rank sends per step (ring algorithms); inter-node: the part that "
                  "crosses nodes (every rank its own node unless --gpus-per-node); \"-\": not recorded.")
+    if moving:
+        notes.append("moving bytes: ms a step the slowest rank spent moving the bytes of its collectives itself, "
+                     "when it waited for them (the emulated NIC's rule, ddpkit.comm.emulator): the transport's "
+                     "part; the rest of their time was the emulated link's.")
     outran = outran_note({r["strategy"]: r.get("outran_link") for r in records})
     if outran:
         notes.append(outran)

@@ -238,7 +238,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     """
     import torch.distributed as dist
 
-    from ddpkit.rankside import device, emulation_counts, progress, recording
+    from ddpkit.rankside import device, emulation_counts, progress, recording, transport_seconds
 
     wl = resolve(workload, model, model_kwargs, seed)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -264,7 +264,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             if step == warmup:
-                emulated_before = emulation_counts()
+                emulated_before, moved_before = emulation_counts(), transport_seconds()
             if step >= warmup:
                 timer.start()
             loss = train_batch(wrapped, opt, batch, wl.compute_loss, recorder, max_norm)
@@ -281,7 +281,9 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
         out = dict(strategy=strategy, rank=rank, world_size=world, model=wl.name, steps=steps,
                    step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
                    losses=[float(loss) for loss in losses],
-                   emulated_collectives=emulated[0], outran_link=emulated[1])
+                   emulated_collectives=emulated[0], outran_link=emulated[1],
+                   # the emulated NIC's rule: ms a step this rank spent moving bytes when it waited
+                   transport_ms_per_step=1e3 * (transport_seconds() - moved_before) / steps if steps else 0.0)
         if record:
             # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
             # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the

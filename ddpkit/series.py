@@ -69,6 +69,7 @@ class Timings:
     per_round: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
     emulated: dict = field(default_factory=dict)   # label -> [collectives on an emulated link, outran it]
+    transport: dict = field(default_factory=dict)  # label -> per round, the slowest rank's ms a step moving bytes
 
 
 def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: int = 1,
@@ -96,6 +97,8 @@ def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: in
                 timings.errors[label] = err
             else:  # as slow as the slowest rank
                 timings.per_round[label].append(max(res["ms_per_step"] for res in results))
+                timings.transport.setdefault(label, []).append(
+                    max(res.get("transport_ms_per_step", 0.0) for res in results))
                 counts = timings.emulated.setdefault(label, [0, 0])
                 for res in results:
                     counts[0] += res.get("emulated_collectives", 0)

@@ -458,3 +458,30 @@ def _collectives_with_default_options():
 def test_collectives_called_without_options_take_their_defaults(cluster_of):
     for lists, flat in cluster_of(2).run(_collectives_with_default_options):
         assert lists == [[0.0, 0.0], [1.0, 1.0]] and flat == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_the_emulated_nic_moves_the_bytes_when_the_rank_waits(cluster_of):
+    """On an emulated network the shared-memory transport defers a collective: issuing it moves
+    nothing (the peer's bytes are not there before it waits), waiting moves it, the result is
+    exact, and the time spent moving is counted (the NIC's rule, ddpkit.comm.emulator)."""
+    def job():
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from ddpkit.rankside import transport_seconds
+
+        x = torch.full((1 << 18,), float(dist.get_rank() + 1))
+        before = transport_seconds()
+        work = dist.all_reduce(x, async_op=True)
+        time.sleep(0.05)  # far past the link's time for 1 MiB on 10GbE (~1 ms)
+        untouched = bool((x == dist.get_rank() + 1).all())  # nothing moved while the rank "computed"
+        work.wait()
+        return untouched, bool((x == 3.0).all()), transport_seconds() - before
+
+    c = cluster_of(2)
+    with on_network(c, "10GbE"):
+        results = c.run(job)
+    for untouched, exact, moved_s in results:
+        assert untouched and exact and moved_s > 0, results
