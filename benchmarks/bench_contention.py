@@ -13,7 +13,7 @@ With a core per rank it stays near zero; with more ranks than cores (4 on a 2-co
 all-gather waits until the last rank has had a core for its chunk, which neither the compute
 alone (no rank waits for another) nor the collective alone (nobody computes) shows. FSDP issues
 three such synchronous collectives per unit, which is where ``predict --validate`` misses most
-(README, "the cost model").
+(docs/laptop_cluster.md, "Does the cost model hold?").
 """
 from __future__ import annotations
 

@@ -4,13 +4,14 @@
     python -m ddpkit trace --strategy overlapped --world-size 2 --out trace.json   # open in Perfetto
     python -m ddpkit predict --world-sizes 2,4,8 --network 100GbE                  # the cost model
     python -m ddpkit compare --model mypackage.models:gpt2_tiny    # your own ddpkit.Workload
+    ddpkit lab                                       # JupyterLab on the course's first notebook
 
 Every argument is checked before a rank process starts: a typo costs no start-up time.
 Bad arguments exit with code 2 and a message listing what is valid (argparse's convention).
 This file only parses and calls: the checks and the names (models, strategies, backends) are
 the library's, whose ValueError becomes the parser's error, and what it calls is library code a
 notebook imports too (``ddpkit.compare``, ``ddpkit.costmodel``, ``ddpkit.costmodel.validate``,
-``ddpkit.viz``).
+``ddpkit.viz``, ``ddpkit.lab``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 
 from ddpkit.cluster import BACKENDS, TRANSPORTS, check_arguments, check_network
@@ -27,6 +29,14 @@ from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.strategies.table import unfit
 from ddpkit.units import human_bytes
 from ddpkit.workload import samples_per_rank
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but a help text wraps between words only: a strategy name like
+    ``sharded_optimizer`` is never cut in two at the edge of the terminal."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
 
 # --------------------------------------------------------------------------- argument types
@@ -170,28 +180,34 @@ def _add_network_args(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor}")
+    parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0],
+                                     formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor,lab}")
 
-    p = sub.add_parser("compare", help="time every strategy on the same model, data and optimizer")
+    def add(name, **kwargs):
+        return sub.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+
+    p = add("compare", help="time every strategy on the same model, data and optimizer")
     _add_run_args(p, steps=10)
     p.add_argument("--strategies", type=_strategy_list, default=None,
-                   help=f"comma-separated, from: {','.join(STRATEGIES)} (default all that fit the world size)")
+                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all that fit the world size)")
     p.add_argument("--rounds", type=_positive_int, default=3,
                    help="repeat the whole set this many times, interleaved (default 3)")
     p.add_argument("--json", metavar="PATH", help="write one record per strategy here")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart (PNG) here")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("trace", help="record one strategy and write a Chrome trace (open in Perfetto)")
+    p = add("trace", help="record one strategy and write a Chrome trace (open in Perfetto)")
     _add_run_args(p, steps=3)
-    p.add_argument("--strategy", choices=STRATEGIES, required=True)
+    p.add_argument("--strategy", choices=STRATEGIES, required=True, metavar="NAME",
+                   help=f"one of: {', '.join(STRATEGIES)}")
     p.add_argument("--out", metavar="PATH", required=True, help="the trace file (.json)")
     p.set_defaults(func=cmd_trace)
 
-    p = sub.add_parser("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
+    p = add("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
     p.add_argument("--strategies", type=_strategy_list, default=None,
-                   help="comma-separated (default all; with --validate all but torch_fsdp, whose "
+                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all; with --validate all but "
+                        f"{', '.join(s for s in STRATEGIES if not strategy_row(s).predictable)}, whose "
                         "implementation overheads the model does not know)")
     p.add_argument("--world-sizes", type=_int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
@@ -225,13 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="with --validate: write one record per strategy and size here")
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("doctor", help="check every feature on this machine's real backend (run it first in a lab)")
+    p = add("doctor", help="check every feature on this machine's real backend (run it first in a lab)")
     p.add_argument("--world-size", type=_positive_int, default=2)
     p.add_argument("--gpus", default=None, help="comma-separated CUDA device indices, one per rank (e.g. 4,5)",
                    type=lambda t: [_number(int, 0, "a CUDA device index >= 0")(x) for x in t.split(",") if x.strip()])
     p.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,
                    help="comma-separated check names, as printed (e.g. 'cluster,compare')")
     p.set_defaults(func=cmd_doctor)
+
+    p = add("lab", help="JupyterLab on the course's first notebook (adds --allow-root as root)",
+            description="Start JupyterLab on notebooks/00_start_here.ipynb of this checkout. Any other "
+                        "argument goes to jupyter lab as it is (e.g. --port 8890 --no-browser); as root, "
+                        "--allow-root is added, and a line says so.")
+    p.set_defaults(func=cmd_lab)
     return parser
 
 
@@ -424,9 +446,24 @@ def cmd_doctor(args, parser) -> int:
         parser.error(str(exc))
 
 
+# --------------------------------------------------------------------------- lab
+def cmd_lab(args, parser) -> int:
+    from ddpkit.lab import lab
+
+    try:
+        return lab(args.jupyter_args)
+    except FileNotFoundError as exc:  # not a checkout: no notebooks beside the package
+        print(f"ddpkit lab: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # lab passes what it does not know to jupyter lab; every other command refuses it
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.jupyter_args = extra
     return args.func(args, parser)
 
 

@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 
 from ddpkit.torch_internals import supported_range, torch_problem
+from ddpkit.units import human_bytes
 
 TINY = dict(width=32, depth=3)  # the MLP: 4 Linears, ~2.5k parameters
 STEPS, WARMUP = 2, 1
@@ -149,8 +150,8 @@ def _memory(ctx: Context) -> str:
     if not peak > 0:
         raise AssertionError(f"peak {peak} bytes")
     cuda = " (CUDA allocator)" if "cuda_allocated" in sample else ""
-    return f"zero2 rank 0: {sample['parameters'] + sample['gradients'] + sample['optimizer_state']} B of " \
-           f"model state, peak {peak} B{cuda}"
+    state = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
+    return f"zero2 rank 0: {human_bytes(state, 1)} of model state, peak {human_bytes(peak, 1)}{cuda}"
 
 
 def _compare(ctx: Context) -> str:

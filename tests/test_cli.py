@@ -77,6 +77,55 @@ def test_bad_arguments_fail_before_any_rank_starts(argv, expected, capsys, no_cl
     assert expected in error_of(argv, capsys)
 
 
+def test_unknown_arguments_are_refused_except_by_lab(capsys, no_cluster):
+    assert "unrecognized arguments: --bogus 3" in error_of(["compare", "--bogus", "3"], capsys)
+
+
+@pytest.mark.parametrize("command", ["compare", "trace", "predict"])
+def test_help_never_cuts_a_strategy_name_at_the_edge_of_the_terminal(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal; argparse reads it
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in STRATEGIES), out  # "shard ed_optimizer" once
+
+
+def test_lab_starts_jupyterlab_on_the_first_notebook_and_adds_allow_root_as_root():
+    from ddpkit.lab import START, lab_command
+
+    argv, note = lab_command(["--port", "8890"], as_root=True)
+    assert argv[1:4] == ["-m", "jupyterlab", str(START)] and argv[4:6] == ["--port", "8890"]
+    assert argv[-1] == "--allow-root" and "running as root" in note and "--allow-root" in note
+    argv, note = lab_command([], as_root=False)
+    assert "--allow-root" not in argv and note is None
+    argv, note = lab_command(["--allow-root"], as_root=True)  # given already: once, nothing to say
+    assert argv.count("--allow-root") == 1 and note is None
+    assert os.path.isfile(os.path.join(REPO, START))  # from this checkout
+
+
+def test_lab_outside_a_checkout_says_where_it_looked(tmp_path):
+    from ddpkit.lab import lab_command
+
+    with pytest.raises(FileNotFoundError, match="from a checkout of the repository.*" + str(tmp_path)):
+        lab_command([], root=tmp_path)
+
+
+def test_the_lab_command_passes_what_it_does_not_know_to_jupyter_lab(monkeypatch, capsys):
+    import ddpkit.lab
+
+    given = []
+    monkeypatch.setattr(ddpkit.lab, "lab", lambda extra: given.append(extra) or 0)
+    assert main(["lab", "--port", "8890", "--no-browser"]) == 0
+    assert given == [["--port", "8890", "--no-browser"]]
+
+    def not_a_checkout(extra):
+        raise FileNotFoundError("no notebooks/00_start_here.ipynb next to the installed package")
+
+    monkeypatch.setattr(ddpkit.lab, "lab", not_a_checkout)
+    assert main(["lab"]) == 1
+    assert "ddpkit lab: no notebooks/00_start_here.ipynb" in capsys.readouterr().err
+
+
 def test_hybrid_sharding_on_nodes_that_fit_gets_as_far_as_the_cluster(no_cluster):
     with pytest.raises(AssertionError, match="a Cluster was started"):
         main(["compare", "--strategies", "fsdp,hsdp", "--world-size", "6", "--global-batch-size", "12",

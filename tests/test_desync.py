@@ -332,8 +332,10 @@ def test_the_widget_draws_the_lanes_and_marks_the_rows(c60):
         assert w.desync.layout.display is None and svg.startswith("<svg") and svg == desync_view(info.value.diagnosis)
         assert "ddpkit-parted" in svg and f"#{k}" in svg and svg.count("ddpkit-collective") >= 2
         assert "rank 0" in svg and "rank 1" in svg
-        _usable(c60)  # the next job hides the view and clears the rows
-        assert w.desync.layout.display == "none"
+        assert "The last desync" in w.desync_note.value and "a lambda" not in w.desync_note.value
+        assert "<code>job</code>" in w.desync_note.value  # the run it came from
+        _usable(c60)  # the next job clears the rows; the lanes stay (notebook 10 scrolls back to them)
+        assert w.desync.layout.display is None and w.desync.value == svg
         assert not any("desync at" in s.value for s in w.ranks.status)
     finally:
         w.close()

@@ -130,6 +130,12 @@ def test_memory_plot_per_rank_and_across_strategies_with_predictions():
     boxes = [t.get_window_extent() for t in ax.get_xticklabels()] + [t.get_window_extent() for t in ax.texts]
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), "labels overprint"
     assert fig.axes[0].get_ylabel().startswith("memory per rank (KiB)")
+    # a variant keyed by its own label (notebook 12's "fsdp by class"): its formula bar still says
+    # the stage, not the group's name (which stands under its bars, and overprinted rank 1's tick)
+    fig = plot_memory({"fsdp": per_rank(2), "fsdp by class": per_rank(2)},
+                      predicted={s: predicted_model_state("fsdp", n, 2) for s in ("fsdp", "fsdp by class")})
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["0", "1", "ZeRO-3", "0", "1", "ZeRO-3"], ticks
 
 
 @pytest.mark.parametrize("plot", [plot_bucket_fill, plot_timeline, plot_memory])

@@ -217,10 +217,16 @@ def test_a_series_of_runs_is_labelled_with_its_overall_progress(widget):
     assert widget.progress.label.value == "5 / 5 steps"
 
 
-def test_plain_results_show_no_plots(widget):
+def test_plain_results_show_no_plots_and_one_line_says_why(widget):
+    assert widget.live.layout.display == "none"  # before any run: nothing
     assert widget.cluster.run(ddpkit.rank) == [0, 1]
     assert widget.plots_done.wait(5)
-    assert widget.live.layout.display == "none" and widget.live.mode == "empty"
+    assert widget.live.mode == "empty" and widget.live.plots.layout.display == "none"
+    # notebooks 01, 06, 07, 10 record nothing: scrolled back to, the widget says so in words
+    assert widget.live.layout.display != "none"
+    summary = widget.live.summary.value
+    assert "No recorded run to draw" in summary and "<code>rank</code>" in summary and "recording off" in summary
+    assert "cluster.recording()" in summary
     assert trace_of([0, 1]) is None and trace_of([[], []]) is None
 
 
@@ -301,6 +307,9 @@ def test_a_recorded_run_draws_while_it_goes_then_replays_any_step(widget):
         live = {v for during, v in frames[name] if during}
         assert len(live) >= 2, f"{name}: {len(live)} frame(s) during the run"
     assert any(during and "recording" in v for during, v in frames["summary"])
+    # mid-run, before the first loss and memory sample: "not recorded" would be untrue (00 said so)
+    assert not any(during and "not recorded" in v for name in ("loss", "memory") for during, v in frames[name])
+    assert any(during and "<code>_train</code>" in v for during, v in frames["summary"])  # which run
 
     # after the run: replay. The slider picks a step; every view draws that step
     assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
@@ -691,10 +700,44 @@ def test_a_later_recorded_run_without_steps_keeps_the_last_run_with_steps(widget
     assert widget.plots_done.wait(30)
     assert wait_for(lambda: "no training step" in widget.live.summary.value)
     assert "4 steps on 2 ranks" in widget.live.summary.value
+    assert "<code>_train</code>" in widget.live.summary.value and "<code>_only_communicates</code>" in \
+        widget.live.summary.value  # the run drawn, and the later one that was not
     assert "Bucket fill · rank 0 · step 3" in widget.live.fill.value
     # the status line of an unrecorded run names no loss (the recorded run's is not its own)
     c.run(int)
     assert "loss" not in widget._describe("now")
+
+
+def _micro_batches_without_sync():
+    """Notebook 02's no_sync demo: forwards through a wrapper (each counts a step), no train_step."""
+    import torch
+
+    model = ddpkit.NaiveDDP(torch.nn.Linear(8, 8))
+    for m in range(2):
+        loss = model(torch.ones(2, 8)).sum()
+        if m == 0:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    model.finish_gradient_synchronization()
+
+
+def test_a_later_recorded_run_that_did_not_train_keeps_the_run_that_did(widget):
+    """02 ended on its no_sync demo's micro-batch "steps": empty compute rows, "0 % hidden"."""
+    c = widget.cluster
+    with c.recording():
+        c.run(_train, 3)
+    assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
+    with c.recording():
+        c.run(_micro_batches_without_sync)
+    assert c.last_trace.steps, "the wrapper's forwards counted steps"
+    assert widget.plots_done.wait(30)
+    assert wait_for(lambda: "<code>_micro_batches_without_sync</code>" in widget.live.summary.value)
+    summary = widget.live.summary.value
+    assert re.search(r"recorded run</b> of <code>_train</code>( \(cell \[\d+\]\))?: 3 steps", summary), summary
+    assert "no training step" in summary
+    assert "Bucket fill · rank 0 · step 2" in widget.live.fill.value
 
 
 def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():
@@ -709,7 +752,8 @@ def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():
     many = timeline_view(timeline(_step_records(20), [0], [0]))
     assert ">bucket 0<" not in many and many.count("<rect") > 20  # 20 buckets: packed rows
     fsdp = timeline_view(timeline(_step_records(9, unit=True), [0], [0]))
-    assert ">comm 1<" in fsdp and "all_gather u3" in fsdp  # FSDP's units: packed rows, each bar named
+    assert ">collectives<" in fsdp and ">2nd in flight<" in fsdp and "all_gather u3" in fsdp  # FSDP's units: packed
+    assert "launched while the rows above were still in flight" in fsdp  # the rows say what they are
 
 
 def test_memory_and_loss_views_say_not_recorded_and_show_the_peak():

@@ -167,7 +167,9 @@ class Cluster:
         try:
             if collector is not None:
                 self._events.subscribe(collector)
-            self._events.notify("job", None, phase="start", recorded=collector is not None)
+            # name: what the widget calls the run ("naive_job"), e.g. when it keeps drawing it later
+            self._events.notify("job", None, phase="start", recorded=collector is not None,
+                                name=getattr(fn, "__name__", None) or type(fn).__name__)
             self.last_results = Job(self._workers, self._events).run(payload)
             self._events.notify("results", None)
             return self.last_results

@@ -138,7 +138,20 @@ def comm_rows(comm, by_op: bool = False) -> list[tuple[str, list]]:
         return [(_row_label(k, by_op), [r for r in comm if key(r) == k]) for k in keys]
     if by_op:
         return [(plural(len(row), "collective") if i == 0 else "", row) for i, row in enumerate(pack_rows(comm))]
-    return [(f"comm {i + 1}", row) for i, row in enumerate(pack_rows(comm, TIMELINE_PACKED_ROWS))]
+    rows = pack_rows(comm, TIMELINE_PACKED_ROWS)
+    return [(packed_label(i, last=i == TIMELINE_PACKED_ROWS - 1), row) for i, row in enumerate(rows)]
+
+
+PACKED_NOTE = "a row below holds the collectives launched while the rows above were still in flight"
+
+
+def packed_label(i: int, last: bool = False) -> str:
+    """A packed timeline row's label: "collectives", then "2nd in flight", "3rd in flight", ...
+    (a collective launched while the rows above were busy); ``last``: the row that takes the rest."""
+    if i == 0:
+        return "collectives"
+    nth = {1: "2nd", 2: "3rd"}.get(i, f"{i + 1}th")
+    return f"{nth}{'+' if last else ''} in flight"
 
 
 def _row_label(key, by_op: bool) -> str:
@@ -190,6 +203,11 @@ class Timeline:
     step_starts: dict[int, int]   # where each step's first span starts, on any rank
     t0: int | None                # the first span's start, the last one's end
     t1: int | None
+
+    @property
+    def packed(self) -> bool:
+        """Are some rank's collectives in packed rows (``PACKED_NOTE``), not a row per bucket?"""
+        return any(label == packed_label(0) for lane in self.lanes for label, _ in lane.comm_rows)
 
 
 def timeline(trace, steps=None, ranks=None) -> Timeline:

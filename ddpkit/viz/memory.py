@@ -27,14 +27,25 @@ def _normalise(measured) -> dict[str, list[dict]]:
     return {str(k): _per_rank(v) for k, v in measured.items()}
 
 
+def _stage_of(label: str) -> str | None:
+    """The ZeRO stage a group's label names: a strategy ("fsdp"), a variant whose label starts
+    with one ("fsdp by class", "zero2 (bf16)"), or a stage itself ("ZeRO-3"); else None."""
+    if label in STAGE_OF_STRATEGY.values():
+        return label
+    words = label.lower().replace("(", " ").split()
+    return STAGE_OF_STRATEGY.get(label.lower()) or (STAGE_OF_STRATEGY.get(words[0]) if words else None)
+
+
 def _prediction_for(label: str, predicted):
-    """(name, predicted[label]), else the ZeRO stage of a strategy name; (None, None) if none."""
+    """(the formula's tick label, its prediction) for a group: ``predicted[label]`` or that of the
+    label's ZeRO stage; (None, None) if none. The tick names the stage ("ZeRO-3"), the group's
+    own name stands under its bars already; a label with no known stage gets "formula"."""
     if not predicted:
         return None, None
+    stage = _stage_of(label)
     if label in predicted:
-        return label, predicted[label]
-    stage = STAGE_OF_STRATEGY.get(label.lower())
-    return (stage, predicted[stage]) if stage in (predicted or {}) else (None, None)
+        return stage or "formula", predicted[label]
+    return (stage, predicted[stage]) if stage in predicted else (None, None)
 
 
 def plot_memory(measured, predicted=None, title: str | None = None):
@@ -79,7 +90,7 @@ def plot_memory(measured, predicted=None, title: str | None = None):
         bars = [(str(i), sample, False) for i, sample in enumerate(ranks)]
         stage, pred = _prediction_for(label, predicted)
         if pred:
-            bars.append((STAGE_OF_STRATEGY.get(label.lower()) or stage, pred, True))
+            bars.append((stage, pred, True))
         for name, sample, is_prediction in bars:
             bottom = 0.0
             for c in cats:

@@ -4,13 +4,16 @@ It draws ``ddpkit.trace.timeline``'s figure, as the widget's live timeline does
 (``ddpkit/widget/timeline_view.py``), with matplotlib for a notebook or a file: backward is split
 where its computing ended (its last gradient ready) from where it only waited for communication;
 each bucket has its own row and colour (past eight buckets, or for FSDP's units, collectives
-share a few packed rows, still coloured by bucket or unit); the title's percentage is
-``overlap_fraction`` over exactly the steps and ranks drawn, so it matches a printout that asks
-for the same steps.
+share a few rows by how many were in flight at once, still coloured by bucket or unit, the legend
+saying so); the title's percentage is ``overlap_fraction`` over exactly the steps and ranks
+drawn, so it matches a printout that asks for the same steps.
 """
 from __future__ import annotations
 
+import textwrap
+
 from ddpkit.trace import as_trace, timeline
+from ddpkit.trace.figures import PACKED_NOTE
 from ddpkit.units import plural
 from ddpkit.viz._common import new_figure, no_data
 from ddpkit.viz.style import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR, bucket_colour, comm_colour
@@ -62,8 +65,9 @@ def plot_timeline(trace, steps=None, ranks=None):
     for s, start in fig_data.step_starts.items():  # a dashed line where each step starts (any rank)
         ax.axvline(ms(start), color="black", ls="--", lw=0.8, alpha=0.6, zorder=0)
         if last_label is None or ms(start) - last_label > 0.06 * span:  # labels must not collide
+            # above the axes, between them and the title: inside, it overprinted rank 0's first bar
             ax.annotate(f"step {s}", (ms(start), 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, -10), textcoords="offset points", fontsize=8)
+                        xytext=(2, 2), textcoords="offset points", fontsize=8, va="bottom", annotation_clip=False)
             last_label = ms(start)
 
     from matplotlib.patches import Patch
@@ -73,14 +77,17 @@ def plot_timeline(trace, steps=None, ranks=None):
               (SPAN_COLOURS["step"], "optimizer step"), (bucket_colour(0), "collective (colour = bucket)")]
     handles = [Patch(facecolor=c, edgecolor="black", lw=0.3) for c, _ in legend]
     handles.append(Patch(color=OVERLAP_COLOUR, alpha=0.25))
-    ax.legend(handles, [t for _, t in legend] + ["comm hidden under backward"], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    labels = [t for _, t in legend] + ["comm hidden under backward"]
+    if fig_data.packed:  # rows "collectives", "2nd in flight", ...: say what they are
+        handles.append(Patch(color="none"))
+        labels.append("collective rows: " + textwrap.fill(PACKED_NOTE, 34))
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_ylim(-y + 0.3, 0.8)
     clock = next((r.clock for lane in lanes for r in lane.spans), "host")
     ax.set_xlabel("time (ms)" + ("" if clock == "host" else ", GPU time from CUDA events"))
     which = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}"
     ax.set_title(f"Timeline, {plural(len(lanes), 'rank')}, {which}: "
-                 f"{fig_data.overlap:.0%} of communication time hidden under backward computing")
+                 f"{fig_data.overlap:.0%} of communication time hidden under backward computing", pad=14)
     ax.grid(axis="x", alpha=0.3)
     return fig

@@ -28,11 +28,14 @@ def desync_view(diagnosis) -> str:
     d = diagnosis
     ranks = sorted(r for r in d.views if r in d.ranks)
     indices = d.indices()
-    width = LEFT + CELL * len(indices) + 16
+    # wide enough for its two lines of words too (about 7 and 5.5 px a character): a diagnosis of
+    # one collective (the wrong group's) is narrower than its own headline
+    title, subtitle = d.summary(), d.headline().partition(": ")[2]
+    width = max(LEFT + CELL * len(indices) + 16, int(8 + 7 * len(title)), int(8 + 5.6 * len(subtitle)))
     height = TOP + LANE * len(ranks) + 30
     svg = Svg(width, height, "ddpkit-desync")
-    svg.text(4, 14, d.summary(), size=12, weight="bold", fill=PARTED)
-    svg.text(4, 29, d.headline().partition(": ")[2], size=10, fill="#555")
+    svg.text(4, 14, title, size=12, weight="bold", fill=PARTED)
+    svg.text(4, 29, subtitle, size=10, fill="#555")
     col = {i: LEFT + CELL * k for k, i in enumerate(indices)}
     x = col[d.index]
     svg.rect(x - 3, TOP - 4, CELL, LANE * len(ranks) + 8, "#fdecea", stroke=PARTED, stroke_width=1.5,
@@ -52,9 +55,19 @@ def desync_view(diagnosis) -> str:
             elif i == d.index:
                 svg.rect(col[i], y + 6, CELL - 6, LANE - 12, "#ffffff", stroke=PARTED, stroke_width=1,
                          stroke_dasharray="4,3", title=f"rank {r}: {d.describe(r)}", class_="ddpkit-missing")
-                svg.text(col[i] + (CELL - 6) / 2, y + LANE / 2 + 4, _missing_word(d, r), size=10,
-                         anchor="middle", fill=PARTED)
+                _words_in_box(svg, col[i] + (CELL - 6) / 2, y + LANE / 2, _missing_word(d, r))
     return svg.html()
+
+
+def _words_in_box(svg: Svg, x: float, y: float, words: str, fits: int = 21) -> None:
+    """``words`` centred at (x, y) in a box's 122 px: on two lines where one would spill over
+    ("waits in #19 of another group")."""
+    if len(words) <= fits or " " not in words:
+        svg.text(x, y + 4, words, size=10, anchor="middle", fill=PARTED)
+        return
+    cut = min((i for i, ch in enumerate(words) if ch == " "), key=lambda i: abs(i - len(words) / 2))
+    svg.text(x, y - 1, words[:cut], size=10, anchor="middle", fill=PARTED)
+    svg.text(x, y + 10, words[cut + 1:], size=10, anchor="middle", fill=PARTED)
 
 
 def _box(svg: Svg, x: float, y: float, e, parted: bool) -> None:

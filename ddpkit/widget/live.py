@@ -7,6 +7,12 @@ seconds from a bounded ``LiveState`` -- frames coalesce, the records never do (t
 them all in ``last_trace``). After it (``show_trace``): a step slider replays any recorded step;
 the memory view shows the whole run, its peak and what was live at it.
 
+What stays drawn is what a learner scrolling back after Run All should find: the last recorded
+run that *trained* (a step with forward or backward in it), named by its job and cell. A later
+recorded run with nothing of the kind to draw (a job that only communicated, or ``no_sync``
+micro-batches counted as steps with no compute recorded) does not replace it; the summary says
+that it happened. Before any run was recorded, one line says why there is nothing to draw.
+
 Every view draws a figure computed by ``ddpkit.trace.figures`` -- ``bucket_fill``, ``timeline``,
 ``memory_series`` and its peak, ``loss_per_step`` -- the functions the matplotlib plots
 (``ddpkit.viz``) draw from too, so the widget and the plots cannot disagree. The plots are HTML
@@ -33,8 +39,15 @@ from ddpkit.widget.throttle import Throttle
 from ddpkit.widget.timeline_view import timeline_view
 
 FRAME_S = 0.5       # at most two redraws a second
+LOSS_PENDING = "Loss: drawn once every rank has reported the first step's loss."
+MEMORY_PENDING = "Memory: drawn once a rank has sent its first sample (a recorded train_step takes two a step)."
 PLOT_WIDTH = 880    # px the tabs ask for: the views' SVG width (860) and the tab's padding
 ROLLING_STEPS = 3   # the live timeline's window
+
+
+def trained(trace) -> bool:
+    """Did the run train: is there a step with a compute span (forward, backward, ...) to draw?"""
+    return any(r.cat == "compute" and r.step is not None for r in trace.records)
 
 
 class LivePlots(widgets.VBox):
@@ -59,27 +72,47 @@ class LivePlots(widgets.VBox):
         self.rank = widgets.Dropdown(description="bucket fill of rank", options=[0], value=0,
                                      style={"description_width": "initial"}, layout=widgets.Layout(width="220px"))
         self.controls = widgets.HBox([self.step, self.rank])
-        super().__init__([self.summary,
-                          widgets.HBox([self.tabs, self.loss], layout=widgets.Layout(flex_flow="row wrap")),
-                          self.controls], layout=widgets.Layout(display="none"))
+        self.plots = widgets.HBox([self.tabs, self.loss], layout=widgets.Layout(flex_flow="row wrap"))
+        super().__init__([self.summary, self.plots, self.controls], layout=widgets.Layout(display="none"))
         self.add_class("ddpkit-live")
         self.state = LiveState()
         self.mode = "empty"   # "live" while a run streams in, "replay" once its trace is here
         self.trace = None
-        self.last_with_steps = None       # the last trace shown that had training steps
-        self.later_without_steps = None   # records of a later recorded run without steps, if any
+        self.label = ""       # HTML naming the run shown (its job and cell, ``panel.run_label``)
+        self._starting = ""   # ... and the one streaming in now
+        self.last_trained = None          # (trace, label): the last run shown that trained
+        self.later_without_steps = None   # (records, label) of a later recorded run with no step to draw
         self._replay: dict = {}
         self.painter = Throttle(self._paint, FRAME_S, inline=False, name="ddpkit-widget-plots")
         self.step.observe(lambda _: self.painter.request(), names="value")
         self.rank.observe(lambda _: self.painter.request(), names="value")
 
     # ------------------------------------------------------------------ fed by the widget
-    def start(self, world_size: int) -> None:
-        """A recorded run begins: forget the last one, draw as records arrive."""
+    def start(self, world_size: int, label: str = "") -> None:
+        """A recorded run begins (``label``: HTML naming it): draw as records arrive."""
         self.state, self.mode, self.trace, self._replay = LiveState(world_size), "live", None, {}
+        self._starting = label
         self._set_ranks(world_size)
         self.controls.children = [self.rank]
-        self.summary.value = "<b style='color:#c62828'>&#9679; recording</b>: waiting for the first records"
+        self.summary.value = ("<b style='color:#c62828'>&#9679; recording</b>" + (f" {label}" if label else "")
+                              + ": waiting for the first records")
+        self.plots.layout.display = None
+        self.layout.display = "flex"
+
+    def unrecorded(self, label: str, series: bool = False) -> None:
+        """A run without recording ended (``label`` names it). While nothing recorded was ever
+        drawn, one line says why the widget has no plots; a drawn run stays as it is."""
+        if self.mode != "empty":
+            return
+        inside = (" compare() and the sweeps record their runs inside the ranks and return the figures they "
+                  "print, not a trace for this widget." if series else "")
+        self.summary.value = (
+            f"<b>No recorded run to draw</b>: the last run, {label}, ran with recording off, as every run "
+            "of this cluster so far. A run inside <code>with cluster.recording():</code> (or with "
+            "<b>record</b> switched on above) is drawn here: its bucket fill, every rank's timeline, memory "
+            f"and the loss.{inside}")
+        self.plots.layout.display = "none"
+        self.controls.children = []
         self.layout.display = "flex"
 
     def add(self, rank: int, records) -> None:
@@ -87,25 +120,27 @@ class LivePlots(widgets.VBox):
             self.state.add(rank, records)
             self.painter.request()
 
-    def show_trace(self, trace) -> None:
-        """A run's whole trace: replay it (the slider picks the step). Indexing a long trace takes
-        a moment, so it happens on the drawing thread, not on the one that called ``run``.
+    def show_trace(self, trace, label: str = "") -> None:
+        """A run's whole trace (``label``: HTML naming its job and cell): replay it (the slider
+        picks the step). Indexing a long trace takes a moment, so it happens on the drawing
+        thread, not on the one that called ``run``.
 
-        A trace without training steps (a job that only set up, or only communicated) does not
-        replace the last one that had some: that view stays, and its summary says that a later
-        recorded run had no steps to show."""
-        if not trace.steps and self.last_with_steps is not None:
-            self.trace, self.mode, self._replay = self.last_with_steps, "replay", {}
-            self.later_without_steps = len(trace.records)
-            self.layout.display = "flex"
+        A trace that did not train (no forward or backward recorded in a step: a job that only
+        set up or communicated, ``no_sync`` micro-batches) does not replace the last one that
+        did: that view stays, and its summary names the later run that had nothing to draw."""
+        self.plots.layout.display = None
+        self.layout.display = "flex"
+        if not trained(trace) and self.last_trained is not None:
+            (self.trace, self.label), self.mode, self._replay = self.last_trained, "replay", {}
+            self.later_without_steps = (len(trace.records), label)
+            self._set_ranks(max(self.trace.world_size, len(self.trace.ranks)))
             self.painter.request()
             return
-        if trace.steps:
-            self.last_with_steps = trace
+        if trained(trace):
+            self.last_trained = (trace, label)
         self.later_without_steps = None
-        self.trace, self.mode, self._replay = trace, "replay", {}
+        self.trace, self.label, self.mode, self._replay = trace, label, "replay", {}
         self._set_ranks(max(trace.world_size, len(trace.ranks)))
-        self.layout.display = "flex"
         self.painter.request()
 
     def _index(self, trace) -> None:
@@ -156,15 +191,16 @@ class LivePlots(widgets.VBox):
         timeline_svg = timeline_view(timeline(window, shown, window.ranks)) if shown \
             else message("No steps recorded yet.")
         peak = peak_of(snap["memory"])
-        memory = memory_view(snap["memory"], snap["t0"] or 0, peak)
+        memory = memory_view(snap["memory"], snap["t0"] or 0, peak, empty=MEMORY_PENDING)
         losses = snap["loss"]
         newest = max(snap["latest"].values(), default=None)
         where = f"step {newest}" if newest is not None else "setting up (no training step yet)"
         # the newest step every rank's loss has reached: the value the loss plot ends on
         loss_text = f" &middot; loss {losses[max(losses)]:.4f} at step {max(losses)}" if losses else ""
-        summary = (f"<b style='color:#c62828'>&#9679; recording</b>: {where} &middot; "
+        who = f" {self._starting}" if self._starting else ""
+        summary = (f"<b style='color:#c62828'>&#9679; recording</b>{who}: {where} &middot; "
                    f"{snap['count']:,} records so far{loss_text} &middot; plots redraw every {FRAME_S:g} s")
-        return summary, fill, timeline_svg, memory, loss_view(losses)
+        return summary, fill, timeline_svg, memory, loss_view(losses, empty=LOSS_PENDING)
 
     def _replay_views(self):
         trace = self.trace
@@ -189,10 +225,14 @@ class LivePlots(widgets.VBox):
         where = f"showing step {step}; slide to replay another" if step is not None else "no steps to replay"
         later = ""
         if self.later_without_steps is not None:
-            later = (f" &middot; <i>a later recorded run made {self.later_without_steps:,} records but no training "
-                     "step (cluster.last_trace holds it): this is the last run that had steps</i>")
-        return (f"<b>recorded run</b>: {plural(len(rp['steps']), 'step')} on {plural(len(trace.ranks), 'rank')}, "
-                f"{len(trace.records):,} records over {span:.1f} s &middot; {html.escape(where)}{later}")
+            records, label = self.later_without_steps
+            later = (f" &middot; <i>a later recorded run{f', {label},' if label else ''} made {records:,} records "
+                     "but no training step to draw (no forward or backward recorded; cluster.last_trace holds "
+                     "it): this is the last run that trained</i>")
+        of = f" of {self.label}" if self.label else ""
+        return (f"<b>recorded run</b>{of}: {plural(len(rp['steps']), 'step')} on "
+                f"{plural(len(trace.ranks), 'rank')}, {len(trace.records):,} records over {span:.1f} s &middot; "
+                f"{html.escape(where)}{later}")
 
     def close(self) -> None:
         self.painter.close()

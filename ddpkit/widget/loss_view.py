@@ -9,10 +9,11 @@ MAX_POINTS = 500  # longer curves are drawn from every k-th step
 NOT_RECORDED = "Loss: not recorded in this run (a recorded ddpkit.experiment.train_step records it)."
 
 
-def loss_view(losses: dict[int, float], marker_step: int | None = None) -> str:
-    """HTML (an SVG) of ``{step: loss}``; a dot marks ``marker_step``."""
+def loss_view(losses: dict[int, float], marker_step: int | None = None, empty: str = NOT_RECORDED) -> str:
+    """HTML (an SVG) of ``{step: loss}``; a dot marks ``marker_step``. Without a loss, the words
+    ``empty`` (mid-run: that it comes once every rank sent one, not that it was never recorded)."""
     if not losses:
-        return message(NOT_RECORDED)
+        return message(empty)
     steps = sorted(losses)
     every = -(-len(steps) // MAX_POINTS)
     drawn = steps[::every] + ([steps[-1]] if (len(steps) - 1) % every else [])

@@ -27,13 +27,14 @@ PEAK_MEANS = ("peak: the most one rank held at once among the samples (each poin
               "model state, buffers, activations)")
 
 
-def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | None = None) -> str:
+def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | None = None,
+                empty: str = NOT_RECORDED) -> str:
     """HTML (an SVG): ``series`` is ``{rank: [(ns, step, {category: bytes}), ...]}`` (see
     ``ddpkit.trace.memory_series``), ``peak`` ``(rank, ns, step, sample)`` or None; a dashed
-    line marks ``marker_step`` (the step the slider shows)."""
+    line marks ``marker_step`` (the step the slider shows). No samples: the words ``empty``."""
     series = {rank: pts for rank, pts in series.items() if pts}
     if not series:
-        return message(NOT_RECORDED)
+        return message(empty)
     present = {c for pts in series.values() for _, _, sample in pts for c in sample}
     cats = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
     tallest = max(sum(sample.values()) for pts in series.values() for _, _, sample in pts) or 1

@@ -3,11 +3,15 @@
 Top to bottom: a header (world size, backend, devices, and how the cluster stopped if it did);
 start / restart / stop, a **record** toggle (``cluster.record``) and **save trace** (the last
 recorded run as a Chrome trace for Perfetto); one row per rank (``RankRows``); after a desync, each
-rank's collectives around the one where they parted (``desync_view``), until the next job; the
-run's progress and, after a strategy run, its step time, with a note where the emulated network was
-faster than this machine can emulate (``RunProgress``); the plots of a recorded run, live and then
-replayed (``LivePlots``). During a long run a compact status line also appears in the running cell
-(``CellStatus``).
+rank's collectives around the one where they parted (``desync_view``), kept until the next desync
+under a line naming the run it came from; the run's progress and, after a strategy run, its step
+time, with a note where the emulated network was faster than this machine can emulate
+(``RunProgress``); the plots of a recorded run, live and then replayed (``LivePlots``), or a line
+saying that no run was recorded. During a long run a compact status line also appears in the
+running cell (``CellStatus``).
+
+A learner scrolls back to the widget after Run All: whatever it still shows names its run (the
+job's function and the cell it ran in, ``run_label``).
 
 Threads. The cluster calls ``_on_event`` from its pipe-reader threads (log lines) and from the
 thread that waits in ``cluster.run`` (everything else). The observer only updates state and sets
@@ -30,6 +34,25 @@ from ddpkit.widget.ranks import STATUS_COLOURS, RankRows
 from ddpkit.widget.status import CellStatus, kernel_display
 
 log = logging.getLogger("ddpkit.widget")
+
+
+def _cell_number() -> int | None:
+    """The number of the notebook cell running now (its "[8]"), or None outside a kernel."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "execution_count", None) if shell is not None else None
+
+
+def run_label(name: str | None, cell: int | None) -> str:
+    """HTML naming a run: "<code>naive_job</code> (cell [8])", "a lambda (cell [3])", "a job"."""
+    if not name or name == "<lambda>":
+        what = "a lambda" if name else "a job"
+    else:
+        what = f"<code>{html.escape(name)}</code>"
+    return what + (f" (cell [{cell}])" if cell is not None else "")
 
 
 def trace_of(results):
@@ -80,23 +103,27 @@ class ClusterWidget(widgets.VBox):
         self.ranks = RankRows(cluster, log_lines)
         self.progress = RunProgress(cluster)
         self.live = LivePlots()
+        self.desync_note = widgets.HTML(layout=widgets.Layout(display="none"))  # which run parted
+        self.desync_note.add_class("ddpkit-desync-note")
         self.desync = widgets.HTML(layout=widgets.Layout(display="none"))  # the last desync's lanes
         self.desync.add_class("ddpkit-desync-view")
         self.cell_status = CellStatus(self._describe, kernel_display() if cell_output == "kernel" else cell_output)
         self._stopped_how = ""     # how the ranks came to be stopped, for the header
         self._by_button = False    # a button is acting (its effects are not the notebook's doing)
         self._recorded_run = False
+        self._run = run_label(None, None)  # the job running now, or the last one
+        self._series = False       # the job runs inside an announced series (compare, a sweep)
         self._closed = False
         super().__init__([
             self.header,
             widgets.HBox([self.start_button, self.restart_button, self.stop_button, self.record_toggle,
                           self.save_button, self.message], layout=widgets.Layout(flex_flow="row wrap")),
-            self.ranks, self.desync, self.progress, self.live,
+            self.ranks, self.desync_note, self.desync, self.progress, self.live,
         ])
         self.add_class("ddpkit-cluster")
         self.refresh()
         if cluster.last_trace is not None:
-            self._show_trace(cluster.last_trace)
+            self._show_trace(cluster.last_trace, "a run from before this widget was shown")
         cluster.subscribe(self._on_event)
 
     # ------------------------------------------------------------------ buttons
@@ -198,23 +225,31 @@ class ClusterWidget(widgets.VBox):
         self.refresh()
 
     def _desync(self, diagnosis) -> None:
-        """The ranks' collectives parted: mark their rows, draw their lanes (until the next job)."""
+        """The ranks' collectives parted: mark their rows (until their next job), draw their lanes
+        under a line naming the run (until the next desync: a notebook's later runs, which work,
+        must not wipe the diagnosis a learner scrolls back to)."""
         for rank in diagnosis.ranks:
             self.ranks.notes[rank] = f"desync at collective #{diagnosis.index}"
+        self.desync_note.value = (
+            f"<b style='color:#c62828'>The last desync</b>: the run of {self._run} at {time.strftime('%H:%M:%S')}, "
+            "drawn here until the next one (later runs that worked do not replace it)")
         self.desync.value = desync_view(diagnosis)
-        self.desync.layout.display = None
+        self.desync.layout.display = self.desync_note.layout.display = None
         self.refresh()
 
     def _job(self, fields) -> None:
         self.cell_status.job(fields["phase"])
         if fields["phase"] == "start":
-            self.desync.layout.display = "none"
+            self._run = run_label(fields.get("name"), _cell_number())
+            self._series = self.progress.announced is not None
             self.progress.measured(None)  # the last job's step time is not this one's
             self._recorded_run = fields["recorded"]
             if fields["recorded"]:
-                self.live.start(self.cluster.world_size)
+                self.live.start(self.cluster.world_size, self._run)
         else:
             self.progress.update()
+            if not fields["recorded"]:
+                self.live.unrecorded(self._run, self._series)
 
     def _results(self, results) -> None:
         """A job returned: its step time (and whether the network was faster than this machine can
@@ -223,11 +258,11 @@ class ClusterWidget(widgets.VBox):
         if not self._recorded_run:
             trace = trace_of(results)  # a job that recorded by hand
             if trace is not None:
-                self._show_trace(trace)
+                self._show_trace(trace, self._run)
 
-    def _show_trace(self, trace) -> None:
+    def _show_trace(self, trace, label: str | None = None) -> None:
         if trace is not None:
-            self.live.show_trace(trace)
+            self.live.show_trace(trace, label if label is not None else self._run)
             self.save_button.disabled = False
 
     @property

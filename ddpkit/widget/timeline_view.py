@@ -4,14 +4,15 @@ It draws ``ddpkit.trace.timeline``'s figure, as ``ddpkit.viz.plot_timeline`` doe
 compute row -- forward, backward *computing*, backward *waiting* for communication (after its
 last gradient was ready), sync, optimizer step -- and under it one row per bucket (each bucket's
 collectives in its own row and colour, so eight async all-reduces in flight at once stay eight
-bars), or, past eight buckets or for FSDP's units, the collectives packed into a few rows,
+bars), or, past eight buckets or for FSDP's units, the collectives packed into a few rows by
+how many were in flight at once ("collectives", "2nd in flight", ...; the subtitle says so),
 coloured by bucket or unit. Green behind the comm rows: communication hidden under backward's
 computing. The title's percentage is ``ddpkit.trace.overlap_fraction`` over exactly the steps
 and ranks drawn.
 """
 from __future__ import annotations
 
-from ddpkit.trace.figures import Timeline
+from ddpkit.trace.figures import PACKED_NOTE, Timeline
 from ddpkit.units import plural
 from ddpkit.viz.style import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
@@ -26,7 +27,7 @@ def timeline_view(fig: Timeline) -> str:
     if fig.t0 is None:
         return message("No spans recorded in these steps yet.")
     steps, t0, t1 = fig.steps, fig.t0, fig.t1
-    top = 40
+    top = 68 if fig.packed else 54  # under the title, its subtitle(s) and a band for the "step N" labels
     heights = [ROW * (1 + max(len(lane.comm_rows), 1)) + 10 for lane in fig.lanes]
     height = top + sum(heights) + 70
     svg = Svg(WIDTH, height, "ddpkit-timeline")
@@ -35,8 +36,13 @@ def timeline_view(fig: Timeline) -> str:
     which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
     svg.text(4, 14, f"Timeline · {which} · {plural(len(fig.lanes), 'rank')}: {fig.overlap:.0%} of communication time "
              "hidden under backward computing", size=13, weight="bold")
-    svg.text(4, 29, "compute row above, one row per bucket below (colour = bucket); green: communication "
-             "while backward computes", size=11, fill="#555")
+    if fig.packed:  # FSDP's units, or more buckets than rows: rows by how many are in flight at once
+        svg.text(4, 29, "compute row above, the collectives below (colour = bucket or unit); green: communication "
+                 "while backward computes", size=11, fill="#555")
+        svg.text(4, 43, f"collective rows: {PACKED_NOTE}", size=11, fill="#555")
+    else:
+        svg.text(4, 29, "compute row above, one row per bucket below (colour = bucket); green: communication "
+                 "while backward computes", size=11, fill="#555")
 
     y = top
     for lane, lane_height in zip(fig.lanes, heights, strict=True):
@@ -64,9 +70,12 @@ def timeline_view(fig: Timeline) -> str:
         y += lane_height
         svg.line(4, y - 5, WIDTH - 4, y - 5, stroke="#ddd")
 
-    for s, first in fig.step_starts.items():  # a dashed line where each step starts
-        svg.line(ms(first), top - 4, ms(first), y - 5, stroke="#000", width=0.8, dash="4,3", opacity=0.5)
-        svg.text(ms(first) + 3, top + 2, f"step {s}", size=11, fill="#333")
+    last_label = None
+    for s, first in fig.step_starts.items():  # a dashed line where each step starts, labelled above the lanes
+        svg.line(ms(first), top - 14, ms(first), y - 5, stroke="#000", width=0.8, dash="4,3", opacity=0.5)
+        if last_label is None or ms(first) - last_label > 60:  # labels must not collide
+            svg.text(ms(first) + 3, top - 5, f"step {s}", size=11, fill="#333")
+            last_label = ms(first)
     x_axis(svg, x, y + 2, "ms")
     _legend(svg, y + 48)
     return svg.html()

@@ -1,0 +1,71 @@
+"""``ddpkit lab``: JupyterLab on the course's first notebook, from a checkout of the repository.
+
+    ddpkit lab                      # = jupyter lab notebooks/00_start_here.ipynb, in the checkout
+    ddpkit lab --port 8890 --no-browser   # anything else goes to jupyter lab as it is
+
+The notebooks are not part of the installed package: they sit beside it in the checkout that
+``pip install -e .`` installed (``notebooks/`` next to ``ddpkit/``), so this only works from
+one, and says so otherwise. JupyterLab refuses to run as root (Docker images, Colab-style
+machines) unless given ``--allow-root``: as root it is added, and a line says so.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+START = Path("notebooks") / "00_start_here.ipynb"
+
+
+def checkout_root() -> Path:
+    """The folder that holds the ``ddpkit`` package: the checkout, for an editable install."""
+    return Path(__file__).resolve().parent.parent
+
+
+def start_page(root: Path | None = None) -> Path:
+    """The course's first notebook in ``root`` (default: the checkout); FileNotFoundError, saying
+    what to do, when it is not there (ddpkit installed from a wheel, not from a checkout)."""
+    root = checkout_root() if root is None else Path(root)
+    page = root / START
+    if not page.is_file():
+        raise FileNotFoundError(
+            f"ddpkit lab opens the course's notebooks from a checkout of the repository, and there is no "
+            f"{START} next to the installed package (looked in {root}). Clone the repository and install "
+            "it from there: pip install -e . && ddpkit lab; or start JupyterLab yourself on its notebooks/.")
+    return page
+
+
+def running_as_root() -> bool:
+    """True for the root user on a POSIX system (never on Windows, which has no euid)."""
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def lab_command(extra=(), root: Path | None = None, as_root: bool | None = None) -> tuple[list[str], str | None]:
+    """``(argv, note)``: the command that starts JupyterLab on the first notebook (run it in
+    ``root``), and the line to print first, or None. ``extra`` goes to jupyter lab unchanged;
+    ``as_root`` (default: whether this process is root) adds ``--allow-root``."""
+    page = start_page(root)
+    extra = list(extra)
+    argv = [sys.executable, "-m", "jupyterlab", str(START), *extra]
+    as_root = running_as_root() if as_root is None else as_root
+    note = None
+    if as_root and "--allow-root" not in extra:
+        argv.append("--allow-root")
+        note = (f"ddpkit lab: running as root (a container?), so adding --allow-root, without which "
+                f"jupyter lab refuses to start; opening {page}")
+    return argv, note
+
+
+def lab(extra=(), out=print) -> int:
+    """Start JupyterLab on the first notebook, in the checkout; returns jupyter lab's exit status
+    (on POSIX this process *becomes* jupyter lab, so Ctrl-C reaches it as it would directly)."""
+    root = checkout_root()
+    argv, note = lab_command(extra, root)
+    if note:
+        out(note)
+    if os.name == "posix":
+        sys.stdout.flush()  # exec replaces the process: what is buffered would be lost
+        os.chdir(root)
+        os.execv(argv[0], argv)  # does not return
+    return subprocess.call(argv, cwd=root)
