@@ -70,6 +70,7 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
     from ddpkit.experiment import run_strategy, train_single_process
 
     n = cluster.world_size
+    tiers = getattr(cluster.network, "gpus_per_node", None) is not None
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
                   bucket_cap_mb=bucket_cap_mb, max_norm=max_norm)
     jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
@@ -101,7 +102,8 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
             ms_per_step_rounds=per_round[s],
             ms_per_step_min=min(per_round[s]),
             comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
-            inter_node_bytes_per_step=r0["inter_node_bytes_per_step"] if reported else None,
+            # nodes only where the network has two tiers: else every byte would read as crossing nodes
+            inter_node_bytes_per_step=(r0["inter_node_bytes_per_step"] if reported and tiers else None),
             collectives_per_step=r0["collectives_per_step"],
             comm_ms_per_step=r0["comm_ms_per_step"] if reported else None,
             model_state_bytes=max(res["model_state_bytes"] for res in results),
@@ -143,11 +145,14 @@ def _add_ratios(records: list[dict]) -> None:
 def format_table(records: list[dict]) -> str:
     """The compare results as a fixed-width text table (bytes per rank; sent = ring cost)."""
     moving = any(r.get("transport_ms_per_step") is not None for r in records)  # an emulated network
+    nodes = any(r.get("inter_node_bytes_per_step") is not None for r in records)  # a two-tier network
     cols = [("strategy", "{}"), ("ms_per_step", "{:.2f}"), ("vs_torch", "ratio"),
             ("comm_bytes_per_step", "bytes"), ("inter_node_bytes_per_step", "bytes"), ("model_state_bytes", "bytes"),
             ("peak_bytes", "bytes"), ("overlap_fraction", "{:.0%}"), ("max_param_diff", "{:.1e}")]
     heads = ["strategy", "ms/step", "vs torch", "sent/step", "inter-node", "model state",
              "peak", "overlap", "max |diff|"]
+    if not nodes:  # one tier: no bytes cross a node boundary that the network knows of
+        del cols[4], heads[4]
     if moving:
         cols.insert(2, ("transport_ms_per_step", "{:.2f}"))
         heads.insert(2, "moving bytes")
@@ -179,8 +184,8 @@ def format_table(records: list[dict]) -> str:
                      "a time ratio: lower is faster; 1.20x = 20% slower.")
     notes.append("peak: the most one rank held at once during a step (parameters, gradients, optimizer "
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
-    notes.append("sent/step: bytes one rank sends per step (ring algorithms); inter-node: the part that "
-                 "crosses nodes (every rank its own node unless --gpus-per-node); \"-\": not recorded.")
+    notes.append("sent/step: bytes one rank sends per step (ring algorithms); \"-\": not recorded."
+                 + (" inter-node: the part that crosses nodes (the network's two tiers)." if nodes else ""))
     if moving:
         notes.append("moving bytes: ms a step the slowest rank spent moving the bytes of its collectives itself, "
                      "when it waited for them (the emulated NIC's rule, ddpkit.comm.emulator): the transport's "
