@@ -83,9 +83,6 @@ class Link:
     measured: dict = field(default_factory=dict, compare=False)
     measured_world_size: int = 0
     host: bool = field(default=False, compare=False)
-    # under an emulated link, this transport's bytes move when the rank waits for the collective,
-    # not from its issue (the shared-memory transport under the emulated NIC, ddpkit.comm.emulator)
-    deferred: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         for a, b in [(self.alpha, self.beta), *self.per_op.values()]:
@@ -150,7 +147,7 @@ def _interpolate(table, nbytes: float, slope: float) -> float:
 # tens of microseconds per message over TCP; NVLink (A100/H100 class) moves a few hundred GB/s
 # per GPU, a few microseconds per hop.
 LINKS = {
-    "loopback": Link("loopback", alpha=70e-6, beta=1 / 4.5e9, host=True, deferred=True),
+    "loopback": Link("loopback", alpha=70e-6, beta=1 / 4.5e9, host=True),
     "nvlink": Link("nvlink", alpha=5e-6, beta=1 / 200e9),
     "100GbE": Link("100GbE", alpha=20e-6, beta=1 / 10e9),
     "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),

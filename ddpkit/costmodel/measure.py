@@ -306,7 +306,7 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False, deferred: bool = False) -> Link:
+def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False) -> Link:
     """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
     or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
     rank's per size), which fits each collective its own line (``Link.per_op``). The timings
@@ -329,7 +329,7 @@ def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False,
     alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
     measured = {op: tuple(sorted((float(s), float(t)) for s, t in rows)) for op, rows in by_op.items()}
     return Link(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
-                measured=measured, measured_world_size=world_size, host=host, deferred=deferred)
+                measured=measured, measured_world_size=world_size, host=host)
 
 
 def slowest_rank(per_rank: list[dict]) -> dict:

@@ -104,23 +104,6 @@ class Prediction:
     collectives: int
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """A collective under the emulated NIC's rule: the link delivers it at ``link_end``, and the
-    rank that waits for it then moves its bytes itself, ``move_s`` (``ddpkit.comm.emulator``)."""
-
-    link_end: float
-    move_s: float
-
-
-def _wait(t: float, done) -> float:
-    """When a rank that starts waiting at ``t`` has collective ``done`` (a time, or ``_Pending``):
-    under the NIC's rule it moves the bytes then, while the link's time still runs."""
-    if isinstance(done, _Pending):
-        return max(t + done.move_s, done.link_end)
-    return max(t, done)
-
-
 class _Stream:
     """One communication stream: collectives run one at a time, in the order issued.
 
@@ -136,8 +119,6 @@ class _Stream:
     def __init__(self, world_size: int, network: Network):  # collectives over all world_size ranks
         self.n, self.net = world_size, network
         self.on_host = network.floor is not None and network.floor.host
-        # the emulated NIC's rule: on an emulated network, the bytes move when the rank waits
-        self.nic = self.on_host and network.floor.deferred and network.emulated
         self.transport_free = 0.0
         self.free = 0.0
         self.busy = 0.0
@@ -153,12 +134,6 @@ class _Stream:
             return at
         real = self.net.transport_time(name, nbytes, len(ranks))
         link = self.net.emulated_time(name, nbytes, ranks)
-        if self.nic and link > 0:  # the link from the issue; the bytes when the rank waits
-            self.free = max(at, self.free) + link
-            self.busy += link
-            self.bytes += ring_bytes(name, nbytes, len(ranks))
-            self.count += 1
-            return _Pending(self.free + self.net.emulation_s, real)
         if self.on_host:  # the issuer's own work (host_s), done when it is
             real_end = at + real
         else:
@@ -176,7 +151,7 @@ class _Stream:
         """The seconds the issuing rank's cores spend on a collective: the transport's time where
         it runs on them (``Link.host``), else nothing."""
         ranks = range(self.n) if ranks is None else ranks
-        if not self.on_host or len(ranks) == 1 or (self.nic and self.net.emulated_time(name, nbytes, ranks) > 0):
+        if not self.on_host or len(ranks) == 1:
             return 0.0
         return self.net.transport_time(name, nbytes, len(ranks))
 
@@ -205,7 +180,7 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
         t += profile.backward_s
         for b in reversed(flat):
-            t = _wait(*stream.launch("all_reduce", b, t + profile.copy_s(b)))
+            t = max(stream.launch("all_reduce", b, t + profile.copy_s(b)))
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]
@@ -229,7 +204,7 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
             t, done = stream.launch(reduce, size, t + profile.copy_s(size))
             launched.append(done)
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
-        t = _wait(t, done) + (profile.copy_s(size) if copy_out else 0.0)
+        t = max(t, done) + (profile.copy_s(size) if copy_out else 0.0)
     return t
 
 
@@ -263,13 +238,13 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
 
     t = 0.0
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
-        t = _wait(*stream.launch("all_gather", size[""], 0.0, node))
+        t = max(stream.launch("all_gather", size[""], 0.0, node))
     order = names
     gathered = {}
     for i, u in enumerate(order):
         if u not in gathered:
             t, gathered[u] = stream.launch("all_gather", size[u], t, node)
-        start = _wait(t, gathered[u])
+        start = max(t, gathered[u])
         held = 1 if reshard else i + 1  # units unsharded now, the root not counted
         if forward_prefetch and i + 1 < len(order) and may_prefetch(held):
             nxt = order[i + 1]
@@ -283,7 +258,7 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
     for i, u in enumerate(back):
         if reshard and u not in regathered:
             t, regathered[u] = stream.launch("all_gather", size[u], t, node)
-        start = _wait(t, regathered.get(u, t))
+        start = max(t, regathered.get(u, t))
         if reshard and backward_prefetch and i + 1 < len(back) and may_prefetch(1):
             nxt = back[i + 1]
             start, regathered[nxt] = stream.launch("all_gather", size[nxt], start, node)
@@ -294,14 +269,9 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
         t, done = stream.launch("reduce_scatter", size[""], t, node)
         reduced.append(("", done))
     if shards.nodes > 1:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
-        across = []
         for u, done in reduced:
-            t = _wait(t, done)
-            t, done = stream.launch("all_reduce", size[u] / k, t, replicas)
-            across.append(("", done))
-        reduced = across
-    for _, done in reduced:  # the end of backward waits for every one of them
-        t = _wait(t, done)
+            t = max(t, done)
+            t, _ = stream.launch("all_reduce", size[u] / k, t, replicas)
     return max(t, stream.free)
 
 
@@ -341,14 +311,12 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
             for size in sizes:
                 end, finished = stream.launch("all_gather", size, end)
                 done.append(finished)
-            for finished in done:
-                end = _wait(end, finished)
+            end = max([end, *done])
         elif step.gather_params:
             # each rank stepped 1/N of the parameters; the updated ones are shared with one
             # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
             # ones back out
-            gathered = stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n))
-            end = _wait(*gathered) + profile.copy_s(p_bytes)
+            end = max(stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n))) + profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
                       max(0.0, end - compute) * 1e3, stream.bytes, stream.count)

@@ -89,7 +89,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     transport = LINKS["loopback"]  # the real transport under any emulated link: fitted when we can
     if calibrations:  # per collective and size, the median over rounds
         transport = fit_link(_median_over_rounds(calibrations), n, name=f"fitted on {n} ranks",
-                             host=cluster.backend != "nccl", deferred=cluster.transport == "shm")
+                             host=cluster.backend != "nccl")
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     if emulations:
