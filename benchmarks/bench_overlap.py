@@ -18,9 +18,9 @@ its own steps of the course's MLP and, inside them, the four calls DDP makes on 
     wait       waiting for the all-reduces: the link's time left exposed, and a late peer
     copy-out   the averaged buckets back into .grad
     other      DDP - the four: the hooks' Python, and backward's kernels slowed beside the copies
-    moved      of the waits, the time the rank spent moving the bytes itself: on an emulated network
-               the shared-memory transport moves them when the rank waits (the emulated NIC's rule,
-               ``ddpkit.comm.emulator``), not during backward
+    moved      of the waits, the time the rank spent moving the bytes itself (waiting there for a late
+               peer included): on an emulated network the shared-memory transport moves them when
+               the rank waits (the emulated NIC's rule, ``ddpkit.comm.emulator``), not during backward
 
 (the parts: the mean over the ranks of each rank's median; everything the median over the rounds).
 Bucketed DDP does its DDP work after backward, while the emulated link's time runs anyway;

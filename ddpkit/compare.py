@@ -187,9 +187,11 @@ def format_table(records: list[dict]) -> str:
     notes.append("sent/step: bytes one rank sends per step (ring algorithms); \"-\": not recorded."
                  + (" inter-node: the part that crosses nodes (the network's two tiers)." if nodes else ""))
     if moving:
-        notes.append("moving bytes: ms a step the slowest rank spent moving the bytes of its collectives itself, "
-                     "when it waited for them (the emulated NIC's rule, ddpkit.comm.emulator): the transport's "
-                     "part; the rest of their time was the emulated link's.")
+        notes.append("moving bytes: ms a step the slowest rank spent in its waits moving the bytes of its "
+                     "collectives itself (the emulated network card's rule, ddpkit.comm.emulator), waiting there "
+                     "for a peer that came late included: the transport's part; the rest was the emulated link's. "
+                     "torch's wrappers chain work on their collectives' futures, so their bytes move on the "
+                     "link's thread when the link delivers them, counted nowhere here.")
     outran = outran_note({r["strategy"]: r.get("outran_link") for r in records})
     if outran:
         notes.append(outran)
