@@ -12,10 +12,13 @@ SPAN_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", 
 OVERLAP_COLOUR = "#2ca02c"
 WAIT_COLOUR = "#c9c9c9"  # backward waiting for communication (after its last gradient was ready)
 
-# matplotlib's tab20, as hex: one colour per bucket (or FSDP unit), cycling after 20.
-BUCKET_COLOURS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728",
+# matplotlib's tab20, as hex, less its two greens and its greys: the timeline draws "communication
+# hidden under backward" in green and "waiting for communication" in grey, and a collective of no
+# bucket is grey, so a bucket in any of these would read as one of them. One colour per bucket (or
+# FSDP unit), cycling.
+BUCKET_COLOURS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#d62728",
                   "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
-                  "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")
+                  "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")
 
 # One colour per memory category, in the order of ``ddpkit.memory.CATEGORIES`` (the one list of them).
 CATEGORY_COLOURS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52", "#937860"),
@@ -24,10 +27,10 @@ OTHER_COLOUR = "#937860"  # the plots' colour for a category not in the list (a 
 
 
 def bucket_colour(bucket):
-    """A colour per bucket index (tab20 cycles after 20 buckets; None -> grey)."""
+    """A colour per bucket index (cycling through ``BUCKET_COLOURS``; None -> grey)."""
     if bucket is None:
         return "#7f7f7f"
-    return BUCKET_COLOURS[int(bucket) % 20]
+    return BUCKET_COLOURS[int(bucket) % len(BUCKET_COLOURS)]
 
 
 def comm_colour(r):
