@@ -17,211 +17,61 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import textwrap
 import time
 
-from ddpkit.cluster import BACKENDS, TRANSPORTS, check_arguments, check_network
-from ddpkit.models import MODELS
+from ddpkit.cli_args import (HelpFormatter, number_type, positive_int, bucket_cap, int_list, strategy_list,
+                              check_writable, parse_network, runnable_strategies, check_run_args, parse_workload,
+                              MODEL_HELP, add_run_args, add_transport_arg, add_network_args)
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
-from ddpkit.strategies.table import unfit
 from ddpkit.units import human_bytes
 from ddpkit.workload import samples_per_rank
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """argparse's, but a help text wraps between words only: a strategy name like
-    ``sharded_optimizer`` is never cut in two at the edge of the terminal."""
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
-
-
-# --------------------------------------------------------------------------- argument types
-def _number(convert, lowest, what: str):
-    """An argparse type: ``convert(text)``, at least ``lowest``; the message says ``what``."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not value >= lowest:  # `not >=` also refuses NaN
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-    return parse
-
-
-_positive_int = _number(int, 1, "a whole number >= 1")
-_bucket_cap = _number(float, 0, "a number of MiB >= 0")
-
-
-def _int_list(text: str) -> list[int]:
-    return [_positive_int(t) for t in text.split(",") if t.strip()]
-
-
-def _strategy_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown strateg{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"valid: {', '.join(STRATEGIES)}")
-    return list(dict.fromkeys(names))  # keep order, drop repeats
-
-
-def _check_writable(parser, option: str, path: str | None) -> None:
-    """Fail now, not after minutes of training, when an output file cannot be written."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        parser.error(f"{option} {path!r} is a directory; give a file name")
-    if not os.path.isdir(folder):
-        parser.error(f"{option} {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        parser.error(f"{option} {path!r} is not writable")
-
-
-def _checked(parser, call, *args, **kwargs):
-    """``call(*args, **kwargs)``; a ValueError from the library becomes the parser's error (exit
-    2). Its message names the library's keyword, e.g. gpus_per_node= for --gpus-per-node."""
-    try:
-        return call(*args, **kwargs)
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-def _network(parser, args, world_sizes):
-    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, its nodes checked against
-    every world size as a Cluster checks them."""
-    from ddpkit.network import Network
-
-    network = _checked(parser, Network.of, args.network, gpus_per_node=args.gpus_per_node)
-    for n in world_sizes:
-        _checked(parser, check_network, network, n)
-    return network
-
-
-def _strategies(parser, given, default, world_sizes, network) -> list[str]:
-    """The strategies to run (those ``given`` by name, else ``default``) that can lay out every
-    world size on the network (hybrid sharding: whole nodes). One given by name that cannot is
-    an error; of the default ones, those that cannot are left out, saying so."""
-    names = given if given is not None else default
-    why = unfit(names, world_sizes, network)
-    if why and given is not None:
-        parser.error("; ".join(why.values()))
-    for reason in why.values():
-        print(f"left out: {reason}", file=sys.stderr)
-    return [s for s in names if s not in why]
-
-
-def _check_run_args(parser, args) -> None:
-    """Checks shared by compare and trace, before any process starts: the Cluster's own (world
-    size, backend, threads, network), the workload (``--model``), then whether the global batch
-    splits over the ranks."""
-    args.network = _network(parser, args, [args.world_size])
-    settings = _checked(parser, check_arguments, args.world_size, args.backend,
-                        threads_per_rank=args.threads_per_rank, network=args.network, transport=args.transport)
-    args.threads_per_rank = settings.threads_per_rank
-    _workload(parser, args)
-    _checked(parser, samples_per_rank, args.global_batch_size, args.world_size)
-
-
-def _workload(parser, args):
-    """--model NAME (with --width/--depth for a built-in) as a ``ddpkit.Workload``: a built-in, or
-    ``package.module:function`` imported and called here, before any rank starts."""
-    from ddpkit.workload import named
-
-    args.workload = _checked(parser, named, args.model, args.width, args.depth)
-    return args.workload
-
-
-_MODEL_HELP = (f"a built-in ({', '.join(MODELS)}; default mlp) or package.module:function returning a "
-               "ddpkit.Workload (your model, its data and loss), importable from here")
-
-
-def _add_run_args(p, steps: int) -> None:
-    p.add_argument("--world-size", type=_positive_int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--model", default="mlp", metavar="NAME", help=_MODEL_HELP)
-    p.add_argument("--width", type=_positive_int, default=None,
-                   help="MLP width / TinyGPT dim (default: the model's)")
-    p.add_argument("--depth", type=_positive_int, default=None,
-                   help="MLP depth / TinyGPT layers (default: the model's)")
-    p.add_argument("--steps", type=_positive_int, default=steps, help=f"timed steps per run (default {steps})")
-    p.add_argument("--global-batch-size", type=_positive_int, default=32,
-                   help="samples per step over all ranks (default 32)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0, help="bucket size cap in MiB (default 25)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: nccl with one GPU per rank, else gloo")
-    p.add_argument("--threads-per-rank", type=int, default=None,
-                   help="torch CPU threads in each rank (default: cores / ranks, at least 1; "
-                        "0 leaves torch's default, which oversubscribes the cores)")
-    _add_transport_arg(p)
-    _add_network_args(p)
-
-
-def _add_transport_arg(p) -> None:
-    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
-                   help="what moves CPU ranks' bytes: shm (shared memory; auto picks it) or gloo (its sockets "
-                        "over loopback); GPU ranks use NCCL")
-
-
-def _add_network_args(p) -> None:
-    from ddpkit.network import LINKS
-
-    p.add_argument("--network", default="loopback",
-                   help=f"the emulated network: a preset ({', '.join(LINKS)}) or ALPHA_US,GBYTES_PER_S, "
-                        "e.g. 20,10 (default loopback: no emulated delay)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
-                   help="two tiers: this many ranks share a node (nvlink inside a node, --network between)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0],
-                                     formatter_class=_HelpFormatter)
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor,lab}")
 
     def add(name, **kwargs):
-        return sub.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+        return sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
 
     p = add("compare", help="time every strategy on the same model, data and optimizer")
-    _add_run_args(p, steps=10)
-    p.add_argument("--strategies", type=_strategy_list, default=None,
+    add_run_args(p, steps=10)
+    p.add_argument("--strategies", type=strategy_list, default=None,
                    help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all that fit the world size)")
-    p.add_argument("--rounds", type=_positive_int, default=3,
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="repeat the whole set this many times, interleaved (default 3)")
     p.add_argument("--json", metavar="PATH", help="write one record per strategy here")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart (PNG) here")
     p.set_defaults(func=cmd_compare)
 
     p = add("trace", help="record one strategy and write a Chrome trace (open in Perfetto)")
-    _add_run_args(p, steps=3)
+    add_run_args(p, steps=3)
     p.add_argument("--strategy", choices=STRATEGIES, required=True, metavar="NAME",
                    help=f"one of: {', '.join(STRATEGIES)}")
     p.add_argument("--out", metavar="PATH", required=True, help="the trace file (.json)")
     p.set_defaults(func=cmd_trace)
 
     p = add("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
-    p.add_argument("--strategies", type=_strategy_list, default=None,
+    p.add_argument("--strategies", type=strategy_list, default=None,
                    help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all; with --validate all but "
                         f"{', '.join(s for s in STRATEGIES if not strategy_row(s).predictable)}, whose "
                         "implementation overheads the model does not know)")
-    p.add_argument("--world-sizes", type=_int_list, default=None,
+    p.add_argument("--world-sizes", type=int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
-    _add_network_args(p)
-    p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0)
-    p.add_argument("--model", default="mlp", metavar="NAME", help=_MODEL_HELP)
-    p.add_argument("--width", type=_positive_int, default=None)
-    p.add_argument("--depth", type=_positive_int, default=None)
-    p.add_argument("--global-batch-size", type=_positive_int, default=32,
+    add_network_args(p)
+    p.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0)
+    p.add_argument("--model", default="mlp", metavar="NAME", help=MODEL_HELP)
+    p.add_argument("--width", type=positive_int, default=None)
+    p.add_argument("--depth", type=positive_int, default=None)
+    p.add_argument("--global-batch-size", type=positive_int, default=32,
                    help="split over each world size to profile one rank's compute (default 32)")
-    p.add_argument("--batch-per-rank", type=_positive_int, default=None,
+    p.add_argument("--batch-per-rank", type=positive_int, default=None,
                    help="weak scaling: this many samples per rank at every size (overrides the global batch)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads while profiling compute (default: torch's); ranks sharing one "
                         "machine's cores each get fewer, e.g. cores / ranks")
     p.add_argument("--profile-on-ranks", action="store_true",
@@ -229,22 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "sharing this machine's cores slow each other down as in a real run")
     p.add_argument("--fit", action="store_true",
                    help="first fit alpha and beta on this machine (all_reduce timings on --fit-ranks ranks)")
-    p.add_argument("--fit-ranks", type=_positive_int, default=2)
-    _add_transport_arg(p)  # --fit and --validate time this machine's transport
+    p.add_argument("--fit-ranks", type=positive_int, default=2)
+    add_transport_arg(p)  # --fit and --validate time this machine's transport
     p.add_argument("--plot", metavar="PATH", help="write the predicted scaling to 256 ranks (PNG) here")
     p.add_argument("--validate", action="store_true",
                    help="check the model on this machine: per world size, fit each collective and profile "
                         "compute on the ranks, time every strategy as compare does (interleaved), and "
                         "print predicted against measured ms/step")
-    p.add_argument("--rounds", type=_positive_int, default=3, help="with --validate: rounds (default 3)")
-    p.add_argument("--steps", type=_positive_int, default=10, help="with --validate: timed steps per run (default 10)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="with --validate: rounds (default 3)")
+    p.add_argument("--steps", type=positive_int, default=10, help="with --validate: timed steps per run (default 10)")
     p.add_argument("--json", metavar="PATH", help="with --validate: write one record per strategy and size here")
     p.set_defaults(func=cmd_predict)
 
     p = add("doctor", help="check every feature on this machine's real backend (run it first in a lab)")
-    p.add_argument("--world-size", type=_positive_int, default=2)
+    p.add_argument("--world-size", type=positive_int, default=2)
+    gpu_index = number_type(int, 0, "a CUDA device index >= 0")
     p.add_argument("--gpus", default=None, help="comma-separated CUDA device indices, one per rank (e.g. 4,5)",
-                   type=lambda t: [_number(int, 0, "a CUDA device index >= 0")(x) for x in t.split(",") if x.strip()])
+                   type=lambda t: [gpu_index(x) for x in t.split(",") if x.strip()])
     p.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,
                    help="comma-separated check names, as printed (e.g. 'cluster,compare')")
     p.set_defaults(func=cmd_doctor)
@@ -278,10 +129,10 @@ def _write_json(path: str, records: list[dict]) -> None:
 
 # --------------------------------------------------------------------------- compare
 def cmd_compare(args, parser) -> int:
-    _check_run_args(parser, args)
-    args.strategies = _strategies(parser, args.strategies, list(STRATEGIES), [args.world_size], args.network)
-    _check_writable(parser, "--json", args.json)
-    _check_writable(parser, "--plot", args.plot)
+    check_run_args(parser, args)
+    args.strategies = runnable_strategies(parser, args.strategies, list(STRATEGIES), [args.world_size], args.network)
+    check_writable(parser, "--json", args.json)
+    check_writable(parser, "--plot", args.plot)
     from ddpkit.compare import compare, format_table
     from ddpkit.progressbar import ProgressBar
 
@@ -310,9 +161,9 @@ def cmd_compare(args, parser) -> int:
 
 # --------------------------------------------------------------------------- trace
 def cmd_trace(args, parser) -> int:
-    _check_run_args(parser, args)
-    _strategies(parser, [args.strategy], None, [args.world_size], args.network)
-    _check_writable(parser, "--out", args.out)
+    check_run_args(parser, args)
+    runnable_strategies(parser, [args.strategy], None, [args.world_size], args.network)
+    check_writable(parser, "--out", args.out)
     from ddpkit.experiment import run_strategy
     from ddpkit.progressbar import ProgressBar
     from ddpkit.trace import to_chrome_trace
@@ -337,7 +188,7 @@ def cmd_trace(args, parser) -> int:
 # --------------------------------------------------------------------------- predict
 def _cmd_validate(args, parser) -> int:
     """predict --validate: the model against measurement, one cluster per world size."""
-    _check_writable(parser, "--json", args.json)
+    check_writable(parser, "--json", args.json)
     import ddpkit
     from ddpkit import costmodel
     from ddpkit.costmodel.validate import format_profile, format_validation, validate
@@ -378,18 +229,18 @@ def cmd_predict(args, parser) -> int:
 
     if args.world_sizes is None:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
-    network = _network(parser, args, args.world_sizes)  # --fit: the fitted transport instead
+    network = parse_network(parser, args, args.world_sizes)  # --fit: the fitted transport instead
     args.network = network
     default = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
-    args.strategies = _strategies(parser, args.strategies, default, args.world_sizes, network)
+    args.strategies = runnable_strategies(parser, args.strategies, default, args.world_sizes, network)
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "
                      "global batch split as compare does: leave out --fit, --batch-per-rank, --plot, "
                      "--threads and --profile-on-ranks")
     if args.fit and args.fit_ranks < 2:
         parser.error(f"--fit-ranks must be >= 2 (one rank does not communicate), got {args.fit_ranks}")
-    _check_writable(parser, "--plot", args.plot)
-    _workload(parser, args)
+    check_writable(parser, "--plot", args.plot)
+    parse_workload(parser, args)
     if args.batch_per_rank is None:
         for n in args.world_sizes:
             try:

@@ -154,9 +154,10 @@ LINKS = {
     "1GbE": Link("1GbE", alpha=50e-6, beta=1 / 0.11e9),
     # The papers' regime on a laptop: communication dominates the step, as the DDP paper found
     # on its clusters as models grow (docs/papers.md). With the course's default MLP (8.04 MiB of
-    # gradients) on 2 ranks, one all-reduce of every gradient takes S beta + 2 alpha, about 14 ms
-    # on this link, chosen longer than that model's backward pass on a small CPU machine (the
-    # backward alone: `python benchmarks/bench_overlap.py --networks paper`), so bucket sizes
+    # gradients) on 2 ranks, one all-reduce of every gradient takes S beta + 2 alpha on this link
+    # (``Network("paper").emulated_time("all_reduce", S, range(2))``), chosen longer than that
+    # model's backward pass on a small CPU machine (the backward alone: `python
+    # benchmarks/bench_overlap.py --networks paper`), so bucket sizes
     # and overlap decide the step time, as on the papers' clusters.
     "paper": Link("paper", alpha=100e-6, beta=1 / 0.6e9),
 }

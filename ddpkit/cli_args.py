@@ -1,0 +1,164 @@
+"""The command line's argument types, its shared options and the checks it makes before any rank
+starts (``ddpkit/__main__.py`` parses with them and calls the library). A bad argument is the
+parser's error (exit 2) naming what is valid; the checks themselves are the library's, whose
+ValueError becomes that error."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+
+from ddpkit.cluster import BACKENDS, TRANSPORTS, check_arguments, check_network
+from ddpkit.models import MODELS
+from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import unfit
+from ddpkit.workload import samples_per_rank
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but a help text wraps between words only: a strategy name like
+    ``sharded_optimizer`` is never cut in two at the edge of the terminal."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
+# --------------------------------------------------------------------------- argument types
+def number_type(convert, lowest, what: str):
+    """An argparse type: ``convert(text)``, at least ``lowest``; the message says ``what``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= lowest:  # `not >=` also refuses NaN
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
+
+
+positive_int = number_type(int, 1, "a whole number >= 1")
+bucket_cap = number_type(float, 0, "a number of MiB >= 0")
+
+
+def int_list(text: str) -> list[int]:
+    return [positive_int(t) for t in text.split(",") if t.strip()]
+
+
+def strategy_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown strateg{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"valid: {', '.join(STRATEGIES)}")
+    return list(dict.fromkeys(names))  # keep order, drop repeats
+
+
+def check_writable(parser, option: str, path: str | None) -> None:
+    """Fail now, not after minutes of training, when an output file cannot be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{option} {path!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        parser.error(f"{option} {path!r} is not writable")
+
+
+def parser_checked(parser, call, *args, **kwargs):
+    """``call(*args, **kwargs)``; a ValueError from the library becomes the parser's error (exit
+    2). Its message names the library's keyword, e.g. gpus_per_node= for --gpus-per-node."""
+    try:
+        return call(*args, **kwargs)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def parse_network(parser, args, world_sizes):
+    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, its nodes checked against
+    every world size as a Cluster checks them."""
+    from ddpkit.network import Network
+
+    network = parser_checked(parser, Network.of, args.network, gpus_per_node=args.gpus_per_node)
+    for n in world_sizes:
+        parser_checked(parser, check_network, network, n)
+    return network
+
+
+def runnable_strategies(parser, given, default, world_sizes, network) -> list[str]:
+    """The strategies to run (those ``given`` by name, else ``default``) that can lay out every
+    world size on the network (hybrid sharding: whole nodes). One given by name that cannot is
+    an error; of the default ones, those that cannot are left out, saying so."""
+    names = given if given is not None else default
+    why = unfit(names, world_sizes, network)
+    if why and given is not None:
+        parser.error("; ".join(why.values()))
+    for reason in why.values():
+        print(f"left out: {reason}", file=sys.stderr)
+    return [s for s in names if s not in why]
+
+
+def check_run_args(parser, args) -> None:
+    """Checks shared by compare and trace, before any process starts: the Cluster's own (world
+    size, backend, threads, network), the workload (``--model``), then whether the global batch
+    splits over the ranks."""
+    args.network = parse_network(parser, args, [args.world_size])
+    settings = parser_checked(parser, check_arguments, args.world_size, args.backend,
+                        threads_per_rank=args.threads_per_rank, network=args.network, transport=args.transport)
+    args.threads_per_rank = settings.threads_per_rank
+    parse_workload(parser, args)
+    parser_checked(parser, samples_per_rank, args.global_batch_size, args.world_size)
+
+
+def parse_workload(parser, args):
+    """--model NAME (with --width/--depth for a built-in) as a ``ddpkit.Workload``: a built-in, or
+    ``package.module:function`` imported and called here, before any rank starts."""
+    from ddpkit.workload import named
+
+    args.workload = parser_checked(parser, named, args.model, args.width, args.depth)
+    return args.workload
+
+
+MODEL_HELP = (f"a built-in ({', '.join(MODELS)}; default mlp) or package.module:function returning a "
+               "ddpkit.Workload (your model, its data and loss), importable from here")
+
+
+def add_run_args(p, steps: int) -> None:
+    p.add_argument("--world-size", type=positive_int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--model", default="mlp", metavar="NAME", help=MODEL_HELP)
+    p.add_argument("--width", type=positive_int, default=None,
+                   help="MLP width / TinyGPT dim (default: the model's)")
+    p.add_argument("--depth", type=positive_int, default=None,
+                   help="MLP depth / TinyGPT layers (default: the model's)")
+    p.add_argument("--steps", type=positive_int, default=steps, help=f"timed steps per run (default {steps})")
+    p.add_argument("--global-batch-size", type=positive_int, default=32,
+                   help="samples per step over all ranks (default 32)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0, help="bucket size cap in MiB (default 25)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: nccl with one GPU per rank, else gloo")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="torch CPU threads in each rank (default: cores / ranks, at least 1; "
+                        "0 leaves torch's default, which oversubscribes the cores)")
+    add_transport_arg(p)
+    add_network_args(p)
+
+
+def add_transport_arg(p) -> None:
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="what moves CPU ranks' bytes: shm (shared memory; auto picks it) or gloo (its sockets "
+                        "over loopback); GPU ranks use NCCL")
+
+
+def add_network_args(p) -> None:
+    from ddpkit.network import LINKS
+
+    p.add_argument("--network", default="loopback",
+                   help=f"the emulated network: a preset ({', '.join(LINKS)}) or ALPHA_US,GBYTES_PER_S, "
+                        "e.g. 20,10 (default loopback: no emulated delay)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="two tiers: this many ranks share a node (nvlink inside a node, --network between)")
