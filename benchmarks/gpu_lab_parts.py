@@ -101,7 +101,7 @@ def lab_parts(gpus: int) -> list[Part]:
     out = "{out}"
     parts = [
         # every strategy on NCCL (one rank, the whole batch), each equal to one process
-        Part("doctor, 1 rank on NCCL", _ddpkit("doctor", "--world-size", "1"), 150, needs="cuda"),
+        Part("doctor at 1 rank on NCCL", _ddpkit("doctor", "--world-size", "1"), 150, needs="cuda"),
         Part("compare on CUDA", _ddpkit("compare", "--world-size", "1", "--backend", "nccl", "--steps", "5",
                                         "--rounds", "3", "--json", f"{out}/compare.json"),
              180, needs="cuda", figures=_compare_figures),
@@ -542,7 +542,7 @@ def _recorded_run_in_a_snapshot(path: str) -> dict:
 
     with cuda_memory_snapshot(path, max_entries=50_000):
         out = run_strategy(SNAPSHOT_STRATEGY, steps=2, warmup=1, record=True, report_progress=False)
-    return {"bytes": os.path.getsize(path), "peak_bytes": out["peak_bytes"], "memory": out["memory"][-1]}
+    return {"bytes": os.path.getsize(path), "peak_bytes": out["peak_bytes"], "memory": out["memory"]}
 
 
 def snapshot(path: str, dry: bool = False) -> int:
@@ -554,8 +554,9 @@ def snapshot(path: str, dry: bool = False) -> int:
         return 0
     with ddpkit.Cluster(1, backend="nccl", timeout=60.0) as cluster:
         (out,) = cluster.run(_recorded_run_in_a_snapshot, os.path.abspath(path))
-    mem = ", ".join(f"{k} {v}" for k, v in out["memory"].items())
-    print(f"wrote {path}: {out['bytes']} B; {SNAPSHOT_STRATEGY}'s peak {out['peak_bytes']} B; last step: {mem}")
+    mem = ", ".join(f"{k} {v} B" for k, v in out["memory"].items())
+    print(f"wrote {path}: {out['bytes']} B; {SNAPSHOT_STRATEGY}'s peak {out['peak_bytes']} B; "
+          f"memory in its measured step: {mem}")
     return 0
 
 

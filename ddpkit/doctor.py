@@ -19,6 +19,7 @@ import os
 import platform
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 
 from ddpkit.torch_internals import supported_range, torch_problem
@@ -97,7 +98,7 @@ def _recording(ctx: Context) -> str:
         raise AssertionError(f"no {', '.join(sorted(missing))} records streamed")
     clocks = sorted({r.clock for r in comm})
     if c.backend == "nccl" and clocks != ["cuda"]:
-        raise AssertionError(f"collectives timed by the {clocks} clock, not CUDA events")
+        raise AssertionError(f"collectives timed by the {clocks} clock, not CUDA events: {_host_timed(comm)}")
     return f"{len(records)} records from {len(ranks)} ranks, collectives on the {'/'.join(clocks)} clock"
 
 
@@ -106,12 +107,13 @@ def _timed_all_reduce(nbytes: int) -> float:
     import torch.distributed as dist
 
     import ddpkit
+    from ddpkit.rankside import barrier
 
     dev = ddpkit.device()
     finish = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     t = torch.ones(nbytes // 4, device=dev)
     dist.all_reduce(t)  # warm-up
-    dist.barrier()
+    barrier()
     finish()
     t0 = time.perf_counter()
     dist.all_reduce(t, async_op=True).wait()
@@ -170,6 +172,13 @@ def _compare(ctx: Context) -> str:
     return "naive vs torch_ddp" + (f": {ratio:.2f}x" if ratio is not None else "")
 
 
+def _host_timed(comm) -> str:
+    """Which collectives a CUDA run timed on the host clock: name, size, step (None: setup)."""
+    seen = Counter((r.name, r.nbytes, r.step, r.end_ns == r.start_ns) for r in comm if r.clock != "cuda")
+    return "; ".join(f"{name} {nbytes} B step {step}{' (0 ns)' if zero else ''} x{k}"
+                     for (name, nbytes, step, zero), k in seen.most_common(4))
+
+
 def _nccl_one_rank(ctx: Context) -> str:
     """On a machine with one GPU the main cluster runs on gloo: NCCL is checked at 1 rank."""
     import ddpkit
@@ -180,7 +189,7 @@ def _nccl_one_rank(ctx: Context) -> str:
             alone.equal_to_one_process(alone.run_strategy("overlapped"))
         comm = [r for r in one.last_trace.records if r.cat == "comm"]
     if not comm or any(r.clock != "cuda" for r in comm):
-        raise AssertionError(f"{len(comm)} collectives recorded, not all on CUDA events")
+        raise AssertionError(f"{len(comm)} collectives recorded, not all on CUDA events: {_host_timed(comm)}")
     return f"recorded overlapped run, {len(comm)} collectives on CUDA events"
 
 

@@ -167,6 +167,18 @@ def transport() -> str | None:
     return _RANK.comm.real_backend if _RANK.comm is not None else str(dist.get_backend())
 
 
+def barrier(group=None, on=None) -> None:
+    """``dist.barrier`` on this rank's device (or ``on``): under NCCL it names the rank's GPU, which
+    torch would otherwise guess from the rank (with a warning, and a hang where ranks and GPUs differ)."""
+    import torch.distributed as dist
+
+    dev = on if on is not None else device()
+    if dev.type == "cuda":
+        dist.barrier(group=group, device_ids=[dev.index])
+    else:
+        dist.barrier(group=group)
+
+
 def device():
     """This rank's device: its GPU under NCCL (always with its index, e.g. ``cuda:5``), else the CPU.
 

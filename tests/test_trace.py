@@ -75,6 +75,63 @@ def test_recorder_keeps_every_seam_call_as_a_record():
     assert (mem.kind, mem.cat, mem.args) == ("counter", "memory", {"parameters": 100, "gradients": 50})
 
 
+class FakeEvent:
+    """A CUDA event stand-in: its GPU time is the fake clock's reading when it was recorded."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def query(self):
+        return True
+
+
+class FakeAnchor:
+    def synchronize(self):
+        pass
+
+    def to_host_ns(self, ev):
+        return ev.t + 7  # the GPU's time, on the host clock
+
+
+def cuda_recorder(clock):
+    """A Recorder that takes the CUDA path (events, the anchor) with fakes, on a CPU machine:
+    what a rank on NCCL records, checked without a GPU."""
+    rec = Recorder(rank=0, world_size=1, clock=clock)
+    rec._cuda, rec._cuda_anchor = True, FakeAnchor()
+    rec._cuda_event = lambda: FakeEvent(clock.t)
+    return rec
+
+
+def test_on_cuda_a_synchronous_collective_is_timed_by_events_queued_around_it():
+    # NCCL's synchronous collectives hand back no Work (torch 2.11, one H200): the collective
+    # is queued on the current stream, so an event queued right after it fires when it is done
+    clock = FakeClock(1_000)
+    rec = cuda_recorder(clock)
+    mark = rec.launch_mark()
+    clock.t = 1_500
+    rec.collective("broadcast", None, nbytes=8, launched=mark)
+    (bc,) = rec.records
+    assert (bc.clock, bc.start_ns, bc.end_ns) == ("cuda", 1_007, 1_507)
+
+
+def test_on_cuda_every_kind_of_record_streams():
+    # drain() on CUDA asks each record's events whether the GPU reached them; a loss, a memory
+    # sample, a span, a gradient-ready and a collective must all pass (a span once failed it)
+    clock = FakeClock(1_000)
+    rec = cuda_recorder(clock)
+    rec.next_step()
+    with rec.span("backward"):
+        clock.t += 10
+        rec.grad_ready("w")
+        rec.collective("all_reduce", None, nbytes=4)
+    rec.loss(0.5)
+    rec.memory(parameters=1)
+    batch = rec.drain()
+    assert [(r.kind, r.name) for r in batch] == [("instant", "w"), ("span", "all_reduce"), ("span", "backward"),
+                                                 ("counter", "loss"), ("counter", "memory")]
+    assert {r.clock for r in batch if r.kind != "counter"} == {"cuda"}
+
+
 def test_records_are_picklable_and_merge_into_one_trace():
     parts = []
     for rank in range(2):

@@ -264,6 +264,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
+        if self.comm.real_backend == "nccl" and not opts.device_ids:  # else NCCL guesses a GPU, and warns
+            opts.device_ids = [rankside.device().index]
         return self._issue("barrier", 0, lambda: self.real.barrier(opts), [], opts=opts)
 
 

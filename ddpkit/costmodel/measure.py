@@ -232,6 +232,7 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int)
     import torch
     import torch.distributed as dist
 
+    from ddpkit.rankside import barrier
     from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
 
     unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
@@ -250,7 +251,7 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int)
             calls = max(4, min(32, int(calls_bytes // max(size, 1))))
             times = []
             for _ in range(repeats):
-                dist.barrier()
+                barrier()
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()

@@ -20,6 +20,8 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
+    from ddpkit import rankside
+
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 0
     n = dist.get_world_size(group)
@@ -31,7 +33,7 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
     out = [torch.zeros_like(probe) for _ in range(n)]
     mine = []  # (round trip, midpoint) per round
     for _ in range(rounds):
-        dist.barrier(group=group)
+        rankside.barrier(group, on=dev)
         finish()
         t_a = clock()
         dist.all_gather(out, probe, group=group)

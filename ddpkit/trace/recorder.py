@@ -152,8 +152,10 @@ class Recorder:
         """
         t0, ev0 = launched if launched is not None else self.launch_mark()
         done = [None, None]  # [host ns at completion, CUDA event after the collective]
-        if work is None:     # a synchronous call: it has already finished
+        if work is None:     # a synchronous call: it has finished (gloo), or is queued on this stream (NCCL)
             done[0] = t0
+            if self._cuda:   # an event queued after the collective fires when the GPU has done it
+                done[1] = self._cuda_event()
         else:
             clock, cuda, event = self._clock, self._cuda, self._cuda_event
 
@@ -277,10 +279,17 @@ class Recorder:
         kind = raw[0]
         if kind == "comm" and raw[4][0] is None:
             return False
-        if self._cuda:
-            events = {"span": raw[7:9], "comm": (raw[7], raw[4][1]), "ready": raw[5:6]}.get(kind, ())
-            return all(ev is None or ev.query() for ev in events)
-        return True
+        if not self._cuda:
+            return True
+        if kind == "span":
+            events = raw[7:9]
+        elif kind == "comm":
+            events = (raw[7], raw[4][1])
+        elif kind == "ready":
+            events = raw[5:6]
+        else:  # loss, memory: no event
+            events = ()
+        return all(ev is None or ev.query() for ev in events)
 
     def _resolve(self, raw) -> Record:
         """One raw tuple as a Record, on rank 0's clock."""
