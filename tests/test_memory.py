@@ -220,3 +220,34 @@ def test_memory_against_n_follows_the_formulas_and_says_what_they_leave_out(clus
 
     plot = plot_memory_against_n(sweep, formula)
     assert plot._repr_png_().startswith(b"\x89PNG") and [a.get_title() for a in plot.axes] == rungs
+
+
+def _train_and_keep_a_weak_reference(strategy):
+    import builtins
+    import weakref
+
+    from ddpkit.experiment import run_strategy, wrap
+    from ddpkit.models import build_model
+
+    model = build_model("mlp", width=32, depth=3)
+    wrapped, _ = wrap(strategy, model, "sgd", 25.0, None)
+    builtins._ddpkit_test_refs = (weakref.ref(model), weakref.ref(wrapped))
+    run_strategy(strategy, steps=1, warmup=0, model_kwargs=dict(width=32, depth=3), record=True,
+                 report_progress=False)
+    return None
+
+
+def _still_alive():
+    import builtins
+
+    return [ref() is not None for ref in builtins._ddpkit_test_refs]
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "overlapped", "zero1", "zero2", "fsdp", "torch_ddp"])
+def test_a_rank_lets_go_of_an_earlier_runs_model_and_wrapper(cluster_of, strategy):
+    # A rank outlives its jobs. Gradient hooks live in a parameter's C++ autograd data, out of the
+    # garbage collector's sight: a hook holding its wrapper kept every run's model, buckets and
+    # optimizer alive (on a GPU the allocator's figures grew by a model per run, seen on an H200)
+    cluster = cluster_of(1)
+    cluster.run(_train_and_keep_a_weak_reference, strategy)
+    assert cluster.run(_still_alive) == [[False, False]]

@@ -258,10 +258,14 @@ def _keep_freed_memory() -> None:
 
 
 def _before_job() -> None:
-    """What each job starts from: on a GPU, the allocator's peak counted afresh (a rank outlives
-    its jobs; ``memory.reset_cuda_peak``)."""
+    """What each job starts from: what earlier jobs left in reference cycles freed (a model and
+    its wrapper's hooks), and on a GPU the allocator's peak counted afresh (a rank outlives its
+    jobs; ``memory.reset_cuda_peak``): each run's memory figures are its own."""
+    import gc
+
     from ddpkit import rankside
 
+    gc.collect()
     dev = rankside.device()
     if dev.type == "cuda":
         from ddpkit.memory import reset_cuda_peak

@@ -15,7 +15,9 @@ torch's DDP has (``docs/papers.md``, DDP section), each small:
 """
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -76,12 +78,25 @@ class DDPModule(nn.Module, Joinable):
     def _record_fill_order(self) -> None:
         """Hooks only to *record* when each gradient becomes ready (the bucket fill order), for a
         wrapper that reduces after backward (BucketedDDP, ZeRO1); recording off: no hooks."""
-        if not self.recorder.enabled:
-            return
-        for bucket in self.buckets:
-            for name, p in zip(bucket.names, bucket.params, strict=True):
-                p.register_post_accumulate_grad_hook(
-                    lambda p, name=name, i=bucket.index: self.recorder.grad_ready(name, bucket=i))
+        if self.recorder.enabled:
+            self._hook_every_gradient(self._note_ready)
+
+    def _note_ready(self, bucket, j: int) -> None:
+        self.recorder.grad_ready(bucket.names[j], bucket=bucket.index)
+
+    def _hook_every_gradient(self, method) -> None:
+        """Call ``method(bucket, j)`` each time gradient j of a bucket lands in ``.grad`` (a
+        post-accumulate-grad hook on each parameter).
+
+        The hooks reach this wrapper through a weak reference. torch keeps a parameter's hooks in
+        its C++ autograd data, where Python's garbage collector cannot follow them: a hook holding
+        the wrapper made wrapper -> model -> parameter -> hook -> wrapper a cycle nothing frees, so
+        a Cluster's rank kept every run's model and buckets (on a GPU: the allocator's figures
+        grew run by run). A hook whose wrapper is gone does nothing."""
+        owner, name = weakref.ref(self), method.__name__
+        for i, bucket in enumerate(self.buckets):
+            for j, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(functools.partial(_call_owner, owner, name, i, j))
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
@@ -219,3 +234,10 @@ class _ShadowSteps(JoinHook):
         with torch.no_grad():
             for t in list(ddp.module.parameters()) + list(ddp.module.buffers()):
                 dist.broadcast(t.data, src=src, group=ddp.process_group)
+
+
+def _call_owner(owner, method: str, i: int, j: int, _param) -> None:
+    """A gradient hook of ``DDPModule._hook_every_gradient``: ``method`` of the wrapper, if it lives."""
+    wrapper = owner()
+    if wrapper is not None:
+        getattr(wrapper, method)(wrapper.buckets[i], j)

@@ -54,27 +54,21 @@ class OverlappedDDP(DDPModule):
         # which bucket is launched next, in bucket order (the rules above; buckets.InOrder)
         self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
                                  type(self).__name__)
-        for bucket in self.buckets:
-            for j, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, j))
+        self._hook_every_gradient(self._grad_ready_hook)
 
     def _start_step(self, sync: bool) -> None:
         # Each training forward resets the per-step state the hooks update.
         super()._start_step(sync)
         self._in_order.new_step()
 
-    def _grad_ready_hook(self, bucket: Bucket, j: int):
-        """The hook for gradient j of ``bucket``: copy it in; launch the buckets now complete."""
-
-        def hook(p: nn.Parameter) -> None:
-            # recorded; in a backward that syncs (not inside no_sync()) .grad / N into its bucket slot
-            if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
-                # Launch every complete bucket in bucket order, starting from the next one due:
-                # async, so autograd goes on computing earlier layers while the bytes travel.
-                for due in self._in_order.due():
-                    due.all_reduce(self.process_group, self.recorder, self._comm_hook)
-
-        return hook
+    def _grad_ready_hook(self, bucket: Bucket, j: int) -> None:
+        """Gradient j of ``bucket`` is in ``.grad``: copy it in; launch the buckets now complete."""
+        # recorded; in a backward that syncs (not inside no_sync()) .grad / N into its bucket slot
+        if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
+            # Launch every complete bucket in bucket order, starting from the next one due:
+            # async, so autograd goes on computing earlier layers while the bytes travel.
+            for due in self._in_order.due():
+                due.all_reduce(self.process_group, self.recorder, self._comm_hook)
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:

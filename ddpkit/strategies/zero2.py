@@ -44,8 +44,7 @@ class ZeRO2(ZeroDDPModule):
         self._next_done = 0  # the next launched bucket whose reduce-scatter we collect
         for bucket in self.buckets:
             bucket.free_gradient()  # allocated when the bucket's first gradient arrives
-            for j, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, j))
+        self._hook_every_gradient(self._grad_ready_hook)
 
     def _start_step(self, sync: bool) -> None:
         super()._start_step(sync)
@@ -53,21 +52,17 @@ class ZeRO2(ZeroDDPModule):
         self._next_done = 0
 
     # ------------------------------------------------------------------ backward: reduce-scatter
-    def _grad_ready_hook(self, bucket: ZeroBucket, j: int):
-        """The hook for gradient j of ``bucket``: copy it in, free it, launch complete buckets."""
-
-        def hook(p: nn.Parameter) -> None:
-            # recorded; in a backward that syncs (not inside no_sync(), where it accumulates in .grad)
-            # .grad / N into the bucket's flat gradient, and .grad freed (ZeroBucket.copy_in)
-            if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
-                with torch.no_grad():
-                    # every complete bucket, in bucket order from the next one due: async, so
-                    # autograd goes on computing earlier layers' gradients while this one travels
-                    for due in self._in_order.due():
-                        due.reduce_scatter(self.process_group, self.recorder)
-                    self._collect_finished(block=False)  # free what is already reduced
-
-        return hook
+    def _grad_ready_hook(self, bucket: ZeroBucket, j: int) -> None:
+        """Gradient j of ``bucket`` is in ``.grad``: copy it in, free it, launch complete buckets."""
+        # recorded; in a backward that syncs (not inside no_sync(), where it accumulates in .grad)
+        # .grad / N into the bucket's flat gradient, and .grad freed (ZeroBucket.copy_in)
+        if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
+            with torch.no_grad():
+                # every complete bucket, in bucket order from the next one due: async, so
+                # autograd goes on computing earlier layers' gradients while this one travels
+                for due in self._in_order.due():
+                    due.reduce_scatter(self.process_group, self.recorder)
+                self._collect_finished(block=False)  # free what is already reduced
 
     def _collect_finished(self, block: bool) -> None:
         """Launched buckets, in order, whose reduce-scatter is done (all of them if ``block``):
