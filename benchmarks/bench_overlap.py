@@ -18,6 +18,7 @@ its own steps of the course's MLP and, inside them, the four calls DDP makes on 
     wait       waiting for the all-reduces: the link's time left exposed, and a late peer
     copy-out   the averaged buckets back into .grad
     other      DDP - the four: the hooks' Python, and backward's kernels slowed beside the copies
+               (overlapped's line "gradient hooks" gives the hooks' own Python, per hook)
     moved      of the waits, the time the rank spent moving the bytes itself (waiting there for a late
                peer included): on an emulated network the shared-memory transport moves them when
                the rank waits (the emulated NIC's rule, ``ddpkit.comm.emulator``), not during backward
@@ -51,6 +52,7 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
     import ddpkit
     from ddpkit.experiment import wrap
     from ddpkit.strategies.buckets import Bucket
+    from ddpkit.strategies.overlapped import OverlappedDDP
 
     rank, world, dev = ddpkit.rank(), ddpkit.world_size(), ddpkit.device()
     wl = ddpkit.Workload.builtin("mlp")
@@ -67,13 +69,27 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
                 spent[name] += time.perf_counter() - t
         return bucket_call
 
+    # overlapped's gradient hook: its calls, and its own Python (the Bucket calls inside it apart)
+    hooks = {"calls": 0, "own": 0.0}
+    hook = OverlappedDDP._grad_ready_hook
+
+    def timed_hook(self, bucket, j):
+        t, inside = time.perf_counter(), sum(spent.values())
+        try:
+            return hook(self, bucket, j)
+        finally:
+            hooks["calls"] += 1
+            hooks["own"] += time.perf_counter() - t - (sum(spent.values()) - inside)
+
     rows, alone = [], []
     for name, call in originals.items():  # this rank's process only, for this job only
         setattr(Bucket, name, timed(name, call))
+    OverlappedDDP._grad_ready_hook = timed_hook
     try:
         for step in range(warmup + steps):
             batch = wl.local_batch(step, global_batch_size, rank, world, dev)
             spent.update(dict.fromkeys(PARTS, 0.0))
+            hooks.update(calls=0, own=0.0)
             moved = ddpkit.rankside.transport_seconds()
             t0 = time.perf_counter()
             loss = wl.compute_loss(model, batch)
@@ -87,7 +103,8 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
             t4 = time.perf_counter()
             if step >= warmup:
                 rows.append(dict(step=t4 - t0, backward=t2 - t1, sync=t3 - t2, **spent,
-                                 moved=ddpkit.rankside.transport_seconds() - moved))
+                                 moved=ddpkit.rankside.transport_seconds() - moved,
+                                 hook_calls=hooks["calls"], hook_own=hooks["own"]))
         for step in range(warmup + steps):  # the same backward, hooks idle: no bucket is touched
             batch = wl.local_batch(step, global_batch_size, rank, world, dev)
             with model.no_sync():
@@ -100,6 +117,7 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
     finally:
         for name, call in originals.items():
             setattr(Bucket, name, call)
+        OverlappedDDP._grad_ready_hook = hook
 
     def ms(values):
         return 1e3 * statistics.median(values)
@@ -108,6 +126,8 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
     out["backward"] = ms(alone)
     out["ddp"] = ms([r["backward"] + r["sync"] for r in rows]) - out["backward"]
     out["other"] = out["ddp"] - sum(out[p] for p in PARTS)
+    out["hook_calls"] = statistics.median(r["hook_calls"] for r in rows)
+    out["hook_ms"] = ms([r["hook_own"] for r in rows])  # a step's hooks, their own Python
     return out
 
 
@@ -153,8 +173,11 @@ def main() -> None:
                     per_rank = cluster.run(_job, s, a.bucket_cap_mb, a.steps, a.global_batch_size)
                     row = {k: statistics.mean(x[k] for x in per_rank) for k in COLUMNS}
                     row["step"] = max(x["step"] for x in per_rank)
+                    row.update({k: statistics.mean(x[k] for x in per_rank) for k in ("hook_ms", "hook_calls")})
                     rounds[s].append(row)
             med = {s: {k: statistics.median(row[k] for row in rounds[s]) for k in COLUMNS} for s in STRATEGIES}
+            hook_ms = statistics.median(row["hook_ms"] for row in rounds["overlapped"])
+            hook_calls = statistics.median(row["hook_calls"] for row in rounds["overlapped"])
             for i, s in enumerate(STRATEGIES):
                 print(f"{net.name if i == 0 else '':<10} {s:<10} " + " ".join(f"{med[s][k]:8.2f}" for k in COLUMNS))
             hid = med["bucketed"]["wait"] - med["overlapped"]["wait"]
@@ -172,6 +195,10 @@ def main() -> None:
             print(f"{'':<10} the perfect-overlap bound: {bound:.1f} ms a step (bucketed/bound "
                   f"{b['step'] / bound:.2f}); overlapped reaches {bound / o['step']:.0%} of it "
                   f"(moving the bytes: {o['moved']:.1f} ms a step)")
+            if hook_calls:
+                print(f"{'':<10} overlapped's gradient hooks: {hook_calls:.0f} a step, {hook_ms:.2f} ms of their "
+                      f"own Python ({1e3 * hook_ms / hook_calls:.0f} us each; copy-in and launches apart), "
+                      f"part of 'other'")
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ TINY = {
                             "sync cost per iteration"),
     "bench_desync.py": (["--rounds", "2", "--steps", "1", "--strategies", "overlapped"], "detection costs"),
     "bench_live.py": (["--rounds", "2", "--steps", "2"], "recording + streaming + live widget"),
-    "bench_overlap.py": (["--networks", "10GbE", "--rounds", "1", "--steps", "1"], "the perfect-overlap bound"),
+    "bench_overlap.py": (["--networks", "10GbE", "--rounds", "1", "--steps", "1"], "overlapped's gradient hooks"),
     "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
     "bench_recording.py": (["--rounds", "2", "--steps", "2", "--width", "32", "--depth", "2"], "recording costs"),
     "bench_transport.py": (["--rounds", "2", "--iters", "1", "--sizes", "4K,64K", "--candidates", "gloo,shm",
