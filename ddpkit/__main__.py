@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-sizes", type=int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
     add_network_args(p)
-    p.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=bucket_cap, default=None,
+                   help="bucket size cap in MiB (default: torch DDP's, 25 with the first bucket at 1)")
     p.add_argument("--model", default="mlp", metavar="NAME", help=MODEL_HELP)
     p.add_argument("--width", type=positive_int, default=None)
     p.add_argument("--depth", type=positive_int, default=None)
@@ -264,7 +265,8 @@ def cmd_predict(args, parser) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    print(f"network {network.describe()}; bucket cap {args.bucket_cap_mb:g} MiB; model {_describe(args.workload)}")
+    cap = "torch DDP's default (25 MiB, the first 1)" if args.bucket_cap_mb is None else f"{args.bucket_cap_mb:g} MiB"
+    print(f"network {network.describe()}; bucket cap {cap}; model {_describe(args.workload)}")
     profiles: dict = {}  # one rank's compute per (batch per rank, ranks profiled at once)
     predictions = []
     for n in args.world_sizes:

@@ -138,7 +138,8 @@ def add_run_args(p, steps: int) -> None:
     p.add_argument("--global-batch-size", type=positive_int, default=32,
                    help="samples per step over all ranks (default 32)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0, help="bucket size cap in MiB (default 25)")
+    p.add_argument("--bucket-cap-mb", type=bucket_cap, default=None,
+                   help="bucket size cap in MiB (default: torch DDP's, 25 with the first bucket at 1)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: nccl with one GPU per rank, else gloo")
     p.add_argument("--threads-per-rank", type=int, default=None,

@@ -41,7 +41,7 @@ def spread(times: list[float]) -> str:
 
 
 def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rounds=3,
-            global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, record_steps=3,
+            global_batch_size=32, optimizer="sgd", bucket_cap_mb=None, record_steps=3,
             progress=None, *, model=None, max_norm=None) -> list[dict]:
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
     order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),

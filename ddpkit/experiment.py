@@ -132,7 +132,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float = 25.0,
+def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float | None = None,
          recorder=None, process_group=None, options: dict | None = None):
     """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them; the
     model is moved to this rank's device first. Nothing else in a training loop depends on the name.
@@ -219,7 +219,7 @@ class _StepTimer:
 
 
 def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_size: int = 32,
-                 optimizer: str = "sgd", record: bool = False, bucket_cap_mb: float = 25.0,
+                 optimizer: str = "sgd", record: bool = False, bucket_cap_mb: float | None = None,
                  warmup: int = 1, seed: int = 0, model_kwargs: dict | None = None,
                  reference: dict | None = None, return_records: bool = False,
                  report_progress: bool = True, options: dict | None = None, max_norm: float | None = None,

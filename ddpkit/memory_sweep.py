@@ -27,7 +27,7 @@ from __future__ import annotations
 
 
 def memory_job(strategy: str, workload=None, per_rank_batch: int = 32, steps: int = 2, optimizer: str = "adamw",
-               bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
+               bucket_cap_mb: float | None = None, seed: int = 0) -> dict:
     """A Cluster job: train ``steps`` steps of ``strategy`` on ``workload`` (a ``ddpkit.Workload``
     or a built-in's name; default the MLP), ``per_rank_batch`` samples per rank; this rank's memory
     by category (see the module docstring), in bytes."""

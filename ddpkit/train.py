@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="train until this step count (total, resumed included)")
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket size cap in MiB (default: torch DDP's, 25 with the first bucket at 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: nccl when this machine has a GPU per local rank, else gloo")

@@ -463,7 +463,23 @@ def test_assign_buckets_matches_torch_ddp():
         assert ours == [[len(tensors) - 1 - i for i in b] for b in theirs], (trial, caps)
 
 
-@pytest.mark.parametrize("cap", [-1, -0.5, float("nan"), "25", None, True])
+def test_a_cap_left_at_its_default_is_torch_ddps_layout():
+    # None: 25 MiB with a 1 MiB first bucket, as torch DDP's default; a cap given is every bucket's
+    from ddpkit.strategies.buckets import layout, make_buckets
+
+    assert layout(None) == (25.0, 1.0) and layout(25.0) == (25.0, None) and layout(None, 4.0) == (25.0, 4.0)
+    named = list(unique_named_parameters(build_model("mlp")))
+    sizes = [[p.numel() * F32 for p in b.params] for b in make_buckets(named, None)]
+    assert [sum(b) for b in sizes] == [1_062_952, 7_368_704]  # the MLP's 8.04 MiB as torch lays it out
+    assert len(make_buckets(named, 25.0)) == 1
+    compute = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if compute is not None:  # torch's own assignment at its default limits
+        tensors = [p.detach() for _, p in named]
+        theirs, _ = compute(tensors[::-1], [2**20, 25 * 2**20])
+        assert [len(b) for b in theirs] == [len(b) for b in sizes]
+
+
+@pytest.mark.parametrize("cap", [-1, -0.5, float("nan"), "25", True])
 def test_bad_bucket_cap_is_a_value_error(cap):
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         bucket_cap_bytes(cap)

@@ -148,7 +148,7 @@ ALONE_AS = {"hsdp": "fsdp", "torch_hsdp": "torch_fsdp"}
 
 
 def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
-                bucket_cap_mb: float = 25.0, model_kwargs: dict | None = None, steps: int = 5) -> dict:
+                bucket_cap_mb: float | None = None, model_kwargs: dict | None = None, steps: int = 5) -> dict:
     """A Cluster job: every rank trains each of ``runs`` (``{label: (strategy, wrapper options)}``)
     over a process group of its own, one rank with no peer (nothing to move, nobody to wait for),
     all ranks at once so they contend for the cores as in training; ``{label: seconds per step}``,

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from ddpkit.network import Network, as_network, ring_bytes
-from ddpkit.strategies.buckets import assign_buckets  # the same rule the strategies use
+from ddpkit.strategies.buckets import assign_buckets, layout  # the same rules the strategies use
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import unfit
 from ddpkit.strategies.table import strategy as strategy_row
@@ -276,7 +276,7 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
 
 
 def simulate(strategy: str, profile: Profile, world_size: int, network="loopback",
-             bucket_cap_mb: float = 25.0, cost=None) -> Prediction:
+             bucket_cap_mb: float | None = None, cost=None) -> Prediction:
     """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network`` (a
     ``Network``, a ``Link``, a preset name: see ``ddpkit.network.as_network``). ``cost``: another
     ``CostStep`` to simulate instead of the table's, e.g. a switch flipped
@@ -296,9 +296,10 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
                          forward_prefetch=step.forward_prefetch, backward_prefetch=step.backward_prefetch,
                          limit=step.limit_all_gathers) + opt
     else:
-        cap = bucket_cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
-        # torch caps its first bucket at 1 MiB when the cap is left at its default
-        first = 1 * MiB if step.torch_first_bucket and bucket_cap_mb == 25.0 else None
+        # the wrappers' bucket layout (torch DDP's rule: a cap left at None is 25 MiB, the first 1 MiB)
+        cap_mb, first_mb = layout(bucket_cap_mb)
+        cap = cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
+        first = first_mb * MiB if step.bucketed and first_mb is not None else None
         end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
                         reduce=step.grad_reduce, copy_out=step.copy_out) + opt
         p_bytes = profile.param_bytes
@@ -323,7 +324,7 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
 
 
 def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
-            bucket_cap_mb: float = 25.0) -> list[Prediction]:
+            bucket_cap_mb: float | None = None) -> list[Prediction]:
     """Every (strategy, world size) pair, world sizes outermost. A ValueError naming the strategy
     where one cannot run at a world size (hybrid sharding on ranks that are not whole nodes of the
     network's, or the default layout's: ``ddpkit.Topology``)."""

@@ -23,7 +23,7 @@ from ddpkit.workload import resolve
 
 
 def validate(cluster, strategies, workload=None, model_kwargs=None, steps=10, rounds=3,
-             global_batch_size=32, optimizer="sgd", bucket_cap_mb=25.0, progress=None, *, model=None):
+             global_batch_size=32, optimizer="sgd", bucket_cap_mb=None, progress=None, *, model=None):
     """See ``_validate``; ``strategies`` are names, or ``{label: (name, {wrapper options})}`` to
     check variants, e.g. ``{f"{name} + forward prefetch": (name, {"forward_prefetch": True})}``:
     the options go to the wrapper and, where ``CostStep`` has a field of that name, into the

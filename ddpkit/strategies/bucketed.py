@@ -13,10 +13,11 @@ Bucket assignment follows torch DDP (``buckets.assign_buckets``):
   stays in it; ``0`` means one parameter per bucket; a negative cap is a ``ValueError``;
 - a bucket holds one dtype on one device (it is a single flat tensor);
 - frozen parameters are left out, tied parameters are in once.
-(torch DDP additionally caps its first bucket at 1 MiB when ``bucket_cap_mb`` is left at its
-default, and rebuilds the buckets once in the order gradients actually arrived. Here the cap is
-taken literally, so that a cap sweep shows both ends of the trade-off (the course's MLP in one
-bucket at 25 MiB); ``first_bucket_mb=1`` gives torch's default layout. No rebuild.)
+- as torch DDP, a cap left at its default (``bucket_cap_mb=None``) is 25 MiB with the first
+  bucket capped at 1 MiB, so the first gradients start travelling early; a cap given applies to
+  every bucket, so a cap sweep shows both ends of the trade-off (the course's MLP in one bucket
+  at 25 MiB); ``first_bucket_mb`` sets the first bucket's cap (``buckets.layout``).
+(torch DDP also rebuilds the buckets once in the order gradients actually arrived. No rebuild here.)
 
 Copies, not views: after backward each gradient is copied into its bucket slot (scaled by
 1/N on the way), the bucket is all-reduced, and the averaged values are copied back into
@@ -36,7 +37,7 @@ from ddpkit.strategies.ddp_module import DDPModule
 class BucketedDDP(DDPModule):
     """Copy gradients into flat buckets after backward and all-reduce each bucket once."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)

@@ -1,6 +1,7 @@
 """Buckets: gradients packed into one flat buffer, so that one collective carries many of them.
 
     assign_buckets(sizes, cap_bytes)   which tensors share a bucket (torch DDP's rule)
+    layout(bucket_cap_mb)              the caps in MiB: None is torch DDP's default (25, first 1)
     Bucket(index, named_params)        one bucket: its flat buffer, a slot in it per gradient,
                                        how many gradients are still missing in this step, and
                                        the handle of its all-reduce once launched
@@ -25,6 +26,20 @@ import torch.distributed as dist
 from ddpkit.strategies._common import nbytes
 from ddpkit.strategies.flat_layout import FlatLayout
 from ddpkit.torch_internals import copy_all, queue_at_end_of_backward
+
+
+DEFAULT_CAP_MB = 25.0   # torch DDP's bucket_cap_mb
+FIRST_BUCKET_MB = 1.0   # torch DDP's first bucket, while the cap is left at its default
+
+
+def layout(bucket_cap_mb: float | None, first_bucket_mb: float | None = None) -> tuple[float, float | None]:
+    """(every bucket's cap, the first bucket's cap or None: the same) in MiB, by torch DDP's rule:
+    a cap left at its default (None) is 25 MiB with the first bucket capped at 1 MiB, so the first
+    gradients start travelling early in backward; a cap given applies to every bucket (a cap sweep
+    sees both ends of the trade-off). ``first_bucket_mb`` sets the first bucket's cap either way."""
+    if bucket_cap_mb is None:
+        return DEFAULT_CAP_MB, FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+    return bucket_cap_mb, first_bucket_mb
 
 
 def bucket_cap_bytes(bucket_cap_mb: float) -> float:
@@ -200,10 +215,12 @@ class InOrder:
                     bucket.copy_in(j, scale)
 
 
-def make_buckets(named_params: list, bucket_cap_mb: float, bucket=Bucket, first_bucket_mb: float | None = None) -> list:
+def make_buckets(named_params: list, bucket_cap_mb: float | None, bucket=Bucket,
+                 first_bucket_mb: float | None = None) -> list:
     """The buckets for ``named_params`` ((name, parameter), registration order): one
     ``bucket(index, [(name, parameter), ...])`` each (ZeRO-1/2 pass their sharded bucket).
-    ``first_bucket_mb``: a cap of its own for the first bucket (torch DDP's default layout: 1)."""
+    The caps follow ``layout``: None is torch DDP's default (25 MiB, the first bucket 1 MiB)."""
+    bucket_cap_mb, first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
     cap = bucket_cap_bytes(bucket_cap_mb)
     first = None if first_bucket_mb is None else bucket_cap_bytes(first_bucket_mb)
     sizes = [nbytes(p) for _, p in named_params]

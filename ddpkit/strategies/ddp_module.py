@@ -26,7 +26,7 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import clip_grad_norm_, no_sync, prepare_module, unique_named_parameters
-from ddpkit.strategies.buckets import bucket_cap_bytes, make_buckets
+from ddpkit.strategies.buckets import bucket_cap_bytes, layout, make_buckets
 
 
 class DDPModule(nn.Module, Joinable):
@@ -50,12 +50,13 @@ class DDPModule(nn.Module, Joinable):
     """
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
-                 bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  first_bucket_mb: float | None = None):
-        if bucketed:
-            bucket_cap_bytes(bucket_cap_mb)  # a bad cap fails before any communication
-            if first_bucket_mb is not None:
-                bucket_cap_bytes(first_bucket_mb)
+        if bucketed:  # a bad cap fails before any communication
+            cap_mb, first_mb = layout(bucket_cap_mb, first_bucket_mb)
+            bucket_cap_bytes(cap_mb)
+            if first_mb is not None:
+                bucket_cap_bytes(first_mb)
         super().__init__()
         Joinable.__init__(self)
         prepare_module(type(self).__name__, module, process_group)
@@ -71,8 +72,7 @@ class DDPModule(nn.Module, Joinable):
         self._sync_pending = False  # set by a forward that needs a sync, cleared when done
         self._comm_hook = None      # register_comm_hook: how a bucket is reduced
         if bucketed:  # the flat buckets, in the order they fill (buckets.py)
-            self.bucket_cap_mb = bucket_cap_mb
-            self.first_bucket_mb = first_bucket_mb
+            self.bucket_cap_mb, self.first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
             self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb)
 
     def _record_fill_order(self) -> None:

@@ -47,7 +47,7 @@ from ddpkit.strategies.buckets import Bucket, InOrder
 class OverlappedDDP(DDPModule):
     """Bucketed all-reduce launched from per-parameter gradient hooks, overlapping backward."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)

@@ -1,6 +1,6 @@
 """torch's own implementations behind ddpkit's small interface, for side-by-side comparison.
 
-    TorchDDP(module, bucket_cap_mb=25.0)   torch.nn.parallel.DistributedDataParallel
+    TorchDDP(module, bucket_cap_mb=None)   torch.nn.parallel.DistributedDataParallel
     TorchFSDP(module, units=None)          torch.distributed.fsdp.fully_shard (FSDP2)
     TorchHSDP(module, gpus_per_node, units=None)   fully_shard on a 2-D (replicate, shard) DeviceMesh
 
@@ -32,19 +32,20 @@ from ddpkit.torch_internals import fully_shard
 class TorchDDP(nn.Module):
     """torch.nn.parallel.DistributedDataParallel with ddpkit's interface."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, **ddp_kwargs):
         super().__init__()
         require_process_group("TorchDDP", process_group)
-        bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
+        if bucket_cap_mb is not None:
+            bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
-        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do. At the
-        # default cap torch is left to its defaults, which cap the first bucket at 1 MiB (the
-        # first gradients start travelling early); a cap given explicitly applies to every bucket.
+        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do. A cap left
+        # at None is torch's default, which caps the first bucket at 1 MiB (the first gradients
+        # start travelling early); a cap given applies to every bucket: ours follow the same rule
+        # (buckets.layout).
         self.ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group,
-                                                       bucket_cap_mb=None if bucket_cap_mb == 25.0 else bucket_cap_mb,
-                                                       **ddp_kwargs)
+                                                       bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         if self.recorder.enabled:
             self._look_inside()
 

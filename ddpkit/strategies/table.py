@@ -27,7 +27,7 @@ class CostStep:
 
     ``algorithm`` "ddp": gradients reduced with ``grad_reduce`` (DDP's "all_reduce", or ZeRO-1/2's
     "reduce_scatter"), per gradient when ``bucketed`` is False, else in buckets, launched during
-    backward when ``overlap``; torch's 1 MiB first bucket when ``torch_first_bucket``; the
+    backward when ``overlap`` (the buckets laid out by ``buckets.layout``, ours and torch's alike); the
     parameters all-gathered after a sharded optimizer step when ``gather_params``.
     "fsdp": ZeRO-3, all-gathers before forward and (``reshard``) backward, the next unit's
     all-gather issued early with ``forward_prefetch`` / ``backward_prefetch``, at most
@@ -40,7 +40,6 @@ class CostStep:
     bucketed: bool = True
     grad_reduce: str = "all_reduce"   # "all_reduce" | "reduce_scatter" (ZeRO-1/2)
     overlap: bool = False
-    torch_first_bucket: bool = False
     gather_params: bool = False
     gather_in_place: bool = False     # per bucket, into the parameters (ZeRO-1/2); else one buffer,
                                       # our 1/N copied in and the rest copied out (ShardedOptimizer)
@@ -230,10 +229,10 @@ _ROWS = [
              _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=None,
              family="hsdp", hybrid=True),
     Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
-             CostStep("ddp", overlap=True, torch_first_bucket=True), torch_native=True),
+             CostStep("ddp", overlap=True), torch_native=True),
     Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel", _torch_ddp,
              _torch_zero_optimizer, "ZeRO-1",
-             CostStep("ddp", overlap=True, torch_first_bucket=True, gather_params=True, sharded_optimizer=True),
+             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True),
              bytes_vs_ddp=None, torch_native=True, family="zero", predictable=False),
     Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
              CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), bytes_vs_ddp=1.5, torch_native=True,

@@ -41,7 +41,7 @@ from ddpkit.strategies.zero_buckets import ZeroDDPModule
 class ZeRO1(ZeroDDPModule):
     """Buckets reduce-scattered after backward; the optimizer steps 1/N; parameters all-gathered."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None):
         super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
         self._reduced = False  # a synchronised backward has used the gradients
         self._record_fill_order()  # hooks only to record the bucket fill order, as BucketedDDP's

@@ -36,7 +36,7 @@ from ddpkit.strategies.zero_buckets import ZeroBucket, ZeroDDPModule
 class ZeRO2(ZeroDDPModule):
     """Buckets reduce-scattered from gradient hooks, full gradients freed; the step as ZeRO-1's."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None):
         super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
         # which bucket is launched next, in bucket order (as OverlappedDDP's: buckets.InOrder)
         self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,

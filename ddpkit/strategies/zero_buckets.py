@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.strategies._common import all_gather_flat, clip_grad_norm_, reduce_scatter_flat
-from ddpkit.strategies.buckets import make_buckets
+from ddpkit.strategies.buckets import layout, make_buckets
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
 
@@ -123,10 +123,10 @@ class ZeroDDPModule(DDPModule):
     and the all-gather of the updated parameters after each step. They differ in when the
     gradients are reduce-scattered (after backward / from the gradient hooks)."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, recorder=None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None):
         super().__init__(module, process_group, recorder)  # checks, rank 0's values everywhere
         self.rank = dist.get_rank(process_group)
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb, self.first_bucket_mb = layout(bucket_cap_mb)
         # DDP's buckets (the same rule), each a ZeroBucket: padded to N shards, ours is shard r
         self.buckets = make_buckets(self.named_grads, bucket_cap_mb,
                                     lambda i, params: ZeroBucket(i, params, self.rank, self.world_size))

@@ -9,7 +9,7 @@ from ddpkit.viz._common import new_figure  # shows in a notebook without pyplot
 
 
 def plot_scaling(profile: Profile, strategies=HEADLINE, networks=("100GbE", "nvlink"),
-                 world_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), bucket_cap_mb: float = 25.0):
+                 world_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), bucket_cap_mb: float | None = None):
     """Predicted weak scaling (same per-rank batch at every size) to 256 ranks, one panel per
     network: scaling efficiency = time of one rank / time of N ranks. A matplotlib Figure. By
     default the table's headline rungs: overlapped DDP, ZeRO-1 and ZeRO-3. Hybrid sharding runs
