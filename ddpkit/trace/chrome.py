@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from ddpkit.trace.figures import packed_label
 from ddpkit.trace.records import Record, as_trace
 
 # Lanes become Chrome "threads" (tid) inside each rank's "process" (pid = rank).
@@ -25,8 +26,9 @@ def to_chrome_trace(trace, path=None) -> dict:
 
     pid = rank (named "rank N"); tid = lane: compute (forward/backward/sync/step), comm
     (each collective from launch to completion; collectives in flight at the same time are
-    put on extra "comm 2", "comm 3" lanes, since Chrome's "X" events on one thread must
-    nest), buckets (an instant per gradient becoming ready). Memory samples are "C"
+    put on extra lanes, since Chrome's "X" events on one thread must nest; the lanes are named
+    as on the widget's timeline: "collectives", "2nd in flight", ...), buckets (an instant per
+    gradient becoming ready). Memory samples are "C"
     counters. Times are microseconds since the first record.
     """
     trace = as_trace(trace)
@@ -38,8 +40,9 @@ def to_chrome_trace(trace, path=None) -> dict:
         events.append(dict(ph="M", name="process_name", pid=rank, tid=0, args={"name": f"rank {rank}"}))
         events.append(dict(ph="M", name="process_sort_index", pid=rank, tid=0, args={"sort_index": rank}))
         for lane, tid in LANES.items():
-            events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": lane}))
-            # the buckets lane goes last, so extra comm lanes ("comm 2", ...) sit under "comm"
+            name = packed_label(0) if lane == "comm" else lane  # "collectives", as on the widget
+            events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": name}))
+            # the buckets lane goes last, so extra comm lanes ("2nd in flight", ...) sit under the first
             order = 100 if lane == "buckets" else tid
             events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": order}))
         comm_lane_ends: list[int] = []  # end time of the last collective on each comm lane
@@ -124,7 +127,7 @@ def _comm_tid(lane_ends: list, r: Record, events: list, rank: int) -> int:
     if i == 0:
         return LANES["comm"]
     tid = _COMM_EXTRA_TID + i
-    events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": f"comm {i + 1}"}))
+    events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args={"name": packed_label(i)}))
     events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid, args={"sort_index": 1 + i}))
     return tid
 
