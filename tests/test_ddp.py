@@ -77,6 +77,54 @@ def test_a_first_bucket_of_its_own_as_torch_ddp_lays_them_out_and_equals_one_pro
         ddpkit.OverlappedDDP(nn.Linear(2, 2), first_bucket_mb=-1)
 
 
+def _views_run(strategy, set_to_none, micro=2, steps=4):
+    """Train with gradient_as_bucket_view (micro-batches under no_sync() too); count the copies."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model("mlp", seed=rank, **SMALL_MLP)
+    cls = ddpkit.BucketedDDP if strategy == "bucketed" else ddpkit.OverlappedDDP
+    model = cls(module, bucket_cap_mb=SMALL_CAP, gradient_as_bucket_view=True)
+    opt = make_optimizer(model.parameters(), "sgd")
+    copies = {"in": 0}
+    mul = torch.mul
+
+    def counting_mul(*args, **kwargs):  # Bucket.copy_in copies with torch.mul(grad, scale, out=slot)
+        copies["in"] += "out" in kwargs
+        return mul(*args, **kwargs)
+
+    per_step = []
+    for step in range(steps):
+        x, y = local_batch(module, 12, step, rank, world)
+        copies["in"] = 0
+        torch.mul = counting_mul
+        try:
+            for k, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                with contextlib.nullcontext() if k == micro - 1 else model.no_sync():
+                    (loss_fn(model(xm), ym) / micro).backward()
+            model.finish_gradient_synchronization()
+        finally:
+            torch.mul = mul
+        views = all(b.is_slot(j) for b in model.buckets for j in range(len(b.params)))
+        per_step.append((copies["in"], views, model.comm_buffer_bytes()))
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return model.full_state_dict(), per_step
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "overlapped"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_as_bucket_views_equal_one_process_without_copies(cluster_of, strategy, set_to_none):
+    # torch DDP's gradient_as_bucket_view: each .grad is its bucket slot after a sync, so the
+    # buckets hold no second copy of the gradients; gradients that stay views (zeroed, not set
+    # to None) accumulate into their slots and are never copied in; either way the same result
+    reference = reference_params("mlp", "sgd", steps=4, batch=12, **SMALL_MLP)
+    n_params = len(list(build_model("mlp", **SMALL_MLP).parameters()))
+    for params, per_step in cluster_of(2).run(_views_run, strategy, set_to_none):
+        assert max_abs_diff(params, reference) < TOL
+        for step, (copied_in, views, buffer_bytes) in enumerate(per_step):
+            assert views and buffer_bytes == 0, (step, views, buffer_bytes)
+            assert copied_in == (n_params if set_to_none or step == 0 else 0), (step, copied_in)
+
+
 class BatchNormNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -23,8 +23,9 @@ Copies, not views: after backward each gradient is copied into its bucket slot (
 1/N on the way), the bucket is all-reduced, and the averaged values are copied back into
 ``.grad``. Cost: memory, one extra copy of all gradients (the buckets, ``comm_buffer_bytes()``,
 8.04 MiB for the default MLP); time, one copy in and one copy out per step (cheap next to the
-network). torch DDP's ``gradient_as_bucket_view=True`` points ``.grad`` at its bucket slot
-instead, saving the extra memory and the copy out; plain copies are simpler to follow.
+network). ``gradient_as_bucket_view=True`` (torch DDP's option, off by default as there) points
+each ``.grad`` at its bucket slot instead: no extra memory and no copy out, and with
+``zero_grad(set_to_none=False)`` no copy in either; plain copies are simpler to follow.
 """
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ class BucketedDDP(DDPModule):
     """Copy gradients into flat buckets after backward and all-reduce each bucket once."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
-                 recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
+                 recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
+                 gradient_as_bucket_view: bool = False):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
-                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)
+                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
+                         gradient_as_bucket_view=gradient_as_bucket_view)
         # hooks only to record the bucket fill order: the reduction waits for the end of backward
         self._record_fill_order()
 

@@ -97,6 +97,7 @@ class Bucket:
         self.layout = FlatLayout.of(self.params)
         self.flat = self.layout.empty(first.dtype, first.device)
         self.slots = self.layout.views(self.flat)
+        self.grads_as_views = False  # torch DDP's gradient_as_bucket_view: .grad becomes its slot
         self.reset()
 
     @property
@@ -124,10 +125,19 @@ class Bucket:
         # autograd graph (.grad has one under backward(create_graph=True)).
         if p.grad is None:
             slot.zero_()
+        elif self.grads_as_views and self.is_slot(j):
+            slot.mul_(scale)  # the gradient was accumulated in its slot: scaled in place, no copy
         else:
             torch.mul(p.grad.detach(), scale, out=slot)
+            if self.grads_as_views and p.grad.grad_fn is None:
+                p.grad = slot  # from now on backward accumulates into the slot itself
         self.ready[j] = True
         self.missing -= 1
+
+    def is_slot(self, j: int) -> bool:
+        """Is gradient j its slot of the flat buffer (``grads_as_views``), not a tensor of its own?"""
+        grad, slot = self.params[j].grad, self.slots[j]
+        return grad is not None and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape
 
     def all_reduce(self, group, recorder, hook=None) -> None:
         """Launch the async all-reduce (SUM) of the whole buffer, or hand the bucket to a comm
@@ -151,8 +161,10 @@ class Bucket:
         """The reduced slots back into ``.grad`` (a parameter unused here gets the average too;
         with ``find_unused_parameters`` one no rank used is set back to None afterwards)."""
         grads, slots = [], []  # copied in one call (``copy_all``), not one call per tensor
-        for p, slot in zip(self.params, self.slots, strict=True):
-            if p.grad is None:
+        for j, (p, slot) in enumerate(zip(self.params, self.slots, strict=True)):
+            if self.grads_as_views and (p.grad is None or self.is_slot(j)):
+                p.grad = slot  # nothing to copy: the gradient is its slot
+            elif p.grad is None:
                 p.grad = slot.clone()
             else:
                 grads.append(p.grad)

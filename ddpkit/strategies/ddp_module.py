@@ -51,7 +51,7 @@ class DDPModule(nn.Module, Joinable):
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 first_bucket_mb: float | None = None):
+                 first_bucket_mb: float | None = None, gradient_as_bucket_view: bool = False):
         if bucketed:  # a bad cap fails before any communication
             cap_mb, first_mb = layout(bucket_cap_mb, first_bucket_mb)
             bucket_cap_bytes(cap_mb)
@@ -74,6 +74,12 @@ class DDPModule(nn.Module, Joinable):
         if bucketed:  # the flat buckets, in the order they fill (buckets.py)
             self.bucket_cap_mb, self.first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
             self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+            # torch DDP's option: each .grad becomes a view of its bucket slot, so no second copy of
+            # the gradients is held and nothing is copied out; with zero_grad(set_to_none=False)
+            # (the gradients stay views) nothing is copied in either
+            self.gradient_as_bucket_view = gradient_as_bucket_view
+            for bucket in self.buckets:
+                bucket.grads_as_views = gradient_as_bucket_view
 
     def _record_fill_order(self) -> None:
         """Hooks only to *record* when each gradient becomes ready (the bucket fill order), for a
@@ -134,8 +140,10 @@ class DDPModule(nn.Module, Joinable):
     buckets: tuple = ()  # bucketed wrappers set their list of ``buckets.Bucket``
 
     def comm_buffer_bytes(self) -> int:
-        """Bytes of communication buffers this wrapper holds: its flat buckets, if any."""
-        return sum(b.nbytes for b in self.buckets)
+        """Bytes of communication buffers this wrapper holds: its flat buckets, if any, less the
+        slots that are gradients now (``gradient_as_bucket_view``: counted as gradients)."""
+        return sum(b.nbytes - sum(s.nbytes for j, s in enumerate(b.slots) if b.grads_as_views and b.is_slot(j))
+                   for b in self.buckets)
 
     # ------------------------------------------------------------------ unused parameters
     def _has_grad(self) -> list[bool]:

@@ -33,7 +33,8 @@ arrives inside one, the end-of-backward callback joins that nested pass and sync
 
 Gradients are *copied* into the buckets (as in BucketedDDP): one extra copy of the
 gradients in memory (``comm_buffer_bytes()``), a copy in (in the hook) and a copy out (at the
-end of backward) in time.
+end of backward) in time; ``gradient_as_bucket_view=True`` makes each ``.grad`` its bucket slot
+instead (see ``BucketedDDP``).
 """
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ class OverlappedDDP(DDPModule):
     """Bucketed all-reduce launched from per-parameter gradient hooks, overlapping backward."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
-                 recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None):
+                 recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
+                 gradient_as_bucket_view: bool = False):
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
-                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb)
+                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
+                         gradient_as_bucket_view=gradient_as_bucket_view)
         # which bucket is launched next, in bucket order (the rules above; buckets.InOrder)
         self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
                                  type(self).__name__)
