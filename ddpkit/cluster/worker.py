@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import faulthandler
+import gc
 import hashlib
 import hmac
 import io
@@ -258,18 +259,18 @@ def _keep_freed_memory() -> None:
 
 
 def _before_job() -> None:
-    """What each job starts from: what earlier jobs left in reference cycles freed (a model and
-    its wrapper's hooks), and on a GPU the allocator's peak counted afresh (a rank outlives its
-    jobs; ``memory.reset_cuda_peak``): each run's memory figures are its own."""
-    import gc
-
+    """What each job starts from, on a GPU: what earlier jobs left in reference cycles (a wrapper
+    and its model) freed now rather than at the garbage collector's next pass, and the allocator's
+    peak counted afresh (a rank outlives its jobs; ``memory.reset_cuda_peak``): each run's
+    allocator figures are its own. On the CPU the figures are counted by category, and the
+    collector's own passes free those cycles."""
     from ddpkit import rankside
 
-    gc.collect()
     dev = rankside.device()
     if dev.type == "cuda":
         from ddpkit.memory import reset_cuda_peak
 
+        gc.collect()
         reset_cuda_peak(dev)
 
 
@@ -324,6 +325,11 @@ def main() -> None:
 
     import cloudpickle
 
+    # What the rank holds from its start (torch, the process group) is never garbage: frozen out
+    # of every collection (_before_job's on a GPU, the collector's own passes), which then walk
+    # only what jobs made, not the hundreds of thousands of objects torch's import left
+    gc.collect()
+    gc.freeze()
     while True:
         try:
             msg = conn.recv()

@@ -86,7 +86,7 @@ def assign_buckets(sizes: list[int], cap_bytes: float, kinds: list | None = None
 class Bucket:
     """One bucket: a flat buffer with a slot per gradient, and this step's progress."""
 
-    def __init__(self, index: int, named_params: list):
+    def __init__(self, index: int, named_params: list, grads_as_views: bool = False):
         self.index = index
         self.names = [name for name, _ in named_params]   # in the order they sit in the buffer
         self.params = [p for _, p in named_params]
@@ -97,7 +97,7 @@ class Bucket:
         self.layout = FlatLayout.of(self.params)
         self.flat = self.layout.empty(first.dtype, first.device)
         self.slots = self.layout.views(self.flat)
-        self.grads_as_views = False  # torch DDP's gradient_as_bucket_view: .grad becomes its slot
+        self.grads_as_views = grads_as_views  # torch DDP's gradient_as_bucket_view: .grad becomes its slot
         self.reset()
 
     @property
@@ -133,6 +133,11 @@ class Bucket:
                 p.grad = slot  # from now on backward accumulates into the slot itself
         self.ready[j] = True
         self.missing -= 1
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the flat buffer that are not some parameter's ``.grad`` now (``grads_as_views``)."""
+        return self.nbytes - sum(slot.nbytes for j, slot in enumerate(self.slots)
+                                 if self.grads_as_views and self.is_slot(j))
 
     def is_slot(self, j: int) -> bool:
         """Is gradient j its slot of the flat buffer (``grads_as_views``), not a tensor of its own?"""

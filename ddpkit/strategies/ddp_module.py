@@ -26,7 +26,7 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import clip_grad_norm_, no_sync, prepare_module, unique_named_parameters
-from ddpkit.strategies.buckets import bucket_cap_bytes, layout, make_buckets
+from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, layout, make_buckets
 
 
 class DDPModule(nn.Module, Joinable):
@@ -53,10 +53,10 @@ class DDPModule(nn.Module, Joinable):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  first_bucket_mb: float | None = None, gradient_as_bucket_view: bool = False):
         if bucketed:  # a bad cap fails before any communication
-            cap_mb, first_mb = layout(bucket_cap_mb, first_bucket_mb)
-            bucket_cap_bytes(cap_mb)
-            if first_mb is not None:
-                bucket_cap_bytes(first_mb)
+            bucket_cap_mb, first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
+            bucket_cap_bytes(bucket_cap_mb)
+            if first_bucket_mb is not None:
+                bucket_cap_bytes(first_bucket_mb)
         super().__init__()
         Joinable.__init__(self)
         prepare_module(type(self).__name__, module, process_group)
@@ -72,14 +72,13 @@ class DDPModule(nn.Module, Joinable):
         self._sync_pending = False  # set by a forward that needs a sync, cleared when done
         self._comm_hook = None      # register_comm_hook: how a bucket is reduced
         if bucketed:  # the flat buckets, in the order they fill (buckets.py)
-            self.bucket_cap_mb, self.first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
-            self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb)
-            # torch DDP's option: each .grad becomes a view of its bucket slot, so no second copy of
-            # the gradients is held and nothing is copied out; with zero_grad(set_to_none=False)
-            # (the gradients stay views) nothing is copied in either
+            self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
+            # gradient_as_bucket_view, torch DDP's option: each .grad becomes its bucket slot, so no
+            # second copy of the gradients is held and nothing is copied out; with
+            # zero_grad(set_to_none=False) (the gradients stay views) nothing is copied in either
             self.gradient_as_bucket_view = gradient_as_bucket_view
-            for bucket in self.buckets:
-                bucket.grads_as_views = gradient_as_bucket_view
+            self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                                        bucket=functools.partial(Bucket, grads_as_views=gradient_as_bucket_view))
 
     def _record_fill_order(self) -> None:
         """Hooks only to *record* when each gradient becomes ready (the bucket fill order), for a
@@ -142,8 +141,7 @@ class DDPModule(nn.Module, Joinable):
     def comm_buffer_bytes(self) -> int:
         """Bytes of communication buffers this wrapper holds: its flat buckets, if any, less the
         slots that are gradients now (``gradient_as_bucket_view``: counted as gradients)."""
-        return sum(b.nbytes - sum(s.nbytes for j, s in enumerate(b.slots) if b.grads_as_views and b.is_slot(j))
-                   for b in self.buckets)
+        return sum(b.buffer_bytes() for b in self.buckets)
 
     # ------------------------------------------------------------------ unused parameters
     def _has_grad(self) -> list[bool]:
