@@ -66,7 +66,9 @@ class Link:
     ``host``: this link is a transport that moves the bytes with the ranks' own CPU cores (gloo's
     threads, the shared-memory transport's copies and sums), so its time is taken from their
     compute: the cost model puts it on the rank's timeline, not beside it (as a GPU's NCCL or a
-    network card would be).
+    network card would be). ``at_wait``: it moves a collective's bytes only when the rank waits
+    for it (the shared-memory transport under an emulated network: the emulated card's rule,
+    ``ddpkit.comm.emulator``), not from the issue.
 
     ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
     ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
@@ -83,6 +85,7 @@ class Link:
     measured: dict = field(default_factory=dict, compare=False)
     measured_world_size: int = 0
     host: bool = field(default=False, compare=False)
+    at_wait: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         for a, b in [(self.alpha, self.beta), *self.per_op.values()]:

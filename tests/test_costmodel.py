@@ -1,6 +1,7 @@
 """The cost model: collective formulas, bucketing, and the behaviours the papers report."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -329,3 +330,29 @@ def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
     for per_step, sent in cluster_of(2).run(job):
         assert set(per_step) == {"ddp", "sharded"} and all(0 < t < 5 for t in per_step.values())
         assert sent == 0  # alone: every collective ran over a group of one, no byte crossed to the peer
+
+
+def test_under_the_cards_rule_the_rank_moves_the_bytes_when_it_waits():
+    """The emulated card's rule (``Link.at_wait``): an issue costs the rank nothing, the bytes move
+    when it waits, beside the link's time; torch's DDP (futures) has the link's thread move them
+    after the link delivered. Without the rule, a host transport's work is charged at the issue."""
+    p = _mlp_like()  # 8 MiB of gradients, 6.4 ms of backward
+    shm = cm.Link("shm", alpha=0.0, beta=1 / 4e9, host=True)  # ~0.26 ms a 1 MiB bucket
+    card = dataclasses.replace(shm, at_wait=True)
+    moved = 8 * cm.Network("paper").with_floor(shm).transport_time("all_reduce", 1024 * 1024, 2) * 1e3
+
+    def step(strategy, network, floor):
+        return cm.simulate(strategy, p, 2, cm.Network(network).with_floor(floor), 1).ms_per_step
+
+    # moved at the wait, the bytes never cost more than moved from the issue; on 10GbE (a bucket's
+    # link time near its backward) they hide under the link instead of slowing backward
+    for network in ("paper", "10GbE", "30,2", "0,1000"):
+        assert step("overlapped", network, card) <= step("overlapped", network, shm) + 1e-9
+    assert step("overlapped", "10GbE", card) < step("overlapped", "10GbE", shm) - 0.2
+    # a link faster than the transport: the rank moves every byte itself, after backward
+    compute = (p.forward_s + p.backward_s + p.optimizer_s) * 1e3
+    assert step("overlapped", "0,1000", card) == pytest.approx(compute + moved)
+    # torch's DDP: the link's thread moves each bucket after delivering it, the link busy meanwhile
+    assert step("torch_ddp", "paper", card) == pytest.approx(step("overlapped", "paper", card) + moved)
+    # a network that is not emulated: shared memory moves the bytes from the issue, the rule is off
+    assert step("overlapped", "loopback", card) == step("overlapped", "loopback", shm)

@@ -104,6 +104,16 @@ class Prediction:
     collectives: int
 
 
+@dataclass
+class _Pending:
+    """One collective on the stream: when the link (or the transport) is done with it, and the
+    transport's seconds still to be spent by the rank that waits for it (the card's rule)."""
+
+    end: float
+    moves_s: float = 0.0
+    moved: bool = True
+
+
 class _Stream:
     """One communication stream: collectives run one at a time, in the order issued.
 
@@ -114,50 +124,88 @@ class _Stream:
     (``Link.host``: gloo, shared memory) does it on the issuing rank's timeline: the step adds
     ``host_s`` there, where it issued, and the transfer ends with that work. Any other (a GPU's)
     runs beside the compute, one collective at a time.
+
+    Under the emulated card's rule (``Link.at_wait``: the shared-memory transport on an emulated
+    network) the issue costs the rank nothing: the link's time runs from the issue, and the rank
+    moves the bytes when it waits (``wait``), those of every earlier collective not yet moved
+    first (the transport completes them in order); a wait ends when both that and the link are
+    done. With ``on_futures`` (torch's DDP chains its work on futures) the link's thread moves
+    them when the link delivers, keeping the link busy meanwhile, on the rank's core: the rank is
+    charged for them at the issue, as without the rule (where they land in its timeline depends
+    on when the link delivers; at the issue is the model's choice).
     """
 
-    def __init__(self, world_size: int, network: Network):  # collectives over all world_size ranks
+    def __init__(self, world_size: int, network: Network, on_futures: bool = False):
         self.n, self.net = world_size, network
-        self.on_host = network.floor is not None and network.floor.host
+        floor = network.floor
+        self.on_host = floor is not None and floor.host
+        self.at_wait = floor is not None and floor.at_wait and network.emulated
+        self.on_futures = on_futures
+        self.pending: list[_Pending] = []  # at_wait: issued, bytes not moved yet, in issue order
         self.transport_free = 0.0
         self.free = 0.0
         self.busy = 0.0
         self.bytes = 0.0
         self.count = 0
 
-    def issue(self, name: str, nbytes: float, at: float, ranks=None) -> float:
+    def issue(self, name: str, nbytes: float, at: float, ranks=None) -> _Pending:
         """Launch at time ``at`` (or when the stream frees up) among ``ranks`` (default: all of
-        them; hybrid sharding's collectives run in a node's group or across nodes); returns the
-        completion time."""
+        them; hybrid sharding's collectives run in a node's group or across nodes)."""
         ranks = range(self.n) if ranks is None else ranks
         if len(ranks) == 1:
-            return at
+            return _Pending(at)
         real = self.net.transport_time(name, nbytes, len(ranks))
         link = self.net.emulated_time(name, nbytes, ranks)
+        self.busy += max(real, link)
+        self.bytes += ring_bytes(name, nbytes, len(ranks))
+        self.count += 1
+        # the emulator hands the result over a little after the link frees (its thread wakes,
+        # then the waiter): on this machine's timeline, not on the link's
+        wake = self.net.emulation_s if link > 0 else 0.0
+        if self.at_wait:
+            self.free = max(at, self.free) + link
+            if self.on_futures:  # the link's thread moves the bytes as it delivers, busy meanwhile
+                self.free += real
+                return _Pending(self.free + wake)
+            pending = _Pending(self.free + wake, real, moved=False)
+            self.pending.append(pending)
+            return pending
         if self.on_host:  # the issuer's own work (host_s), done when it is
             real_end = at + real
         else:
             self.transport_free = max(at, self.transport_free) + real
             real_end = self.transport_free
         self.free = max(real_end, max(at, self.free) + link)
-        self.busy += max(real, link)
-        self.bytes += ring_bytes(name, nbytes, len(ranks))
-        self.count += 1
-        # the emulator hands the result over a little after the link frees (its thread wakes,
-        # then the waiter): on this machine's timeline, not on the link's
-        return self.free + (self.net.emulation_s if link > 0 else 0.0)
+        return _Pending(self.free + wake)
 
     def host_s(self, name: str, nbytes: float, ranks=None) -> float:
-        """The seconds the issuing rank's cores spend on a collective: the transport's time where
-        it runs on them (``Link.host``), else nothing."""
+        """The seconds the issuing rank's cores spend on a collective as it issues it: the
+        transport's time where it runs on them (``Link.host``) from the issue, else nothing."""
         ranks = range(self.n) if ranks is None else ranks
-        if not self.on_host or len(ranks) == 1:
+        if not self.on_host or (self.at_wait and not self.on_futures) or len(ranks) == 1:
             return 0.0
         return self.net.transport_time(name, nbytes, len(ranks))
 
-    def launch(self, name: str, nbytes: float, at: float, ranks=None) -> tuple[float, float]:
-        """``issue`` from the rank's timeline at ``at``: (when the rank goes on, when it completes)."""
+    def launch(self, name: str, nbytes: float, at: float, ranks=None) -> tuple[float, _Pending]:
+        """``issue`` from the rank's timeline at ``at``: (when the rank goes on, the collective)."""
         return at + self.host_s(name, nbytes, ranks), self.issue(name, nbytes, at, ranks)
+
+    def wait(self, t: float, done: _Pending) -> float:
+        """The rank, at ``t``, waits for ``done``: when it goes on."""
+        if not done.moved:  # the card's rule: the rank moves the bytes now, earlier ones first
+            while self.pending:
+                p = self.pending.pop(0)
+                t += p.moves_s
+                p.moved = True
+                if p is done:
+                    break
+        return max(t, done.end)
+
+    def finish(self, t: float) -> float:
+        """The rank, at ``t``, waits for every collective issued."""
+        if self.pending:
+            t = self.wait(t, self.pending[-1])
+        return max(t, self.free)
 
 
 def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
@@ -180,7 +228,7 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
         t += profile.backward_s
         for b in reversed(flat):
-            t = max(stream.launch("all_reduce", b, t + profile.copy_s(b)))
+            t = stream.wait(*stream.launch("all_reduce", b, t + profile.copy_s(b)))
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]
@@ -204,7 +252,7 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
             t, done = stream.launch(reduce, size, t + profile.copy_s(size))
             launched.append(done)
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
-        t = max(t, done) + (profile.copy_s(size) if copy_out else 0.0)
+        t = stream.wait(t, done) + (profile.copy_s(size) if copy_out else 0.0)
     return t
 
 
@@ -238,13 +286,13 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
 
     t = 0.0
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
-        t = max(stream.launch("all_gather", size[""], 0.0, node))
+        t = stream.wait(*stream.launch("all_gather", size[""], 0.0, node))
     order = names
     gathered = {}
     for i, u in enumerate(order):
         if u not in gathered:
             t, gathered[u] = stream.launch("all_gather", size[u], t, node)
-        start = max(t, gathered[u])
+        start = stream.wait(t, gathered[u])
         held = 1 if reshard else i + 1  # units unsharded now, the root not counted
         if forward_prefetch and i + 1 < len(order) and may_prefetch(held):
             nxt = order[i + 1]
@@ -258,7 +306,7 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
     for i, u in enumerate(back):
         if reshard and u not in regathered:
             t, regathered[u] = stream.launch("all_gather", size[u], t, node)
-        start = max(t, regathered.get(u, t))
+        start = stream.wait(t, regathered[u]) if u in regathered else t
         if reshard and backward_prefetch and i + 1 < len(back) and may_prefetch(1):
             nxt = back[i + 1]
             start, regathered[nxt] = stream.launch("all_gather", size[nxt], start, node)
@@ -270,9 +318,9 @@ def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: boo
         reduced.append(("", done))
     if shards.nodes > 1:  # hybrid: each gradient shard (size / k) all-reduced across the n / k replicas
         for u, done in reduced:
-            t = max(t, done)
+            t = stream.wait(t, done)
             t, _ = stream.launch("all_reduce", size[u] / k, t, replicas)
-    return max(t, stream.free)
+    return stream.finish(t)
 
 
 def simulate(strategy: str, profile: Profile, world_size: int, network="loopback",
@@ -286,7 +334,7 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
-    stream = _Stream(n, network)
+    stream = _Stream(n, network, on_futures=step.on_futures)
     # the ranks it shards over: all N, or for hybrid sharding the k of a node (the network's
     # nodes, else the default layout); a ValueError where they do not come in whole nodes
     k = strategy_row(strategy).shard_group_size(n, network)
@@ -312,12 +360,14 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
             for size in sizes:
                 end, finished = stream.launch("all_gather", size, end)
                 done.append(finished)
-            end = max([end, *done])
+            for finished in done:
+                end = stream.wait(end, finished)
         elif step.gather_params:
             # each rank stepped 1/N of the parameters; the updated ones are shared with one
             # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
             # ones back out
-            end = max(stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n))) + profile.copy_s(p_bytes)
+            end = stream.wait(*stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)))
+            end += profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
                       max(0.0, end - compute) * 1e3, stream.bytes, stream.count)

@@ -49,6 +49,9 @@ class CostStep:
     forward_prefetch: bool = False    # our FSDP's defaults, as torch's: backward prefetch only
     backward_prefetch: bool = True
     limit_all_gathers: int | None = None
+    on_futures: bool = False          # the wrapper chains its work on each collective's future
+                                      # (torch's DDP): the emulated card's rule moves the bytes on
+                                      # the link's thread when the link delivers (comm.emulator)
 
 
 @dataclass(frozen=True)
@@ -229,10 +232,10 @@ _ROWS = [
              _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=None,
              family="hsdp", hybrid=True),
     Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
-             CostStep("ddp", overlap=True), torch_native=True),
+             CostStep("ddp", overlap=True, on_futures=True), torch_native=True),
     Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel", _torch_ddp,
              _torch_zero_optimizer, "ZeRO-1",
-             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True),
+             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True, on_futures=True),
              bytes_vs_ddp=None, torch_native=True, family="zero", predictable=False),
     Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
              CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), bytes_vs_ddp=1.5, torch_native=True,

@@ -125,6 +125,13 @@ class ShmBackend(dist.ProcessGroupGloo):
         pieces[-1].finish = finish
         return self._runner.submit(pieces, result, waited=not is_async(opts), deferred=self.defer)
 
+    def _alone(self, result, *copies):
+        """A group of one rank has nothing to exchange: the result is the input (copied where the
+        output is another tensor: ``copies`` are (output, input) pairs), done at once, no slab."""
+        for out, x in copies:
+            out.copy_(x)
+        return finished(result)
+
     def _elements(self, dtype) -> int:
         """Elements of ``dtype`` in one region."""
         return self._seg.region // torch.empty(0, dtype=dtype).element_size()
@@ -135,6 +142,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         op = self._carried_op(opts.reduceOp, tensors)
         if len(tensors) != 1 or op is None:
             return super().allreduce(tensors, opts)  # several tensors per rank, bitwise ops, ...: gloo
+        if self._size == 1:
+            return self._alone(tensors)
         x, copy_back = _writable(tensors[0])
         return self._issue(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), x.dtype,
                            self._all_reduce(x, op), tensors, copy_back)
@@ -144,6 +153,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         op = self._carried_op(opts.reduceOp, tensors)
         if op is None:
             return super().allreduce_coalesced(tensors, opts)
+        if self._size == 1:
+            return self._alone(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective for all of them
 
         def copy_back():
@@ -156,6 +167,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         opts = opts if opts is not None else dist.BroadcastOptions()
         if len(tensors) != 1 or opts.rootTensor != 0 or not self._carries(tensors):
             return super().broadcast(tensors, opts)
+        if self._size == 1:
+            return self._alone(tensors)
         x, copy_back = _writable(tensors[0])
         root = opts.rootRank
         return self._issue(opts, "broadcast", BROADCAST + 16 * root, _nbytes(tensors), x.dtype,
@@ -167,6 +180,8 @@ class ShmBackend(dist.ProcessGroupGloo):
                 or not self._carries(inputs + output_lists[0])
                 or any(o.numel() != inputs[0].numel() for o in output_lists[0])):
             return super().allgather(output_lists, inputs, opts)
+        if self._size == 1:
+            return self._alone(output_lists, (output_lists[0][0], inputs[0]))
         cuts, finish = self._all_gather(inputs[0], output_lists[0])
         return self._issue(opts, "all_gather", ALL_GATHER, _nbytes(output_lists[0]), inputs[0].dtype, cuts,
                            output_lists, finish)
@@ -175,6 +190,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         opts = opts if opts is not None else AllgatherOptions()
         if not self._carries([output, input]) or output.numel() != self._size * input.numel():
             return super()._allgather_base(output, input, opts)
+        if self._size == 1:
+            return self._alone([output], (output, input))
         cuts, finish = self._all_gather(input, [output])
         return self._issue(opts, "all_gather", ALL_GATHER, _nbytes([output]), input.dtype, cuts, [output], finish)
 
@@ -182,6 +199,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         if not all(self._carries([o, i]) and o.numel() == self._size * i.numel()
                    for o, i in zip(outputs, inputs, strict=True)) or len({i.dtype for i in inputs}) > 1:
             return self._on_gloo(dist.ProcessGroupGloo._allgather_base, outputs, inputs, opts)
+        if self._size == 1:
+            return self._alone(outputs, *zip(outputs, inputs, strict=True))
         cuts, finishes = [], []
         for o, i in zip(outputs, inputs, strict=True):
             c, f = self._all_gather(i, [o])
@@ -196,6 +215,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         if (op is None or len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != self._size
                 or any(i.numel() != outputs[0].numel() for i in input_lists[0])):
             return super().reduce_scatter(outputs, input_lists, opts)
+        if self._size == 1:
+            return self._alone(outputs, (outputs[0], input_lists[0][0]))
         cuts, finish = self._reduce_scatter(input_lists[0], outputs[0], op)
         return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(input_lists[0]),
                            outputs[0].dtype, cuts, outputs, finish)
@@ -205,6 +226,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         op = self._carried_op(opts.reduceOp, [output, input])
         if op is None or input.numel() != self._size * output.numel():
             return super()._reduce_scatter_base(output, input, opts)
+        if self._size == 1:
+            return self._alone([output], (output, input))
         cuts, finish = self._reduce_scatter([input], output, op)
         return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes([input]), output.dtype,
                            cuts, [output], finish)
@@ -214,6 +237,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         op = self._carried_op(opts.reduceOp, outputs + inputs)
         if op is None or not all(i.numel() == self._size * o.numel() for o, i in zip(outputs, inputs, strict=True)):
             return self._on_gloo(dist.ProcessGroupGloo._reduce_scatter_base, outputs, inputs, opts)
+        if self._size == 1:
+            return self._alone(outputs, *zip(outputs, inputs, strict=True))
         cuts, finishes = [], []
         for o, i in zip(outputs, inputs, strict=True):
             c, f = self._reduce_scatter([i], o, op)
@@ -229,6 +254,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         return finished(outputs)
 
     def barrier(self, opts=None):
+        if self._size == 1:
+            return self._alone([])
         nothing = [(_nothing, _nothing)]  # one empty piece: it completes once every rank deposited it
         return self._issue(opts, "barrier", BARRIER, 0, torch.uint8, nothing, [])
 
