@@ -22,7 +22,8 @@ import time
 
 from ddpkit.cli_args import (HelpFormatter, number_type, positive_int, bucket_cap, int_list, strategy_list,
                               check_writable, parse_network, runnable_strategies, check_run_args, parse_workload,
-                              MODEL_HELP, add_run_args, add_transport_arg, add_network_args)
+                              MODEL_HELP, add_run_args, add_transport_arg, add_network_args, parser_checked)
+from ddpkit.cluster import cores_per_rank
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.units import human_bytes
@@ -114,7 +115,7 @@ def _start_cluster(args):
     import ddpkit
 
     return ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
-                          network=args.network, transport=args.transport)
+                          network=args.network, transport=args.transport, pin_cores=args.pin_cores)
 
 
 def _describe(workload) -> str:
@@ -199,7 +200,8 @@ def _cmd_validate(args, parser) -> int:
     t0 = time.perf_counter()
     records = []
     for n in args.world_sizes:
-        with ddpkit.Cluster(n, backend="auto", network=args.network, transport=args.transport) as cluster:
+        with ddpkit.Cluster(n, backend="auto", network=args.network, transport=args.transport,
+                            pin_cores=args.pin_cores) as cluster:
             recs, transport, profile = validate(
                 cluster, args.strategies, workload=args.workload, steps=args.steps,
                 rounds=args.rounds, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
@@ -212,7 +214,7 @@ def _cmd_validate(args, parser) -> int:
         emulation = next((r["emulation_ms"] for r in recs if r.get("emulation_ms")), None)
         if emulation:
             print(f"  emulated collectives, waited for: {emulation * 1e3:.0f} us more than the slower of link and "
-                  "transport (the emulator's wake-ups; the model adds it)")
+                  "transport, each after a little compute (wake-ups, ranks arriving apart; the model adds it)")
     print(f"model {_describe(args.workload)}, global batch {args.global_batch_size}, {args.optimizer}, "
           f"{args.steps} steps x {args.rounds} rounds; {time.perf_counter() - t0:.0f} s")
     print(format_validation(records))
@@ -232,6 +234,8 @@ def cmd_predict(args, parser) -> int:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
     network = parse_network(parser, args, args.world_sizes)  # --fit: the fitted transport instead
     args.network = network
+    if args.pin_cores:  # a core per rank at the largest world size, checked before anything starts
+        parser_checked(parser, cores_per_rank, max([*args.world_sizes, args.fit_ranks]))
     default = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
     args.strategies = runnable_strategies(parser, args.strategies, default, args.world_sizes, network)
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
@@ -254,7 +258,8 @@ def cmd_predict(args, parser) -> int:
         import ddpkit
 
         sizes = costmodel.model_calibration_sizes(args.workload)
-        with ddpkit.Cluster(args.fit_ranks, backend="auto", transport=args.transport) as cluster:
+        with ddpkit.Cluster(args.fit_ranks, backend="auto", transport=args.transport,
+                            pin_cores=args.pin_cores) as cluster:
             samples = costmodel.slowest_rank(cluster.run(costmodel.measure_collectives, sizes=sizes))
         fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here", host=cluster.backend != "nccl")
         print(costmodel.format_fit(fitted))

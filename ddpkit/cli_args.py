@@ -108,7 +108,8 @@ def check_run_args(parser, args) -> None:
     splits over the ranks."""
     args.network = parse_network(parser, args, [args.world_size])
     settings = parser_checked(parser, check_arguments, args.world_size, args.backend,
-                        threads_per_rank=args.threads_per_rank, network=args.network, transport=args.transport)
+                              threads_per_rank=args.threads_per_rank, network=args.network,
+                              transport=args.transport, pin_cores=args.pin_cores)
     args.threads_per_rank = settings.threads_per_rank
     parse_workload(parser, args)
     parser_checked(parser, samples_per_rank, args.global_batch_size, args.world_size)
@@ -153,6 +154,9 @@ def add_transport_arg(p) -> None:
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="what moves CPU ranks' bytes: shm (shared memory; auto picks it) or gloo (its sockets "
                         "over loopback); GPU ranks use NCCL")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="bind each rank to cores of its own (needs a core per rank): steadier timings on a "
+                        "quiet machine, slower where something else keeps a core busy")
 
 
 def add_network_args(p) -> None:

@@ -166,6 +166,13 @@ def test_nccl_without_gpus_is_refused(capsys, no_cluster):
         ["compare", "--backend", "nccl", "--world-size", "64", "--global-batch-size", "64"], capsys)
 
 
+def test_pinning_more_ranks_than_cores_is_refused(capsys, no_cluster):
+    n = len(os.sched_getaffinity(0)) + 1
+    for argv in (["compare", "--world-size", str(n), "--global-batch-size", str(4 * n), "--pin-cores"],
+                 ["predict", "--validate", "--world-sizes", f"2,{n}", "--pin-cores"]):
+        assert f"needs a core per rank: {n} ranks" in error_of(argv, capsys)
+
+
 def test_predict_prints_a_table_and_plots(tmp_path, capsys):
     import matplotlib
 

@@ -209,6 +209,33 @@ def test_ranks_split_the_cpu_threads_between_them(cluster_of):
         assert one.run(torch.get_num_threads) == [1]
 
 
+def test_pinned_ranks_each_run_on_cores_of_their_own_and_keep_them_after_a_restart():
+    usable = sorted(os.sched_getaffinity(0))
+    before = _children()
+    with pytest.raises(ValueError, match="a core per rank"):  # refused before any rank starts
+        Cluster(len(usable) + 1, pin_cores=True)
+    assert _children() == before
+
+    def cores():
+        import threading
+
+        seen = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+        return sorted(os.sched_getaffinity(0)), seen, threading.active_count() > 1
+
+    with Cluster(2, pin_cores=True) as c:
+        k = len(usable) // 2
+        expected = [usable[:k], usable[k:2 * k]]
+        assert [list(x) for x in c.cores] == expected
+        for _ in range(2):  # and again after a restart
+            got = c.run(cores)
+            assert [mine for mine, _, _ in got] == expected
+            # every thread the rank started (the process group's, the link's) inherited them
+            assert all(threads == {tuple(mine)} and more for mine, threads, more in got), got
+            c.restart()
+    with Cluster(2) as free:  # the default leaves the scheduler free
+        assert free.cores is None and all(mine == usable for mine, _, _ in free.run(cores))
+
+
 def test_nccl_without_one_gpu_per_rank_is_refused():
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     before = _children()

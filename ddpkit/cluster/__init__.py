@@ -57,11 +57,22 @@ class Cluster:
 
     ``transport``: what moves CPU ranks' bytes between them. ``"auto"`` (and ``"shm"``): shared
     memory (``ddpkit.comm.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
-    sockets over loopback, as across hosts and under torchrun."""
+    sockets over loopback, as across hosts and under torchrun.
+
+    ``pin_cores``: bind each rank, every thread of it, to cores of its own (rank r to the r-th of
+    ``world_size`` equal slices of the cores this process may use; a ValueError with fewer cores
+    than ranks). Left free (the default), Linux may move a rank that its peer woke onto the
+    peer's core, two ranks then share a core while another idles, and a step with many
+    collectives (FSDP, naive DDP) runs slower and changes speed from one round to the next
+    (``python -m ddpkit compare --pin-cores`` shows it on your machine). Pinned, a rank cannot
+    move off a core that something else on the machine keeps busy (a browser, a second job):
+    pin on a quiet machine, for steady timings."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto"):
-        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport)
+                 threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto",
+                 pin_cores: bool = False):
+        settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport,
+                                   pin_cores)
         self.world_size = settings.world_size
         self._network = settings.network
         self.backend = settings.backend
@@ -69,6 +80,7 @@ class Cluster:
         self.timeout = settings.timeout
         self.threads_per_rank = settings.threads_per_rank
         self.transport = settings.transport
+        self.cores = settings.cores  # each rank's cores (pin_cores=True), or None: free
         self.last_results: list | None = None
         self.last_trace = None     # the last recorded run's records (a ddpkit.trace.Trace)
         self._record = False       # record the next runs? (cluster.recording(), the widget's toggle)
@@ -117,7 +129,7 @@ class Cluster:
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
-                                     self._network, self.gpus, self.transport))
+                                     self._network, self.gpus, self.transport, self.cores))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -231,7 +243,7 @@ class Cluster:
 
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
                     threads_per_rank: int | None = None, network=None, gpus=None,
-                    transport: str = "auto") -> Settings:
+                    transport: str = "auto", pin_cores: bool = False) -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
     command line both check with this): a ValueError naming the bad argument and what is valid."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -263,7 +275,22 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
     # Default: C / N.
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport)
+    return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport,
+                    cores_per_rank(world_size) if pin_cores else None)
+
+
+def cores_per_rank(world_size: int) -> tuple[tuple[int, ...], ...]:
+    """``Cluster(pin_cores=True)``'s cores for each rank: the cores this process may use, cut in
+    ``world_size`` equal slices in order; a ValueError where there are fewer cores than ranks."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not usable:
+        raise ValueError("pinning ranks to cores (pin_cores=True, --pin-cores) needs os.sched_getaffinity, which "
+                         "this platform does not offer (Linux does); leave it out")
+    if world_size > len(usable):
+        raise ValueError(f"pinning ranks to cores (pin_cores=True, --pin-cores) needs a core per rank: {world_size} "
+                         f"ranks, {len(usable)} core(s) this process may use ({usable}); leave it out to share them")
+    k = len(usable) // world_size
+    return tuple(tuple(usable[r * k:(r + 1) * k]) for r in range(world_size))
 
 
 def check_gpus(gpus, world_size: int) -> tuple[int, ...]:

@@ -70,6 +70,7 @@ class Settings:
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
     gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (NCCL); None on the CPU
     transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.comm.transport), "gloo", or "nccl" (GPUs)
+    cores: tuple[tuple[int, ...], ...] | None = None  # rank r's CPU cores (Cluster(pin_cores=True)), or free
 
 
 class Workers:
@@ -147,7 +148,8 @@ class Workers:
                     address=list(self.admission.address), authkey=self.admission.key.hex(),
                     generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
                     timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict(),
-                    transport=s.transport, shm_prefix=self.shm_prefix)
+                    transport=s.transport, shm_prefix=self.shm_prefix,
+                    cores=None if s.cores is None else list(s.cores[rank]))
 
     def _wait_ready(self) -> None:
         """Take each rank's admitted connection, then wait until every rank has joined the group."""

@@ -232,6 +232,16 @@ def _join_device(cfg: dict) -> str:
     return str(rankside.device()) if cfg.get("gpu") is not None else "cpu"
 
 
+def _pin(cores: list[int]) -> None:
+    """Bind this process, every thread it has and (inherited) every one it starts, to ``cores``
+    (``Cluster(pin_cores=True)``)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
+
+
 def _keep_freed_memory() -> None:
     """Keep the memory a step frees in this process, for the next step to reuse.
 
@@ -302,6 +312,8 @@ def main() -> None:
     import torch.distributed as dist
 
     _keep_freed_memory()
+    if cfg.get("cores"):
+        _pin(cfg["cores"])
     if cfg["threads"]:  # 0: keep torch's default (one thread per core)
         torch.set_num_threads(cfg["threads"])
     try:

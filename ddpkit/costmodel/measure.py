@@ -228,7 +228,9 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
         return _time_collectives(ops, sizes, repeats, calls_bytes, device(), dist.get_world_size())
 
 
-def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int) -> dict:
+def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int, between=None) -> dict:
+    """Each collective at each size, in rows of calls waited for one by one; ``between``: work run
+    before each call, its own time (timed in a row of its own before each row) taken off."""
     import torch
     import torch.distributed as dist
 
@@ -238,48 +240,81 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int)
     unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
     if unknown:
         raise ValueError(f"cannot measure {unknown}; valid: all_reduce, all_gather, reduce_scatter")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def row(calls: int, call) -> float:  # seconds per call, in a row, every rank starting together
+        barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        return (time.perf_counter() - t0) / calls
+
     out: dict = {op: [] for op in ops}
     for op in ops:
         for size in sizes:
             numel = max(n, size // 4) // n * n  # divisible by N, as the sharded collectives need
             full = torch.zeros(numel, device=dev)
             shard = torch.zeros(numel // n, device=dev)
-            call = {"all_reduce": partial(dist.all_reduce, full, async_op=True),
-                    "all_gather": partial(all_gather_flat, full, shard, async_op=True),
-                    "reduce_scatter": partial(reduce_scatter_flat, shard, full, async_op=True)}[op]
-            call().wait()  # warm-up, untimed
+            launch = {"all_reduce": partial(dist.all_reduce, full, async_op=True),
+                      "all_gather": partial(all_gather_flat, full, shard, async_op=True),
+                      "reduce_scatter": partial(reduce_scatter_flat, shard, full, async_op=True)}[op]
+            launch().wait()  # warm-up, untimed
             calls = max(4, min(32, int(calls_bytes // max(size, 1))))
-            times = []
-            for _ in range(repeats):
-                barrier()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    call().wait()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) / calls)
+            if between is None:
+                times = [row(calls, lambda: launch().wait()) for _ in range(repeats)]
+            else:
+                times = [row(calls, lambda: (between(), launch().wait())) - row(calls, between)
+                         for _ in range(repeats)]
             out[op].append((numel * 4, statistics.median(times)))
     return out
 
 
+def _matmuls(seconds: float):
+    """Work of about ``seconds`` on this rank, as every rank computes at once: matrix products
+    (their count timed here, every rank timing at the same time)."""
+    import torch
+
+    from ddpkit.rankside import barrier
+
+    a = torch.randn(128, 128)
+
+    def work(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    work(10)
+    barrier()
+    t0 = time.perf_counter()
+    work(200)
+    count = max(1, round(seconds / ((time.perf_counter() - t0) / 200)))
+    return partial(work, count)
+
+
 def measure_emulated(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=(4 * 1024, 256 * 1024),
-                     repeats: int = 3) -> dict:
-    """A Cluster job: ``measure_collectives`` with the cluster's emulated network on, what a
-    strategy's collectives take there (``emulation_overhead`` compares it with the model)."""
+                     repeats: int = 3, compute_s: float = 0.5e-3) -> dict:
+    """A Cluster job: what a strategy's collectives take on the cluster's emulated network,
+    ``{op: [(bytes, seconds per call)]}`` (the median of ``repeats``), each issued after
+    ``compute_s`` of compute on every rank, as a layer's between two collectives, and waited for
+    at once; the compute's own time taken off. Ranks then reach a collective apart, as in
+    training: the first sleeps until the last comes and wakes it, and, where ranks outnumber the
+    cores, until the scheduler gives it a core back. ``emulation_overhead`` compares it with the
+    model; back to back, with the ranks in step, little of that would show."""
     import torch.distributed as dist
 
     from ddpkit.rankside import device
 
-    return _time_collectives(ops, sizes, repeats, 4 * MiB, device(), dist.get_world_size())
+    between = _matmuls(compute_s) if device().type == "cpu" else None
+    return _time_collectives(ops, sizes, repeats, 4 * MiB, device(), dist.get_world_size(), between)
 
 
 def emulation_overhead(timings: dict, network, world_size: int) -> float:
     """Seconds an emulated collective takes beyond the slower of the transport and the link
     (``network.collective_time``: its floor, the transport fitted here, and its links), the
     median over ``timings`` (``measure_emulated``'s, ``{op: [(bytes, seconds)]}``), at least 0:
-    the emulator's own wake-ups, which the model adds to every emulated collective waited for."""
+    the emulator's wake-ups and the ranks' reaching it apart, which the model adds to every
+    emulated collective waited for."""
     extra = [t - network.collective_time(op, size, world_size) for op, rows in timings.items() for size, t in rows]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
