@@ -28,11 +28,15 @@ Bucketed DDP does its DDP work after backward, while the emulated link's time ru
 overlapped DDP does it inside backward, where, with a core per rank, it has no idle core to go to.
 Overlap takes waiting for the link off the step; it pays where that is more than what its DDP work
 grows by inside backward. Each network's lines say both (the waits' difference, and the difference
-of DDP work without the waits), and what a perfect overlap would reach: bucketed's step without
-its waiting. Bucketed waits less than the link's time: the link runs from each all-reduce's
-launch, under the copies and sums that follow it. The perfect-overlap bound is bucketed's step
-without its waiting, plus what no overlap can hide: the last bucket's link time, or, if longer,
-moving the bytes after backward; the last line says what overlapped reaches of it.
+of DDP work without the waits), and what a perfect overlap would reach. Bucketed waits less than
+the link's time: the link runs from each all-reduce's launch, under the copies and sums that follow
+it. The perfect-overlap bound is the larger of two limits. Backward's: bucketed's step without its
+waiting (its DDP work kept: with a core per rank it stays CPU work beside backward, wherever it
+runs), plus what no overlap can hide after backward, the last bucket's link time or, if longer, the
+rank moving the bytes. The link's: it carries the buckets one after another, each from when
+backward has filled it, so it cannot be done before ``link_done_ms`` into backward; the step adds
+what is not backward nor DDP work (forward, loss, optimizer) and the last bucket's copy out. On a
+link slower than backward the second decides. The last line says what overlapped reaches of it.
 """
 from __future__ import annotations
 
@@ -131,15 +135,28 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
     return out
 
 
-def link_ms(network, cap_mb: float, world_size: int) -> list[float]:
+def link_ms(network, cap_mb: float, world_size: int) -> tuple[list[float], list[float]]:
     """The emulated link's ms for each of one step's all-reduces, in launch order (one link carries
-    them one after another)."""
+    them one after another), and each bucket's share of the gradients' bytes."""
     from ddpkit.models import build_model
     from ddpkit.strategies.buckets import assign_buckets, bucket_cap_bytes
 
     sizes = [p.numel() * p.element_size() for p in build_model("mlp").parameters()]
     buckets = [sum(sizes[i] for i in b) for b in assign_buckets(sizes, bucket_cap_bytes(cap_mb))]
-    return [1e3 * network.emulated_time("all_reduce", s, range(world_size)) for s in buckets]
+    return ([1e3 * network.emulated_time("all_reduce", s, range(world_size)) for s in buckets],
+            [s / sum(buckets) for s in buckets])
+
+
+def link_done_ms(links: list[float], shares: list[float], backward_ms: float) -> float:
+    """The earliest one link can deliver the last bucket, in ms from backward's start, however well
+    the all-reduces overlap: bucket k is full once backward has produced its share of the gradients
+    and those of the buckets before it (backward taken as even over the bytes, as for the course's
+    MLP), and the link then carries it and every later one back to back."""
+    done, filled = 0.0, 0.0
+    for k in range(len(links)):
+        filled += shares[k]
+        done = max(done, filled * backward_ms + sum(links[k:]))
+    return done
 
 
 def main() -> None:
@@ -183,18 +200,22 @@ def main() -> None:
             hid = med["bucketed"]["wait"] - med["overlapped"]["wait"]
             work = {s: med[s]["ddp"] - med[s]["wait"] for s in STRATEGIES}  # DDP's own work, the waits left out
             grew = work["overlapped"] - work["bucketed"]
-            links = link_ms(net, a.bucket_cap_mb, a.world_size)
+            links, shares = link_ms(net, a.bucket_cap_mb, a.world_size)
             print(f"{'':<10} bucketed/overlapped {med['bucketed']['step'] / med['overlapped']['step']:.2f}; "
                   f"link {sum(links):.1f} ms a step: overlap took {hid:.1f} ms of "
                   f"waiting off the step, and its DDP work but the waits grew by {grew:+.1f} ms")
-            # The limit: bucketed's step without its waiting, plus what no overlap can hide -- the last
-            # bucket's link time (launched when backward ends) or, if longer, the rank moving the bytes
-            # after backward (the NIC's rule: "moved", overlapped's transfer tail)
+            # The limits (the module docstring): backward's -- bucketed's step without its waiting,
+            # plus the last bucket's link time or the rank moving the bytes after backward (the
+            # card's rule: "moved", overlapped's) -- and the link's, carrying the buckets back to back
             b, o = med["bucketed"], med["overlapped"]
-            bound = b["step"] - b["wait"] + max(links[-1] if links and net.emulated else 0.0, o["moved"])
+            after = max(links[-1] if links and net.emulated else 0.0, o["moved"])
+            rest = b["step"] - b["backward"] - b["ddp"]  # forward, loss, optimizer
+            carried = link_done_ms(links, shares, b["backward"]) if links and net.emulated else 0.0
+            bound = max(b["step"] - b["wait"] + after, rest + carried + shares[-1] * b["copy_out"])
             print(f"{'':<10} the perfect-overlap bound: {bound:.1f} ms a step (bucketed/bound "
                   f"{b['step'] / bound:.2f}); overlapped reaches {bound / o['step']:.0%} of it "
-                  f"(moving the bytes: {o['moved']:.1f} ms a step)")
+                  f"(the link done {carried:.1f} ms into backward at the earliest; moving the bytes: "
+                  f"{o['moved']:.1f} ms)")
             if hook_calls:
                 print(f"{'':<10} overlapped's gradient hooks: {hook_calls:.0f} a step, {hook_ms:.2f} ms of their "
                       f"own Python ({1e3 * hook_ms / hook_calls:.0f} us each; copy-in and launches apart), "

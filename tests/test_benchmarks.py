@@ -51,3 +51,17 @@ def test_one_round_is_refused_before_any_rank_starts(name):
 def test_an_unknown_network_is_refused_before_any_rank_starts():
     run = _run("bench_overlap.py", ["--networks", "10GbE,wifi"])
     assert run.returncode == 2 and "unknown network 'wifi'" in run.stderr, run.stderr
+
+
+def test_the_overlap_bound_counts_the_links_capacity():
+    """bench_overlap's limit: the link delivers the last bucket no sooner than the first bucket is
+    full and every bucket has been carried after it, back to back, nor before the last is full."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from bench_overlap import link_done_ms
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    even = [0.25] * 4
+    assert link_done_ms([1.0] * 4, even, 10.0) == 11.0        # a fast link: the last bucket after backward
+    assert link_done_ms([5.0] * 4, even, 10.0) == 2.5 + 20.0  # a slow one: from the first bucket, 4 x 5 ms
+    assert link_done_ms([3.0], [1.0], 10.0) == 13.0           # one bucket: launched when backward ends
