@@ -242,12 +242,15 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
         raise ValueError(f"cannot measure {unknown}; valid: all_reduce, all_gather, reduce_scatter")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def row(calls: int, call) -> float:  # seconds per call, in a row, every rank starting together
+    def row(calls: int, launch=None) -> float:  # seconds per call, in a row, every rank starting together
         barrier()
         sync()
         t0 = time.perf_counter()
         for _ in range(calls):
-            call()
+            if between is not None:
+                between()
+            if launch is not None:
+                launch().wait()
         sync()
         return (time.perf_counter() - t0) / calls
 
@@ -262,11 +265,7 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
                       "reduce_scatter": partial(reduce_scatter_flat, shard, full, async_op=True)}[op]
             launch().wait()  # warm-up, untimed
             calls = max(4, min(32, int(calls_bytes // max(size, 1))))
-            if between is None:
-                times = [row(calls, lambda: launch().wait()) for _ in range(repeats)]
-            else:
-                times = [row(calls, lambda: (between(), launch().wait())) - row(calls, between)
-                         for _ in range(repeats)]
+            times = [row(calls, launch) - (row(calls) if between is not None else 0.0) for _ in range(repeats)]
             out[op].append((numel * 4, statistics.median(times)))
     return out
 
