@@ -20,8 +20,8 @@ per rank; each piece is *deposited* by every rank into its own region of a slot 
 in list, flat-tensor and coalesced forms; a group of one rank exchanges nothing, its collectives
 complete at once (the input copied where the output is another tensor), without the slab. Nobody
 waits to deposit (but for a free slot), so a collective launched from a gradient hook costs that
-thread a memcpy, and the rank that comes last completes it at once; only what waits for a peer moves on later, on the thread that waits
-for it or the group's own thread (``runner``).
+thread a memcpy, and the rank that comes last completes it at once; only what waits for a peer
+moves on later, on the thread that waits for it or the group's own thread (``runner``).
 
 The slab is bounded: S slots (``slots``) x N regions, 32 MiB a group at the defaults (8 slots of 2
 MiB regions for 2 ranks, of 1 MiB for 4); big tensors go through in as many pieces as they need,
