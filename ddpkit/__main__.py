@@ -148,8 +148,8 @@ def cmd_compare(args, parser) -> int:
     print(f"{args.world_size} ranks ({cluster.carried_by}) on {args.network.describe()}, "
           f"model {_describe(args.workload)}, {args.steps} steps x {args.rounds} rounds, "
           f"global batch {args.global_batch_size}, {args.optimizer}, "
-          f"{args.threads_per_rank} torch thread(s) per rank; "
-          f"{time.perf_counter() - t0:.0f} s")
+          f"{args.threads_per_rank} torch thread(s) per rank"
+          f"{', each rank pinned to its cores' if cluster.cores else ''}; {time.perf_counter() - t0:.0f} s")
     print(format_table(records))
     if args.json:
         _write_json(args.json, records)
@@ -208,7 +208,8 @@ def _cmd_validate(args, parser) -> int:
                 bucket_cap_mb=args.bucket_cap_mb, progress=progress)
         progress.close()
         records.extend(recs)
-        print(f"{n} ranks ({cluster.carried_by}) on {args.network.describe()}: {format_profile(profile)}")
+        pinned = ", each pinned to its cores" if cluster.cores else ""
+        print(f"{n} ranks ({cluster.carried_by}{pinned}) on {args.network.describe()}: {format_profile(profile)}")
         if transport.measured:
             print(costmodel.format_fit(transport))
         emulation = next((r["emulation_ms"] for r in recs if r.get("emulation_ms")), None)

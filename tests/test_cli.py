@@ -273,6 +273,14 @@ def test_trace_writes_a_chrome_trace(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning 2 ranks needs 2 cores")
+def test_compare_with_pinned_ranks_says_so():
+    res = _cli("compare", "--world-size", "2", "--strategies", "bucketed", "--width", "8", "--depth", "2",
+               "--steps", "1", "--rounds", "1", "--global-batch-size", "8", "--pin-cores")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "each rank pinned to its cores" in res.stdout and "bucketed" in res.stdout
+
+
 def test_compare_on_a_two_tier_loopback(tmp_path):
     """--gpus-per-node with no --network: 4 ranks as 2 nodes x 2 on loopback, no link emulated.
     Hybrid sharding keeps its all-gathers and reduce-scatters inside a node and sends fewer bytes
