@@ -28,17 +28,10 @@ def _loops(chunk_ms: float, iters: int) -> tuple[float, float, float]:
     import torch
     import torch.distributed as dist
 
+    from ddpkit.costmodel.measure import compute_chunk  # timed one rank at a time, on a core of its own
     from ddpkit.strategies._common import all_gather_flat  # torch 2.13's name, without its warning
 
-    a = torch.randn(256, 256)
-    reps = 1
-    for r in range(dist.get_world_size()):  # one rank at a time: a chunk is timed on a core of its own
-        dist.barrier()
-        if r == dist.get_rank():
-            t0 = time.perf_counter()
-            for _ in range(20):
-                a @ a
-            reps = max(1, round(chunk_ms / 1e3 / ((time.perf_counter() - t0) / 20)))  # products per chunk
+    chunk = compute_chunk(chunk_ms / 1e3)
     small = torch.ones(256)  # 1 KiB of float32
     out = torch.empty(256 * dist.get_world_size())
 
@@ -48,8 +41,7 @@ def _loops(chunk_ms: float, iters: int) -> tuple[float, float, float]:
         for _ in range(iters):
             t = time.perf_counter()
             if compute:
-                for _ in range(reps):
-                    a @ a
+                chunk()
             if sync:
                 all_gather_flat(out, small)
             times.append(time.perf_counter() - t)

@@ -235,8 +235,12 @@ def cmd_predict(args, parser) -> int:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
     network = parse_network(parser, args, args.world_sizes)  # --fit: the fitted transport instead
     args.network = network
-    if args.pin_cores:  # a core per rank at the largest world size, checked before anything starts
-        parser_checked(parser, cores_per_rank, max([*args.world_sizes, args.fit_ranks]))
+    if args.pin_cores:  # the ranks --validate or --fit start: a core each, checked before any starts
+        started = args.world_sizes if args.validate else [args.fit_ranks] if args.fit else []
+        if not started:
+            parser.error("--pin-cores pins the ranks that --validate or --fit start; without them predict "
+                         "starts none (--profile-on-ranks shares the cores, as training would)")
+        parser_checked(parser, cores_per_rank, max(started))
     default = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
     args.strategies = runnable_strategies(parser, args.strategies, default, args.world_sizes, network)
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):

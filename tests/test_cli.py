@@ -171,6 +171,9 @@ def test_pinning_more_ranks_than_cores_is_refused(capsys, no_cluster):
     for argv in (["compare", "--world-size", str(n), "--global-batch-size", str(4 * n), "--pin-cores"],
                  ["predict", "--validate", "--world-sizes", f"2,{n}", "--pin-cores"]):
         assert f"needs a core per rank: {n} ranks" in error_of(argv, capsys)
+    # predict alone starts no ranks (but with --profile-on-ranks, which shares the cores as training would)
+    assert "--pin-cores pins the ranks that --validate or --fit start" in error_of(
+        ["predict", "--world-sizes", "2", "--pin-cores"], capsys)
 
 
 def test_predict_prints_a_table_and_plots(tmp_path, capsys):

@@ -270,24 +270,30 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
     return out
 
 
-def _matmuls(seconds: float):
-    """Work of about ``seconds`` on this rank, as every rank computes at once: matrix products
-    (their count timed here, every rank timing at the same time)."""
+def compute_chunk(seconds: float):
+    """Inside a rank: a function that computes for about ``seconds`` on one core (products of a
+    256 x 256 matrix; their count timed one rank at a time, each on a core of its own), the
+    compute between collectives in ``measure_emulated`` and ``benchmarks/bench_contention.py``."""
     import torch
+    import torch.distributed as dist
 
     from ddpkit.rankside import barrier
 
-    a = torch.randn(128, 128)
+    a = torch.randn(256, 256)
 
     def work(count: int) -> None:
         for _ in range(count):
-            torch.mm(a, a)
+            a @ a
 
-    work(10)
+    count = 1
+    for r in range(dist.get_world_size()):
+        barrier()
+        if r == dist.get_rank():
+            work(5)  # warm-up
+            t0 = time.perf_counter()
+            work(20)
+            count = max(1, round(seconds / ((time.perf_counter() - t0) / 20)))
     barrier()
-    t0 = time.perf_counter()
-    work(200)
-    count = max(1, round(seconds / ((time.perf_counter() - t0) / 200)))
     return partial(work, count)
 
 
@@ -304,7 +310,7 @@ def measure_emulated(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=(
 
     from ddpkit.rankside import device
 
-    between = _matmuls(compute_s) if device().type == "cpu" else None
+    between = compute_chunk(compute_s) if device().type == "cpu" else None
     return _time_collectives(ops, sizes, repeats, 4 * MiB, device(), dist.get_world_size(), between)
 
 
