@@ -31,7 +31,9 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
   process group (``ddpkit.comm.process_group``) needs to stand in for gloo or NCCL (its ``FutureWork``
   needs nothing private: ``dist.Work`` subclassed, as torch's tests of Python groups do);
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
-- ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``.
+- ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``;
+- ``tensors_to``: every tensor inside nested arguments moved to a device (``torch.utils._pytree``),
+  what torch's DDP does to a forward's inputs when given ``device_ids``.
 
 Beyond these names, ``ddpkit.process_group`` overrides the methods torch calls on a Python
 ``ProcessGroup`` (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``, ...): their names
@@ -163,6 +165,15 @@ def copy_all(destinations: list, sources: list) -> None:
         return
     for d, s in zip(destinations, sources, strict=True):
         d.copy_(s)
+
+
+def tensors_to(tree, device: torch.device):
+    """``tree`` (a forward's args or kwargs: tensors inside tuples, lists, dicts, named tuples) with
+    every tensor moved to ``device`` and the rest as it was. torch's pytree (underscored, public in
+    spirit: torch's own ``_to_kwargs`` walks inputs the same way) has been there through the range."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), tree)
 
 
 def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:

@@ -154,13 +154,15 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
             dist.broadcast(t.data, src=src, group=group)
 
 
-def prepare_module(strategy: str, module: nn.Module, group=None) -> None:
-    """The construction steps every wrapper shares: check, then broadcast rank 0's state."""
+def prepare_module(strategy: str, module: nn.Module, group=None, params: bool = True, buffers: bool = True) -> None:
+    """The construction steps every wrapper shares: check, then broadcast rank 0's parameters and
+    buffers (either left out: torch DDP's ``init_sync=False`` and ``broadcast_buffers=False``)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
     require_process_group(strategy, group)
     check_same_shapes(module, group)
-    broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), group)
+    broadcast_from_rank0((list(module.parameters()) if params else []) + (list(module.buffers()) if buffers else []),
+                         group)
 
 
 def nbytes(t: torch.Tensor) -> int:

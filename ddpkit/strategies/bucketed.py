@@ -19,6 +19,9 @@ Bucket assignment follows torch DDP (``buckets.assign_buckets``):
   at 25 MiB); ``first_bucket_mb`` sets the first bucket's cap (``buckets.layout``).
 (torch DDP also rebuilds the buckets once in the order gradients actually arrived. No rebuild here.)
 
+When: after backward, as ``NaiveDDP`` (the first gradient queues the sync on the autograd engine's
+end of backward, so ``loss.backward()`` returns with the gradients averaged, as with torch's DDP).
+
 Copies, not views: after backward each gradient is copied into its bucket slot (scaled by
 1/N on the way), the bucket is all-reduced, and the averaged values are copied back into
 ``.grad``. Cost: memory, one extra copy of all gradients (the buckets, ``comm_buffer_bytes()``,
@@ -40,12 +43,14 @@ class BucketedDDP(DDPModule):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, **torch_ddp):
+        # torch_ddp: torch DDP's other arguments (device_ids, broadcast_buffers, ...; torch_ddp_args.py)
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
-                         gradient_as_bucket_view=gradient_as_bucket_view)
-        # hooks only to record the bucket fill order: the reduction waits for the end of backward
-        self._record_fill_order()
+                         gradient_as_bucket_view=gradient_as_bucket_view, **torch_ddp)
+        # a hook per gradient: records the bucket fill order and queues the reduction at the end
+        # of backward (the buckets wait for it: launching them earlier is OverlappedDDP's idea)
+        self._sync_at_end_of_backward()
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:

@@ -27,6 +27,8 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies._common import clip_grad_norm_, no_sync, prepare_module, unique_named_parameters
 from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, layout, make_buckets
+from ddpkit.strategies.torch_ddp_args import TorchDDPArgs, group_of
+from ddpkit.torch_internals import queue_at_end_of_backward, tensors_to
 
 
 class DDPModule(nn.Module, Joinable):
@@ -38,9 +40,12 @@ class DDPModule(nn.Module, Joinable):
     When does a backward need a sync? As in torch DDP (``require_backward_grad_sync``), the
     *forward* decides: a forward run with gradients enabled outside ``no_sync()`` marks a sync
     as pending; ``finish_gradient_synchronization()`` does it once and clears the mark, so a
-    second call is a no-op. A forward inside ``no_sync()`` leaves gradients to accumulate
-    locally; the next forward outside it syncs the sum. So: run the forward through the
-    wrapper (``model(x)``, not ``model.module(x)``), one backward per forward.
+    second call is a no-op. Every wrapper makes that call itself at the end of a backward that
+    needs it (a callback queued on the autograd engine, as torch's DDP does), so no backward's
+    sync is ever skipped, whether or not the training loop calls it. A forward inside
+    ``no_sync()`` leaves gradients to accumulate locally; the next forward outside it syncs the
+    sum. So: run the forward through the wrapper (``model(x)``, not ``model.module(x)``), one
+    backward per forward (a gradient that arrives after the step's sync is a RuntimeError).
 
     A gradient missing on a rank (its parameter not used in this rank's forward) is reduced as
     zeros, so every rank still issues the same collectives (torch's DDP instead raises at the next
@@ -51,17 +56,28 @@ class DDPModule(nn.Module, Joinable):
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 first_bucket_mb: float | None = None, gradient_as_bucket_view: bool = False):
+                 first_bucket_mb: float | None = None, gradient_as_bucket_view: bool = False,
+                 device_mesh=None, **torch_ddp):
+        strategy = type(self).__name__
         if bucketed:  # a bad cap fails before any communication
             bucket_cap_mb, first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
             bucket_cap_bytes(bucket_cap_mb)
             if first_bucket_mb is not None:
                 bucket_cap_bytes(first_bucket_mb)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
+        # torch DDP's other arguments (device_ids, broadcast_buffers, ...), with torch's meaning
+        self.torch_args = TorchDDPArgs.parse(strategy, module, **torch_ddp)
+        process_group = group_of(strategy, process_group, device_mesh)
         super().__init__()
         Joinable.__init__(self)
-        prepare_module(type(self).__name__, module, process_group)
+        prepare_module(strategy, module, process_group, params=self.torch_args.init_sync,
+                       buffers=self.torch_args.init_sync and self.torch_args.init_sync_buffers)
         self.module = module
         self.process_group = process_group
+        # broadcast before a forward that follows a synchronising one (torch's forward_sync_buffers)
+        self._buffers = list(module.buffers()) if self.torch_args.forward_sync_buffers else []
+        self._sync_buffers_next = True
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.world_size = dist.get_world_size(process_group)
         # The gradients to reduce: trainable parameters, tied ones once, in registration order.
@@ -70,6 +86,8 @@ class DDPModule(nn.Module, Joinable):
         self._warned_unused = False
         self._require_sync = True   # False inside no_sync()
         self._sync_pending = False  # set by a forward that needs a sync, cleared when done
+        self._synced = False        # the sync of this step is done (a later gradient is an error)
+        self._end_queued = False    # the sync is queued at the end of this backward
         self._comm_hook = None      # register_comm_hook: how a bucket is reduced
         if bucketed:  # the flat buckets, in the order they fill (buckets.py)
             self.bucket_cap_mb, self.first_bucket_mb = bucket_cap_mb, first_bucket_mb
@@ -80,46 +98,115 @@ class DDPModule(nn.Module, Joinable):
             self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                         bucket=functools.partial(Bucket, grads_as_views=gradient_as_bucket_view))
 
-    def _record_fill_order(self) -> None:
-        """Hooks only to *record* when each gradient becomes ready (the bucket fill order), for a
-        wrapper that reduces after backward (BucketedDDP, ZeRO1); recording off: no hooks."""
-        if self.recorder.enabled:
-            self._hook_every_gradient(self._note_ready)
+    def _sync_at_end_of_backward(self) -> None:
+        """For a wrapper that reduces after backward (NaiveDDP, BucketedDDP, ZeRO1): a hook on every
+        gradient that records when it became ready (the bucket fill order, when recording) and, in a
+        backward that syncs, queues ``finish_gradient_synchronization`` once at the end of backward.
 
-    def _note_ready(self, bucket, j: int) -> None:
-        self.recorder.grad_ready(bucket.names[j], bucket=bucket.index)
+        So ``loss.backward()`` returns with the gradients averaged, as torch's DDP does, and a script
+        written for torch's (which never calls ``finish_gradient_synchronization()``) trains the same:
+        no rank ever steps on its own gradients. The communication still starts only once autograd is
+        done with every gradient; the explicit call stays, and finds nothing left to do."""
+        self._hook_every_gradient(self._after_backward_hook)
+
+    def _after_backward_hook(self, i: int, j: int | None = None) -> None:
+        bucket = self.buckets[i] if self.buckets else None
+        name = bucket.names[j] if bucket is not None else self.named_grads[i][0]
+        if self.recorder.enabled:
+            self.recorder.grad_ready(name, bucket=i)  # naive: its "bucket" is the parameter
+        self._check_not_synced(name)
+        if self._sync_pending and not self._end_queued:
+            self._end_queued = queue_at_end_of_backward(self.finish_gradient_synchronization)
+
+    def _check_not_synced(self, name: str) -> None:
+        """A gradient arriving after this step's sync would stay local on this rank: a second backward
+        without a forward through the wrapper in between. torch's DDP refuses it too."""
+        if self._synced:
+            raise RuntimeError(
+                f"{type(self).__name__}: the gradient of {name!r} arrived after this step's gradients were "
+                "already averaged across ranks: a second backward after one forward, or a backward through a "
+                "forward that bypassed the wrapper (model.module(x)). Run each backward on its own forward "
+                "through the wrapper; to accumulate micro-batches, run all but the last inside no_sync().")
 
     def _hook_every_gradient(self, method) -> None:
-        """Call ``method(bucket, j)`` each time gradient j of a bucket lands in ``.grad`` (a
-        post-accumulate-grad hook on each parameter).
+        """Call ``method(i, j)`` each time gradient j of bucket i lands in ``.grad`` (``method(k)``
+        for gradient k of ``named_grads`` in a wrapper without buckets): a post-accumulate-grad hook
+        on each parameter.
 
-        The hooks reach this wrapper through a weak reference. torch keeps a parameter's hooks in
-        its C++ autograd data, where Python's garbage collector cannot follow them: a hook holding
-        the wrapper made wrapper -> model -> parameter -> hook -> wrapper a cycle nothing frees, so
-        a Cluster's rank kept every run's model and buckets (on a GPU: the allocator's figures
-        grew run by run). A hook whose wrapper is gone does nothing."""
+        The hooks reach this wrapper through a weak reference, and name buckets by index. torch keeps
+        a parameter's hooks in its C++ autograd data, where Python's garbage collector cannot follow
+        them: a hook holding the wrapper (or a bucket) made wrapper -> model -> parameter -> hook ->
+        wrapper a cycle nothing frees, so a Cluster's rank kept every run's model and buckets (on a
+        GPU: the allocator's figures grew run by run). A hook whose wrapper is gone does nothing."""
         owner, name = weakref.ref(self), method.__name__
-        for i, bucket in enumerate(self.buckets):
-            for j, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(functools.partial(_call_owner, owner, name, i, j))
+        if self.buckets:
+            places = [(p, (i, j)) for i, bucket in enumerate(self.buckets) for j, p in enumerate(bucket.params)]
+        else:
+            places = [(p, (k,)) for k, (_, p) in enumerate(self.named_grads)]
+        for p, where in places:
+            p.register_post_accumulate_grad_hook(functools.partial(_call_owner, owner, name, where))
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():  # an eval forward under torch.no_grad() changes nothing
+        training = torch.is_grad_enabled()  # an eval forward under torch.no_grad() syncs no gradient
+        if training:
             self.recorder.begin_forward()  # a training forward begins a step, unless the loop began it
             if self._join_config.enable:
                 self._tell_finished_ranks()
             self._start_step(sync=self._require_sync)
+        if self._sync_buffers_next and self._buffers and (training or not self._join_config.enable):
+            self._broadcast_buffers()  # rank 0's running statistics (BatchNorm), as torch's DDP
+        self._sync_buffers_next = training and self._require_sync
+        if self.torch_args.device is not None:  # device_ids: the inputs go to the module's GPU
+            args, kwargs = tensors_to((args, kwargs), self.torch_args.device)
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self, joined: bool = False) -> None:
+        """Every buffer from rank 0, or under Join from the highest rank still training (agreed with
+        one all-reduce MAX, as torch's DDP: rank 0 may have stopped with stale statistics)."""
+        src = 0
+        if self._join_config.enable:
+            mine = torch.tensor([-1 if joined else dist.get_rank(self.process_group)], device=self.join_device)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group)
+            src = int(mine.item())
+        if self.process_group is not None:
+            src = dist.get_global_rank(self.process_group, src)
+        with self.recorder.labels():
+            for b in self._buffers:
+                dist.broadcast(b, src=src, group=self.process_group)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, read by the next forward: False lets that step's gradients accumulate
+        locally (what ``no_sync()`` sets; nanoGPT sets it by hand on all but the last micro-batch)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._require_sync = bool(value)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """torch DDP's ``model.join()``: ``with model.join(): ...`` lets ranks run out of batches at
+        different steps (the Join protocol below). Gradients are summed over the ranks still training
+        and divided by the initial world size, as torch's default; the other division is not here."""
+        if not divide_by_initial_world_size:
+            raise ValueError(f"{type(self).__name__}.join: only divide_by_initial_world_size=True (torch's "
+                             "default): the gradients are pre-divided by the initial world size")
+        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     def _start_step(self, sync: bool) -> None:
         """Called by each training forward; subclasses reset per-step state here."""
         self._sync_pending = sync
+        self._synced = False       # this step's sync has not run yet
+        self._end_queued = False   # nor been queued at the end of its backward
 
     def finish_gradient_synchronization(self) -> None:
         """Block until every gradient is averaged across ranks; a no-op if already done."""
         if self._sync_pending:
             self._sync_gradients()
             self._sync_pending = False
+            self._synced = True
 
     def _sync_gradients(self) -> None:
         raise NotImplementedError
@@ -218,6 +305,9 @@ class _ShadowSteps(JoinHook):
         ddp = self.ddp
         flag = torch.zeros(1, dtype=torch.int64, device=ddp.join_device)
         dist.all_reduce(flag, group=ddp.process_group)
+        if ddp._sync_buffers_next and ddp._buffers:
+            ddp._broadcast_buffers(joined=True)  # the others' forward broadcasts their buffers
+        ddp._sync_buffers_next = bool(flag.item())  # ... again next step, if this one synchronises
         if flag.item() == 0:  # the others are inside no_sync(): no gradient collectives
             return
         for _, p in ddp.named_grads:
@@ -242,8 +332,8 @@ class _ShadowSteps(JoinHook):
                 dist.broadcast(t.data, src=src, group=ddp.process_group)
 
 
-def _call_owner(owner, method: str, i: int, j: int, _param) -> None:
+def _call_owner(owner, method: str, where: tuple, _param) -> None:
     """A gradient hook of ``DDPModule._hook_every_gradient``: ``method`` of the wrapper, if it lives."""
     wrapper = owner()
     if wrapper is not None:
-        getattr(wrapper, method)(wrapper.buckets[i], j)
+        getattr(wrapper, method)(*where)

@@ -11,6 +11,11 @@ however small the tensor. The default MLP (66 tensors, 2.1 M parameters) spends 
 step in those latencies. ``BucketedDDP`` (next file) packs gradients into a few large
 buffers to pay the latency a few times instead of 66.
 
+When: after backward, all at once. The first gradient of a backward queues
+``finish_gradient_synchronization()`` on the autograd engine, which runs it once every gradient
+is computed, so ``loss.backward()`` returns with the gradients averaged, as with torch's DDP.
+Nothing is communicated while backward computes: that is ``OverlappedDDP``'s idea, two files on.
+
 What every wrapper shares (construction broadcasts rank 0's parameters and buffers, the
 forward, ``no_sync()``, when a sync is pending) lives in ``ddp_module.DDPModule``.
 """
@@ -26,17 +31,18 @@ from ddpkit.strategies.ddp_module import DDPModule
 class NaiveDDP(DDPModule):
     """All-reduce each gradient separately, after backward (in finish_gradient_synchronization)."""
 
-    def __init__(self, module: nn.Module, process_group=None, recorder=None, find_unused_parameters: bool = False):
-        super().__init__(module, process_group, recorder, find_unused_parameters=find_unused_parameters)
-        if self.recorder.enabled:
-            # Hooks only to *record* when each gradient becomes ready (the bucket fill order
-            # plot); with recording off there are no hooks at all, so nothing to pay.
-            for i, (name, p) in enumerate(self.named_grads):
-                p.register_post_accumulate_grad_hook(self._recorder_hook(name, i))
-
-    def _recorder_hook(self, name: str, index: int):
-        recorder = self.recorder
-        return lambda p: recorder.grad_ready(name, bucket=index)  # naive: "bucket" = parameter
+    def __init__(self, module: nn.Module, process_group=None, recorder=None, find_unused_parameters: bool = False,
+                 bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False, **torch_ddp):
+        """``torch_ddp``: torch DDP's other arguments (``device_ids``, ``broadcast_buffers``, ...),
+        with torch's meaning (``torch_ddp_args.py``). ``gradient_as_bucket_view`` is accepted: each
+        ``.grad`` is reduced in place, there is no bucket to copy it to."""
+        if bucket_cap_mb is not None:
+            raise ValueError("NaiveDDP all-reduces every gradient on its own: it has no buckets, so "
+                             f"bucket_cap_mb={bucket_cap_mb!r} does not apply (BucketedDDP has buckets)")
+        super().__init__(module, process_group, recorder, find_unused_parameters=find_unused_parameters, **torch_ddp)
+        # a hook per gradient: records when it became ready (the fill-order plot, one "bucket" per
+        # parameter) and queues the sync at the end of backward, so backward returns averaged
+        self._sync_at_end_of_backward()
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:

@@ -25,8 +25,8 @@ Rules that keep every rank issuing identical collectives in identical order:
 Inside ``no_sync()`` the hooks return at once: gradients accumulate in ``.grad`` and the
 first backward after it syncs the sum.
 
-One backward per forward: a second backward after the sync adds local, unsynchronised
-gradients (use ``no_sync()`` for all but the last). Activation checkpointing works with
+One backward per forward: a second backward after the sync would add local, unsynchronised
+gradients, so it is a RuntimeError (use ``no_sync()`` for all but the last). Activation checkpointing works with
 ``use_reentrant=False`` (torch's recommended mode). The reentrant mode is NOT supported: it
 runs a nested backward per checkpointed region, and when the first gradient of a step
 arrives inside one, the end-of-backward callback joins that nested pass and syncs too early.
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ddpkit.strategies.ddp_module import DDPModule
-from ddpkit.strategies.buckets import Bucket, InOrder
+from ddpkit.strategies.buckets import InOrder
 
 
 class OverlappedDDP(DDPModule):
@@ -50,10 +50,11 @@ class OverlappedDDP(DDPModule):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, **torch_ddp):
+        # torch_ddp: torch DDP's other arguments (device_ids, broadcast_buffers, ...; torch_ddp_args.py)
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
-                         gradient_as_bucket_view=gradient_as_bucket_view)
+                         gradient_as_bucket_view=gradient_as_bucket_view, **torch_ddp)
         # which bucket is launched next, in bucket order (the rules above; buckets.InOrder)
         self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
                                  type(self).__name__)
@@ -64,8 +65,10 @@ class OverlappedDDP(DDPModule):
         super()._start_step(sync)
         self._in_order.new_step()
 
-    def _grad_ready_hook(self, bucket: Bucket, j: int) -> None:
-        """Gradient j of ``bucket`` is in ``.grad``: copy it in; launch the buckets now complete."""
+    def _grad_ready_hook(self, i: int, j: int) -> None:
+        """Gradient j of bucket i is in ``.grad``: copy it in; launch the buckets now complete."""
+        bucket = self.buckets[i]
+        self._check_not_synced(bucket.names[j])  # a second backward after the sync: an error
         # recorded; in a backward that syncs (not inside no_sync()) .grad / N into its bucket slot
         if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
             # Launch every complete bucket in bucket order, starting from the next one due:

@@ -41,10 +41,11 @@ from ddpkit.strategies.zero_buckets import ZeroDDPModule
 class ZeRO1(ZeroDDPModule):
     """Buckets reduce-scattered after backward; the optimizer steps 1/N; parameters all-gathered."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None):
-        super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None,
+                 **torch_ddp):
+        super().__init__(module, bucket_cap_mb, process_group, recorder, **torch_ddp)  # the sharded buckets
         self._reduced = False  # a synchronised backward has used the gradients
-        self._record_fill_order()  # hooks only to record the bucket fill order, as BucketedDDP's
+        self._sync_at_end_of_backward()  # as BucketedDDP: fill order recorded, reduced at the end of backward
 
     def _start_step(self, sync: bool) -> None:
         super()._start_step(sync)

@@ -30,14 +30,15 @@ import torch
 from torch import nn
 
 from ddpkit.strategies.buckets import InOrder
-from ddpkit.strategies.zero_buckets import ZeroBucket, ZeroDDPModule
+from ddpkit.strategies.zero_buckets import ZeroDDPModule
 
 
 class ZeRO2(ZeroDDPModule):
     """Buckets reduce-scattered from gradient hooks, full gradients freed; the step as ZeRO-1's."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None):
-        super().__init__(module, bucket_cap_mb, process_group, recorder)  # the sharded buckets
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None,
+                 **torch_ddp):
+        super().__init__(module, bucket_cap_mb, process_group, recorder, **torch_ddp)  # the sharded buckets
         # which bucket is launched next, in bucket order (as OverlappedDDP's: buckets.InOrder)
         self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
                                  type(self).__name__)
@@ -52,8 +53,10 @@ class ZeRO2(ZeroDDPModule):
         self._next_done = 0
 
     # ------------------------------------------------------------------ backward: reduce-scatter
-    def _grad_ready_hook(self, bucket: ZeroBucket, j: int) -> None:
-        """Gradient j of ``bucket`` is in ``.grad``: copy it in, free it, launch complete buckets."""
+    def _grad_ready_hook(self, i: int, j: int) -> None:
+        """Gradient j of bucket i is in ``.grad``: copy it in, free it, launch complete buckets."""
+        bucket = self.buckets[i]
+        self._check_not_synced(bucket.names[j])  # a second backward after the sync: an error
         # recorded; in a backward that syncs (not inside no_sync(), where it accumulates in .grad)
         # .grad / N into the bucket's flat gradient, and .grad freed (ZeroBucket.copy_in)
         if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):

@@ -123,8 +123,14 @@ class ZeroDDPModule(DDPModule):
     and the all-gather of the updated parameters after each step. They differ in when the
     gradients are reduce-scattered (after backward / from the gradient hooks)."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None):
-        super().__init__(module, process_group, recorder)  # checks, rank 0's values everywhere
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None,
+                 **torch_ddp):
+        # torch_ddp: torch DDP's placement and buffer arguments (device_ids, broadcast_buffers, ...)
+        for name in ("find_unused_parameters", "gradient_as_bucket_view"):
+            if torch_ddp.pop(name, False):
+                raise ValueError(f"{type(self).__name__}: {name}=True is not an option here: the gradients always "
+                                 "live in the flat buckets, and an unused parameter's elements are reduced as zeros")
+        super().__init__(module, process_group, recorder, **torch_ddp)  # checks, rank 0's values everywhere
         self.rank = dist.get_rank(process_group)
         self.bucket_cap_mb, self.first_bucket_mb = layout(bucket_cap_mb)
         # DDP's buckets (the same rule), each a ZeroBucket: padded to N shards, ours is shard r
