@@ -76,7 +76,7 @@ class DDPModule(nn.Module, Joinable):
         self.module = module
         self.process_group = process_group
         # broadcast before a forward that follows a synchronising one (torch's forward_sync_buffers)
-        self._buffers = list(module.buffers()) if self.torch_args.forward_sync_buffers else []
+        self._forward_buffers = list(module.buffers()) if self.torch_args.forward_sync_buffers else []
         self._sync_buffers_next = True
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.world_size = dist.get_world_size(process_group)
@@ -153,7 +153,7 @@ class DDPModule(nn.Module, Joinable):
             if self._join_config.enable:
                 self._tell_finished_ranks()
             self._start_step(sync=self._require_sync)
-        if self._sync_buffers_next and self._buffers and (training or not self._join_config.enable):
+        if self._sync_buffers_next and self._forward_buffers and (training or not self._join_config.enable):
             self._broadcast_buffers()  # rank 0's running statistics (BatchNorm), as torch's DDP
         self._sync_buffers_next = training and self._require_sync
         if self.torch_args.device is not None:  # device_ids: the inputs go to the module's GPU
@@ -172,7 +172,7 @@ class DDPModule(nn.Module, Joinable):
         if self.process_group is not None:
             src = dist.get_global_rank(self.process_group, src)
         with self.recorder.labels():
-            for b in self._buffers:
+            for b in self._forward_buffers:
                 dist.broadcast(b, src=src, group=self.process_group)
 
     @property
@@ -305,7 +305,7 @@ class _ShadowSteps(JoinHook):
         ddp = self.ddp
         flag = torch.zeros(1, dtype=torch.int64, device=ddp.join_device)
         dist.all_reduce(flag, group=ddp.process_group)
-        if ddp._sync_buffers_next and ddp._buffers:
+        if ddp._sync_buffers_next and ddp._forward_buffers:
             ddp._broadcast_buffers(joined=True)  # the others' forward broadcasts their buffers
         ddp._sync_buffers_next = bool(flag.item())  # ... again next step, if this one synchronises
         if flag.item() == 0:  # the others are inside no_sync(): no gradient collectives

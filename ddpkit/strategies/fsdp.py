@@ -325,6 +325,11 @@ class FSDP(nn.Module):
     # gradient accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
     no_sync = no_sync
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """torch's ``fully_shard`` spelling of ``no_sync()``: False keeps the following backwards'
+        gradients local and unsharded (accumulating), True makes the next one reduce-scatter them."""
+        self._require_sync = bool(requires_gradient_sync)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Finish the sync, then clip by the norm of the whole gradient, combined from every
         rank's shards over the shard group (hybrid: a node; its replicas hold the same shards)."""
