@@ -560,6 +560,9 @@ def test_bucketed_ddp_communicates_only_after_backward(cluster_of):
             (backward,) = trace.select(rank=rank, step=step, name="backward")
             launches = launch_order(trace, rank, step)
             assert len(launches) == buckets
-            assert all(r.start_ns >= backward.end_ns for r in launches)
+            # at the end of backward (its queued callback): after autograd's last gradient, before
+            # loss.backward() returns
+            last_ready = max(t for _, _, t in bucket_fill_order(trace, rank, step))
+            assert all(last_ready <= r.start_ns and r.end_ns <= backward.end_ns for r in launches)
     assert overlap_fraction(trace) == 0.0
     assert comm_bytes_per_step(trace)[0] == {0: float(model_bytes), 1: float(model_bytes)}
