@@ -20,9 +20,10 @@ import json
 import sys
 import time
 
-from ddpkit.cli_args import (HelpFormatter, number_type, positive_int, bucket_cap, int_list, strategy_list,
+from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, strategy_list,
                               check_writable, parse_network, runnable_strategies, check_run_args, parse_workload,
-                              MODEL_HELP, add_run_args, add_transport_arg, add_network_args, parser_checked)
+                              MODEL_HELP, add_run_args, add_gpus_arg, add_transport_arg, add_network_args,
+                              parser_checked)
 from ddpkit.cluster import cores_per_rank
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
@@ -95,9 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("doctor", help="check every feature on this machine's real backend (run it first in a lab)")
     p.add_argument("--world-size", type=positive_int, default=2)
-    gpu_index = number_type(int, 0, "a CUDA device index >= 0")
-    p.add_argument("--gpus", default=None, help="comma-separated CUDA device indices, one per rank (e.g. 4,5)",
-                   type=lambda t: [gpu_index(x) for x in t.split(",") if x.strip()])
+    add_gpus_arg(p)
     p.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,
                    help="comma-separated check names, as printed (e.g. 'cluster,compare')")
     p.set_defaults(func=cmd_doctor)
@@ -115,7 +114,7 @@ def _start_cluster(args):
     import ddpkit
 
     return ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
-                          network=args.network, transport=args.transport, pin_cores=args.pin_cores)
+                          network=args.network, gpus=args.gpus, transport=args.transport, pin_cores=args.pin_cores)
 
 
 def _describe(workload) -> str:

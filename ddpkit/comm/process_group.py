@@ -118,7 +118,10 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         self._id = comm.flight.new_group(global_ranks)  # groups are made in the same order on every rank
         self._index = itertools.count(1)   # this group's sequence: 1 for its first collective
         self._links = (None, None)          # (network, its link_for this group): see _link_on
-        register_real_backend(self, real, comm.real_backend)
+        # torch holds the real backend itself (a staging wrapper is Python only: what it wraps);
+        # ranks on a GPU over gloo's family register it for CUDA tensors too, as torch does for gloo
+        register_real_backend(self, getattr(real, "inner", real), comm.real_backend,
+                              cuda=rankside.device().type == "cuda")
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND_NAME
@@ -289,7 +292,10 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
     emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
     ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
     ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
-    ``shm_prefix`` (``ddpkit.comm.transport``)."""
+    ``shm_prefix`` (``ddpkit.comm.transport``); on ranks sharing a GPU each CUDA tensor is staged
+    through pinned host memory (``HostStaged``). ``"cuda-ipc"``: ranks sharing a GPU, bytes through
+    a GPU buffer per group (``device_slab``). The rank's device (``rankside.set_device``) is set
+    before this is called."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 
@@ -314,10 +320,14 @@ def _real_backend(name: str, opts, shm_prefix: str | None = None):
         options.group_name = opts.group_id
         options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
-    if name == "shm":  # a gloo group whose collectives move their bytes through shared memory
-        from ddpkit.comm.transport import ShmBackend
+    if name in ("shm", "cuda-ipc"):  # a gloo group whose collectives move their bytes through a slab
+        from ddpkit.comm.transport import HostStaged, ShmBackend
 
-        return ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix)
+        dev = rankside.device()
+        on_gpu = dev.type == "cuda"
+        real = ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix,
+                          device=dev if name == "cuda-ipc" else None)  # the slab in GPU memory, or host
+        return HostStaged(real) if name == "shm" and on_gpu else real  # CUDA tensors staged through the host
     return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
 
 
