@@ -275,6 +275,7 @@ def _staged_under_ddpkits_group():
     from ddpkit.comm.transport import HostStaged
     from ddpkit.network import Network
     from ddpkit.trace import Recorder
+    from solutions.collectives import ring_all_reduce
 
     built = process_group._real_backend
     process_group._real_backend = lambda *a, **k: HostStaged(built(*a, **k), devices=("cpu",))
@@ -294,7 +295,9 @@ def _staged_under_ddpkits_group():
     dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)), group=group)
     part = torch.empty(2)
     dist.reduce_scatter_tensor(part, torch.arange(4.0) + rank, group=group)
-    out["results"] = [x.tolist(), y.tolist(), flat.tolist(), part.tolist()]
+    ring = torch.arange(7.0) * (rank + 1)
+    ring_all_reduce(ring, group)  # the course's exercise: send and recv, which gloo takes for CPU tensors only
+    out["results"] = [x.tolist(), y.tolist(), flat.tolist(), part.tolist(), ring.tolist()]
     after = rankside.comm_counts()
     out["counted"] = {op: after[(op, link)][0] - before.get((op, link), (0,))[0] for op, link in after
                       if after[(op, link)] != before.get((op, link))}
@@ -318,7 +321,7 @@ def test_the_staged_transport_under_ddpkits_process_group_is_counted_recorded_an
     for rank, out in enumerate(cluster_of(2).run(_staged_under_ddpkits_group)):
         assert out["staged"] == "ShmBackend"
         assert out["results"] == [[3.0 * i for i in range(10)], [1.0] * 3, [0.0, 0.0, 1.0, 1.0],
-                                  [1.0 + 4 * rank, 3.0 + 4 * rank]], out
+                                  [1.0 + 4 * rank, 3.0 + 4 * rank], [3.0 * i for i in range(7)]], out
         assert out["counted"] == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}, out
         assert out["recorded"] == [("all_reduce", 32)]
         took, link, value = out["emulated"]

@@ -320,15 +320,19 @@ def _real_backend(name: str, opts, shm_prefix: str | None = None):
         options.group_name = opts.group_id
         options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
-    if name in ("shm", "cuda-ipc"):  # a gloo group whose collectives move their bytes through a slab
-        from ddpkit.comm.transport import HostStaged, ShmBackend
+    from ddpkit.comm.transport import POINT_TO_POINT, STAGED, HostStaged, ShmBackend
 
-        dev = rankside.device()
-        on_gpu = dev.type == "cuda"
+    dev = rankside.device()
+    if name in ("shm", "cuda-ipc"):  # a gloo group whose collectives move their bytes through a slab
         real = ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix,
-                          device=dev if name == "cuda-ipc" else None)  # the slab in GPU memory, or host
-        return HostStaged(real) if name == "shm" and on_gpu else real  # CUDA tensors staged through the host
-    return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+                          device=dev if name == "cuda-ipc" else None)  # the slab in GPU memory, or the host's
+    else:
+        real = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    if dev.type != "cuda":
+        return real
+    # ranks sharing a GPU: gloo takes CUDA tensors in collectives but not in send/recv, and the host
+    # slab takes none: what the transport cannot take is staged through pinned host memory
+    return HostStaged(real, methods=STAGED if name == "shm" else POINT_TO_POINT)
 
 
 __all__ = ["BACKEND_NAME", "Comm", "Count", "DdpkitProcessGroup", "install"]
