@@ -25,6 +25,7 @@ from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, 
                               MODEL_HELP, add_run_args, add_gpus_arg, add_transport_arg, add_network_args,
                               parser_checked)
 from ddpkit.cluster import cores_per_rank
+from ddpkit.cluster.placement import SHARED_GPU_NOTE, shares
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.units import human_bytes
@@ -150,6 +151,8 @@ def cmd_compare(args, parser) -> int:
           f"{args.threads_per_rank} torch thread(s) per rank"
           f"{', each rank pinned to its cores' if cluster.cores else ''}; {time.perf_counter() - t0:.0f} s")
     print(format_table(records))
+    if shares(cluster.gpus):
+        print(SHARED_GPU_NOTE)
     if args.json:
         _write_json(args.json, records)
     if args.plot:

@@ -36,6 +36,11 @@ CPU_TRANSPORTS = ("shm", "gloo")
 NCCL_SHARES_GPUS_FROM = (2, 30, 3)   # NCCL_MULTI_RANK_GPU_ENABLE appeared in this release (experimental)
 NCCL_SHARE_SWITCH = "NCCL_MULTI_RANK_GPU_ENABLE"
 
+# Said beside a step time measured on ranks sharing a GPU (compare prints it under its table)
+SHARED_GPU_NOTE = ("note: these ranks share a GPU and take turns on its SMs: a step's time is theirs together, "
+                   "not what as many GPUs would take, and overlap hides less; --network emulates the links of N "
+                   "real GPUs, and `python -m ddpkit predict` shows what N GPUs would do.")
+
 # What the transports are called where a learner reads them (the widget's header, compare's head line)
 _WORDS = {"cuda-ipc": "CUDA IPC", "shm": "shared memory, staged through pinned host memory",
           "gloo": "gloo (it stages through the host)", "nccl": "NCCL's multi-rank mode"}
@@ -196,5 +201,5 @@ def carried_by(world_size: int, backend: str, gpus, transport: str) -> str:
             f"bytes through {_WORDS[transport]}")
 
 
-__all__ = ["BACKENDS", "TRANSPORTS", "carried_by", "check_gpus", "check_memory_fraction", "nccl_version", "place",
+__all__ = ["BACKENDS", "SHARED_GPU_NOTE", "TRANSPORTS", "carried_by", "check_gpus", "check_memory_fraction", "nccl_version", "place",
            "rank_environment", "resolve_backend", "shares", "visible_gpus"]
