@@ -201,5 +201,6 @@ def carried_by(world_size: int, backend: str, gpus, transport: str) -> str:
             f"bytes through {_WORDS[transport]}")
 
 
-__all__ = ["BACKENDS", "SHARED_GPU_NOTE", "TRANSPORTS", "carried_by", "check_gpus", "check_memory_fraction", "nccl_version", "place",
+__all__ = ["BACKENDS", "SHARED_GPU_NOTE", "TRANSPORTS", "carried_by", "check_gpus", "check_memory_fraction",
+           "nccl_version", "place",
            "rank_environment", "resolve_backend", "shares", "visible_gpus"]
