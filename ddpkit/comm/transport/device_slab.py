@@ -45,11 +45,17 @@ class DeviceSlab:
 
     def __init__(self, store, rank: int, nbytes: int, device):
         self.device = torch.device(device)
-        if rank == 0:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            store.set(_KEY, pickle.dumps(share_cuda_tensor(self.buffer)))
-        else:  # the same GPU memory, mapped into this process's context
-            self.buffer = open_cuda_tensor(pickle.loads(store.get(_KEY)))
+        try:
+            if rank == 0:
+                self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                store.set(_KEY, pickle.dumps(share_cuda_tensor(self.buffer)))
+            else:  # the same GPU memory, mapped into this process's context
+                self.buffer = open_cuda_tensor(pickle.loads(store.get(_KEY)))
+        except RuntimeError as exc:  # CUDA IPC refused: a sandbox that does not pass it through, ...
+            raise RuntimeError(f"the CUDA IPC transport could not {'share' if rank == 0 else 'map'} its group's "
+                               f"buffer on {self.device} ({type(exc).__name__}: {exc}); this machine may not allow "
+                               "CUDA IPC between processes. Use ddpkit.Cluster(..., transport='shm') (staged through "
+                               "host memory) or transport='gloo'") from exc
 
     def inputs_ready(self):
         """At a collective's issue, on the issuing thread: an event after what produced its inputs."""
