@@ -19,7 +19,8 @@ This file is the public face; the work is done by the pieces beside it, one job 
 - ``jobs``: one ``run()``: send the job, collect the results, and the fault policy;
 - ``pickling``: turn a notebook's function into bytes a rank can run;
 - ``events``: what the parent knows about each rank, and the observers (the widget) told of it;
-- ``errors``: ``RankError``.
+- ``errors``: ``RankError`` (and ``DesyncError``, ``GpuOutOfMemoryError``);
+- ``gpu_memory``: what a rank holds on its GPU, and what to say when one runs out.
 The other end of the job channel is ``ddpkit.cluster.worker``; what a job can ask there is
 ``ddpkit.rankside``.
 
