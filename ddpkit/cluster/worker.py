@@ -11,7 +11,9 @@ Start-up, in order:
 Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
 the pickled result or the formatted traceback. With each job comes the file where this rank's
 flight recorder keeps its last collectives (``ddpkit.comm.flight``), which the parent reads if the
-ranks' collectives part; its watchdog reports a collective stuck during the job.
+ranks' collectives part; its watchdog reports a collective stuck during the job. On a GPU, after
+each job, it also tells the parent what it held there (``gpu_memory``: ranks sharing a GPU draw on
+one pool, and a rank that runs out is told what each held).
 
 Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
 stop button is pressed, or when another rank failed and this one may be stuck). Between jobs
