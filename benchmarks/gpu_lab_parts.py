@@ -5,6 +5,7 @@
     python benchmarks/gpu_lab_parts.py install DIR TARGET       # the wheels this Python lacks, into TARGET
     python benchmarks/gpu_lab_parts.py env                      # device, torch, CUDA, NCCL: key=value lines
     python benchmarks/gpu_lab_parts.py snapshot PATH [--dry-run]  # a CUDA memory snapshot of one recorded run
+    python benchmarks/gpu_lab_parts.py oom [--dry-run]          # a rank past its capped share of a shared GPU
     python benchmarks/gpu_lab_parts.py figures COMPARE_JSON     # compare's figures, one line per strategy
 
 ``run`` installs the carried wheels (those this Python lacks), then runs each part (``lab_parts``)
@@ -43,7 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = "benchmarks/gpu_lab_parts.py"
-NOTEBOOKS = ["00_start_here", "02_naive_ddp", "04_overlap", "05_zero_and_fsdp"]
+NOTEBOOKS = ["00_start_here", "02_naive_ddp", "04_overlap"]  # and 05, early, on ranks sharing the GPU
+SHARED_TESTS = ["tests/test_shared_gpu.py", "tests/test_gpu_paths.py"]  # -m gpu: ranks sharing GPU 0 where one
 BUDGET_S = 450  # the parts' share of a 10-minute device call: under 8 minutes with the install
 
 # What the GPU image already holds that the carried wheels need (/work/.library/device/KINDS.md's
@@ -61,8 +63,8 @@ LEFT_OUT = {"debugpy"}
 @dataclass
 class Part:
     """One check: ``argv`` run from the repo root (``{out}`` in an argument: OUTDIR), at most
-    ``timeout_s`` seconds. ``needs``: "cuda" (skipped without a GPU) or "nbval" (skipped where
-    nbval cannot be imported: the wheels were not carried). ``judge(rc, text)`` -> (ok, detail)
+    ``timeout_s`` seconds. ``needs``: "cuda" (skipped without a GPU), "nbval" (skipped where
+    nbval cannot be imported: the wheels were not carried), or both ("cuda,nbval"). ``judge(rc, text)`` -> (ok, detail)
     for a part whose success is not exit status 0; ``figures(out)`` -> extra summary lines."""
 
     name: str
@@ -87,24 +89,58 @@ def _refused_two_ranks_on_one_gpu(rc: int, text: str) -> tuple[bool, str]:
     return False, f"expected the kit's refusal (exit 2, 'one GPU per rank'), got exit {rc}: {_why(text)}"
 
 
-def _compare_figures(out: Path) -> list[str]:
-    path = out / "compare.json"
-    if not path.exists():
-        return []
-    return ["figures of 'compare on CUDA' (MiB per rank; ms/step: the median of the rounds; peak: on CUDA the "
-            "allocator's; after |: rank 0's last recorded step by category)"] + _figure_lines(path)
+def _figures_of(name: str, part: str):
+    """The summary's lines for a ``compare --json`` file ``name`` that part ``part`` wrote."""
+    def figures(out: Path) -> list[str]:
+        path = out / name
+        if not path.exists():
+            return []
+        return [f"figures of '{part}' (MiB per rank; ms/step: the median of the rounds; peak: on CUDA the "
+                "allocator's; after |: rank 0's last recorded step by category, cuda_context: outside the "
+                "allocator)"] + _figure_lines(path)
+    return figures
+
+
+def _shared_gpu_parts() -> list[Part]:
+    """Ranks sharing GPU 0: the course on CUDA ranks for a learner with one GPU (every part names its
+    ranks' GPUs, so on a machine with more it still shares GPU 0)."""
+    out = "{out}"
+    return [
+        # which transport moves bytes between ranks on one GPU fastest: the default is to be confirmed here
+        Part("transport on 1 GPU", [sys.executable, "benchmarks/bench_shared_gpu.py", "--world-sizes", "2,4",
+                                    "--sizes", "4K,1M,64M", "--rounds", "2", "--iters", "5"], 150, needs="cuda"),
+        # as an instructor runs it: on one GPU, 2 ranks sharing it (auto), and NCCL at 1 rank
+        Part("doctor", _ddpkit("doctor"), 150),
+        # every strategy, ours and torch's, at 2 and 4 ranks on the GPU; each transport exact; desync;
+        # memory against the formulas; the capped OOM; the tests that needed 2 GPUs, on ranks sharing one
+        Part("shared-GPU tests", [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", *SHARED_TESTS, "-q",
+                                  "-rs", "-p", "no:cacheprovider", "--timeout", "120"], 240, needs="cuda"),
+        Part("compare, 4 ranks 1 GPU", _ddpkit("compare", "--world-size", "4", "--gpus", "0,0,0,0", "--steps", "5",
+                                               "--rounds", "1", "--json", f"{out}/compare_shared.json"),
+             150, needs="cuda", figures=_figures_of("compare_shared.json", "compare, 4 ranks 1 GPU")),
+        # the emulated link waits on CUDA collectives (a ring of one rank sent nothing: unproven until now)
+        Part("10GbE on shared CUDA", _ddpkit("compare", "--world-size", "2", "--gpus", "0,0", "--network", "10GbE",
+                                             "--strategies", "overlapped,fsdp", "--steps", "3", "--rounds", "1"),
+             90, needs="cuda"),
+        Part("OOM message", [sys.executable, HERE, "oom"], 60, needs="cuda"),
+        Part("notebook 05, 1 GPU", [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env",
+                                    "-p", "no:cacheprovider", "--timeout", "240", "notebooks/05_zero_and_fsdp.ipynb"],
+             150, needs="cuda,nbval"),
+        Part("doctor, 4 ranks 1 GPU", _ddpkit("doctor", "--world-size", "4", "--gpus", "0,0,0,0"), 150,
+             needs="cuda"),
+    ]
 
 
 def lab_parts(gpus: int) -> list[Part]:
     """The parts, most telling first (the budget may cut the last ones), sized for one H100.
     ``gpus``: CUDA devices visible (0: the CPU, where the CUDA parts are skipped)."""
     out = "{out}"
-    parts = [
+    parts = _shared_gpu_parts() + [
         # every strategy on NCCL (one rank, the whole batch), each equal to one process
         Part("doctor at 1 rank on NCCL", _ddpkit("doctor", "--world-size", "1"), 150, needs="cuda"),
         Part("compare on CUDA", _ddpkit("compare", "--world-size", "1", "--backend", "nccl", "--steps", "5",
                                         "--rounds", "3", "--json", f"{out}/compare.json"),
-             180, needs="cuda", figures=_compare_figures),
+             180, needs="cuda", figures=_figures_of("compare.json", "compare on CUDA")),
         Part("trace on CUDA", _ddpkit("trace", "--strategy", "overlapped", "--world-size", "1", "--backend",
                                       "nccl", "--out", f"{out}/trace.json"), 90, needs="cuda"),
         Part("CUDA memory snapshot", [sys.executable, HERE, "snapshot", f"{out}/snapshot.pickle"], 90,
@@ -114,6 +150,7 @@ def lab_parts(gpus: int) -> list[Part]:
         # and the GPU tests still run)
         Part("pytest -m gpu", [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "tests/", "-q",
                                "-rs", "-p", "no:cacheprovider", "--timeout", "120",
+                               *[f"--ignore={t}" for t in SHARED_TESTS],  # run above
                                "--continue-on-collection-errors"], 180, needs="cuda"),
     ]
     if gpus >= 2:
@@ -125,22 +162,14 @@ def lab_parts(gpus: int) -> list[Part]:
                                             "naive,overlapped,zero2,fsdp", "--steps", "3", "--rounds", "1"),
                  120, needs="cuda"),
         ]
-    else:
-        parts += [
-            # one rank's ring sends nothing: the link takes no time and the emulator's CUDA wait
-            # (tests/test_gpu_paths.py's emulated test) is not reached; this shows a Cluster with
-            # a network on NCCL training and recording
-            Part("emulated 10GbE on NCCL", _ddpkit("trace", "--strategy", "overlapped", "--world-size", "1",
-                                                   "--backend", "nccl", "--network", "10GbE",
-                                                   "--out", "{work}/trace_10GbE.json"), 90, needs="cuda",
-                 note="1 GPU: a ring of one rank sends nothing, so the emulated link adds no time (needs 2 GPUs)"),
+    else:  # NCCL itself still refuses two ranks on one GPU (the kit shares it through its own transport)
+        at = len(_shared_gpu_parts())
+        parts[at:at] = [
             Part("2 ranks on one GPU", _ddpkit("compare", "--world-size", "2", "--backend", "nccl", "--strategies",
                                                "overlapped", "--steps", "1", "--rounds", "1"), 60, needs="cuda",
                  judge=_refused_two_ranks_on_one_gpu),
         ]
     parts += [
-        # as an instructor runs it: 2 ranks (NCCL with 2 GPUs, else gloo, and NCCL at 1 rank)
-        Part("doctor", _ddpkit("doctor"), 150),
         Part("notebooks under nbval", [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env",
                                        "-p", "no:cacheprovider", "--timeout", "240",
                                        *[f"notebooks/{n}.ipynb" for n in NOTEBOOKS]], 300, needs="nbval"),
@@ -225,6 +254,10 @@ class Lab:
         if self.stand_in and part.needs == "cuda" and not have["cuda"]:
             if part.judge is not None:  # a refusal: asked of the CPU, it must be refused alike
                 part = replace(part, needs="", note="stand-in: refused on the CPU, not CUDA")
+            elif "--gpus" in argv:  # ranks sharing a GPU: CPU ranks instead
+                at = argv.index("--gpus")
+                argv = argv[:at] + argv[at + 2:]
+                part = replace(part, needs="", note="stand-in: CPU ranks, not a shared GPU")
             elif "nccl" in argv:
                 argv = ["gloo" if a == "nccl" else a for a in argv]
                 part = replace(part, needs="", note="stand-in: on the CPU (gloo), not CUDA")
@@ -235,13 +268,14 @@ class Lab:
         if self.dry:
             t0 = time.monotonic()
             ok, detail = resolve(argv)
-            where = " (runs with CUDA only)" if part.needs == "cuda" else ""
+            where = " (runs with CUDA only)" if "cuda" in part.needs.split(",") else ""
             self.log(f"\n===== {part.name}: {' '.join(argv)}\n(dry run) {detail}\n")
             self.record("ok" if ok else "FAILED", part.name, time.monotonic() - t0,
                         f"dry run: {detail}{where}" if ok else detail)
             return
-        if part.needs and not have[part.needs]:
-            why = "no CUDA" if part.needs == "cuda" else "no nbval (carry the wheels: bash benchmarks/gpu_wheels.sh)"
+        missing = [n for n in part.needs.split(",") if n and not have[n]]
+        if missing:
+            why = "no CUDA" if "cuda" in missing else "no nbval (carry the wheels: bash benchmarks/gpu_wheels.sh)"
             self.log(f"\n===== {part.name}: SKIPPED: {why}\n")
             self.record("SKIPPED", part.name, 0, why)
             return
@@ -341,16 +375,33 @@ def resolve(argv: list[str]) -> tuple[bool, str]:
     if argv[1:3] == ["-m", "pytest"]:
         wanted = ["pytest", "pytest_timeout"] + (["nbval"] if "--nbval-lax" in argv else [])
         missing = [m for m in wanted if importlib.util.find_spec(m) is None]
-        missing += [a for a in argv[3:] if "/" in a and not (ROOT / a).exists()]
+        paths = [a.removeprefix("--ignore=") for a in argv[3:] if "/" in a]  # tests, notebooks, those left out
+        missing += [a for a in paths if not (ROOT / a).exists()]
         if missing:
             return False, f"missing: {', '.join(missing)}"
-        return True, f"{', '.join(wanted)} found, {sum('/' in a for a in argv[3:])} path(s) there"
+        return True, f"{', '.join(wanted)} found, {len(paths)} path(s) there"
     if argv[1] == HERE:
         if argv[2] not in COMMANDS:
             return False, f"{HERE} has no part {argv[2]!r}"
         if argv[2] == "snapshot":
             snapshot(argv[3], dry=True)
+        if argv[2] == "oom":
+            oom(dry=True)
         return True, f"{HERE} {argv[2]}: found"
+    if argv[1].startswith("benchmarks/bench_") and (ROOT / argv[1]).is_file():
+        import contextlib
+        import io
+
+        spec = importlib.util.spec_from_file_location(Path(argv[1]).stem, ROOT / argv[1])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # its imports of torch and ddpkit wait inside its functions
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                module.build_parser().parse_args(argv[2:])
+        except SystemExit:
+            return False, f"{argv[1]}: {_last_line(err.getvalue())}"
+        return True, f"{argv[1]}: arguments parsed"
     return False, f"unknown command {' '.join(argv[1:3])}"
 
 
@@ -560,6 +611,47 @@ def snapshot(path: str, dry: bool = False) -> int:
     return 0
 
 
+# ============================================================================= oom
+def _past_the_cap() -> int:
+    """A Cluster job on 2 ranks sharing a GPU, each capped at a tenth of it: rank 0 holds 64 MiB and
+    waits in a collective, rank 1 asks for a fifth of the GPU."""
+    import torch
+    import torch.distributed as dist
+
+    import ddpkit
+
+    dev = ddpkit.device()
+    held = torch.empty(16 * 2**20, device=dev)  # 64 MiB
+    if dist.get_rank() == 1:
+        torch.empty(torch.cuda.get_device_properties(dev).total_memory // 5, dtype=torch.uint8, device=dev)
+    dist.barrier()
+    return held.numel()
+
+
+def oom(dry: bool = False) -> int:
+    """The message a learner gets when a rank sharing a GPU runs out of memory (printed whole), and
+    the cluster running its next job."""
+    import ddpkit
+
+    if dry:
+        return 0
+    with ddpkit.Cluster(2, gpus=[0, 0], memory_fraction=0.1, timeout=60.0) as cluster:
+        try:
+            cluster.run(_past_the_cap)
+        except ddpkit.GpuOutOfMemoryError as err:
+            print(str(err).split("\n--- rank")[0])  # the explanation and the cluster's note
+            if err.out_of_memory != [1] or sorted(err.held) != [0, 1]:
+                print(f"expected rank 1 out of memory and both ranks' figures; got {err.out_of_memory}, "
+                      f"{sorted(err.held)}")
+                return 1
+        else:
+            print("rank 1 asked for a fifth of the GPU under a cap of a tenth, and no GpuOutOfMemoryError came")
+            return 1
+        after = cluster.run(ddpkit.rank)
+    print(f"the out-of-memory message named both ranks' figures; the next job ran on ranks {after}")
+    return 0
+
+
 # ============================================================================= figures
 def _mib(n) -> str:
     return f"{n / 2**20:.2f}"
@@ -585,7 +677,7 @@ def figures(path: str) -> int:
 
 
 # ============================================================================= command line
-COMMANDS = {"run", "check-wheels", "install", "env", "snapshot", "figures"}
+COMMANDS = {"run", "check-wheels", "install", "env", "snapshot", "oom", "figures"}
 
 
 def main(argv: list[str]) -> int:
@@ -617,6 +709,8 @@ def main(argv: list[str]) -> int:
         return env()
     if cmd == "snapshot":
         return snapshot(args[0], dry="--dry-run" in args)
+    if cmd == "oom":
+        return oom(dry="--dry-run" in args)
     return figures(*args)
 
 

@@ -6,6 +6,8 @@ In the notebook (the parent process)::
     cluster.run(fn)                          # fn runs on every rank; results in rank order
                                              # (ranks whose collectives part: ddpkit.DesyncError)
     ddpkit.Cluster(4, network=ddpkit.Network("10GbE", gpus_per_node=2))  # an emulated network
+    ddpkit.Cluster(4, gpus=[0, 0, 0, 0])     # 4 ranks sharing one GPU (a rank out of its memory:
+                                             # ddpkit.GpuOutOfMemoryError, saying what each held)
 
 Inside a rank (a Cluster job, a torchrun script, a test)::
 
@@ -21,7 +23,7 @@ rank never pays for matplotlib or ipywidgets.
 import sys
 
 from ddpkit.cluster import Cluster, RankError
-from ddpkit.cluster.errors import DesyncError
+from ddpkit.cluster.errors import DesyncError, GpuOutOfMemoryError
 from ddpkit.network import Network
 from ddpkit.topology import Topology
 from ddpkit.torch_internals import check_torch
@@ -52,7 +54,8 @@ _show_clusters_as_widgets()
 check_torch()  # outside the tested torch range: one warning naming it, before any rank starts
 
 __all__ = [
-    "Cluster", "RankError", "DesyncError", "Network", "Topology", "Workload", "rank", "world_size", "device",
+    "Cluster", "RankError", "DesyncError", "GpuOutOfMemoryError", "Network", "Topology", "Workload", "rank",
+    "world_size", "device",
     "progress",
     "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
 ]

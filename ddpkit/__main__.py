@@ -20,10 +20,12 @@ import json
 import sys
 import time
 
-from ddpkit.cli_args import (HelpFormatter, number_type, positive_int, bucket_cap, int_list, strategy_list,
+from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, strategy_list,
                               check_writable, parse_network, runnable_strategies, check_run_args, parse_workload,
-                              MODEL_HELP, add_run_args, add_transport_arg, add_network_args, parser_checked)
+                              MODEL_HELP, add_run_args, add_gpus_arg, add_transport_arg, add_network_args,
+                              parser_checked)
 from ddpkit.cluster import cores_per_rank
+from ddpkit.cluster.placement import SHARED_GPU_NOTE, shares
 from ddpkit.strategies.table import NAMES as STRATEGIES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.units import human_bytes
@@ -95,9 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("doctor", help="check every feature on this machine's real backend (run it first in a lab)")
     p.add_argument("--world-size", type=positive_int, default=2)
-    gpu_index = number_type(int, 0, "a CUDA device index >= 0")
-    p.add_argument("--gpus", default=None, help="comma-separated CUDA device indices, one per rank (e.g. 4,5)",
-                   type=lambda t: [gpu_index(x) for x in t.split(",") if x.strip()])
+    add_gpus_arg(p)
     p.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,
                    help="comma-separated check names, as printed (e.g. 'cluster,compare')")
     p.set_defaults(func=cmd_doctor)
@@ -115,7 +115,7 @@ def _start_cluster(args):
     import ddpkit
 
     return ddpkit.Cluster(args.world_size, backend=args.backend, threads_per_rank=args.threads_per_rank,
-                          network=args.network, transport=args.transport, pin_cores=args.pin_cores)
+                          network=args.network, gpus=args.gpus, transport=args.transport, pin_cores=args.pin_cores)
 
 
 def _describe(workload) -> str:
@@ -151,6 +151,8 @@ def cmd_compare(args, parser) -> int:
           f"{args.threads_per_rank} torch thread(s) per rank"
           f"{', each rank pinned to its cores' if cluster.cores else ''}; {time.perf_counter() - t0:.0f} s")
     print(format_table(records))
+    if shares(cluster.gpus):
+        print(SHARED_GPU_NOTE)
     if args.json:
         _write_json(args.json, records)
     if args.plot:

@@ -108,7 +108,7 @@ def check_run_args(parser, args) -> None:
     splits over the ranks."""
     args.network = parse_network(parser, args, [args.world_size])
     settings = parser_checked(parser, check_arguments, args.world_size, args.backend,
-                              threads_per_rank=args.threads_per_rank, network=args.network,
+                              threads_per_rank=args.threads_per_rank, network=args.network, gpus=args.gpus,
                               transport=args.transport, pin_cores=args.pin_cores)
     args.threads_per_rank = settings.threads_per_rank
     parse_workload(parser, args)
@@ -142,7 +142,9 @@ def add_run_args(p, steps: int) -> None:
     p.add_argument("--bucket-cap-mb", type=bucket_cap, default=None,
                    help="bucket size cap in MiB (default: torch DDP's, 25 with the first bucket at 1)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: nccl with one GPU per rank, else gloo")
+                   help="auto: nccl with one GPU per rank; with fewer GPUs, the ranks share them (gloo underneath); "
+                        "without a GPU, gloo on the CPU")
+    add_gpus_arg(p)
     p.add_argument("--threads-per-rank", type=int, default=None,
                    help="torch CPU threads in each rank (default: cores / ranks, at least 1; "
                         "0 leaves torch's default, which oversubscribes the cores)")
@@ -150,10 +152,18 @@ def add_run_args(p, steps: int) -> None:
     add_network_args(p)
 
 
+def add_gpus_arg(p) -> None:
+    gpu_index = number_type(int, 0, "a CUDA device index >= 0")
+    p.add_argument("--gpus", default=None, type=lambda t: [gpu_index(x) for x in t.split(",") if x.strip()],
+                   help="comma-separated CUDA device indices, one per rank (e.g. 4,5); the same one for several "
+                        "ranks shares it (0,0,0,0: 4 ranks on GPU 0)")
+
+
 def add_transport_arg(p) -> None:
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
-                   help="what moves CPU ranks' bytes: shm (shared memory; auto picks it) or gloo (its sockets "
-                        "over loopback); GPU ranks use NCCL")
+                   help="what moves the ranks' bytes. CPU ranks: shm (shared memory; auto picks it) or gloo (its "
+                        "sockets over loopback). A GPU each: NCCL. Ranks sharing a GPU: cuda-ipc (auto: a buffer "
+                        "on the GPU), shm (staged through pinned host memory), gloo, or nccl (NCCL 2.30.3+)")
     p.add_argument("--pin-cores", action="store_true",
                    help="bind each rank to cores of its own (needs a core per rank): steadier timings on a "
                         "quiet machine, slower where something else keeps a core busy")

@@ -1,14 +1,17 @@
 """``python -m ddpkit doctor``: what an instructor runs first on the lab machine.
 
-It starts one Cluster on the machine's real backend (NCCL with a GPU per rank, else gloo on the
-CPU; ``gpus=`` as a Cluster takes it) and exercises, on tiny models and few steps, every feature
-the notebooks use: every strategy and torch's own wrappers (each must equal one process), recording
-and streaming, the emulated network, memory statistics and a small comparison. One row per
-feature, ``ok`` or ``FAILED`` with the last line of the error; the exit status is 1 on any failure.
+It starts one Cluster where ``backend="auto"`` puts it (NCCL with a GPU per rank; with fewer GPUs
+than ranks, the ranks sharing them over ddpkit's own transport; without a GPU, gloo on the CPU;
+``gpus=`` as a Cluster takes it, ``[0, 0]`` for two ranks sharing GPU 0), says which, and
+exercises, on tiny models and few steps, every feature the notebooks use: every strategy and
+torch's own wrappers (each must equal one process), recording and streaming, the emulated
+network, memory statistics and a small comparison. One row per feature, ``ok`` or ``FAILED``
+with the last line of the error; the exit status is 1 on any failure.
 Under a minute on 2 CPU cores (12-21 s on the development machine, shared with other work).
 
     python -m ddpkit doctor                     # the first GPUs (or the CPU), 2 ranks
     python -m ddpkit doctor --gpus 4,5          # a student's pair of GPUs
+    python -m ddpkit doctor --world-size 4 --gpus 0,0,0,0   # 4 ranks sharing GPU 0
 
 From Python (a notebook, a test): ``doctor(cluster=..., only=[...], checks=[...], out=...)``.
 """
@@ -71,13 +74,18 @@ def _rank() -> int:
     return ddpkit.rank()
 
 
+def _on_gpu(cluster) -> bool:
+    """Do the cluster's ranks run on GPUs (a GPU each under NCCL, or sharing them)?"""
+    return any(d.startswith("cuda") for d in cluster.devices)
+
+
 def _cluster(ctx: Context) -> str:
     c = ctx.cluster
     ranks = c.run(_rank)
     if ranks != list(range(c.world_size)):
         raise AssertionError(f"the ranks answered {ranks}")
     started = f" (started in {ctx.start_s:.1f} s)" if ctx.start_s is not None else ""
-    return f"{c.world_size} ranks on {c.backend}: {', '.join(c.devices)}{started}"
+    return f"{c.world_size} ranks on {c.carried_by}: {', '.join(c.devices)}{started}"
 
 
 def _recording(ctx: Context) -> str:
@@ -97,7 +105,7 @@ def _recording(ctx: Context) -> str:
     if missing:
         raise AssertionError(f"no {', '.join(sorted(missing))} records streamed")
     clocks = sorted({r.clock for r in comm})
-    if c.backend == "nccl" and clocks != ["cuda"]:
+    if _on_gpu(c) and clocks != ["cuda"]:
         raise AssertionError(f"collectives timed by the {clocks} clock, not CUDA events: {_host_timed(comm)}")
     return f"{len(records)} records from {len(ranks)} ranks, collectives on the {'/'.join(clocks)} clock"
 
@@ -146,12 +154,14 @@ def _memory(ctx: Context) -> str:
     empty = [k for k in ("parameters", "gradients", "optimizer_state") if not sample.get(k)]
     if empty:
         raise AssertionError(f"no bytes measured for {', '.join(empty)}: {sample}")
-    if ctx.cluster.backend == "nccl" and not sample.get("cuda_allocated"):
+    if _on_gpu(ctx.cluster) and not sample.get("cuda_allocated"):
         raise AssertionError(f"no CUDA allocator statistics on a GPU: {sample}")
     peak = max(r["peak_bytes"] for r in results)
     if not peak > 0:
         raise AssertionError(f"peak {peak} bytes")
     cuda = " (CUDA allocator)" if "cuda_allocated" in sample else ""
+    if "cuda_context" in sample:  # what each rank's process holds outside the allocator: its CUDA context
+        cuda += f"; {human_bytes(sample['cuda_context'], 0)} outside it (the CUDA context) per rank"
     state = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
     return f"zero2 rank 0: {human_bytes(state, 1)} of model state, peak {human_bytes(peak, 1)}{cuda}"
 
@@ -245,7 +255,7 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     own = cluster is None
     ws = world_size if own else cluster.world_size
-    one_gpu_short = own and gpus is None and 0 < visible < ws  # 2 ranks, 1 GPU: gloo, and NCCL at 1 rank
+    one_gpu_short = own and gpus is None and 0 < visible < ws  # 2 ranks, 1 GPU: sharing it, and NCCL at 1 rank
     todo = checks if checks is not None else default_checks(ws, one_gpu_only=one_gpu_short)
     if only is not None:  # before anything starts: a typo costs nothing
         unknown = sorted(set(only) - {name for name, _ in todo})
@@ -259,8 +269,9 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
         out(f"WARNING: {problem}")
     if own:
         if one_gpu_short:
-            out(f"  note: {visible} GPU(s) for {ws} ranks: NCCL refuses two ranks on one GPU, so the "
-                f"{ws} ranks run on gloo (CPU); NCCL is checked at 1 rank")
+            out(f"  note: {visible} GPU(s) for {ws} ranks: backend='auto' lets the ranks share the GPU(s), "
+                f"each its own process with its own CUDA context ({_sharing(ws)}); NCCL refuses two ranks on "
+                "one GPU, so it is checked at 1 rank")
         try:
             t0 = time.perf_counter()
             cluster = ddpkit.Cluster(world_size, gpus=gpus)
@@ -271,7 +282,8 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
             return 1
     batch = 4 * ws
     reference = train_single_process("mlp", "sgd", steps=STEPS + WARMUP, global_batch_size=batch, **TINY)
-    ctx = Context(cluster, batch, reference, 1e-4 if cluster.backend == "nccl" else 1e-5, start_s if own else None)
+    # on a GPU the ranks' float32 sums and matrix products differ from the CPU reference's in the last bits
+    ctx = Context(cluster, batch, reference, 1e-4 if _on_gpu(cluster) else 1e-5, start_s if own else None)
     failed = 0
     try:
         for name, check in todo:
@@ -291,6 +303,15 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
     verdict = f", {failed} FAILED" if failed else ""
     out(f"{len(todo) - failed} of {len(todo)} checks ok{verdict} ({total:.0f} s)")
     return 1 if failed else 0
+
+
+def _sharing(world_size: int) -> str:
+    """What ``backend="auto"`` gives ``world_size`` ranks on this machine, in words (nothing started)."""
+    from ddpkit.cluster import check_arguments
+    from ddpkit.cluster.placement import carried_by
+
+    s = check_arguments(world_size)
+    return carried_by(world_size, s.backend, s.gpus, s.transport)
 
 
 def _row(ok: bool, name: str, detail: str, seconds: float) -> str:

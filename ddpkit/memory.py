@@ -11,9 +11,13 @@ Categories (bytes, per rank; ``CATEGORIES``, the one list of them, in the order 
   ``ActivationMeter`` (``torch.autograd.graph.saved_tensors_hooks``);
 - ``unsharded_parameters``: FSDP's gathered flat parameters, which it reports itself while it
   holds them (a memory counter in the recorder: ``memory_sweep`` reads its most).
-On CUDA, also the caching allocator's ``cuda_allocated`` and ``cuda_max_allocated`` (the peak
+On CUDA, also the caching allocator's ``cuda_allocated``, ``cuda_max_allocated`` (the peak
 since the job began: a Cluster's ranks live across jobs, and each job starts from
-``reset_cuda_peak``).
+``reset_cuda_peak``) and ``cuda_reserved`` (what it holds from the GPU, freed blocks included), and
+``cuda_context``: what the rank's process holds on its GPU *outside* the allocator, mostly its CUDA
+context (the driver's state and the kernels it loaded: hundreds of MiB per process, so N ranks
+sharing one GPU pay it N times), where NVML can tell (``ddpkit.cluster.gpu_memory``). The model states
+are the categories above; none of this is in them.
 
     with ActivationMeter(model) as act:
         train_step(model, opt, x, y)
@@ -37,6 +41,7 @@ import torch
 
 from ddpkit.nested import tensors
 from ddpkit.strategies.table import STRATEGIES
+from ddpkit.cluster.gpu_memory import cuda_context_bytes
 from ddpkit.torch_internals import TorchDispatchMode, allocator_history
 
 # Every category, in the order plots stack them: model states first, then what the ZeRO formulas
@@ -225,11 +230,17 @@ class ActivationMeter:
 
 # ----------------------------------------------------------------------------- CUDA only
 def cuda_allocator_bytes(device=None) -> dict[str, int]:
-    """The CUDA caching allocator's live and peak bytes on ``device`` (CUDA only)."""
+    """The CUDA caching allocator's live, peak and reserved bytes on ``device``, and the process's
+    bytes outside it (``cuda_context``, where NVML can tell; see the module docstring). CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_allocator_bytes needs CUDA; on CPU use memory_by_category")
-    return {"cuda_allocated": torch.cuda.memory_allocated(device),
-            "cuda_max_allocated": torch.cuda.max_memory_allocated(device)}
+    out = {"cuda_allocated": torch.cuda.memory_allocated(device),
+           "cuda_max_allocated": torch.cuda.max_memory_allocated(device),
+           "cuda_reserved": torch.cuda.memory_reserved(device)}
+    context = cuda_context_bytes(device)
+    if context is not None:
+        out["cuda_context"] = context
+    return out
 
 
 def reset_cuda_peak(device) -> None:

@@ -151,15 +151,16 @@ def world_size() -> int:
 
 def backend() -> str | None:
     """The real backend under this rank's process group ("gloo" or "nccl"; under ddpkit's own
-    group, the one it wraps), or None before ``init_process_group``. The shared-memory transport
-    is a gloo group (``transport()`` tells them apart)."""
+    group, the one it wraps), or None before ``init_process_group``. The shared-memory and CUDA
+    IPC transports are gloo groups (``transport()`` tells them apart)."""
     moved_by = transport()
-    return "gloo" if moved_by == "shm" else moved_by
+    return "gloo" if moved_by in ("shm", "cuda-ipc") else moved_by
 
 
 def transport() -> str | None:
-    """What moves this rank's bytes: "shm" (shared memory, ``ddpkit.comm.transport``), "gloo" (its
-    sockets) or "nccl"; None before ``init_process_group``."""
+    """What moves this rank's bytes: "shm" (shared memory, ``ddpkit.comm.transport``; staged through
+    pinned host memory for CUDA tensors), "cuda-ipc" (a GPU buffer, for ranks sharing a GPU), "gloo"
+    (its sockets) or "nccl"; None before ``init_process_group``."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -180,7 +181,8 @@ def barrier(group=None, on=None) -> None:
 
 
 def device():
-    """This rank's device: its GPU under NCCL (always with its index, e.g. ``cuda:5``), else the CPU.
+    """This rank's device: its GPU (always with its index, e.g. ``cuda:5``; under NCCL, or shared with
+    other ranks over gloo's family), else the CPU.
 
     The GPU is the one the rank's launcher chose (``set_device``: a Cluster's ``gpus=``, torchrun's
     LOCAL_RANK), the same from every thread. CUDA's current device is per *thread* (a new thread

@@ -33,7 +33,12 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
 - ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``;
 - ``tensors_to``: every tensor inside nested arguments moved to a device (``torch.utils._pytree``),
-  what torch's DDP does to a forward's inputs when given ``device_ids``.
+  what torch's DDP does to a forward's inputs when given ``device_ids``;
+- ``share_cuda_tensor``, ``open_cuda_tensor``: a CUDA tensor handed to another process through CUDA IPC
+  (``torch.multiprocessing.reductions``, what ``torch.multiprocessing`` pickles a CUDA tensor with);
+  the CUDA IPC transport's slab (``ddpkit.comm.transport.device_slab``);
+- ``nvml_index``: the NVML index of a CUDA device (``CUDA_VISIBLE_DEVICES`` renumbers torch's),
+  for the memory a process holds outside the allocator (``ddpkit.memory.cuda_context_bytes``).
 
 Beyond these names, ``ddpkit.process_group`` overrides the methods torch calls on a Python
 ``ProcessGroup`` (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``, ...): their names
@@ -193,8 +198,9 @@ def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> N
         cuda_memory._record_memory_history(enabled=None)
 
 
-def register_real_backend(group, real, real_backend: str) -> None:
-    """Register the real backend (gloo, NCCL) on ddpkit's Python process group ``group``.
+def register_real_backend(group, real, real_backend: str, cuda: bool = False) -> None:
+    """Register the real backend (gloo, NCCL) on ddpkit's Python process group ``group``; a gloo
+    one for CUDA tensors too where ``cuda`` (ranks on GPUs over gloo's family: gloo takes them).
 
     A group's name lives on its registered backend in C++; a Python group with none has no
     name, and ``DeviceMesh`` (so ``fully_shard``) refuses it ("ProcessGroup name not set").
@@ -205,8 +211,9 @@ def register_real_backend(group, real, real_backend: str) -> None:
     import torch.distributed as dist
 
     kind = dist.ProcessGroup.BackendType.NCCL if real_backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
-    device = torch.device("cuda" if real_backend == "nccl" else "cpu")
-    group._register_backend(device, kind, real)
+    devices = ["cuda"] if real_backend == "nccl" else ["cpu", "cuda"] if cuda else ["cpu"]
+    for device in devices:
+        group._register_backend(torch.device(device), kind, real)
     # torch 2.15's init_process_group attaches its Flight Recorder to every group with a
     # registered device backend, and asks the group for its *default* backend type, which
     # _register_backend does not set ("Could not find the default backend type 0"). Earlier
@@ -276,3 +283,35 @@ def backend_registered(name: str) -> bool:
     import torch.distributed as dist
 
     return name.upper() in dist.Backend._plugins
+
+
+def share_cuda_tensor(tensor) -> tuple:
+    """What another process needs to map ``tensor`` (a CUDA tensor this process keeps alive) into its
+    own address space: picklable bytes and numbers (a ``cudaIpcMemHandle``, its size and offset,
+    the reference counter and event that keep the producer's memory valid).
+    ``torch.multiprocessing.reductions.reduce_tensor`` is how ``torch.multiprocessing`` ships a CUDA
+    tensor between processes; its rebuild function and argument list are its own, unchanged from
+    2.0 to 2.13 (to be proven on a GPU: the GPU lab's shared-GPU parts)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(tensor)
+    return rebuild, args
+
+
+def open_cuda_tensor(shared: tuple):
+    """The tensor ``share_cuda_tensor`` described, mapped here (CUDA IPC: the same GPU memory)."""
+    rebuild, args = shared
+    return rebuild(*args)
+
+
+def nvml_index(device) -> int:
+    """NVML's index of CUDA device ``device`` (NVML counts physical GPUs; torch counts those
+    ``CUDA_VISIBLE_DEVICES`` shows): ``torch.cuda._get_nvml_device_index``, underscored, as
+    ``torch.cuda.utilization`` uses it; the torch index where it is missing."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    lookup = getattr(torch.cuda, "_get_nvml_device_index", None)
+    try:
+        return lookup(index) if lookup is not None else index
+    except Exception:  # noqa: BLE001 - a visible-devices string NVML cannot map: torch's own index
+        return index

@@ -25,8 +25,13 @@ def pytest_configure(config):
 
         if TRANSPORT not in TRANSPORTS:
             raise pytest.UsageError(f"DDPKIT_TEST_TRANSPORT={TRANSPORT!r}: valid are {', '.join(TRANSPORTS)}")
-        defaults = Cluster.__init__.__defaults__
-        Cluster.__init__.__defaults__ = (*defaults[:-1], TRANSPORT)
+        # by name: the defaults are positional, and arguments added after transport= (pin_cores=,
+        # memory_fraction=) would otherwise get it
+        defaults = list(Cluster.__init__.__defaults__)
+        named = [p.name for p in inspect.signature(Cluster.__init__).parameters.values()
+                 if p.default is not inspect.Parameter.empty]
+        defaults[named.index("transport")] = TRANSPORT
+        Cluster.__init__.__defaults__ = tuple(defaults)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,9 @@ TINY = {
     "bench_overlap.py": (["--networks", "10GbE", "--rounds", "1", "--steps", "1"], "overlapped's gradient hooks"),
     "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
     "bench_recording.py": (["--rounds", "2", "--steps", "2", "--width", "32", "--depth", "2"], "recording costs"),
+    # without a GPU its ranks are CPU ranks standing in: it starts, and says so
+    "bench_shared_gpu.py": (["--world-sizes", "2", "--sizes", "4K", "--rounds", "1", "--iters", "1"],
+                            "bus bandwidth in GB/s"),
     "bench_transport.py": (["--rounds", "2", "--iters", "1", "--sizes", "4K,64K", "--candidates", "gloo,shm",
                             "--collectives", "all_reduce,broadcast"], "all-reduce through a Cluster"),
 }

@@ -286,12 +286,11 @@ def test_gpus_names_the_ranks_gpus_and_defaults_to_the_first_visible(eight_gpus,
     assert check_arguments(3).gpus == (0, 1, 2)  # auto, a GPU per rank: the first 3
     assert check_arguments(2, backend="gloo").gpus is None
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    one = check_arguments(2)  # one GPU for two ranks: NCCL refuses, so the CPU
-    assert (one.backend, one.gpus) == ("gloo", None)
+    one = check_arguments(2)  # one GPU for two ranks: NCCL refuses, so they share it on ddpkit's transport
+    assert (one.backend, one.gpus, one.transport) == ("gloo", (0, 0), "cuda-ipc")
 
 
 @pytest.mark.parametrize("gpus, message", [
-    ([4, 4], "GPU 4 to more than one rank: NCCL refuses two ranks on one GPU"),
     ([7, 8], r"no GPU 8 here; 8 GPU\(s\) are visible, numbered 0-7"),
     ([4], r"names 1 GPU\(s\) for world_size=2: one per rank"),
     ([4, 5, 6], r"names 3 GPU\(s\) for world_size=2"),
@@ -306,14 +305,128 @@ def test_bad_gpus_are_refused_before_any_rank_starts(eight_gpus, gpus, message):
     assert _children() == before
 
 
-def test_gpus_without_cuda_or_with_gloo_are_refused(monkeypatch):
+def test_gpus_without_cuda_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     before = _children()
-    with pytest.raises(ValueError, match=r"gpus=\[0, 1\]: this machine has no CUDA GPU"):
-        Cluster(2, gpus=[0, 1])
-    with pytest.raises(ValueError, match="backend='gloo' runs the ranks on the CPU"):
-        Cluster(2, backend="gloo", gpus=[0, 1])
+    for backend in ("auto", "gloo", "nccl"):
+        with pytest.raises(ValueError, match=r"gpus=\[0, 1\]: this machine has no CUDA GPU"):
+            Cluster(2, backend=backend, gpus=[0, 1])
+    with pytest.raises(ValueError, match=r"gpus=\[0, 0\]: this machine has no CUDA GPU"):
+        Cluster(2, gpus=[0, 0])
     assert _children() == before
+
+
+# ---------------------------------------------------------------------- ranks sharing a GPU
+@pytest.fixture
+def gpus_here(monkeypatch):
+    """``gpus_here(n)``: a machine that seems to have n CUDA GPUs and an NCCL without the multi-rank
+    switch (nothing here touches CUDA)."""
+    from ddpkit.cluster import placement
+
+    def make(n: int, nccl=(2, 28, 9)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(placement, "nccl_version", lambda: nccl)
+    return make
+
+
+def test_ranks_share_a_gpu_asked_simply_or_when_auto_has_fewer_gpus_than_ranks(gpus_here):
+    from ddpkit.cluster import check_arguments
+    from ddpkit.cluster.placement import carried_by
+
+    gpus_here(1)
+    shared = check_arguments(4)  # the learner with one GPU: every rank on it, bytes through CUDA IPC
+    assert (shared.backend, shared.gpus, shared.transport) == ("gloo", (0, 0, 0, 0), "cuda-ipc")
+    assert check_arguments(4, gpus=[0, 0, 0, 0]) == shared
+    assert carried_by(4, "gloo", (0, 0, 0, 0), "cuda-ipc") == "gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC"
+    for transport, words in (("shm", "shared memory, staged through pinned host memory"),
+                             ("gloo", "gloo (it stages through the host)")):
+        s = check_arguments(2, gpus=[0, 0], transport=transport)
+        assert (s.backend, s.gpus, s.transport) == ("gloo", (0, 0), transport)
+        assert carried_by(2, s.backend, s.gpus, s.transport) == f"gloo, 2 ranks sharing GPU 0, bytes through {words}"
+    one = check_arguments(1)  # a GPU for the one rank: NCCL, as before
+    assert (one.backend, one.gpus, one.transport) == ("nccl", (0,), "nccl")
+    assert check_arguments(2, backend="gloo").gpus is None  # gloo without gpus= is the CPU, as before
+    gpus_here(2)
+    spread = check_arguments(4)  # rank r on GPU r % 2; one GPU's buffer cannot serve two: staged
+    assert (spread.gpus, spread.transport) == ((0, 1, 0, 1), "shm")
+    assert carried_by(4, "gloo", spread.gpus, "shm").startswith("gloo, 4 ranks sharing GPUs 0, 1, bytes through")
+    # the CPU's and NCCL's words are as they were (the widget's header and compare's head line read them)
+    assert carried_by(2, "gloo", None, "shm") == "gloo, bytes through shared memory"
+    assert carried_by(2, "gloo", None, "gloo") == "gloo" and carried_by(2, "nccl", (0, 1), "nccl") == "nccl"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=2, gpus=[0, 1], transport="cuda-ipc"), "'cuda-ipc' shares one GPU's buffer"),
+    (dict(world_size=2, gpus=[0, 0], transport="nccl"), r"NCCL refuses that before 2\.30\.3 .*has 2\.28\.9"),
+    (dict(world_size=2, gpus=[0, 0], backend="nccl"), "NCCL refuses that before 2.30.3"),
+    (dict(world_size=3, backend="nccl"), r"one GPU per rank: 3 rank\(s\).*share the GPU: backend='auto', or gpus="
+                                         r"\[0, 1, 0\]"),
+    (dict(world_size=2, gpus=[0, 1], backend="nccl", transport="shm"), "backend='nccl' moves its own bytes"),
+    (dict(world_size=2, transport="bogus"), "transport must be one of auto, shm, gloo, cuda-ipc, nccl"),
+])
+def test_what_does_not_fit_a_shared_gpu_is_refused_before_any_rank_starts(gpus_here, kwargs, message):
+    gpus_here(2)
+    before = _children()
+    with pytest.raises(ValueError, match=message):
+        Cluster(**kwargs)
+    assert _children() == before
+
+
+def test_cpu_ranks_take_no_gpu_transport(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for transport in ("cuda-ipc", "nccl"):
+        with pytest.raises(ValueError, match=f"transport='{transport}' carries CUDA tensors, but these ranks run on "
+                                             "the CPU"):
+            Cluster(2, transport=transport)
+
+
+def test_nccl_shares_a_gpu_only_when_asked_by_name_and_only_where_it_can(gpus_here):
+    from ddpkit.cluster import check_arguments
+    from ddpkit.cluster.placement import rank_environment
+
+    gpus_here(1, nccl=(2, 30, 3))  # an NCCL with NCCL_MULTI_RANK_GPU_ENABLE
+    assert check_arguments(2).transport == "cuda-ipc"  # never on by surprise: auto keeps ddpkit's transport
+    s = check_arguments(2, transport="nccl")
+    assert (s.backend, s.gpus, s.transport) == ("nccl", (0, 0), "nccl")
+    assert rank_environment(s.gpus, s.transport) == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    assert rank_environment((0, 1), "nccl") == {} and rank_environment((0, 0), "cuda-ipc") == {}
+
+
+@pytest.mark.parametrize("fraction, gpus, message", [
+    (0, [0, 0], r"in \(0, 1\]"), (1.5, [0, 0], r"in \(0, 1\]"), ("half", [0, 0], r"in \(0, 1\]"),
+    (True, [0, 0], r"in \(0, 1\]"),
+    (0.3, [0, 0, 0, 0], "0.3 for 4 ranks on one GPU asks for 1.20 of it; at most 0.250 each"),
+    (0.5, None, "these ranks run on the CPU"),
+])
+def test_a_memory_cap_is_checked_before_any_rank_starts(gpus_here, fraction, gpus, message):
+    gpus_here(1)
+    before = _children()
+    with pytest.raises(ValueError, match=message):
+        Cluster(len(gpus or [0, 0]), backend="auto" if gpus else "gloo", gpus=gpus, memory_fraction=fraction)
+    assert _children() == before
+
+
+def test_a_memory_cap_reaches_each_rank_before_it_allocates(gpus_here, monkeypatch):
+    from ddpkit import rankside
+    from ddpkit.cluster import check_arguments, worker
+    from ddpkit.cluster.events import Events
+    from ddpkit.cluster.processes import Workers
+
+    gpus_here(1)
+    workers = Workers(Events())
+    workers.settings = check_arguments(4, gpus=[0, 0, 0, 0], memory_fraction=0.25)
+    workers.admission = SimpleNamespace(address=("127.0.0.1", 1), key=b"k")
+    workers.store = SimpleNamespace(port=2)
+    configs = [workers.config(r) for r in range(4)]
+    assert [(c["gpu"], c["transport"], c["memory_fraction"]) for c in configs] == [(0, "cuda-ipc", 0.25)] * 4
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: calls.append(("device", torch.device(dev))))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, dev: calls.append(("cap", f, torch.device(dev))))
+    monkeypatch.setattr(rankside._RANK, "device", None)
+    assert worker._join_device(configs[3]) == "cuda:0"
+    assert calls == [("device", torch.device("cuda", 0)), ("cap", 0.25, torch.device("cuda", 0))]
 
 
 def test_each_rank_is_told_its_gpu_and_binds_it_before_joining(eight_gpus, monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,3 +100,16 @@ def test_the_doctor_passes_on_this_machines_gpus():
     assert status == 0, "\n".join(lines)
     assert set(_rows(lines).values()) == {"ok"}
     assert any("cuda" in line for line in lines if "recording" in line or "NCCL" in line)  # CUDA events
+
+
+def test_with_fewer_gpus_than_ranks_the_doctor_says_they_share_them(monkeypatch):
+    from ddpkit.cluster import placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(placement, "nccl_version", lambda: (2, 28, 9))
+    # what backend="auto" gives a learner with one GPU, in the note the doctor prints before its rows
+    assert doctor_module._sharing(2) == "gloo, 2 ranks sharing GPU 0, bytes through CUDA IPC"
+    assert doctor_module._sharing(4) == "gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC"
+    assert not doctor_module._on_gpu(SimpleNamespace(devices=["cpu", "cpu"]))
+    assert doctor_module._on_gpu(SimpleNamespace(devices=["cuda:0", "cuda:0"]))

@@ -141,3 +141,26 @@ def test_a_rerun_names_its_parts_and_a_wrong_name_is_refused_before_anything_run
     run = _lab("--only", "compare on CUDA,nope", tmp_path / "out")
     assert run.returncode == 2 and "no part called 'nope'" in run.stderr and "compare on CUDA" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_shared_gpu_parts_come_first_and_put_their_ranks_on_gpu_0():
+    shared = [p.name for p in parts._shared_gpu_parts()]
+    for gpus in (1, 2):  # on a machine with more GPUs too: GPU 0, shared
+        assert [p.name for p in parts.lab_parts(gpus)][:len(shared)] == shared
+    assert shared == ["transport on 1 GPU", "doctor", "shared-GPU tests", "compare, 4 ranks 1 GPU",
+                      "10GbE on shared CUDA", "OOM message", "notebook 05, 1 GPU", "doctor, 4 ranks 1 GPU"]
+    for p in parts._shared_gpu_parts():
+        if "--gpus" in p.argv:
+            assert set(p.argv[p.argv.index("--gpus") + 1].split(",")) == {"0"}, p
+    # the tests that needed 2 GPUs run in the shared part (on ranks sharing one), not twice
+    everything = next(p for p in parts.lab_parts(1) if p.name == "pytest -m gpu")
+    assert all(f"--ignore={t}" in everything.argv for t in parts.SHARED_TESTS)
+
+
+def test_a_rehearsal_runs_a_shared_gpu_part_on_cpu_ranks(tmp_path):
+    lab = parts.Lab(out=tmp_path, work=tmp_path, dry=False, budget_s=60, stand_in=True)
+    said = [sys.executable, "-c", "import sys; print(' '.join(sys.argv[1:]))"]
+    lab.run_part(parts.Part("shared", [*said, "--world-size", "2", "--gpus", "0,0"], 30, needs="cuda"),
+                 {"cuda": False, "nbval": False})
+    (row,) = lab.rows
+    assert row.startswith("ok") and row.endswith("--world-size 2 [stand-in: CPU ranks, not a shared GPU]")

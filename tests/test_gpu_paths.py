@@ -407,6 +407,15 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _cuda_ranks(n: int, **kwargs) -> ddpkit.Cluster:
+    """n ranks on CUDA: NCCL with a GPU each where there are n GPUs, else n ranks sharing GPU 0 (their
+    collectives on CUDA tensors through ddpkit's transport), for what holds of CUDA ranks either way:
+    CUDA-event spans and streaming, the emulator's wait on a CUDA collective."""
+    if _gpus() >= n:
+        return ddpkit.Cluster(n, backend="nccl", timeout=60.0, **kwargs)
+    return ddpkit.Cluster(n, gpus=[0] * n, timeout=60.0, **kwargs)
+
+
 def _recorded_overlapped():
     from ddpkit.experiment import run_strategy
 
@@ -416,10 +425,8 @@ def _recorded_overlapped():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_recorded_nccl_run_records_cuda_spans_and_streams(world):
-    if _gpus() < world:
-        pytest.skip(f"needs {world} GPUs")
-    with ddpkit.Cluster(world, backend="nccl", timeout=60.0) as c:
+def test_a_recorded_cuda_run_records_cuda_spans_and_streams(world):
+    with _cuda_ranks(world) as c:  # one GPU: 2 ranks sharing it
         with c.recording():
             out = c.run(_recorded_overlapped)
         comm = [r for r in out[0]["records"] if r.cat == "comm"]
@@ -520,13 +527,11 @@ def _emulated_all_reduce():
 
 
 @pytest.mark.gpu
-def test_an_emulated_nccl_collective_completes_after_the_gpu_work_and_the_link_time():
-    if _gpus() < 2:
-        pytest.skip("needs 2 GPUs")
+def test_an_emulated_cuda_collective_completes_after_the_gpu_work_and_the_link_time():
     from ddpkit.network import Network
 
     net = Network("1GbE")
-    with ddpkit.Cluster(2, backend="nccl", network=net) as c:
+    with _cuda_ranks(2, network=net) as c:  # one GPU: 2 ranks sharing it
         expected = net.collective_time("all_reduce", 4 * 2**20, 2)
         for took, value, recorded in c.run(_emulated_all_reduce):
             assert value == 2.0 and took >= 0.9 * expected

@@ -8,7 +8,11 @@
 - faults are errors, never hangs: a dead peer (within a fraction of a second), a stuck peer (at
   the group's timeout), ranks that issue different collectives; ``/dev/shm`` keeps nothing;
 - strategies, ours and torch's, train equal to one process on the shm transport (the cases of
-  ``test_equivalence``, on a shm Cluster).
+  ``test_equivalence``, on a shm Cluster);
+- for ranks sharing a GPU, without one: the staging path (``HostStaged``) with CPU tensors standing
+  in for CUDA ones, every form against gloo and under ddpkit's own process group (counted, recorded,
+  emulated); the GPU slab's waits (``device_slab``) in their place in each piece, with a stand-in
+  slab that notes them. The GPU itself: ``tests/test_shared_gpu.py`` (``-m gpu``).
 The comparisons run on private groups (``_groups``: a ShmBackend and a plain gloo group over a
 fresh store), so a test that breaks one leaves the cluster's own group intact.
 """
@@ -58,14 +62,16 @@ def _leftovers(prefix: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------- inside the ranks
-def _groups(chunk_bytes: int = SMALL_CHUNK, timeout: float = TIMEOUT):
-    """Inside a rank: a ShmBackend and a plain ProcessGroupGloo over all ranks, on a fresh store."""
+def _groups(chunk_bytes: int = SMALL_CHUNK, timeout: float = TIMEOUT, staged: bool = False):
+    """Inside a rank: a ShmBackend and a plain ProcessGroupGloo over all ranks, on a fresh store.
+    ``staged``: the ShmBackend wrapped as for ranks sharing a GPU (``HostStaged``), CPU tensors
+    standing in for CUDA ones: every tensor goes through a host buffer of its own, and back."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from ddpkit.cluster.processes import _loopback_store
-    from ddpkit.comm.transport import ShmBackend
+    from ddpkit.comm.transport import HostStaged, ShmBackend
 
     rank, n = dist.get_rank(), dist.get_world_size()
     store = _loopback_store(30.0) if rank == 0 else None
@@ -74,17 +80,19 @@ def _groups(chunk_bytes: int = SMALL_CHUNK, timeout: float = TIMEOUT):
     if rank:
         store = dist.TCPStore("127.0.0.1", port[0], n, False, timeout=timedelta(seconds=30))
     limit = timedelta(seconds=timeout)
-    return (ShmBackend(dist.PrefixStore("shm", store), rank, n, limit, chunk_bytes=chunk_bytes),
+    shm = ShmBackend(dist.PrefixStore("shm", store), rank, n, limit, chunk_bytes=chunk_bytes)
+    return (HostStaged(shm, devices=("cpu",)) if staged else shm,
             dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, n, limit))
 
 
-def _compare_every_form() -> list[str]:
-    """Inside a rank: each collective form on shm and on gloo; what differed (empty: nothing)."""
+def _compare_every_form(staged: bool = False) -> list[str]:
+    """Inside a rank: each collective form on shm (``staged``: through host buffers, as CUDA tensors
+    are) and on gloo; what differed (empty: nothing)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import AllgatherOptions
 
-    shm, gloo = _groups()
+    shm, gloo = _groups(staged=staged)
     rank, n = dist.get_rank(), dist.get_world_size()
     bad, salt = [], [0]
 
@@ -224,6 +232,15 @@ def test_every_form_equals_gloo(cluster_of, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=lambda n: f"{n}ranks")
+def test_every_form_staged_through_host_buffers_equals_gloo(cluster_of, world_size):
+    # the path of ranks sharing a GPU with transport="shm", CPU tensors standing in for CUDA ones:
+    # each is copied into a buffer of its own at the issue, the transport runs on those, and the
+    # results are copied back before the future completes (the comparisons read them)
+    bad = [b for rank_bad in cluster_of(world_size).run(_compare_every_form, True) for b in rank_bad]
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=lambda n: f"{n}ranks")
 def test_a_shm_cluster_group_carries_big_tensors(shm_cluster_of, world_size):
     bad = [b for rank_bad in shm_cluster_of(world_size).run(_through_the_cluster_group) for b in rank_bad]
     assert not bad, bad
@@ -242,6 +259,125 @@ def test_the_cluster_runs_on_the_transport_it_was_given(shm_cluster_of):
     assert shm_cluster_of(2).run(backend_class) == [("ShmBackend", "gloo", "shm")] * 2
     with pytest.raises(ValueError, match="transport"):
         ddpkit.Cluster(2, backend="gloo", transport="tcp")
+
+
+def _staged_under_ddpkits_group():
+    """Inside a rank of a shm Cluster: a group of ddpkit's process group whose real backend is the
+    staged transport (CPU tensors standing in), as a rank sharing a GPU builds it; its collectives
+    give the right results, are counted, recorded and carried by an emulated link."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit import rankside
+    from ddpkit.comm import process_group
+    from ddpkit.comm.transport import HostStaged
+    from ddpkit.network import Network
+    from ddpkit.trace import Recorder
+    from solutions.collectives import ring_all_reduce
+
+    built = process_group._real_backend
+    process_group._real_backend = lambda *a, **k: HostStaged(built(*a, **k), devices=("cpu",))
+    try:
+        group = dist.new_group([0, 1])
+    finally:
+        process_group._real_backend = built
+    rank, out = dist.get_rank(), {}
+    out["staged"] = type(group._get_backend(torch.device("cpu"))).__name__  # torch holds the real one
+    before = rankside.comm_counts()
+    x = torch.arange(10.0) * (rank + 1)
+    dist.all_reduce(x, group=group)
+    y = torch.full((3,), float(rank))
+    work = dist.all_reduce(y, group=group, async_op=True)
+    work.wait()
+    flat = torch.empty(4)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)), group=group)
+    part = torch.empty(2)
+    dist.reduce_scatter_tensor(part, torch.arange(4.0) + rank, group=group)
+    ring = torch.arange(7.0) * (rank + 1)
+    ring_all_reduce(ring, group)  # the course's exercise: send and recv, which gloo takes for CPU tensors only
+    out["results"] = [x.tolist(), y.tolist(), flat.tolist(), part.tolist(), ring.tolist()]
+    after = rankside.comm_counts()
+    out["counted"] = {op: after[(op, link)][0] - before.get((op, link), (0,))[0] for op, link in after
+                      if after[(op, link)] != before.get((op, link))}
+    rec = Recorder()
+    with rankside.recording(rec):
+        dist.all_reduce(torch.ones(8), group=group)
+    out["recorded"] = [(r.name, r.nbytes) for r in rec.records if r.cat == "comm"]
+    net = Network("10GbE")
+    rankside.set_network(net)
+    try:
+        z = torch.ones(2**18)  # 1 MiB
+        t0 = time.perf_counter()
+        dist.all_reduce(z, group=group, async_op=True).wait()  # bytes moved at the wait (the NIC's rule)
+        out["emulated"] = (time.perf_counter() - t0, net.collective_time("all_reduce", 2**20, 2), z[0].item())
+    finally:
+        rankside.set_network(Network("loopback"))
+    return out
+
+
+def test_the_staged_transport_under_ddpkits_process_group_is_counted_recorded_and_emulated(cluster_of):
+    for rank, out in enumerate(cluster_of(2).run(_staged_under_ddpkits_group)):
+        assert out["staged"] == "ShmBackend"
+        assert out["results"] == [[3.0 * i for i in range(10)], [1.0] * 3, [0.0, 0.0, 1.0, 1.0],
+                                  [1.0 + 4 * rank, 3.0 + 4 * rank], [3.0 * i for i in range(7)]], out
+        assert out["counted"] == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}, out
+        assert out["recorded"] == [("all_reduce", 32)]
+        took, link, value = out["emulated"]
+        assert value == 2.0 and took >= 0.9 * link, out["emulated"]
+
+
+class _NotingSlab:
+    """Stands in for a GPU slab (``device_slab.DeviceSlab``) on the CPU: notes each wait it is asked for."""
+
+    def __init__(self, log):
+        self.log, self.made = log, 0
+
+    def inputs_ready(self):
+        self.made += 1
+        self.log.append(("inputs ready", self.made))
+        return self.made
+
+    def before_deposit(self, ready):
+        self.log.append(("before deposit", ready))
+
+    def settle(self):
+        self.log.append(("settle",))
+
+
+def _slab_waits() -> list:
+    """Inside a rank: the waits a GPU slab is asked for around two collectives (the second in 3
+    pieces, one per region), noted in order with the doorbells rung."""
+    import torch
+
+    shm, _ = _groups(chunk_bytes=64)
+    log = []
+    seg = shm._seg
+    seg.data = _NotingSlab(log)
+    ring = seg.ring
+
+    def noting_ring(bells):
+        log.append(("ring", "deposited" if bells is seg.deposited_out else "freed"))
+        ring(bells)
+
+    seg.ring = noting_ring
+    shm.allreduce([torch.ones(4)]).wait()
+    shm.allreduce([torch.ones(40)]).wait()  # 160 bytes: 3 pieces of at most 64
+    return log
+
+
+def test_a_gpu_slab_is_waited_for_before_every_doorbell(cluster_of):
+    # on a GPU the copies and sums are queued on a stream: a peer that takes a doorbell must find
+    # them done, and a piece deposited later, on another thread, must wait for its inputs
+    for log in cluster_of(2).run(_slab_waits):
+        rings = [i for i, e in enumerate(log) if e[0] == "ring"]
+        assert len(rings) == 2 * (1 + 3)  # every piece: deposited, then freed
+        assert all(log[i - 1] == ("settle",) for i in rings), log  # each after a settle
+        deposits = [i for i in rings if log[i][1] == "deposited"]
+        assert all(log[i - 2][0] == "before deposit" for i in deposits), log
+        assert [log[i - 2][1] for i in deposits] == [1, 2, 2, 2]  # its collective's inputs event
+        assert log.index(("inputs ready", 2)) < deposits[1]
 
 
 def test_subgroups(shm_cluster_of):

@@ -3,6 +3,7 @@
     cluster = ddpkit.Cluster(world_size=2)        # starts 2 ranks, each in one process group
     ddpkit.Cluster(2, transport="gloo")           # CPU ranks' bytes through gloo's sockets, not shared memory
     ddpkit.Cluster(2, gpus=[4, 5])                # NCCL, rank 0 on cuda:4, rank 1 on cuda:5
+    ddpkit.Cluster(4, gpus=[0, 0, 0, 0])          # 4 ranks sharing GPU 0 (placement: bytes through CUDA IPC)
     cluster.run(lambda: torch.distributed.get_rank())   # -> [0, 1]
     with cluster.recording():                     # record (and stream) what the jobs do
         cluster.run(job)                          # -> what job returned, as always
@@ -13,11 +14,13 @@ A rank that raises gives ``RankError`` naming the rank(s) and carrying their tra
 
 This file is the public face; the work is done by the pieces beside it, one job each:
 - ``processes``: start the rank processes, let them join one process group, stop or kill them;
+- ``placement``: where the ranks run (CPU, a GPU each, or sharing GPUs) and what carries their bytes;
 - ``admission``: the loopback job socket, which admits only this cluster's own workers;
 - ``jobs``: one ``run()``: send the job, collect the results, and the fault policy;
 - ``pickling``: turn a notebook's function into bytes a rank can run;
 - ``events``: what the parent knows about each rank, and the observers (the widget) told of it;
-- ``errors``: ``RankError``.
+- ``errors``: ``RankError`` (and ``DesyncError``, ``GpuOutOfMemoryError``);
+- ``gpu_memory``: what a rank holds on its GPU, and what to say when one runs out.
 The other end of the job channel is ``ddpkit.cluster.worker``; what a job can ask there is
 ``ddpkit.rankside``.
 
@@ -37,27 +40,35 @@ from ddpkit.cluster.errors import RankError
 from ddpkit.cluster.events import Events, RankState
 from ddpkit.cluster.jobs import Job
 from ddpkit.cluster.pickling import JobPickler
+from ddpkit.cluster.placement import (BACKENDS, TRANSPORTS, carried_by, check_gpus, check_memory_fraction, place,
+                                      resolve_backend)
 from ddpkit.cluster.processes import Settings, Workers
 
-__all__ = ["BACKENDS", "Cluster", "RankError", "RankState", "check_arguments", "check_gpus", "check_network",
-           "resolve_backend"]
-
-BACKENDS = ("auto", "gloo", "nccl")
-# What moves CPU ranks' bytes: shared memory (ddpkit.comm.transport; "auto" picks it) or gloo's sockets.
-# GPU ranks' bytes go through NCCL whatever this says.
-TRANSPORTS = ("auto", "shm", "gloo")
+__all__ = ["BACKENDS", "TRANSPORTS", "Cluster", "RankError", "RankState", "check_arguments", "check_gpus",
+           "check_network", "resolve_backend"]
 
 
 class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them.
 
-    ``gpus``: which CUDA devices the ranks use, one each (rank r on ``cuda:gpus[r]``), so that
-    several notebooks share one multi-GPU machine; default the first ``world_size`` visible ones
-    (under NCCL). Checked before any rank starts (``check_gpus``).
+    ``gpus``: which CUDA device each rank uses (rank r on ``cuda:gpus[r]``), so that several notebooks
+    share one multi-GPU machine. A GPU each: NCCL. A GPU named for several ranks (``[0, 0, 0, 0]``):
+    they share it, each its own process with its own CUDA context. Default (``backend="auto"``): the
+    first ``world_size`` visible GPUs, one each; with fewer GPUs than ranks, rank r on GPU r % GPUs,
+    sharing them (the course on CUDA ranks for a learner with one GPU); without a GPU, the CPU.
+    Checked before any rank starts (``ddpkit.cluster.placement``).
 
-    ``transport``: what moves CPU ranks' bytes between them. ``"auto"`` (and ``"shm"``): shared
-    memory (``ddpkit.comm.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``: gloo's
-    sockets over loopback, as across hosts and under torchrun.
+    ``transport``: what moves the bytes between the ranks. CPU ranks: ``"auto"`` (and ``"shm"``):
+    shared memory (``ddpkit.comm.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``:
+    gloo's sockets over loopback, as across hosts and under torchrun. A GPU each: NCCL. Ranks sharing
+    a GPU: ``"cuda-ipc"`` (the default: a device buffer per group, on the GPU), ``"shm"`` (staged
+    through pinned host memory), ``"gloo"``, or ``"nccl"`` where NCCL has its multi-rank switch
+    (``placement``'s docstring). ``carried_by`` says which, in words.
+
+    ``memory_fraction``: cap each GPU rank's caching allocator at this fraction of its GPU's memory
+    (``torch.cuda.set_per_process_memory_fraction``), so that ranks sharing a GPU cannot starve one
+    another: a rank that outgrows its share runs out of memory alone, and the ``RankError`` says what
+    each rank held. The CUDA context (hundreds of MiB per process) is outside the cap.
 
     ``pin_cores``: bind each rank, every thread of it, to cores of its own (rank r to the r-th of
     ``world_size`` equal slices of the cores this process may use; a ValueError with fewer cores
@@ -70,17 +81,18 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
                  threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto",
-                 pin_cores: bool = False):
+                 pin_cores: bool = False, memory_fraction: float | None = None):
         settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport,
-                                   pin_cores)
+                                   pin_cores, memory_fraction)
         self.world_size = settings.world_size
         self._network = settings.network
         self.backend = settings.backend
-        self.gpus = settings.gpus  # a tuple of CUDA device indices (NCCL), or None (gloo: the CPU)
+        self.gpus = settings.gpus  # each rank's CUDA device index (a GPU may repeat: shared), or None: the CPU
         self.timeout = settings.timeout
         self.threads_per_rank = settings.threads_per_rank
         self.transport = settings.transport
         self.cores = settings.cores  # each rank's cores (pin_cores=True), or None: free
+        self.memory_fraction = settings.memory_fraction  # each GPU rank's cap, or None
         self.last_results: list | None = None
         self.last_trace = None     # the last recorded run's records (a ddpkit.trace.Trace)
         self._record = False       # record the next runs? (cluster.recording(), the widget's toggle)
@@ -102,8 +114,9 @@ class Cluster:
     @property
     def carried_by(self) -> str:
         """What the ranks' collectives go through, in words: "gloo, bytes through shared memory"
-        (the CPU default), "gloo" (its sockets) or "nccl"."""
-        return f"{self.backend}, bytes through shared memory" if self.transport == "shm" else self.backend
+        (the CPU default), "gloo" (its sockets), "nccl" (a GPU each), or for ranks sharing a GPU
+        e.g. "gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC"."""
+        return carried_by(self.world_size, self.backend, self.gpus, self.transport)
 
     @property
     def network(self):
@@ -129,7 +142,7 @@ class Cluster:
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
-                                     self._network, self.gpus, self.transport, self.cores))
+                                     self._network, self.gpus, self.transport, self.cores, self.memory_fraction))
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by force) and release the ports."""
@@ -243,7 +256,7 @@ class Cluster:
 
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
                     threads_per_rank: int | None = None, network=None, gpus=None,
-                    transport: str = "auto", pin_cores: bool = False) -> Settings:
+                    transport: str = "auto", pin_cores: bool = False, memory_fraction: float | None = None) -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
     command line both check with this): a ValueError naming the bad argument and what is valid."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -255,20 +268,8 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     network = check_network(network, world_size)
-    if gpus is None:
-        backend = resolve_backend(backend, world_size)
-        gpus = tuple(range(world_size)) if backend == "nccl" else None  # the first world_size visible
-    else:  # GPUs named: NCCL on exactly those
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-        if backend == "gloo":
-            raise ValueError(f"gpus={gpus!r} names GPUs, but backend='gloo' runs the ranks on the CPU; "
-                             "leave out gpus=, or use backend='auto' or 'nccl'")
-        gpus, backend = check_gpus(gpus, world_size), "nccl"
-    if transport not in TRANSPORTS or (transport == "shm" and backend == "nccl"):
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)} (\"shm\": CPU ranks only, not under "
-                         f"backend {backend!r}), got {transport!r}")
-    transport = "nccl" if backend == "nccl" else "shm" if transport == "auto" else transport
+    backend, gpus, transport = place(world_size, backend, gpus, transport)  # where the ranks run, what carries bytes
+    memory_fraction = check_memory_fraction(memory_fraction, gpus)
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
     # on C cores would run N*C threads and fight over the cores (a step many times slower:
     # `compare --threads-per-rank 0` shows it); torchrun avoids this with OMP_NUM_THREADS=1.
@@ -276,7 +277,7 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport,
-                    cores_per_rank(world_size) if pin_cores else None)
+                    cores_per_rank(world_size) if pin_cores else None, memory_fraction)
 
 
 def cores_per_rank(world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -293,36 +294,6 @@ def cores_per_rank(world_size: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(usable[r * k:(r + 1) * k]) for r in range(world_size))
 
 
-def check_gpus(gpus, world_size: int) -> tuple[int, ...]:
-    """``gpus`` as a tuple of CUDA device indices, one per rank, or a ValueError saying what is
-    wrong: no CUDA here, not a list of whole numbers, one per rank, a GPU that does not exist, or
-    one given twice (NCCL refuses two ranks on one GPU). Indices count the GPUs this process
-    sees: with ``CUDA_VISIBLE_DEVICES=4,5,6,7`` set, index 0 is physical GPU 4."""
-    import torch
-
-    if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__"):
-        raise ValueError(f"gpus must be a list of CUDA device indices, one per rank, e.g. [4, 5]; got {gpus!r}")
-    gpus = list(gpus)
-    if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
-        raise ValueError(f"gpus must be whole numbers >= 0 (CUDA device indices), got {gpus!r}")
-    if len(gpus) != world_size:
-        raise ValueError(f"gpus={gpus!r} names {len(gpus)} GPU(s) for world_size={world_size}: one per rank")
-    if not torch.cuda.is_available():
-        raise ValueError(f"gpus={gpus!r}: this machine has no CUDA GPU that torch can use "
-                         f"(torch.cuda.is_available() is False; torch {torch.__version__}); leave out gpus= "
-                         "to run the ranks on the CPU")
-    visible = torch.cuda.device_count()
-    missing = sorted({g for g in gpus if g >= visible})
-    if missing:
-        raise ValueError(f"gpus={gpus!r}: no GPU {', '.join(map(str, missing))} here; {visible} GPU(s) are "
-                         f"visible, numbered 0-{visible - 1} (CUDA_VISIBLE_DEVICES renumbers them)")
-    twice = sorted({g for g in gpus if gpus.count(g) > 1})
-    if twice:
-        raise ValueError(f"gpus={gpus!r} gives GPU {', '.join(map(str, twice))} to more than one rank: NCCL "
-                         "refuses two ranks on one GPU; give each rank its own")
-    return tuple(gpus)
-
-
 def check_network(network, world_size: int):
     """A ``ddpkit.Network`` for ``network`` (None: loopback); its nodes, if it has some, must lay
     out ``world_size`` ranks (``ddpkit.Topology`` checks)."""
@@ -333,22 +304,3 @@ def check_network(network, world_size: int):
     if net.gpus_per_node is not None:
         Topology.from_network(net, world_size)
     return net
-
-
-def resolve_backend(backend: str, ranks_here: int) -> str:
-    """``backend="auto"``: NCCL when this machine has a GPU for each of its ``ranks_here`` ranks,
-    else gloo; a named one is checked. Every rank of a machine decides alike (a Cluster: all its
-    ranks; torchrun: a node's, ``Topology.ranks_per_node``)."""
-    import torch
-
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if gpus >= ranks_here else "gloo"
-    if backend == "nccl" and gpus < ranks_here:
-        raise ValueError(
-            f"backend='nccl' needs one GPU per rank: {ranks_here} rank(s) on this machine but "
-            f"{gpus} CUDA GPU(s) are visible; use backend='gloo' (CPU) or fewer ranks"
-        )
-    return backend

@@ -1,5 +1,6 @@
 """``RankError``: what ``Cluster.run()`` (or a start) raises when ranks fail, with their tracebacks;
-``DesyncError``: the ranks' sequences of collectives parted (``ddpkit.comm.desync``)."""
+``DesyncError``: the ranks' sequences of collectives parted (``ddpkit.comm.desync``);
+``GpuOutOfMemoryError``: a rank ran out of GPU memory (``ddpkit.cluster.gpu_memory``)."""
 from __future__ import annotations
 
 
@@ -58,3 +59,23 @@ class DesyncError(RankError):
             parts.append(f"[ddpkit] {self.note}")
         parts += self._details("went down with them")
         return "\n".join(parts)
+
+
+class GpuOutOfMemoryError(RankError):
+    """A rank ran out of GPU memory (torch's ``OutOfMemoryError``). ``.out_of_memory``: those ranks;
+    ``.held``: what each rank reported holding on its GPU when its job ended (rank ->
+    ``ddpkit.cluster.gpu_memory.GpuHeld``). The message says that first -- what every rank sharing
+    the GPU held, and how to fit -- then the cluster's note and each rank's traceback."""
+
+    def __init__(self, explanation: str, out_of_memory: list[int], held: dict, failures: dict[int, str],
+                 note: str = "", affected: dict[int, str] | None = None):
+        self.explanation, self.out_of_memory, self.held = explanation, list(out_of_memory), dict(held)
+        super().__init__(failures, note, affected)
+
+    def _message(self) -> str:
+        parts = [self.explanation]
+        if self.note:
+            parts.append(f"[ddpkit] {self.note}")
+        parts += self._details("went down with them")
+        return "\n".join(parts)
+

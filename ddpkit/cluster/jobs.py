@@ -17,6 +17,11 @@ match), the cluster restarts its ranks before raising, and says so in the error:
 were. The caller's own KeyboardInterrupt (the notebook's stop button) is handled the same way:
 interrupt, kill what will not stop, restart only if needed.
 
+Out of GPU memory. A rank on a GPU reports what it held there after every job (``gpu_memory``); a
+job in which a rank ran out (torch's ``OutOfMemoryError``) raises ``GpuOutOfMemoryError``, a
+``RankError`` that says first what every rank sharing that GPU held and how to fit
+(``ddpkit.cluster.gpu_memory``), the fault policy as for any failure.
+
 Desync. While the job runs, the ranks' sequences of collectives are watched (``watch.Watch``):
 once they have parted (``ddpkit.comm.desync``: a rank issued a different collective, finished while
 the others wait in one, or ranks wait in collectives the others never issue), the ranks are
@@ -33,8 +38,9 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
-from ddpkit.cluster.errors import DesyncError, RankError
+from ddpkit.cluster.errors import DesyncError, GpuOutOfMemoryError, RankError
 from ddpkit.cluster.events import Events
+from ddpkit.cluster.gpu_memory import explain_out_of_memory
 from ddpkit.cluster.processes import Workers
 from ddpkit.cluster.watch import Watch
 
@@ -89,6 +95,8 @@ class Job:
         self.watch = Watch(events.jobs, events.rings)
         self.parted = None               # a ddpkit.comm.desync.Diagnosis once the ranks' collectives parted
         self.waiting: dict = {}          # rank -> where it waited when it was stopped (a desync)
+        self.held: dict = {}             # rank -> what it held on its GPU when its job ended (GpuHeld)
+        self.out_of_memory: dict = {}    # rank -> its OutOfMemoryError's last line
 
     def run(self, payload: bytes) -> list:
         """Run the pickled job on every rank; the results in rank order, or ``RankError``."""
@@ -175,6 +183,8 @@ class Job:
                 self.watch.stuck(rank, msg[2])
             elif msg[1] == "unstuck":
                 self.watch.unstuck(rank, msg[2])
+            elif msg[1] == "gpu_memory":
+                self.held[rank] = msg[2]["held"]
             self.events.event(rank, msg[1], msg[2])
         elif kind == "result":
             self.pending.pop(rank)
@@ -194,6 +204,8 @@ class Job:
             tb, exc_type, from_distributed = msg[1], msg[2], msg[3]
             lines = tb.strip().splitlines()
             self.notes[rank] = lines[-1] if lines else exc_type
+            if exc_type == "OutOfMemoryError":  # torch.OutOfMemoryError (torch.cuda's is the same class)
+                self.out_of_memory[rank] = self.notes[rank]
             if from_distributed or broke_the_group(tb):
                 self.broken = True
                 self.distributed.add(rank)
@@ -301,6 +313,10 @@ class Job:
                         f"the ranks failed too ({type(exc).__name__}: {exc}); call cluster.restart()")
         if self.parted is not None:
             return self._desync_error(note)
+        if self.out_of_memory:
+            devices = {r.rank: r.device for r in self.events.ranks}
+            return GpuOutOfMemoryError(explain_out_of_memory(self.out_of_memory, self.held, devices),
+                                       sorted(self.out_of_memory), self.held, self.failures, note, self.affected)
         return RankError(self.failures, note, self.affected)
 
     def _on_keyboard_interrupt(self) -> None:

@@ -41,6 +41,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from ddpkit.cluster.admission import Admission
+from ddpkit.cluster.placement import rank_environment
 from ddpkit.torch_internals import is_chatter
 from ddpkit.cluster.errors import RankError
 from ddpkit.cluster.events import Events
@@ -68,9 +69,10 @@ class Settings:
     timeout: float
     threads_per_rank: int
     network: Network  # the links (and nodes) the ranks' process group emulates; sent as to_dict()
-    gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (NCCL); None on the CPU
-    transport: str = "shm"   # what carries the ranks' bytes: "shm" (ddpkit.comm.transport), "gloo", or "nccl" (GPUs)
+    gpus: tuple[int, ...] | None = None  # rank r's CUDA device index gpus[r] (may repeat: shared); None: the CPU
+    transport: str = "shm"   # what carries the ranks' bytes (cluster.placement): "shm", "gloo", "cuda-ipc", "nccl"
     cores: tuple[tuple[int, ...], ...] | None = None  # rank r's CPU cores (Cluster(pin_cores=True)), or free
+    memory_fraction: float | None = None  # each GPU rank's cap on its GPU's memory (Cluster(memory_fraction=))
 
 
 class Workers:
@@ -106,7 +108,8 @@ class Workers:
         # file is <root>/ddpkit/cluster/processes.py, and <root> goes on their PYTHONPATH.
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath,
+                   **rank_environment(settings.gpus, settings.transport))  # NCCL's multi-rank switch, if asked
         self._readers, self.stderr_tail = [], []
         try:
             for r in range(settings.world_size):
@@ -149,7 +152,7 @@ class Workers:
                     generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
                     timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict(),
                     transport=s.transport, shm_prefix=self.shm_prefix,
-                    cores=None if s.cores is None else list(s.cores[rank]))
+                    cores=None if s.cores is None else list(s.cores[rank]), memory_fraction=s.memory_fraction)
 
     def _wait_ready(self) -> None:
         """Take each rank's admitted connection, then wait until every rank has joined the group."""
@@ -283,7 +286,7 @@ class Workers:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns, self._readers = [], {}, []
-        if self.settings is not None and self.settings.transport == "shm":
+        if self.settings is not None and self.settings.transport in ("shm", "cuda-ipc"):
             from ddpkit.comm.transport.segment import unlink_segments
 
             unlink_segments(self.shm_prefix)  # ranks that died while setting up a group left these

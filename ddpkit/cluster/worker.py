@@ -11,7 +11,9 @@ Start-up, in order:
 Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
 the pickled result or the formatted traceback. With each job comes the file where this rank's
 flight recorder keeps its last collectives (``ddpkit.comm.flight``), which the parent reads if the
-ranks' collectives part; its watchdog reports a collective stuck during the job.
+ranks' collectives part; its watchdog reports a collective stuck during the job. On a GPU, after
+each job, it also tells the parent what it held there (``gpu_memory``: ranks sharing a GPU draw on
+one pool, and a rank that runs out is told what each held).
 
 Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
 stop button is pressed, or when another rank failed and this one may be stuck). Between jobs
@@ -222,14 +224,43 @@ def _pickle(obj, devices=("cuda",)) -> bytes:
 
 
 def _join_device(cfg: dict) -> str:
-    """This rank's GPU, before it joins the process group (NCCL binds to the current device):
-    ``cfg["gpu"]`` is the index the Cluster gave it (``gpus=``); None on the CPU. Returns the
+    """This rank's GPU, before it joins the process group (NCCL binds to the current device, and the
+    transports of ranks sharing a GPU put their buffers there): ``cfg["gpu"]`` is the index the
+    Cluster gave it (``gpus=``); None on the CPU. Its cap, if the Cluster set one
+    (``memory_fraction``), goes on the caching allocator before anything is allocated. Returns the
     device's name for the cluster ("cuda:5", "cpu")."""
     from ddpkit import rankside
 
-    if cfg.get("gpu") is not None:
-        rankside.set_device(cfg["gpu"])
-    return str(rankside.device()) if cfg.get("gpu") is not None else "cpu"
+    if cfg.get("gpu") is None:
+        return "cpu"
+    rankside.set_device(cfg["gpu"])
+    if cfg.get("memory_fraction") is not None:
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(cfg["memory_fraction"], rankside.device())
+    return str(rankside.device())
+
+
+def _after_job(failed: BaseException | None, fraction: float | None) -> None:
+    """On a GPU, after every job: tell the parent what this rank held there (``GpuHeld``), so that a
+    rank out of memory can be told what each rank sharing its GPU held (``jobs``). A rank that ran
+    out gives back what its allocator cached: ranks sharing the GPU may need it."""
+    import torch
+
+    from ddpkit import rankside
+    from ddpkit.cluster.gpu_memory import GpuHeld
+
+    dev = rankside.device()
+    if dev.type != "cuda":
+        return
+    try:  # never at the cost of the job's own answer (a GPU in an error state may refuse to tell)
+        _context.send(("event", "gpu_memory", {"held": GpuHeld.now(dev, fraction)}))
+        if isinstance(failed, torch.OutOfMemoryError):
+            failed.__traceback__ = None  # its frames hold the tensors that filled the GPU
+            gc.collect()
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _pin(cores: list[int]) -> None:
@@ -326,7 +357,7 @@ def main() -> None:
         # emulated network) delays every collective, torch's wrappers' included
         from ddpkit.comm import process_group
 
-        real = "shm" if cfg.get("transport") == "shm" else cfg["backend"]  # Cluster(transport=...)
+        real = cfg.get("transport") or cfg["backend"]  # "shm", "cuda-ipc", "gloo" or "nccl" (cluster.placement)
         process_group.install(cfg["network"], real, shm_prefix=cfg.get("shm_prefix"))
         dist.init_process_group("ddpkit", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["timeout"]))
@@ -369,7 +400,9 @@ def main() -> None:
             # The traceback starts at the job's own frame: this loop's frame is noise to a learner.
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
             conn_msg = ("error", tb, type(exc).__name__, _is_distributed_failure(exc))
+            _after_job(exc, cfg.get("memory_fraction"))
         else:
+            _after_job(None, cfg.get("memory_fraction"))
             try:
                 conn_msg = ("result", _pickle(result))
             except Exception as exc:

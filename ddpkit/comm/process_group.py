@@ -118,7 +118,10 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         self._id = comm.flight.new_group(global_ranks)  # groups are made in the same order on every rank
         self._index = itertools.count(1)   # this group's sequence: 1 for its first collective
         self._links = (None, None)          # (network, its link_for this group): see _link_on
-        register_real_backend(self, real, comm.real_backend)
+        # torch holds the real backend itself (a staging wrapper is Python only: what it wraps);
+        # ranks on a GPU over gloo's family register it for CUDA tensors too, as torch does for gloo
+        register_real_backend(self, getattr(real, "inner", real), comm.real_backend,
+                              cuda=rankside.device().type == "cuda")
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND_NAME
@@ -289,7 +292,10 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
     emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
     ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
     ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
-    ``shm_prefix`` (``ddpkit.comm.transport``)."""
+    ``shm_prefix`` (``ddpkit.comm.transport``); on ranks sharing a GPU each CUDA tensor is staged
+    through pinned host memory (``HostStaged``). ``"cuda-ipc"``: ranks sharing a GPU, bytes through
+    a GPU buffer per group (``device_slab``). The rank's device (``rankside.set_device``) is set
+    before this is called."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 
@@ -314,11 +320,19 @@ def _real_backend(name: str, opts, shm_prefix: str | None = None):
         options.group_name = opts.group_id
         options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, options)
-    if name == "shm":  # a gloo group whose collectives move their bytes through shared memory
-        from ddpkit.comm.transport import ShmBackend
+    from ddpkit.comm.transport import POINT_TO_POINT, STAGED, HostStaged, ShmBackend
 
-        return ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix)
-    return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    dev = rankside.device()
+    if name in ("shm", "cuda-ipc"):  # a gloo group whose collectives move their bytes through a slab
+        real = ShmBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout, prefix=shm_prefix,
+                          device=dev if name == "cuda-ipc" else None)  # the slab in GPU memory, or the host's
+    else:
+        real = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    if dev.type != "cuda":
+        return real
+    # ranks sharing a GPU: gloo takes CUDA tensors in collectives but not in send/recv, and the host
+    # slab takes none: what the transport cannot take is staged through pinned host memory
+    return HostStaged(real, methods=STAGED if name == "shm" else POINT_TO_POINT)
 
 
 __all__ = ["BACKEND_NAME", "Comm", "Count", "DdpkitProcessGroup", "install"]

@@ -53,6 +53,7 @@ class Piece:
     result: object = None
     waited: bool = True                  # the last piece's: will somebody wait() for it (else the thread moves it)
     ready_s: float | None = None         # once completed: when the last rank deposited it (perf_counter s)
+    inputs: object = None                # on a GPU slab: the event after what produced its inputs (device_slab)
 
 
 class Work(FutureWork):
@@ -93,8 +94,9 @@ def finished(value) -> Work:
 class Runner:
     """One group's queue of pieces (see the module docstring)."""
 
-    def __init__(self, segment: Segment, name: str, timeout_s: float):
+    def __init__(self, segment: Segment, name: str, timeout_s: float, device=None):
         self.seg, self.name, self.timeout_s = segment, name, timeout_s
+        self.device = device  # the rank's GPU, for the group's thread (None: the CPU)
         self._pieces: collections.deque = collections.deque()  # issued and not completed, in order
         self._issued = self._deposited = self._completed = 0
         self._heard = dict.fromkeys(segment.peers, 0)   # pieces each peer is known to have deposited
@@ -159,6 +161,9 @@ class Runner:
         self._bell.put(None)
 
     def _serve(self) -> None:
+        from ddpkit.rankside import adopt_device
+
+        adopt_device(self.device)  # its copies and the callbacks it runs: on the rank's GPU, not GPU 0
         while True:
             self._bell.get()
             self._running.acquire()  # a waiter holding it moves the queue up to its own collective, then lets go
@@ -235,7 +240,9 @@ class Runner:
         slot = self._deposited % self.seg.slots
         views = self.seg.views(piece.dtype)[slot]
         self.seg.stamp(slot, piece.fingerprint)
+        self.seg.data.before_deposit(piece.inputs)
         piece.deposit(views)
+        self.seg.data.settle()  # on a GPU: the copy is done before the peers hear of it
         self._deposited += 1
         self.seg.ring(self.seg.deposited_out)
 
@@ -245,6 +252,7 @@ class Runner:
         if piece.future is not None:
             piece.ready_s = self.seg.deposited_at(slot)
         piece.complete(self.seg.views(piece.dtype)[slot])
+        self.seg.data.settle()  # on a GPU: the slot is read (and the result written) before it is freed
         with self._lock:
             self._pieces.popleft()
             self._completed += 1
@@ -253,6 +261,7 @@ class Runner:
         if piece.future is not None:
             if piece.finish is not None:
                 piece.finish()
+                self.seg.data.settle()
             piece.future.set_result(piece.result)  # callbacks run here (they may issue more)
 
     def _fail(self, exc: BaseException) -> None:

@@ -22,6 +22,10 @@ after they took the ring, on weakly ordered CPUs (ARM) too. Taking a ring that i
 costs a fraction of a microsecond; a rank that must wait sleeps in the kernel, so a late peer costs
 no CPU and the cores stay with backward.
 
+For ranks sharing a GPU (the CUDA IPC transport) the data area is on the GPU instead
+(``device_slab``): the file then holds the control words only, and ``data`` is a GPU buffer every
+rank of the group maps; ``data.settle()`` and friends say when its bytes are there.
+
 Life cycle: group rank 0 creates the slab and the semaphores under ``prefix`` and posts their
 name in the group's store; the others attach; once every rank has, rank 0 unlinks the names.
 From then on nothing is left in ``/dev/shm``: the memory lives exactly as long as the processes
@@ -40,6 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddpkit.comm.transport.device_slab import DeviceSlab, HostSlab
 from ddpkit.liveness import alive
 
 # Where the slab lives: tmpfs on Linux; elsewhere (macOS) a temporary file, unlinked at once too.
@@ -96,11 +101,14 @@ def unlink_segments(prefix: str) -> int:
 class Segment:
     """This rank's view of its group's slab and doorbells."""
 
-    def __init__(self, store, rank: int, size: int, slots: int, region_bytes: int, prefix: str):
+    def __init__(self, store, rank: int, size: int, slots: int, region_bytes: int, prefix: str, device=None):
+        """``device``: where the data area lives, the CPU (None: here, in the file) or a GPU
+        (``device_slab``: the file holds only the control words)."""
         self.rank, self.size, self.slots = rank, size, slots
         self.region = max(64, region_bytes // 64 * 64)  # regions stay 64-byte aligned for every dtype
         self.ctrl_bytes = -(-(size + slots * size * FINGERPRINT) * 8 // 4096) * 4096
-        self.nbytes = self.ctrl_bytes + slots * size * self.region
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        self.nbytes = self.ctrl_bytes + (0 if on_gpu else slots * size * self.region)
         self.peers = [k for k in range(size) if k != rank]
         if rank == 0:
             token = prefix + secrets.token_hex(4)
@@ -116,7 +124,12 @@ class Segment:
             store.set(f"{_KEY}/attached/{rank}", "1")
         self.ctrl = memoryview(self.mm)[: self.ctrl_bytes].cast("q")
         self.ctrl[rank] = os.getpid()
-        self._data = torch.frombuffer(self.mm, dtype=torch.uint8)[self.ctrl_bytes:]
+        if on_gpu:
+            self.data = DeviceSlab(store, rank, slots * size * self.region, device)
+            self._data = self.data.buffer
+        else:
+            self.data = HostSlab()
+            self._data = torch.frombuffer(self.mm, dtype=torch.uint8)[self.ctrl_bytes:]
         self._views: dict = {}
 
     # ------------------------------------------------------------------ setup

@@ -27,9 +27,14 @@ The slab is bounded: S slots (``slots``) x N regions, 32 MiB a group at the defa
 MiB regions for 2 ranks, of 1 MiB for 4); big tensors go through in as many pieces as they need,
 S of them in flight.
 
+The same cutting serves ranks that share a GPU (``device``: the CUDA IPC transport): the slab's
+data area is then on the GPU, every deposit a device-to-device copy and every completion sums on
+the GPU (``device_slab`` says when their bytes are there). CUDA tensors of a host slab are staged
+through pinned host memory around it (``staging``).
+
 It *is* a ``ProcessGroupGloo`` (a Python subclass): whatever is not carried here (send/recv,
-gather, scatter, all-to-all, sparse or CUDA tensors, other dtypes or ops) runs on gloo, beside
-it, over the same group. Collectives complete in issue order and return a ``Work`` whose
+gather, scatter, all-to-all, sparse tensors or another device's, other dtypes or ops) runs on
+gloo, beside it, over the same group. Collectives complete in issue order and return a ``Work`` whose
 ``get_future()`` completes with the result; a failure (a peer died, the group's timeout passed,
 ranks issued different collectives) is an ``ShmError`` (a ``DistError``) on ``wait()`` and on
 the future, and every later collective on the group fails at once.
@@ -43,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
+from ddpkit.comm.transport.device_slab import DEVICE_SLAB_BYTES, DEVICE_SLOTS
 from ddpkit.comm.transport.runner import Piece, Runner, finished
 from ddpkit.comm.transport.segment import Segment
 from ddpkit.torch_internals import is_async
@@ -82,18 +88,29 @@ class ShmBackend(dist.ProcessGroupGloo):
     """One process group of ranks on one host: collectives through a shared slab, the rest gloo."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
-                 prefix: str | None = None, chunk_bytes: int | None = None, slots: int = SLOTS):
+                 prefix: str | None = None, chunk_bytes: int | None = None, slots: int | None = None,
+                 device=None):
+        """``device``: where the slab's data area lives and whose tensors this group carries: the CPU
+        (None, the default) or the GPU its ranks share (the CUDA IPC transport, ``device_slab``);
+        tensors elsewhere go to gloo."""
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
-        if chunk_bytes is None:  # 2 MiB regions for 2 ranks, 1 MiB for 4, ...: 32 MiB a group
-            chunk_bytes = min(CHUNK_BYTES, SLAB_BYTES // (max(slots, 1) * size))
+        self._device = torch.device("cpu") if device is None else torch.device(device)
+        on_gpu = self._device.type == "cuda"
+        if slots is None:
+            slots = DEVICE_SLOTS if on_gpu else SLOTS
+        if chunk_bytes is None:  # host: 2 MiB regions for 2 ranks, 1 MiB for 4, ...: 32 MiB a group
+            chunk_bytes = (DEVICE_SLAB_BYTES // (max(slots, 1) * size) if on_gpu  # GPU: 8 MiB for 2, 4 for 4
+                           else min(CHUNK_BYTES, SLAB_BYTES // (max(slots, 1) * size)))
         if chunk_bytes < 8 * size or slots < 1:
             raise ValueError(f"a region must hold one 8-byte element per rank ({8 * size} bytes) and there "
                              f"must be a slot; got chunk_bytes={chunk_bytes}, slots={slots}")
         self._rank, self._size = rank, size
         # prefix: how this group's names in /dev/shm start (a Cluster picks one per start and
         # removes leftovers by it); only group rank 0 names things
-        self._seg = Segment(store, rank, size, slots, chunk_bytes, prefix or f"dk{os.getpid()}_")
-        self._runner = Runner(self._seg, f"ddpkit-shm-rank{rank}of{size}", timeout.total_seconds())
+        self._seg = Segment(store, rank, size, slots, chunk_bytes, prefix or f"dk{os.getpid()}_",
+                            device=self._device if on_gpu else None)
+        self._runner = Runner(self._seg, f"ddpkit-shm-rank{rank}of{size}", timeout.total_seconds(),
+                              device=self._device if on_gpu else None)
         self._seq = 0              # collectives carried so far (the same on every rank)
         # set by ddpkit's process group around a launch that an emulated link carries: the bytes
         # then move when somebody waits for them, not from the issue (see ddpkit.comm.emulator)
@@ -101,7 +118,7 @@ class ShmBackend(dist.ProcessGroupGloo):
 
     # ------------------------------------------------------------------ issuing
     def _carries(self, tensors) -> bool:
-        return all(t.device.type == "cpu" and t.layout == torch.strided and t.dtype in CARRIED
+        return all(t.device == self._device and t.layout == torch.strided and t.dtype in CARRIED
                    and t.dtype == tensors[0].dtype for t in tensors)
 
     def _carried_op(self, reduce_op, tensors):
@@ -122,7 +139,8 @@ class ShmBackend(dist.ProcessGroupGloo):
         self._seq += 1
         what = f"shm {name} #{self._seq} ({nbytes} bytes, rank {self._rank} of {self._size})"
         fingerprint = (self._seq, code, nbytes)
-        pieces = [Piece(deposit, complete, dtype, fingerprint, what) for deposit, complete in cuts]
+        inputs = self._seg.data.inputs_ready()  # on a GPU slab: after what produced the inputs (device_slab)
+        pieces = [Piece(deposit, complete, dtype, fingerprint, what, inputs=inputs) for deposit, complete in cuts]
         pieces[-1].finish = finish
         return self._runner.submit(pieces, result, waited=not is_async(opts), deferred=self.defer)
 
