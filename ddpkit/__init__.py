@@ -31,6 +31,7 @@ from ddpkit.workload import Workload
 from ddpkit.rankside import device, progress, rank, world_size
 from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
                                ZeRO2)
+from ddpkit.torchrun import init_process_group, record
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "world_size", "device",
     "progress",
     "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
+    "init_process_group", "record",
 ]
 
 

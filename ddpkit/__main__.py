@@ -4,6 +4,7 @@
     python -m ddpkit trace --strategy overlapped --world-size 2 --out trace.json   # open in Perfetto
     python -m ddpkit predict --world-sizes 2,4,8 --network 100GbE                  # the cost model
     python -m ddpkit compare --model mypackage.models:gpt2_tiny    # your own ddpkit.Workload
+    python -m ddpkit draw run1                       # pictures of your torchrun script's ddpkit.record("run1")
     ddpkit lab                                       # JupyterLab on the course's first notebook
 
 Every argument is checked before a rank process starts: a typo costs no start-up time.
@@ -35,7 +36,7 @@ from ddpkit.workload import samples_per_rank
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor,lab}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor,lab,draw}")
 
     def add(name, **kwargs):
         return sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one of: {', '.join(STRATEGIES)}")
     p.add_argument("--out", metavar="PATH", required=True, help="the trace file (.json)")
     p.set_defaults(func=cmd_trace)
+
+    p = add("draw", help="the widget's pictures and a Perfetto trace from a recording of your own script "
+                         "(ddpkit.record, docs/own_script.md)")
+    p.add_argument("folder", help="the folder given to ddpkit.record (one rank<r>.records file per rank)")
+    p.add_argument("--step", type=int, default=-1, help="the recorded step to draw (default: the last)")
+    p.set_defaults(func=cmd_draw)
 
     p = add("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
     p.add_argument("--strategies", type=strategy_list, default=None,
@@ -298,6 +305,20 @@ def cmd_predict(args, parser) -> int:
         fig = plot_scaling(profile, strategies=args.strategies, networks=list(nets.values()))
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")
+    return 0
+
+
+# --------------------------------------------------------------------------- draw
+def cmd_draw(args, parser) -> int:
+    from ddpkit.torchrun import draw
+
+    try:
+        paths = draw(args.folder, args.step)
+    except (FileNotFoundError, ValueError) as exc:  # no recording there, a rank's file missing, no such step
+        parser.error(str(exc))
+    for what, path in paths.items():
+        print(f"wrote {path}: {what}")
+    print("Open trace.json at https://ui.perfetto.dev")
     return 0
 
 

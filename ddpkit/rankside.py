@@ -94,6 +94,8 @@ class NullRecorder:
     def begin_forward(self) -> None:  # a wrapper's training forward (trace.Recorder: a step begins)
         pass
 
+    loop_spans = True  # the loop times forward and backward itself (trace.Recorder: unless it is one of its own)
+
     def loss(self, value) -> None:
         pass
 

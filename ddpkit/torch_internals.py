@@ -33,7 +33,8 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
 - ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``;
 - ``tensors_to``: every tensor inside nested arguments moved to a device (``torch.utils._pytree``),
-  what torch's DDP does to a forward's inputs when given ``device_ids``;
+  what torch's DDP does to a forward's inputs when given ``device_ids``; ``first_tensor``, the first
+  tensor of a forward's output (where a wrapper times a backward that it did not start);
 - ``share_cuda_tensor``, ``open_cuda_tensor``: a CUDA tensor handed to another process through CUDA IPC
   (``torch.multiprocessing.reductions``, what ``torch.multiprocessing`` pickles a CUDA tensor with);
   the CUDA IPC transport's slab (``ddpkit.comm.transport.device_slab``);
@@ -179,6 +180,14 @@ def tensors_to(tree, device: torch.device):
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), tree)
+
+
+def first_tensor(tree):
+    """The first tensor inside a forward's output (a tensor, a tuple, a dict, a Hugging Face
+    ``ModelOutput``, which transformers registers with the same pytree), or None."""
+    from torch.utils._pytree import tree_leaves
+
+    return next((t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)), None)
 
 
 def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:

@@ -45,6 +45,7 @@ from ddpkit.rankside import NULL_RECORDER, NullRecorder  # noqa: F401  (the seam
 
 
 from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat  # noqa: F401  (renamed in 2.12)
+from ddpkit.torch_internals import first_tensor, queue_at_end_of_backward
 
 
 
@@ -201,6 +202,34 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, sharded: bo
     for g in grads:
         g.mul_(clip.to(g.dtype))
     return total
+
+
+def forward_timed(recorder, module: nn.Module, args, kwargs):
+    """``module(*args, **kwargs)``; in a training loop that does not time its own steps (a script of
+    its own, not ``train_step``) also recorded as a "forward" span and, from the moment its output's
+    gradient arrives to the end of autograd's work, a "backward" span: the compute lanes of the
+    timeline, whatever loop drives the wrapper. Recording off: just the call."""
+    if recorder.loop_spans:
+        return module(*args, **kwargs)
+    with recorder.span("forward", cat="compute"):
+        out = module(*args, **kwargs)
+    first = first_tensor(out)
+    if first is not None and first.requires_grad:
+        first.register_hook(_BackwardSpan(recorder))
+    return out
+
+
+class _BackwardSpan:
+    """A gradient hook on a forward's output: opens the "backward" span when backward reaches it,
+    and closes it at the end of autograd's work (queued before any wrapper's sync, which runs after)."""
+
+    def __init__(self, recorder):
+        self.recorder, self.span = recorder, None
+
+    def __call__(self, grad) -> None:
+        if self.span is None:
+            self.span = self.recorder.span("backward", cat="compute").__enter__()
+            queue_at_end_of_backward(lambda: self.span.__exit__(None, None, None))
 
 
 @contextlib.contextmanager

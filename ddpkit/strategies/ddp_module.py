@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import clip_grad_norm_, no_sync, prepare_module, unique_named_parameters
+from ddpkit.strategies._common import (clip_grad_norm_, forward_timed, no_sync, prepare_module,
+                                      unique_named_parameters)
 from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, layout, make_buckets
 from ddpkit.strategies.torch_ddp_args import TorchDDPArgs, group_of
 from ddpkit.torch_internals import queue_at_end_of_backward, tensors_to
@@ -158,7 +159,9 @@ class DDPModule(nn.Module, Joinable):
         self._sync_buffers_next = training and self._require_sync
         if self.torch_args.device is not None:  # device_ids: the inputs go to the module's GPU
             args, kwargs = tensors_to((args, kwargs), self.torch_args.device)
-        return self.module(*args, **kwargs)
+        if not training:
+            return self.module(*args, **kwargs)
+        return forward_timed(self.recorder, self.module, args, kwargs)  # a loop of its own: timed here
 
     @torch.no_grad()
     def _broadcast_buffers(self, joined: bool = False) -> None:

@@ -76,8 +76,8 @@ from torch import nn
 from ddpkit.nested import tensors
 from ddpkit.rankside import device as rank_device
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, nbytes, no_sync, prepare_module,
-                                       reduce_scatter_flat)
+from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, forward_timed, nbytes, no_sync,
+                                       prepare_module, reduce_scatter_flat)
 from ddpkit.strategies.deferred_init import is_deferred, materialize_by_unit
 from ddpkit.strategies.flat_layout import alloc_storage, free_storage, held_bytes
 from ddpkit.strategies.flat_param import FlatParamUnit, cast_floats, plan_units
@@ -172,8 +172,9 @@ class FSDP(nn.Module):
             args, kwargs = cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
         if self.root_unit is not None:
             self._use_full_params(self.root_unit)  # stays gathered until the end of backward
-        out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()  # in a loop of its own, timed here (forward_timed)
+        out = forward_timed(self.recorder, self.module, args, kwargs) if training else self.module(*args, **kwargs)
+        if training:
             # the first hook to fire in backward: arrange for the end-of-backward work
             for t in tensors(out):
                 if t.requires_grad:

@@ -89,6 +89,9 @@ class Recorder:
         self._memory_due_at = None  # clock reading after which the next memory sample is due
         self._fresh = False    # next_step() was called and no train_step or forward has begun it yet
         self._loop_began = False  # train_step began this step and its forward has not run yet
+        # train_step times the step's forward and backward itself; in a loop of its own (a user's
+        # script) the wrappers do (``strategies._common.forward_timed``)
+        self.loop_spans = False
         self._watched = None  # works without a future, waited on by a thread (see _watch)
 
     def _watch(self, work, on_done) -> None:
@@ -201,6 +204,7 @@ class Recorder:
         self._step = 0 if self._step is None else self._step + 1
         self._fresh = True
         self._loop_began = False
+        self.loop_spans = False
         return self._step
 
     def begin_step(self) -> int:
@@ -210,6 +214,7 @@ class Recorder:
             self.next_step()
         self._fresh = False
         self._loop_began = True  # the step's forward, through a wrapper, begins no other
+        self.loop_spans = True   # ... and the loop times its forward and backward itself
         return self._step
 
     def begin_forward(self) -> int:

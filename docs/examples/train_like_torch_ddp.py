@@ -17,6 +17,7 @@ final parameters, which ``tests/test_own_script.py`` compares with torch's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -185,12 +186,17 @@ def main() -> None:
     p.add_argument("--save", metavar="DIR")
     p.add_argument("--resume", metavar="DIR")
     p.add_argument("--out", metavar="FILE", help="rank 0: every wrapper's losses and final parameters")
+    p.add_argument("--record", metavar="DIR", help="record the run into DIR/<wrapper> (python -m ddpkit draw DIR/...)")
     args = p.parse_args()
-    dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...
+    # torchrun's environment gives RANK, WORLD_SIZE, MASTER_ADDR, ...; ddpkit's process group (over
+    # gloo) counts every collective and lets ddpkit.record see them; dist.init_process_group("gloo")
+    # trains the same
+    ddpkit.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for wrapper in args.wrapper.split(","):
-        results[wrapper] = train(wrapper, args, rank, world)
+        with ddpkit.record(os.path.join(args.record, wrapper)) if args.record else contextlib.nullcontext():
+            results[wrapper] = train(wrapper, args, rank, world)
         if rank == 0:
             print(f"{wrapper:>11}: " + " ".join(f"{v:.4f}" for v in results[wrapper]["losses"]), flush=True)
     if args.out and rank == 0:

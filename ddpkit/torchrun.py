@@ -1,0 +1,105 @@
+"""ddpkit inside your own script started by torchrun: its process group, and a recording on disk.
+
+    import ddpkit
+    ddpkit.init_process_group("gloo")           # instead of torch.distributed.init_process_group("gloo")
+    model = ddpkit.OverlappedDDP(model)         # where the script built DistributedDataParallel(model)
+    with ddpkit.record("run1"):                 # every rank writes run1/rank<r>.records when the block ends
+        for step in ...: ...                    # the script's own loop, unchanged
+
+    python -m ddpkit draw run1                  # the widget's pictures and a Perfetto trace, from the files
+
+``init_process_group`` is torch's, with ddpkit's process group between torch and the real backend
+(the one a ``Cluster`` and ``python -m ddpkit.train`` use): every collective, torch's wrappers' too,
+is counted and can be recorded, and ``network=`` makes it take as long as on an emulated link. With
+torch's plain ``init_process_group`` the wrappers still train, but a recording has no collectives.
+
+``record`` makes a ``ddpkit.trace.Recorder`` the rank's recorder inside the block: a wrapper built with
+``recorder=None`` (the default) reports its steps, gradients and memory into it, and the process
+group its collectives; each training forward through a wrapper begins a recorded step (as torch's DDP
+counts iterations). The ranks' clocks are put on rank 0's first, so the merged timeline lines up.
+``draw`` (library code the command calls) merges the ranks' files and writes what the widget draws.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+
+import torch
+import torch.distributed as dist
+
+from ddpkit import rankside
+
+SUFFIX = ".records"
+
+
+def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)`` through ddpkit's process group.
+
+    ``backend``: the real one underneath, "gloo" or "nccl" (torchrun's environment gives the rest, as
+    for torch's own call). ``network``: an emulated link (a preset's name or a ``ddpkit.Network``);
+    the default adds no time. A NCCL rank uses GPU ``LOCAL_RANK``, as torchrun scripts do."""
+    from ddpkit.comm import process_group
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (the real backend under ddpkit's), got {backend!r}")
+    if backend == "nccl":
+        rankside.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    process_group.install(network, backend)
+    dist.init_process_group(process_group.BACKEND_NAME, **kwargs)
+
+
+@contextlib.contextmanager
+def record(folder: str):
+    """Record this rank inside the block; at its end write ``folder/rank<r>.records``. Every rank
+    enters it (aligning the clocks is a collective) and every rank leaves it."""
+    from ddpkit.trace import Recorder
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ddpkit.record needs the process group: call ddpkit.init_process_group() first")
+    os.makedirs(folder, exist_ok=True)
+    rec = Recorder()
+    rec.align_clocks()
+    with rankside.recording(rec):
+        yield rec
+    torch.save({"world_size": rec.world_size, "backend": rec.backend, "records": rec.records},
+               os.path.join(folder, f"rank{rec.rank}{SUFFIX}"))
+
+
+def load(folder: str):
+    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace``."""
+    from ddpkit.trace import Trace
+
+    paths = sorted(glob.glob(os.path.join(folder, f"rank*{SUFFIX}")))
+    if not paths:
+        raise FileNotFoundError(f"no rank*{SUFFIX} files in {folder!r}: record with `with ddpkit.record({folder!r}):`")
+    parts = [torch.load(p, weights_only=False) for p in paths]
+    world = parts[0]["world_size"]
+    if len(parts) != world:
+        raise ValueError(f"{folder!r} holds {len(parts)} ranks' records of a {world}-rank run: "
+                         "a rank's file is missing")
+    return Trace.merge([p["records"] for p in parts], world_size=world, backend=parts[0]["backend"])
+
+
+def draw(folder: str, step: int = -1) -> dict[str, str]:
+    """From the recording in ``folder``: ``trace.json`` (Perfetto), ``timeline.png`` (every rank's
+    compute and collectives in ``step``, by default the last) and ``bucket_fill.png`` (rank 0's
+    gradients as they became ready, by bucket). Returns {what: path}."""
+    from ddpkit.trace import to_chrome_trace
+    from ddpkit.viz import plot_bucket_fill, plot_timeline
+
+    trace = load(folder)
+    if not trace.steps:
+        raise ValueError(f"the recording in {folder!r} has no training step: steps are marked by the forwards of "
+                         "ddpkit's wrappers (torch's own DistributedDataParallel and fully_shard, built by a script, "
+                         "are recorded by their collectives only)")
+    try:
+        step = trace.resolve_step(step)
+    except IndexError as exc:
+        raise ValueError(str(exc)) from None
+    paths = {"trace": os.path.join(folder, "trace.json"), "timeline": os.path.join(folder, "timeline.png"),
+             "bucket fill": os.path.join(folder, "bucket_fill.png")}
+    to_chrome_trace(trace, path=paths["trace"])
+    plot_timeline(trace, steps=[step]).savefig(paths["timeline"], dpi=110)
+    plot_bucket_fill(trace, rank=trace.ranks[0], step=step).savefig(paths["bucket fill"], dpi=110)
+    return paths
