@@ -184,7 +184,8 @@ def format_table(records: list[dict]) -> str:
                      "a time ratio: lower is faster; 1.20x = 20% slower.")
     notes.append("peak: the most one rank held at once during a step (parameters, gradients, optimizer "
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
-    notes.append("sent/step: bytes one rank sends per step (ring algorithms); \"-\": not recorded."
+    notes.append("sent/step: bytes one rank sends per step (ring algorithms; a broadcast of S, whose root sends "
+                 "the most, as the ranks' average, (N-1)/N S, as for an all-gather of S); \"-\": not recorded."
                  + (" inter-node: the part that crosses nodes (the network's two tiers)." if nodes else ""))
     if moving:
         notes.append("moving bytes: ms a step the slowest rank spent in its waits moving the bytes of its "
