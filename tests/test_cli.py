@@ -148,6 +148,20 @@ def test_predict_lays_out_hybrid_sharding_on_the_nodes_given(capsys):
     assert predicted == [s for s in STRATEGIES if s not in ("hsdp", "torch_hsdp")]
 
 
+def test_predicts_table_keeps_its_columns_and_says_what_the_default_cap_is(capsys):
+    """Every name right-aligned under 'strategy', sharded_optimizer (the longest) too; the default
+    bucket cap is spelled out (torch DDP's: 25 MiB, a first bucket of 1 MiB)."""
+    assert main(["predict", "--width", "8", "--depth", "2", "--world-sizes", "2", "--strategies",
+                 "bucketed,sharded_optimizer,torch_zero"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "bucket cap 25 MiB, the first bucket 1 MiB (torch DDP's default" in out[0]
+    head = next(i for i, line in enumerate(out) if line.split()[:2] == ["ranks", "strategy"])
+    table = out[head:head + 4]
+    end = table[0].index("strategy") + len("strategy")
+    assert [line[:end].split()[-1] for line in table[1:]] == ["bucketed", "sharded_optimizer", "torch_zero"]
+    assert len({len(line) for line in table}) == 1, table  # every column in its place
+
+
 def test_output_path_that_is_a_directory_or_read_only(tmp_path, capsys, no_cluster):
     assert "is a directory" in error_of(["trace", "--strategy", "naive", "--out", str(tmp_path)], capsys)
     if os.geteuid() != 0:  # root may write anywhere
