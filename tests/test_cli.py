@@ -103,6 +103,35 @@ def test_lab_starts_jupyterlab_on_the_first_notebook_and_adds_allow_root_as_root
     assert os.path.isfile(os.path.join(REPO, START))  # from this checkout
 
 
+def test_lab_puts_its_interpreters_scripts_first_on_path(monkeypatch):
+    """Started as .venv/bin/ddpkit lab without activating the venv, JupyterLab's kernels and what
+    the notebooks start (torchrun) still find this Python's scripts: they come first, once."""
+    import sysconfig
+
+    import ddpkit.lab
+    from ddpkit.lab import lab_environment
+
+    scripts = sysconfig.get_path("scripts")
+    env = lab_environment({"PATH": os.pathsep.join(["/usr/bin", scripts, "/bin"]), "HOME": "/home/x"})
+    assert env["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"] and env["HOME"] == "/home/x"
+    assert lab_environment({})["PATH"] == scripts
+    if os.name != "posix":
+        return
+    started = {}
+
+    def execve(path, argv, env):  # what lab() would become: jupyter lab, with this environment
+        started.update(argv=argv, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(ddpkit.lab.os, "chdir", lambda path: started.update(cwd=path))
+    monkeypatch.setattr(ddpkit.lab.os, "execve", execve)
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with pytest.raises(SystemExit):
+        ddpkit.lab.lab(["--no-browser"], out=lambda line: None)
+    assert started["argv"][1:3] == ["-m", "jupyterlab"] and started["cwd"] == ddpkit.lab.checkout_root()
+    assert started["env"]["PATH"].split(os.pathsep) == [scripts, "/usr/bin"]
+
+
 def test_lab_outside_a_checkout_says_where_it_looked(tmp_path):
     from ddpkit.lab import lab_command
 
