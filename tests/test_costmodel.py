@@ -267,6 +267,19 @@ def test_torch_zero_broadcasts_the_bytes_of_an_all_gather_one_parameter_at_a_tim
     assert torchs.comm_ms - ours.comm_ms == pytest.approx((broadcasts - gather) * 1e3)
 
 
+def test_the_validation_table_says_which_rows_outran_the_link_and_what_that_means():
+    from ddpkit.costmodel.validate import format_validation
+
+    rec = dict(world_size=4, predicted_ms=10.0, measured_ms=11.0, rel_error=10 / 11 - 1, measured_ms_rounds=[11.0],
+               predicted_from_timings_ms=10.0, host_ms=0.5)
+    few = dict(rec, strategy="bucketed", outran_link=0.1)
+    assert "outran" not in format_validation([few])
+    assert "outran" not in format_validation([dict(rec, strategy="fsdp", outran_link=None)])  # no emulated link
+    text = format_validation([few, dict(rec, strategy="fsdp", outran_link=0.6)])
+    assert "(fsdp (4 ranks) 60%;" in text and "bucketed (4 ranks)" not in text
+    assert "that row checks the fitted transport" in " ".join(text.split())
+
+
 def test_fsdp_switches_are_what_the_simulation_runs():
     """The table's fsdp row describes what our FSDP does (backward prefetch only); flipping a
     switch changes the prediction the way it changes the run."""
