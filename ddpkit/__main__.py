@@ -284,7 +284,8 @@ def cmd_predict(args, parser) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    cap = "torch DDP's default (25 MiB, the first 1)" if args.bucket_cap_mb is None else f"{args.bucket_cap_mb:g} MiB"
+    cap = ("25 MiB, the first bucket 1 MiB (torch DDP's default: the last layers' gradients, ready first, "
+           "go out in a small bucket)" if args.bucket_cap_mb is None else f"{args.bucket_cap_mb:g} MiB")
     print(f"network {network.describe()}; bucket cap {cap}; model {_describe(args.workload)}")
     profiles: dict = {}  # one rank's compute per (batch per rank, ranks profiled at once)
     predictions = []

@@ -111,6 +111,7 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
             memory=[res["memory"] for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
             overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
             max_param_diff=max(res["max_param_diff"] for res in results),
+            dropout=r0["dropout"],  # where the model drops out: then it differs from one process by design
             outran_link=outran_share(timings.emulated.get(s)),
             # on an emulated network: of the step, ms the rank spent moving bytes itself (the NIC's rule)
             transport_ms_per_step=(statistics.median(timings.transport[s]) if timings.emulated.get(s, [0])[0]
@@ -168,6 +169,8 @@ def format_table(records: list[dict]) -> str:
                 row.append("" if key.startswith("vs_") else "-")
             elif fmt == "ratio":
                 row.append(f"{v:.2f}x {r['torch_reference']}")
+            elif key == "max_param_diff" and r.get("dropout"):  # not a failure: see the note
+                row.append(f"{v:.1e} (dropout)")
             else:
                 row.append(human_bytes(v) if fmt == "bytes" else fmt.format(v))
         rows.append(row)
@@ -184,7 +187,8 @@ def format_table(records: list[dict]) -> str:
                      "a time ratio: lower is faster; 1.20x = 20% slower.")
     notes.append("peak: the most one rank held at once during a step (parameters, gradients, optimizer "
                  "state, communication buffers, activations; on CUDA the allocator's peak).")
-    notes.append("sent/step: bytes one rank sends per step (ring algorithms); \"-\": not recorded."
+    notes.append("sent/step: bytes one rank sends per step (ring algorithms; a broadcast of S, whose root sends "
+                 "the most, as the ranks' average, (N-1)/N S, as for an all-gather of S); \"-\": not recorded."
                  + (" inter-node: the part that crosses nodes (the network's two tiers)." if nodes else ""))
     if moving:
         notes.append("moving bytes: ms a step the slowest rank spent in its waits moving the bytes of its "
@@ -192,6 +196,12 @@ def format_table(records: list[dict]) -> str:
                      "for a peer that came late included: the transport's part; the rest was the emulated link's. "
                      "torch's wrappers chain work on their collectives' futures, so their bytes move on the "
                      "link's thread when the link delivers them, counted nowhere here.")
+    dropping = next((r for r in records if r.get("dropout")), None)
+    if dropping is not None:
+        from ddpkit.experiment import DROPOUT_NOTE
+
+        where = ", ".join(dropping["dropout"][:3]) + (", ..." if len(dropping["dropout"]) > 3 else "")
+        notes.append(f"max |diff| (dropout): {DROPOUT_NOTE} ({dropping.get('model', 'the model')}: {where}).")
     outran = outran_note({r["strategy"]: r.get("outran_link") for r in records})
     if outran:
         notes.append(outran)

@@ -179,6 +179,30 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
     )
 
 
+DROPOUT_NOTE = "dropout is on: masks differ from one process by design; set dropout to 0 to compare"
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def active_dropout(module) -> list[str]:
+    """Where ``module`` drops activations out in training: each of its modules in training mode
+    that is a dropout layer with p > 0, or that keeps a float ``*dropout*`` attribute > 0 (Hugging
+    Face's attention hands ``attention_dropout`` to a function, no module), as ``"name (p=0.1)"``.
+    N ranks draw other masks than one process on the whole batch, so with any of these a
+    strategy's parameters differ from one process's by design (``DROPOUT_NOTE``)."""
+    found = []
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, _DROPOUT_MODULES):
+            if m.p > 0:
+                found.append(f"{name or type(m).__name__} (p={m.p:g})")
+            continue
+        found += [f"{name + '.' if name else ''}{attr} (p={value:g})" for attr, value in vars(m).items()
+                  if "dropout" in attr and isinstance(value, float) and value > 0]
+    return found
+
+
 def _diff_to(reference: dict, wrapped) -> float:
     """Largest |difference| between the wrapper's full parameters and ``reference``."""
     return max_abs_diff({k: v.detach().cpu() for k, v in wrapped.full_state_dict().items()}, reference)
@@ -232,7 +256,8 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     (which pays one-off costs: allocating buckets, torch DDP's bucket rebuild). With
     ``record=True`` a recorder is attached and bytes, overlap and memory are measured too — use a
     separate run for timing, recording costs a little. ``reference`` ({name: tensor} after warmup +
-    steps single-process steps) adds ``max_param_diff``. ``options``: more keywords for the wrapper
+    steps single-process steps) adds ``max_param_diff``, and ``dropout``: where the model drops
+    out (``active_dropout``; then the two differ by design). ``options``: more keywords for the wrapper
     (``wrap``, e.g. FSDP's ``units={GPT2Block}``); ``max_norm``: clip gradients to it every step.
     Returns a plain dict (picklable, for ``Cluster.run``).
     """
@@ -244,6 +269,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
     module = wl.build(seed)
+    dropout = active_dropout(module) if reference is not None else []
     recorder = rank_recorder()  # recording off, unless the cluster is recording (cluster.recording())
     if record:
         from ddpkit.trace import Recorder
@@ -292,6 +318,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
             recorder.next_step()
         if reference is not None:
             out["max_param_diff"] = _diff_to(reference, wrapped)
+            out["dropout"] = dropout
         if record:
             from ddpkit.memory import MODEL_STATES, measure_step
 

@@ -7,12 +7,17 @@ The notebooks are not part of the installed package: they sit beside it in the c
 ``pip install -e .`` installed (``notebooks/`` next to ``ddpkit/``), so this only works from
 one, and says so otherwise. JupyterLab refuses to run as root (Docker images, Colab-style
 machines) unless given ``--allow-root``: as root it is added, and a line says so.
+
+JupyterLab, its kernels and what the notebooks start inherit this process's ``PATH``, with this
+interpreter's scripts directory (a venv's ``bin/``, where ``torchrun`` is) put first: started as
+``.venv/bin/ddpkit lab`` without activating the venv, a notebook still finds them.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 START = Path("notebooks") / "00_start_here.ipynb"
@@ -57,6 +62,16 @@ def lab_command(extra=(), root: Path | None = None, as_root: bool | None = None)
     return argv, note
 
 
+def lab_environment(environ=None) -> dict:
+    """``environ`` (default: this process's) with this interpreter's scripts directory first on
+    ``PATH`` (once): where pip put ``jupyter`` and ``torchrun`` for this Python, activated or not."""
+    env = dict(os.environ if environ is None else environ)
+    scripts = sysconfig.get_path("scripts")
+    rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != scripts]
+    env["PATH"] = os.pathsep.join([scripts, *rest])
+    return env
+
+
 def lab(extra=(), out=print) -> int:
     """Start JupyterLab on the first notebook, in the checkout; returns jupyter lab's exit status
     (on POSIX this process *becomes* jupyter lab, so Ctrl-C reaches it as it would directly)."""
@@ -64,8 +79,9 @@ def lab(extra=(), out=print) -> int:
     argv, note = lab_command(extra, root)
     if note:
         out(note)
+    env = lab_environment()
     if os.name == "posix":
         sys.stdout.flush()  # exec replaces the process: what is buffered would be lost
         os.chdir(root)
-        os.execv(argv[0], argv)  # does not return
-    return subprocess.call(argv, cwd=root)
+        os.execve(argv[0], argv, env)  # does not return
+    return subprocess.call(argv, cwd=root, env=env)

@@ -8,6 +8,10 @@ collective on it costs (docs/papers.md, "cost of collectives"):
     all-gather / reduce-scatter (full S)    (N-1) alpha +  (N-1)/N S beta
     broadcast                               (N-1) alpha +           S beta
 
+The multiple of beta is what the busiest link carries one after another (``link_bytes``). The
+bytes one rank sends (``ring_bytes``, what the process group counts) are the same for the
+symmetric collectives; a broadcast's root sends more than the rest, and it counts the average.
+
 A ``Network`` is what a cluster's ranks are connected by: one link between every pair of ranks,
 or two tiers (``gpus_per_node=k``: ranks r // k share a node, joined by a fast ``intra`` link;
 nodes are joined by the slow ``inter`` link). A collective whose group spans nodes runs at the
@@ -35,24 +39,38 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
 
 
 def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends for a collective of full size S = ``nbytes`` (ring algorithms).
+    """Bytes one rank sends for a collective of full size S = ``nbytes`` (ring algorithms), as an
+    average over the group's ranks: what all of them send together, divided by N.
 
-    all-reduce 2(N-1)/N * S (a reduce-scatter then an all-gather); all-gather and
-    reduce-scatter (N-1)/N * S; broadcast S (the root sends everything once, pipelined).
+    all-reduce 2(N-1)/N * S (a reduce-scatter then an all-gather); all-gather and reduce-scatter
+    (N-1)/N * S; every rank sends as much as the next. A broadcast is not symmetric: in a ring
+    pipeline the root sends all S, every other rank but the last forwards it, the last sends
+    nothing: (N-1) S in all, (N-1)/N * S per rank, as an all-gather of S. So N broadcasts of S/N,
+    each from the rank that owns it (torch's ZeroRedundancyOptimizer), count as one all-gather of
+    S: the same bytes. Their time differs (``link_bytes``): N(N-1) alpha + S beta for the
+    broadcasts, (N-1) alpha + (N-1)/N S beta for the all-gather.
     """
     n = world_size
     if n <= 1:
         return 0.0
     if name == "all_reduce":
         return 2 * (n - 1) / n * nbytes
-    if name in ("all_gather", "reduce_scatter"):
+    if name in ("all_gather", "reduce_scatter", "broadcast"):
         return (n - 1) / n * nbytes
-    if name == "broadcast":
-        return float(nbytes)
     if name == "barrier":
         return 0.0
     raise ValueError(f"unknown collective {name!r}; known: all_reduce, all_gather, reduce_scatter, "
                      "broadcast, barrier")
+
+
+def link_bytes(name: str, nbytes: int, world_size: int) -> float:
+    """Bytes the busiest link of a collective of full size S carries one after another: the
+    multiple of beta in its time. ``ring_bytes`` for the symmetric collectives, where every
+    link carries what its rank sends; a broadcast's S, since every link of the pipeline but the
+    last carries all of it (a ring's links run at once: its time is one link's)."""
+    if name == "broadcast" and world_size > 1:
+        return float(nbytes)
+    return ring_bytes(name, nbytes, world_size)
 
 
 @dataclass(frozen=True)
@@ -122,8 +140,8 @@ def collective_time(name: str, nbytes: float, world_size: int, link: Link) -> fl
     alpha, beta = link.alpha_beta(name)
     table = link.measured.get(name) if n == link.measured_world_size else None
     if table:
-        return _interpolate(table, nbytes, ring_bytes(name, 1.0, n) * beta)
-    return steps * alpha + ring_bytes(name, nbytes, n) * beta
+        return _interpolate(table, nbytes, link_bytes(name, 1.0, n) * beta)
+    return steps * alpha + link_bytes(name, nbytes, n) * beta
 
 
 def _interpolate(table, nbytes: float, slope: float) -> float:

@@ -103,6 +103,35 @@ def test_lab_starts_jupyterlab_on_the_first_notebook_and_adds_allow_root_as_root
     assert os.path.isfile(os.path.join(REPO, START))  # from this checkout
 
 
+def test_lab_puts_its_interpreters_scripts_first_on_path(monkeypatch):
+    """Started as .venv/bin/ddpkit lab without activating the venv, JupyterLab's kernels and what
+    the notebooks start (torchrun) still find this Python's scripts: they come first, once."""
+    import sysconfig
+
+    import ddpkit.lab
+    from ddpkit.lab import lab_environment
+
+    scripts = sysconfig.get_path("scripts")
+    env = lab_environment({"PATH": os.pathsep.join(["/usr/bin", scripts, "/bin"]), "HOME": "/home/x"})
+    assert env["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"] and env["HOME"] == "/home/x"
+    assert lab_environment({})["PATH"] == scripts
+    if os.name != "posix":
+        return
+    started = {}
+
+    def execve(path, argv, env):  # what lab() would become: jupyter lab, with this environment
+        started.update(argv=argv, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(ddpkit.lab.os, "chdir", lambda path: started.update(cwd=path))
+    monkeypatch.setattr(ddpkit.lab.os, "execve", execve)
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with pytest.raises(SystemExit):
+        ddpkit.lab.lab(["--no-browser"], out=lambda line: None)
+    assert started["argv"][1:3] == ["-m", "jupyterlab"] and started["cwd"] == ddpkit.lab.checkout_root()
+    assert started["env"]["PATH"].split(os.pathsep) == [scripts, "/usr/bin"]
+
+
 def test_lab_outside_a_checkout_says_where_it_looked(tmp_path):
     from ddpkit.lab import lab_command
 
@@ -146,6 +175,20 @@ def test_predict_lays_out_hybrid_sharding_on_the_nodes_given(capsys):
     assert "left out: hsdp shards inside nodes" in captured.err and "left out: torch_hsdp" in captured.err
     predicted = [line.split()[1] for line in captured.out.splitlines() if line.split()[:1] == ["3"]]
     assert predicted == [s for s in STRATEGIES if s not in ("hsdp", "torch_hsdp")]
+
+
+def test_predicts_table_keeps_its_columns_and_says_what_the_default_cap_is(capsys):
+    """Every name right-aligned under 'strategy', sharded_optimizer (the longest) too; the default
+    bucket cap is spelled out (torch DDP's: 25 MiB, a first bucket of 1 MiB)."""
+    assert main(["predict", "--width", "8", "--depth", "2", "--world-sizes", "2", "--strategies",
+                 "bucketed,sharded_optimizer,torch_zero"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "bucket cap 25 MiB, the first bucket 1 MiB (torch DDP's default" in out[0]
+    head = next(i for i, line in enumerate(out) if line.split()[:2] == ["ranks", "strategy"])
+    table = out[head:head + 4]
+    end = table[0].index("strategy") + len("strategy")
+    assert [line[:end].split()[-1] for line in table[1:]] == ["bucketed", "sharded_optimizer", "torch_zero"]
+    assert len({len(line) for line in table}) == 1, table  # every column in its place
 
 
 def test_output_path_that_is_a_directory_or_read_only(tmp_path, capsys, no_cluster):

@@ -18,6 +18,8 @@ def test_collective_times_follow_the_ring_formulas():
     assert cm.collective_time("all_reduce", s, 4, NET) == pytest.approx(6 * 20e-6 + 1.5 * s / 10e9)
     assert cm.collective_time("all_gather", s, 4, NET) == pytest.approx(3 * 20e-6 + 0.75 * s / 10e9)
     assert cm.collective_time("reduce_scatter", s, 8, NET) == pytest.approx(7 * 20e-6 + 7 / 8 * s / 10e9)
+    # a broadcast's pipeline: every link but the last carries all S, one after another
+    assert cm.collective_time("broadcast", s, 4, NET) == pytest.approx(3 * 20e-6 + s / 10e9)
     assert cm.collective_time("all_reduce", s, 1, NET) == 0.0
     with pytest.raises(KeyError):
         cm.collective_time("all_to_all", s, 2, NET)
@@ -245,6 +247,37 @@ def test_the_zero_ladder_moves_ddp_bytes_or_one_and_a_half_times():
     s = p.param_bytes
     assert cm.simulate("hsdp", p, 4, NET).comm_bytes_per_step == pytest.approx(2 * s)
     assert cm.simulate("fsdp", p, 4, NET).comm_bytes_per_step == pytest.approx(2.25 * s)
+
+
+def test_torch_zero_broadcasts_the_bytes_of_an_all_gather_one_parameter_at_a_time():
+    """torch's ZeroRedundancyOptimizer broadcasts each parameter from the rank that stepped it:
+    the bytes of the sharded optimizer's one all-gather (1.5x DDP's), in one collective per
+    parameter, each taking its pipeline's S beta."""
+    p = _mlp_like()
+    n = 4
+    ours, torchs = cm.simulate("sharded_optimizer", p, n, NET), cm.simulate("torch_zero", p, n, NET)
+    assert torchs.comm_bytes_per_step == pytest.approx(ours.comm_bytes_per_step)
+    assert torchs.comm_bytes_per_step == pytest.approx(1.5 * cm.simulate("overlapped", p, n, NET).comm_bytes_per_step)
+    tensors = sum(len(layer.param_bytes) for layer in p.layers)
+    assert torchs.collectives == ours.collectives - 1 + tensors  # one all-gather -> a broadcast per tensor
+    # on the link: the broadcasts' (N-1) alpha each and S beta in all, against one all-gather's
+    # (N-1) alpha + (N-1)/N S beta
+    broadcasts = tensors * (n - 1) * NET.alpha + p.param_bytes * NET.beta
+    gather = (n - 1) * NET.alpha + (n - 1) / n * p.param_bytes * NET.beta
+    assert torchs.comm_ms - ours.comm_ms == pytest.approx((broadcasts - gather) * 1e3)
+
+
+def test_the_validation_table_says_which_rows_outran_the_link_and_what_that_means():
+    from ddpkit.costmodel.validate import format_validation
+
+    rec = dict(world_size=4, predicted_ms=10.0, measured_ms=11.0, rel_error=10 / 11 - 1, measured_ms_rounds=[11.0],
+               predicted_from_timings_ms=10.0, host_ms=0.5)
+    few = dict(rec, strategy="bucketed", outran_link=0.1)
+    assert "outran" not in format_validation([few])
+    assert "outran" not in format_validation([dict(rec, strategy="fsdp", outran_link=None)])  # no emulated link
+    text = format_validation([few, dict(rec, strategy="fsdp", outran_link=0.6)])
+    assert "(fsdp (4 ranks) 60%;" in text and "bucketed (4 ranks)" not in text
+    assert "that row checks the fitted transport" in " ".join(text.split())
 
 
 def test_fsdp_switches_are_what_the_simulation_runs():

@@ -160,6 +160,7 @@ def test_validate_announces_calibration_profiling_and_timing(cluster_of):
                      ("timing each wrapper alone (round 1 of 1)", 3, 4), ("naive: timing round 1 of 1", 4, 4),
                      (None, None, None)]
     assert records[0]["strategy"] == "naive" and records[0]["measured_ms"] > 0 and records[0]["host_ms"] >= 0
+    assert records[0]["outran_link"] is None  # no emulated link, nothing to outrun
 
 
 def test_compare_announces_its_series_to_the_cluster_and_a_progress_bar(cluster_of):

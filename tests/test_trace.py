@@ -439,7 +439,9 @@ def test_ring_bytes_follow_the_ring_formulas():
     assert ring_bytes("all_reduce", s, n) == 2 * 3 / 4 * s
     assert ring_bytes("all_gather", s, n) == 3 / 4 * s
     assert ring_bytes("reduce_scatter", s, n) == 3 / 4 * s
-    assert ring_bytes("broadcast", s, n) == s
+    # a broadcast's root sends S, the ranks after it forward S, the last sends nothing: on average
+    # (N-1)/N S per rank, as an all-gather of S
+    assert ring_bytes("broadcast", s, n) == 3 / 4 * s
     assert ring_bytes("all_reduce", s, 1) == 0
     with pytest.raises(ValueError, match="unknown collective"):
         ring_bytes("all_to_all", s, n)
@@ -454,7 +456,7 @@ def test_bytes_and_counts_per_step():
     ]
     trace = Trace(recs, world_size=4)
     assert comm_bytes_per_step(trace) == {
-        None: {0: 500.0},
+        None: {0: 0.75 * 500},  # a broadcast: the ranks' average, (N-1)/N S
         0: {0: 2 * 1.5 * 400, 1: 1.5 * 800},
         1: {0: 0.75 * 400 + 0.75 * 400},
     }

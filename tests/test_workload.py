@@ -115,6 +115,33 @@ def test_run_strategy_trains_a_notebook_workload_as_one_process(cluster_of, stra
     assert results[0]["comm_bytes_per_step"] > 0
 
 
+def test_dropout_is_found_where_it_drops_out():
+    from ddpkit.experiment import active_dropout
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Dropout(0.0), nn.Linear(4, 4))
+    assert active_dropout(net) == ["1 (p=0.5)"]
+    assert active_dropout(net.eval()) == []  # evaluation drops nothing
+    attention = nn.Module()
+    attention.attention_dropout = 0.1  # Hugging Face's attention: a float handed to a function, no module
+    assert active_dropout(attention) == ["attention_dropout (p=0.1)"]
+    attention.attention_dropout = 0.0
+    assert active_dropout(attention) == [] and active_dropout(build_model("mlp")) == []
+
+
+def test_compare_says_that_dropout_makes_a_run_differ_from_one_process_by_design(cluster_of):
+    from ddpkit.compare import compare, format_table
+
+    toy = _toy_workload()
+    wl = Workload(model=lambda: nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 1)),
+                  batch=toy.batch, loss=toy.loss, name="toy-dropout")
+    (r,) = compare(cluster_of(2), ["bucketed"], workload=wl, steps=1, rounds=1, global_batch_size=8, record_steps=1)
+    assert r["dropout"] == ["1 (p=0.5)"] and r["max_param_diff"] > TOL  # other masks on 2 ranks than in one
+    table = " ".join(format_table([r]).split())  # its notes are wrapped
+    assert f"{r['max_param_diff']:.1e} (dropout)" in table
+    assert "dropout is on: masks differ from one process by design; set dropout to 0 to compare" in table
+    assert "dropout" not in format_table([dict(r, dropout=[])])  # a model without: a plain difference
+
+
 def test_memory_counts_a_workloads_parameters_for_the_zero_formulas():
     from ddpkit.memory import parameter_count, predicted_model_state
 

@@ -6,8 +6,9 @@ on the way, for *every* caller -- our strategies, torch's ``DistributedDataParal
 reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimizer`` alike:
 
 1. counts it: collectives and the bytes one rank sends by the ring algorithm (ring all-reduce
-   2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S), per kind and per link (intra-node or
-   inter-node, see ``ddpkit.Network``), in ``Comm.counts``;
+   2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S; a broadcast, whose root sends more than
+   the others, the ranks' average, (N-1)/N S: ``network.ring_bytes``), the same figure on every
+   rank, per kind and per link (intra-node or inter-node, see ``ddpkit.Network``), in ``Comm.counts``;
 2. records it -- the one writer of a collective's record -- as a span from issue to completion,
    with its link and group, in the rank's recorder when recording is on (``rankside.recorder()``);
    a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
@@ -26,8 +27,8 @@ pass through uncounted.
 gloo has no reduce-scatter of its own for flat tensors: its ``_reduce_scatter_base`` runs an
 all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs (this group
 does the same itself, see ``_reduce_scatter_by_all_reduce``). The counts
-keep both: ``bytes`` is what the algorithm sends (what the emulated link is charged, what the
-papers count), ``transport_bytes`` what the real backend moved.
+keep both: ``bytes`` is what the algorithm sends (what the papers count), ``transport_bytes``
+what the real backend moved.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class Count:
     """Collectives of one kind on one link: how many, and the bytes this rank sent."""
 
     calls: int = 0
-    bytes: float = 0.0            # by the algorithm (ring formulas): what the link is charged
+    bytes: float = 0.0            # by the algorithm (ring formulas, network.ring_bytes)
     transport_bytes: float = 0.0  # what the real backend moved (gloo's reduce-scatter: 2x)
 
 

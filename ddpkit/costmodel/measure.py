@@ -12,7 +12,7 @@ import time
 from functools import partial
 
 from ddpkit.costmodel.simulate import Layer, MiB, Profile
-from ddpkit.network import RING_STEPS, Link, collective_time, ring_bytes
+from ddpkit.network import RING_STEPS, Link, collective_time, link_bytes
 
 
 # --------------------------------------------------------------------------- compute profile
@@ -330,9 +330,10 @@ def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), 
 
 
 def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
-    """alpha, beta for one collective: t = steps x alpha + bytes sent x beta, a straight line in
-    S fitted for *relative* error (weights 1/t^2), both kept >= 0."""
-    xs = [ring_bytes(op, s, world_size) for s, _ in samples]
+    """alpha, beta for one collective: t = steps x alpha + bytes on its busiest link x beta
+    (``link_bytes``), a straight line in S fitted for *relative* error (weights 1/t^2), both
+    kept >= 0."""
+    xs = [link_bytes(op, s, world_size) for s, _ in samples]
     ys = [t for _, t in samples]
     ws = [1 / (t * t) if t > 0 else 0.0 for t in ys]
     sw = sum(ws)

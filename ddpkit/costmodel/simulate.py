@@ -362,6 +362,15 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
                 done.append(finished)
             for finished in done:
                 end = stream.wait(end, finished)
+        elif step.gather_params and step.gather_by_broadcast:
+            # torch's ZeroRedundancyOptimizer: every parameter broadcast from the rank that stepped
+            # it, into the parameter itself (no copies), all launched, then all waited for
+            done = []
+            for size in (b for layer in profile.layers for b in layer.param_bytes):
+                end, finished = stream.launch("broadcast", size, end)
+                done.append(finished)
+            for finished in done:
+                end = stream.wait(end, finished)
         elif step.gather_params:
             # each rank stepped 1/N of the parameters; the updated ones are shared with one
             # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
@@ -387,9 +396,10 @@ def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), netw
 
 def format_predictions(predictions: list[Prediction]) -> str:
     """``python -m ddpkit predict``'s table: one line per prediction (bytes: sent by one rank)."""
-    lines = [f"{'ranks':>5}  {'strategy':>10}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  "
+    w = max([8] + [len(p.strategy) for p in predictions])  # the longest name ("sharded_optimizer") fits
+    lines = [f"{'ranks':>5}  {'strategy':>{w}}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  "
              f"{'sent/step':>12}"]
     for p in predictions:
-        lines.append(f"{p.world_size:>5}  {p.strategy:>10}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  "
+        lines.append(f"{p.world_size:>5}  {p.strategy:>{w}}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  "
                      f"{p.exposed_comm_ms:12.2f}  {human_bytes(p.comm_bytes_per_step):>12}")
     return "\n".join(lines)

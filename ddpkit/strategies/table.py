@@ -43,6 +43,9 @@ class CostStep:
     gather_params: bool = False
     gather_in_place: bool = False     # per bucket, into the parameters (ZeRO-1/2); else one buffer,
                                       # our 1/N copied in and the rest copied out (ShardedOptimizer)
+    gather_by_broadcast: bool = False # each parameter broadcast from the rank that stepped it, all
+                                      # launched at once (torch's ZeroRedundancyOptimizer): an
+                                      # all-gather's bytes, one collective per parameter
     copy_out: bool = True             # the reduced bucket copied back into .grad (ZeRO-1/2: not)
     sharded_optimizer: bool = False   # the optimizer steps 1/N of the parameters
     reshard: bool = True
@@ -235,8 +238,9 @@ _ROWS = [
              CostStep("ddp", overlap=True, on_futures=True), torch_native=True),
     Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel", _torch_ddp,
              _torch_zero_optimizer, "ZeRO-1",
-             CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True, on_futures=True),
-             bytes_vs_ddp=None, torch_native=True, family="zero", predictable=False),
+             CostStep("ddp", overlap=True, gather_params=True, gather_by_broadcast=True, sharded_optimizer=True,
+                      on_futures=True),
+             bytes_vs_ddp=1.5, torch_native=True, family="zero", predictable=False),
     Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
              CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), bytes_vs_ddp=1.5, torch_native=True,
              family="fsdp", predictable=False),
