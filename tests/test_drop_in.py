@@ -135,6 +135,7 @@ def _bad_arguments():
         "naive cap": lambda: ddpkit.NaiveDDP(module, bucket_cap_mb=25),
         "zero unused": lambda: ddpkit.ZeRO1(module, find_unused_parameters=True),
         "unknown": lambda: ddpkit.OverlappedDDP(module, bucket_size=3),
+        "torch hook": lambda: ddpkit.BucketedDDP(module).register_comm_hook(None, lambda state, bucket: None),
     }.items():
         try:
             call()
@@ -157,6 +158,7 @@ def test_torch_ddps_arguments_that_cannot_be_honoured_are_refused_by_name(cluste
     assert "no buckets" in errors["naive cap"][1]
     assert "find_unused_parameters" in errors["zero unused"][1]
     assert errors["unknown"] == ("TypeError", "OverlappedDDP() got an unexpected keyword argument 'bucket_size'")
+    assert "not torch's (state, hook) pair" in errors["torch hook"][1]
 
 
 def _init_sync_off():

@@ -260,9 +260,14 @@ class DDPModule(nn.Module, Joinable):
                 p.grad = None
 
     # ------------------------------------------------------------------ communication hooks
-    def register_comm_hook(self, hook) -> None:
+    def register_comm_hook(self, hook, *torch_form) -> None:
         """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` instead of
-        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``). Once, before training."""
+        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``). Once, before training.
+        torch's two-argument form, ``(state, hook)`` with hook(state, GradBucket), is refused."""
+        if torch_form:
+            raise TypeError(f"{type(self).__name__}.register_comm_hook takes one ddpkit hook, hook(bucket, group, "
+                            "recorder) (ddpkit.strategies.comm_hooks: fp16_compress_hook, bf16_compress_hook), not "
+                            "torch's (state, hook) pair")
         if not self.buckets:
             raise TypeError(f"{type(self).__name__} has no buckets to hook; use BucketedDDP or OverlappedDDP")
         if not callable(hook):
