@@ -7,6 +7,7 @@ cell, and what a long chatty run costs the page and the kernel.
 """
 from __future__ import annotations
 
+
 import html
 import re
 import time
@@ -708,32 +709,30 @@ def test_a_later_recorded_run_without_steps_keeps_the_last_run_with_steps(widget
     assert "loss" not in widget._describe("now")
 
 
-def _micro_batches_without_sync():
-    """Notebook 02's no_sync demo: forwards through a wrapper (each counts a step), no train_step."""
+def _steps_without_compute():
+    """A recorded job that counts steps but computes nothing: only collectives, between steps begun by
+    hand (a loop through a wrapper would now be timed by the wrapper: ``forward_timed``)."""
     import torch
+    import torch.distributed as dist
 
-    model = ddpkit.NaiveDDP(torch.nn.Linear(8, 8))
-    for m in range(2):
-        loss = model(torch.ones(2, 8)).sum()
-        if m == 0:
-            with model.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
-    model.finish_gradient_synchronization()
+    from ddpkit.rankside import recorder
+
+    for _ in range(2):
+        recorder().next_step()
+        dist.all_reduce(torch.ones(4))
 
 
 def test_a_later_recorded_run_that_did_not_train_keeps_the_run_that_did(widget):
-    """02 ended on its no_sync demo's micro-batch "steps": empty compute rows, "0 % hidden"."""
+    """A run with steps but no compute (once 02's no_sync demo) would draw empty rows, "0 % hidden"."""
     c = widget.cluster
     with c.recording():
         c.run(_train, 3)
     assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
     with c.recording():
-        c.run(_micro_batches_without_sync)
-    assert c.last_trace.steps, "the wrapper's forwards counted steps"
+        c.run(_steps_without_compute)
+    assert c.last_trace.steps, "the steps begun by hand"
     assert widget.plots_done.wait(30)
-    assert wait_for(lambda: "<code>_micro_batches_without_sync</code>" in widget.live.summary.value)
+    assert wait_for(lambda: "<code>_steps_without_compute</code>" in widget.live.summary.value)
     summary = widget.live.summary.value
     assert re.search(r"recorded run</b> of <code>_train</code>( \(cell \[\d+\]\))?: 3 steps", summary), summary
     assert "no training step" in summary
