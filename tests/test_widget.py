@@ -7,7 +7,6 @@ cell, and what a long chatty run costs the page and the kernel.
 """
 from __future__ import annotations
 
-
 import html
 import re
 import time
