@@ -213,8 +213,7 @@ class InOrder:
         if not self.end_queued:
             queue_at_end_of_backward(self.finish)
             self.end_queued = True
-        with torch.no_grad():
-            bucket.copy_in(j, scale)
+        bucket.copy_in(j, scale)  # of .grad detached: no autograd graph, even under create_graph=True
         return True
 
     def due(self):

@@ -115,19 +115,19 @@ class DDPModule(nn.Module, Joinable):
         name = bucket.names[j] if bucket is not None else self.named_grads[i][0]
         if self.recorder.enabled:
             self.recorder.grad_ready(name, bucket=i)  # naive: its "bucket" is the parameter
-        self._check_not_synced(name)
+        if self._synced:
+            self._refuse_late_gradient(name)
         if self._sync_pending and not self._end_queued:
             self._end_queued = queue_at_end_of_backward(self.finish_gradient_synchronization)
 
-    def _check_not_synced(self, name: str) -> None:
-        """A gradient arriving after this step's sync would stay local on this rank: a second backward
-        without a forward through the wrapper in between. torch's DDP refuses it too."""
-        if self._synced:
-            raise RuntimeError(
-                f"{type(self).__name__}: the gradient of {name!r} arrived after this step's gradients were "
-                "already averaged across ranks: a second backward after one forward, or a backward through a "
-                "forward that bypassed the wrapper (model.module(x)). Run each backward on its own forward "
-                "through the wrapper; to accumulate micro-batches, run all but the last inside no_sync().")
+    def _refuse_late_gradient(self, name: str) -> None:
+        """A gradient arriving after this step's sync (``_synced``) would stay local on this rank: a
+        second backward without a forward through the wrapper in between. torch's DDP refuses it too."""
+        raise RuntimeError(
+            f"{type(self).__name__}: the gradient of {name!r} arrived after this step's gradients were "
+            "already averaged across ranks: a second backward after one forward, or a backward through a "
+            "forward that bypassed the wrapper (model.module(x)). Run each backward on its own forward "
+            "through the wrapper; to accumulate micro-batches, run all but the last inside no_sync().")
 
     def _hook_every_gradient(self, method) -> None:
         """Call ``method(i, j)`` each time gradient j of bucket i lands in ``.grad`` (``method(k)``

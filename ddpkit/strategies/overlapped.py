@@ -68,11 +68,13 @@ class OverlappedDDP(DDPModule):
     def _grad_ready_hook(self, i: int, j: int) -> None:
         """Gradient j of bucket i is in ``.grad``: copy it in; launch the buckets now complete."""
         bucket = self.buckets[i]
-        self._check_not_synced(bucket.names[j])  # a second backward after the sync: an error
+        if self._synced:  # a second backward after the sync: an error
+            self._refuse_late_gradient(bucket.names[j])
         # recorded; in a backward that syncs (not inside no_sync()) .grad / N into its bucket slot
-        if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
-            # Launch every complete bucket in bucket order, starting from the next one due:
-            # async, so autograd goes on computing earlier layers while the bytes travel.
+        if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending) and bucket.missing == 0:
+            # Launch every complete bucket in bucket order, starting from the next one due (only a
+            # bucket just completed can make one due): async, so autograd goes on computing earlier
+            # layers while the bytes travel.
             for due in self._in_order.due():
                 due.all_reduce(self.process_group, self.recorder, self._comm_hook)
 

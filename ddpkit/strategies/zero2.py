@@ -56,7 +56,8 @@ class ZeRO2(ZeroDDPModule):
     def _grad_ready_hook(self, i: int, j: int) -> None:
         """Gradient j of bucket i is in ``.grad``: copy it in, free it, launch complete buckets."""
         bucket = self.buckets[i]
-        self._check_not_synced(bucket.names[j])  # a second backward after the sync: an error
+        if self._synced:  # a second backward after the sync: an error
+            self._refuse_late_gradient(bucket.names[j])
         # recorded; in a backward that syncs (not inside no_sync(), where it accumulates in .grad)
         # .grad / N into the bucket's flat gradient, and .grad freed (ZeroBucket.copy_in)
         if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
