@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
+import uuid
 
 import pytest
 
@@ -217,6 +219,31 @@ def _run_start_here(page):
     assert {"bucket fill", "timeline", "memory"} <= set(
         t.strip() for t in widget.locator(".lm-TabBar-tabLabel").all_inner_texts())
     assert "Bucket fill · rank 0 · step 2" in svg_text(page, ".ddpkit-cluster .ddpkit-fill-view")
+
+
+# --- the lab a learner starts -------------------------------------------------------------------
+def test_ddpkit_lab_serves_the_checkout_so_the_exercises_open_from_its_file_browser(tmp_path):
+    """``ddpkit lab`` (started elsewhere: it finds its checkout) serves the checkout, not only
+    notebooks/: the learner opens exercises/overlap.py from the file browser, as notebook 04 asks."""
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    launcher = [sys.executable, "-m", "ddpkit", "lab"]
+    with JupyterLab(REPO, tmp_path, launcher=launcher) as server, chromium() as browser:
+        served = re.search(r"Serving notebooks from local directory: (.*)$", server.log_path.read_text(), re.M)
+        assert served and served.group(1).strip() == str(REPO), served
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.set_default_timeout(60_000)
+        page.goto(f"{server.url}lab/workspaces/{uuid.uuid4().hex}?reset&token={server.token}")
+        listing = page.locator(".jp-DirListing-content")
+        for name in ("exercises", "overlap.py"):  # double-click a folder, then a file, as a learner does
+            item = listing.locator(".jp-DirListing-item", has=page.locator(".jp-DirListing-itemText", has_text=name))
+            item.first.wait_for(state="visible", timeout=60_000)
+            item.first.dblclick()
+        editor = page.locator(".jp-FileEditor .cm-content")
+        wait_until(lambda: "def mark_ready" in editor.first.inner_text(), 60, "exercises/overlap.py in an editor")
+        assert "exercises/overlap.py" in page.evaluate("() => window.jupyterapp.shell.currentWidget.context.path")
+        page.close()
 
 
 # --- the live widget ----------------------------------------------------------------------------
