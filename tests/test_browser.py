@@ -280,6 +280,8 @@ def test_the_slider_replays_a_chosen_step(live):
     wait_notebook_idle(page, 60, "a short recorded run")
     summary = widget.locator(".ddpkit-live-summary")
     wait_until(lambda: "showing step 5" in summary.inner_text(), 30, "the replay of the last step")
+    prompt = page.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt").inner_text().strip()  # "[7]:"
+    assert f"(cell {prompt.rstrip(':')})" in summary.inner_text(), (prompt, summary.inner_text())  # not one higher
     handle = widget.locator(".ddpkit-step-slider .noUi-handle")
     handle.focus()
     page.keyboard.press("Home")       # the first step ...

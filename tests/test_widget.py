@@ -595,6 +595,31 @@ def test_ipython_displays_a_cluster_as_its_widget(cluster_of, monkeypatch):
     assert "ddpkit.widget" not in open(ddpkit.cluster.__file__).read()
 
 
+def test_a_run_is_labelled_with_the_number_of_the_cell_it_runs_in(monkeypatch):
+    """"cell [10]" beside prompt [9]: IPython 9.9+ moves ``execution_count`` on before the cell
+    runs, older ones after it; the running cell's own result has its number under both."""
+    import types
+
+    import IPython
+
+    from ddpkit.widget import panel
+
+    class Shell:  # what the widget reads of IPython's shell while cell [9] runs
+        def __init__(self, counter_moved_on: bool):
+            self.execution_count = 10 if counter_moved_on else 9
+            # IPython's ExecutionResult of the running cell: its execution_count is the cell's
+            self.displayhook = types.SimpleNamespace(exec_result=types.SimpleNamespace(execution_count=9))
+
+    for moved_on in (True, False):
+        monkeypatch.setattr(IPython, "get_ipython", lambda moved_on=moved_on: Shell(moved_on))
+        assert panel._cell_number() == 9
+        assert panel.run_label("job", panel._cell_number()) == "<code>job</code> (cell [9])"
+    idle = Shell(True)
+    idle.displayhook.exec_result = None  # no cell running (a button's callback): no number rather than a wrong one
+    monkeypatch.setattr(IPython, "get_ipython", lambda: idle)
+    assert panel._cell_number() is None
+
+
 # ----------------------------------------------------------------------------- the views alone
 def _step_records(buckets: int, layers: int = 32, rank: int = 0, step: int = 0, unit: bool = False):
     """One overlapped-DDP-like step: 2 gradients per layer, buckets launched in order."""

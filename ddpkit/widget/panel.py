@@ -37,13 +37,18 @@ log = logging.getLogger("ddpkit.widget")
 
 
 def _cell_number() -> int | None:
-    """The number of the notebook cell running now (its "[8]"), or None outside a kernel."""
+    """The number of the notebook cell running now (its "[8]"), or None outside a running cell.
+
+    Read from the running cell's own result, not ``shell.execution_count``: IPython up to 9.8
+    moves that counter on after the cell, 9.9 and later before it runs (ipython#15088), so the
+    counter is one too high in a new kernel; the result holds the cell's number in both."""
     try:
         from IPython import get_ipython
     except ImportError:
         return None
     shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)  # set while a cell runs
+    return getattr(result, "execution_count", None)
 
 
 def run_label(name: str | None, cell: int | None) -> str:
