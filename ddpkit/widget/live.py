@@ -83,6 +83,8 @@ class LivePlots(widgets.VBox):
         self.last_trained = None          # (trace, label): the last run shown that trained
         self.later_without_steps = None   # (records, label) of a later recorded run with no step to draw
         self._replay: dict = {}
+        self._tab_chosen = False          # the tab for the run shown is chosen (``_open_tab``)
+        self._auto_tab: int | None = None  # the tab the widget opened itself, last time it did
         self.painter = Throttle(self._paint, FRAME_S, inline=False, name="ddpkit-widget-plots")
         self.step.observe(lambda _: self.painter.request(), names="value")
         self.rank.observe(lambda _: self.painter.request(), names="value")
@@ -91,6 +93,7 @@ class LivePlots(widgets.VBox):
     def start(self, world_size: int, label: str = "") -> None:
         """A recorded run begins (``label``: HTML naming it): draw as records arrive."""
         self.state, self.mode, self.trace, self._replay = LiveState(world_size), "live", None, {}
+        self._tab_chosen = False
         self._starting = label
         self._set_ranks(world_size)
         self.controls.children = [self.rank]
@@ -104,13 +107,14 @@ class LivePlots(widgets.VBox):
         drawn, one line says why the widget has no plots; a drawn run stays as it is."""
         if self.mode != "empty":
             return
-        inside = (" compare() and the sweeps record their runs inside the ranks and return the figures they "
-                  "print, not a trace for this widget." if series else "")
+        inside = (" It was part of <code>compare()</code> or a sweep: those record the runs they measure inside "
+                  "the ranks, for the figures they print, and keep those records there, so there is no trace "
+                  "here to draw." if series else "")
         self.summary.value = (
-            f"<b>No recorded run to draw</b>: the last run, {label}, ran with recording off, as every run "
-            "of this cluster so far. A run inside <code>with cluster.recording():</code> (or with "
-            "<b>record</b> switched on above) is drawn here: its bucket fill, every rank's timeline, memory "
-            f"and the loss.{inside}")
+            f"<b>No recorded run to draw</b>: the last run, {label}, ran with the cluster's recording off, as "
+            f"every run of this cluster so far.{inside} A run inside <code>with cluster.recording():</code> (or "
+            "with <b>record</b> switched on above) is drawn here: its bucket fill, every rank's timeline, memory "
+            "and the loss.")
         self.plots.layout.display = "none"
         self.controls.children = []
         self.layout.display = "flex"
@@ -140,6 +144,7 @@ class LivePlots(widgets.VBox):
             self.last_trained = (trace, label)
         self.later_without_steps = None
         self.trace, self.label, self.mode, self._replay = trace, label, "replay", {}
+        self._tab_chosen = False
         self._set_ranks(max(trace.world_size, len(trace.ranks)))
         self.painter.request()
 
@@ -166,6 +171,20 @@ class LivePlots(widgets.VBox):
             self.rank.options = options
             self.rank.value = 0
 
+    def _open_tab(self, records) -> None:
+        """Open the tab that has something to show for this run, once: the bucket fill where
+        gradients report when they were ready (the DDP wrappers), else the timeline (FSDP reports
+        its units' collectives only, and its bucket fill would be one line saying so). A tab the
+        learner picked (one the widget did not open itself) stays."""
+        if self._tab_chosen:
+            return
+        self._tab_chosen = True
+        wanted = 0 if any(r.kind == "instant" and r.cat == "grad_ready" for r in records) else 1
+        current = self.tabs.selected_index
+        if current != wanted and current in (0, self._auto_tab):
+            self.tabs.selected_index = wanted
+            self._auto_tab = wanted
+
     # ------------------------------------------------------------------ drawing (painter thread)
     def _paint(self) -> None:
         views = self._live_views() if self.mode == "live" else self._replay_views() if self.mode == "replay" else None
@@ -185,6 +204,8 @@ class LivePlots(widgets.VBox):
         # Draw finished steps: a rank's newest step may still be half streamed (its records
         # leave once its collectives completed), and a half-drawn step would flicker.
         finished = [s for s in steps if all(s < newest for newest in latest.values())] or steps
+        if any(all(s < newest for newest in latest.values()) for s in steps):  # a whole step to judge by
+            self._open_tab([r for r in snap["records"] if r.step in finished])
         mine = [s for s in steps if s < latest.get(rank, -1)] or [s for s in steps if latest.get(rank) == s]
         fill = fill_view(bucket_fill(window, rank, mine[-1])) if mine else message("No steps recorded yet.")
         shown = finished[-ROLLING_STEPS:]
@@ -213,6 +234,7 @@ class LivePlots(widgets.VBox):
             return self._replay_summary(None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
                 loss_view(rp["losses"])
         step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
+        self._open_tab(trace.records)
         records = Trace(rp["by_step"][step], trace.world_size)  # the figures read this step only
         return (self._replay_summary(step), fill_view(bucket_fill(records, self.rank.value, step)),
                 timeline_view(timeline(records, [step], records.ranks or trace.ranks)),

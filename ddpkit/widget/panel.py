@@ -51,9 +51,16 @@ def _cell_number() -> int | None:
     return getattr(result, "execution_count", None)
 
 
+# Jobs the kit runs on the ranks itself, in the words of what the learner did to start them.
+KIT_JOBS = {"set_network": "setting <code>cluster.network</code>"}
+
+
 def run_label(name: str | None, cell: int | None) -> str:
-    """HTML naming a run: "<code>naive_job</code> (cell [8])", "a lambda (cell [3])", "a job"."""
-    if not name or name == "<lambda>":
+    """HTML naming a run: "<code>naive_job</code> (cell [8])", "a lambda (cell [3])", "a job",
+    "setting <code>cluster.network</code> (cell [12])" (a job of the kit's own, ``KIT_JOBS``)."""
+    if name in KIT_JOBS:
+        what = KIT_JOBS[name]
+    elif not name or name == "<lambda>":
         what = "a lambda" if name else "a job"
     else:
         what = f"<code>{html.escape(name)}</code>"
