@@ -824,6 +824,28 @@ def test_an_fsdp_run_opens_on_the_timeline_a_ddp_run_on_the_bucket_fill():
         plots.close()
 
 
+def test_the_replay_never_draws_one_run_with_another_runs_index():
+    """04's rounds of recorded runs, back to back: the next run's trace arrived (and emptied the
+    index) while the painter drew the last one: KeyError 'steps', or a stale index kept for good."""
+    from ddpkit.trace import Trace
+    from ddpkit.widget.live import LivePlots
+
+    two = Trace([r for s in range(2) for r in _step_records(4, step=s)], 1)
+    three = Trace([r for s in range(3) for r in _step_records(4, step=s)], 1)
+    plots = LivePlots()
+    try:
+        plots.show_trace(two, "first")
+        plots._index(two)
+        stale = plots._replay
+        plots.show_trace(three, "second")
+        plots._replay = stale  # the painter of the first run stored its index after the second arrived
+        assert "3 steps on 1 rank" in plots._replay_views()[0]
+        plots._replay = {}     # ... or the second emptied it while the painter read it
+        assert "3 steps on 1 rank" in plots._replay_views()[0]
+    finally:
+        plots.close()
+
+
 def test_the_kits_own_jobs_are_named_as_the_learner_started_them():
     """06 ended "No recorded run to draw: the last run, set_network": the job behind cluster.network = ..."""
     from ddpkit.widget.panel import run_label

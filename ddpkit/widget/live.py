@@ -148,15 +148,17 @@ class LivePlots(widgets.VBox):
         self._set_ranks(max(trace.world_size, len(trace.ranks)))
         self.painter.request()
 
-    def _index(self, trace) -> None:
-        """What the replay draws from: records by step, the loss, each rank's memory and its peak."""
+    def _index(self, trace) -> dict:
+        """What the replay draws from: records by step, the loss, each rank's memory and its peak;
+        it names the trace it was made from (a newer run may arrive while it is made)."""
         by_step = defaultdict(list)
         for r in trace.records:
             by_step[r.step].append(r)
         memory = {rank: memory_series(trace.records, rank) for rank in trace.ranks}
         steps = trace.steps
-        self._replay = dict(by_step=by_step, steps=steps, losses=loss_per_step(trace.records), memory=memory,
-                            peak=peak_of(memory), t0=min((r.start_ns for r in trace.records), default=0))
+        replay = dict(trace=trace, by_step=by_step, steps=steps, losses=loss_per_step(trace.records), memory=memory,
+                      peak=peak_of(memory), t0=min((r.start_ns for r in trace.records), default=0))
+        self._replay = replay
         if steps:
             with self.step.hold_trait_notifications():
                 self.step.min, self.step.max = steps[0], steps[-1]
@@ -164,6 +166,7 @@ class LivePlots(widgets.VBox):
             self.controls.children = [self.step, self.rank]
         else:
             self.controls.children = []
+        return replay
 
     def _set_ranks(self, n: int) -> None:
         options = list(range(max(n, 1)))
@@ -224,25 +227,27 @@ class LivePlots(widgets.VBox):
         return summary, fill, timeline_svg, memory, loss_view(losses, empty=LOSS_PENDING)
 
     def _replay_views(self):
-        trace = self.trace
-        if not self._replay:
-            self._index(trace)  # setting the slider here requests one more paint: harmless
-        rp = self._replay
+        # Read once: the thread that waits in cluster.run may hand over the next run's trace (and
+        # empty the index) while this one draws; an index is only used with the trace it came from.
+        trace, rp = self.trace, self._replay
+        if trace is None:
+            return None
+        if rp.get("trace") is not trace:
+            rp = self._index(trace)  # setting the slider here requests one more paint: harmless
         steps = rp["steps"]
         if not steps:
             text = message("This run recorded no training steps (records made before the first step only).")
-            return self._replay_summary(None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
+            return self._replay_summary(trace, rp, None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
                 loss_view(rp["losses"])
         step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
         self._open_tab(trace.records)
         records = Trace(rp["by_step"][step], trace.world_size)  # the figures read this step only
-        return (self._replay_summary(step), fill_view(bucket_fill(records, self.rank.value, step)),
+        return (self._replay_summary(trace, rp, step), fill_view(bucket_fill(records, self.rank.value, step)),
                 timeline_view(timeline(records, [step], records.ranks or trace.ranks)),
                 memory_view(rp["memory"], rp["t0"], rp["peak"], marker_step=step),
                 loss_view(rp["losses"], marker_step=step))
 
-    def _replay_summary(self, step) -> str:
-        trace, rp = self.trace, self._replay
+    def _replay_summary(self, trace, rp: dict, step) -> str:
         span = (max((r.end_ns or r.start_ns) for r in trace.records) - rp["t0"]) / 1e9 if trace.records else 0
         where = f"showing step {step}; slide to replay another" if step is not None else "no steps to replay"
         later = ""
