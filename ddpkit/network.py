@@ -323,7 +323,7 @@ class MatchedLink:
         so               beta = (backward - k 2(N-1) alpha) / (2(N-1)/N S)
     """
 
-    backward_s: float   # backward of one step, measured (the slowest rank, all ranks computing at once)
+    backward_s: float   # backward of one step, measured as the ranks train (all computing at once)
     grad_bytes: int     # S: the bytes of every gradient a step all-reduces
     world_size: int     # N
     buckets: int = 1    # k: all-reduces a step, each paying the latency
