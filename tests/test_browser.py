@@ -222,14 +222,13 @@ def _run_start_here(page):
 
 
 # --- the lab a learner starts -------------------------------------------------------------------
-def test_ddpkit_lab_serves_the_checkout_so_the_exercises_open_from_its_file_browser(tmp_path):
+def test_ddpkit_lab_serves_the_checkout_so_the_exercises_open_from_its_file_browser(lab, tmp_path):
     """``ddpkit lab`` (started elsewhere: it finds its checkout) serves the checkout, not only
-    notebooks/: the learner opens exercises/overlap.py from the file browser, as notebook 04 asks."""
-    reason = missing()
-    if reason:
-        pytest.skip(reason)
+    notebooks/: the learner opens exercises/overlap.py from the file browser, as notebook 04 asks.
+    The module's browser (one playwright per thread), a server of its own."""
+    _, browser = lab
     launcher = [sys.executable, "-m", "ddpkit", "lab"]
-    with JupyterLab(REPO, tmp_path, launcher=launcher) as server, chromium() as browser:
+    with JupyterLab(REPO, tmp_path, launcher=launcher) as server:
         served = re.search(r"Serving notebooks from local directory: (.*)$", server.log_path.read_text(), re.M)
         assert served and served.group(1).strip() == str(REPO), served
         page = browser.new_page(viewport={"width": 1300, "height": 900})
