@@ -1,12 +1,15 @@
 """``ddpkit lab``: JupyterLab on the course's first notebook, from a checkout of the repository.
 
-    ddpkit lab                      # = jupyter lab notebooks/00_start_here.ipynb, in the checkout
+    ddpkit lab                      # = jupyter lab notebooks/00_start_here.ipynb, served from the checkout
     ddpkit lab --port 8890 --no-browser   # anything else goes to jupyter lab as it is
 
 The notebooks are not part of the installed package: they sit beside it in the checkout that
 ``pip install -e .`` installed (``notebooks/`` next to ``ddpkit/``), so this only works from
-one, and says so otherwise. JupyterLab refuses to run as root (Docker images, Colab-style
-machines) unless given ``--allow-root``: as root it is added, and a line says so.
+one, and says so otherwise. The server's root is the checkout, not ``notebooks/``: given a file
+alone, jupyter lab serves that file's folder, and the file browser could not reach ``exercises/``
+and ``solutions/``, which the notebooks ask the learner to edit. JupyterLab refuses to run as
+root (Docker images, Colab-style machines) unless given ``--allow-root``: as root it is added,
+and a line says so.
 
 JupyterLab, its kernels and what the notebooks start inherit this process's ``PATH``, with this
 interpreter's scripts directory (a venv's ``bin/``, where ``torchrun`` is) put first: started as
@@ -21,6 +24,7 @@ import sysconfig
 from pathlib import Path
 
 START = Path("notebooks") / "00_start_here.ipynb"
+ROOT_OPTIONS = ("--ServerApp.root_dir", "--ServerApp.notebook_dir", "--notebook-dir")  # the user chose one
 
 
 def checkout_root() -> Path:
@@ -53,6 +57,8 @@ def lab_command(extra=(), root: Path | None = None, as_root: bool | None = None)
     page = start_page(root)
     extra = list(extra)
     argv = [sys.executable, "-m", "jupyterlab", str(START), *extra]
+    if not any(a.startswith(ROOT_OPTIONS) for a in extra):  # the checkout, so exercises/ is in reach
+        argv.append(f"--ServerApp.root_dir={page.resolve().parent.parent}")
     as_root = running_as_root() if as_root is None else as_root
     note = None
     if as_root and "--allow-root" not in extra:

@@ -58,7 +58,9 @@ def notebook(cells: list[str]) -> dict:
 class JupyterLab:
     """A JupyterLab server on loopback, serving ``root``, with throwaway settings and state."""
 
-    def __init__(self, root: Path, state: Path):
+    def __init__(self, root: Path, state: Path, launcher: list[str] | None = None):
+        """``launcher``: what starts the server in place of ``python -m jupyterlab`` serving
+        ``root`` (e.g. ``ddpkit lab``, which picks its root itself; it runs in ``state``)."""
         settings = state / "settings"
         for plugin, values in LAB_SETTINGS.items():
             path = settings / f"{plugin}.jupyterlab-settings"
@@ -70,17 +72,18 @@ class JupyterLab:
                    JUPYTER_CONFIG_DIR=str(state / "config"), IPYTHONDIR=str(state / "ipython"),
                    JUPYTER_PLATFORM_DIRS="1")
         self.token = os.urandom(16).hex()
-        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser",
+        start = launcher or [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}"]
+        cmd = [*start, "--no-browser",
                "--ServerApp.open_browser=False", "--ServerApp.ip=127.0.0.1",
                "--ServerApp.port=0", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+               f"--IdentityProvider.token={self.token}",
                "--allow-root", f"--LabApp.user_settings_dir={settings}",
                f"--LabApp.workspaces_dir={state / 'workspaces'}",
                "--LabApp.expose_app_in_browser=True"]  # window.jupyterapp: run cells by command
         self.log_path = state / "server.log"
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=state if launcher else root, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.url = self._wait_ready(timeout=60)
 
     def _wait_ready(self, timeout: float) -> str:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
+import uuid
 
 import pytest
 
@@ -219,6 +221,30 @@ def _run_start_here(page):
     assert "Bucket fill · rank 0 · step 2" in svg_text(page, ".ddpkit-cluster .ddpkit-fill-view")
 
 
+# --- the lab a learner starts -------------------------------------------------------------------
+def test_ddpkit_lab_serves_the_checkout_so_the_exercises_open_from_its_file_browser(lab, tmp_path):
+    """``ddpkit lab`` (started elsewhere: it finds its checkout) serves the checkout, not only
+    notebooks/: the learner opens exercises/overlap.py from the file browser, as notebook 04 asks.
+    The module's browser (one playwright per thread), a server of its own."""
+    _, browser = lab
+    launcher = [sys.executable, "-m", "ddpkit", "lab"]
+    with JupyterLab(REPO, tmp_path, launcher=launcher) as server:
+        served = re.search(r"Serving notebooks from local directory: (.*)$", server.log_path.read_text(), re.M)
+        assert served and served.group(1).strip() == str(REPO), served
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.set_default_timeout(60_000)
+        page.goto(f"{server.url}lab/workspaces/{uuid.uuid4().hex}?reset&token={server.token}")
+        listing = page.locator(".jp-DirListing-content")
+        for name in ("exercises", "overlap.py"):  # double-click a folder, then a file, as a learner does
+            item = listing.locator(".jp-DirListing-item", has=page.locator(".jp-DirListing-itemText", has_text=name))
+            item.first.wait_for(state="visible", timeout=60_000)
+            item.first.dblclick()
+        editor = page.locator(".jp-FileEditor .cm-content")
+        wait_until(lambda: "def mark_ready" in editor.first.inner_text(), 60, "exercises/overlap.py in an editor")
+        assert "exercises/overlap.py" in page.evaluate("() => window.jupyterapp.shell.currentWidget.context.path")
+        page.close()
+
+
 # --- the live widget ----------------------------------------------------------------------------
 def test_the_plots_change_while_the_cell_is_still_running(live, tmp_path):
     page, widget = live
@@ -253,6 +279,8 @@ def test_the_slider_replays_a_chosen_step(live):
     wait_notebook_idle(page, 60, "a short recorded run")
     summary = widget.locator(".ddpkit-live-summary")
     wait_until(lambda: "showing step 5" in summary.inner_text(), 30, "the replay of the last step")
+    prompt = page.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt").inner_text().strip()  # "[7]:"
+    assert f"(cell {prompt.rstrip(':')})" in summary.inner_text(), (prompt, summary.inner_text())  # not one higher
     handle = widget.locator(".ddpkit-step-slider .noUi-handle")
     handle.focus()
     page.keyboard.press("Home")       # the first step ...

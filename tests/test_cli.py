@@ -98,6 +98,10 @@ def test_lab_starts_jupyterlab_on_the_first_notebook_and_adds_allow_root_as_root
     assert argv[-1] == "--allow-root" and "running as root" in note and "--allow-root" in note
     argv, note = lab_command([], as_root=False)
     assert "--allow-root" not in argv and note is None
+    # served from the checkout, not notebooks/: the file browser reaches exercises/ and solutions/
+    assert f"--ServerApp.root_dir={os.path.realpath(REPO)}" in argv
+    argv, _ = lab_command(["--notebook-dir=/elsewhere"], as_root=False)  # the user's own root stays
+    assert not any(a.startswith("--ServerApp.root_dir") for a in argv)
     argv, note = lab_command(["--allow-root"], as_root=True)  # given already: once, nothing to say
     assert argv.count("--allow-root") == 1 and note is None
     assert os.path.isfile(os.path.join(REPO, START))  # from this checkout

@@ -4,7 +4,8 @@ A learner runs the course in JupyterLab, whose browser shares the machine's core
 on a 2-vCPU machine that is about one core's worth while cells render. The sentences of the
 notebooks that time something must hold there too (each is computed from what its cell printed,
 or states a range that holds under such load), and their checks must pass. The plain nbval run
-of the suite (``testpaths``) checks them on a quiet machine; this one checks them under load.
+of the suite (``testpaths``) checks them on a quiet machine; this one checks them under load, each
+notebook ``RUNS`` times: one lucky run proves little about a check that noise can break.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TIMING_NOTEBOOKS = ["01_collectives", "03_bucketing", "04_overlap", "06_compare_all",
                     "07_beyond_one_machine", "08_lab_ddp_paper", "09_lab_fsdp_paper"]
+RUNS = 2
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -29,19 +31,20 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1200 * RUNS)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the busy process's CPU time from /proc")
 def test_the_timing_notebooks_pass_with_one_core_kept_busy():
     paths = [f"notebooks/{name}.ipynb" for name in TIMING_NOTEBOOKS]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # one core's worth, as a browser's
     start = time.monotonic()
     try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-                             cwd=REPO, capture_output=True, text=True, timeout=1100)
+        for i in range(RUNS):
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                                 cwd=REPO, capture_output=True, text=True, timeout=1100)
+            assert run.returncode == 0, f"run {i + 1} of {RUNS}:\n" + run.stdout[-6000:] + run.stderr[-2000:]
         busy_s, wall_s = _cpu_seconds(busy.pid), time.monotonic() - start
     finally:
         busy.kill()
         busy.wait()
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     # the load was there: the busy process had most of a core all along
     assert busy_s > 0.5 * wall_s, f"the busy process ran {busy_s:.0f} s of CPU in {wall_s:.0f} s"

@@ -428,6 +428,28 @@ def test_network_times_follow_the_ring_formulas_and_the_tiers():
     assert Network.from_dict(net.to_dict()) == net
 
 
+def test_a_link_matched_to_backward_carries_a_steps_buckets_in_backwards_time():
+    """04 and 08's network: the bandwidth solved so that k all-reduces of S bytes in all take the
+    measured backward, latency included; its arithmetic prints the numbers it was solved from."""
+    from ddpkit.network import match_backward
+
+    S, backward = 8 * 2**20, 0.025
+    for n, k in ((2, 8), (4, 3)):
+        m = match_backward(backward, S, n, buckets=k)
+        per_bucket = [S / k] * k
+        step = sum(m.network.emulated_time("all_reduce", b, range(n)) for b in per_bucket)
+        assert step == pytest.approx(backward)  # the whole point
+        assert m.latency_s == pytest.approx(k * 2 * (n - 1) * 100e-6)
+    m = match_backward(backward, S, 2, buckets=8)
+    text = m.arithmetic()
+    assert "25.00 ms" in text and "16 messages x 100 us = 1.60 ms" in text and f"{m.link.gbytes_per_s:.3g} GB/s" in text
+    assert Network.from_dict(m.network.to_dict()).describe() == m.network.describe() == m.link.describe()
+    with pytest.raises(ValueError, match="longer than backward"):
+        match_backward(0.001, S, 2, buckets=8)  # 16 x 100 us > 1 ms: no bandwidth matches
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        match_backward(backward, S, 1)
+
+
 def test_a_work_made_from_a_failed_future_raises_on_wait():
     # torch's _create_work_from_future returned True from wait() even when the future failed:
     # a collective that failed behind the emulator (or in a copy-out) went unnoticed

@@ -595,6 +595,31 @@ def test_ipython_displays_a_cluster_as_its_widget(cluster_of, monkeypatch):
     assert "ddpkit.widget" not in open(ddpkit.cluster.__file__).read()
 
 
+def test_a_run_is_labelled_with_the_number_of_the_cell_it_runs_in(monkeypatch):
+    """"cell [10]" beside prompt [9]: IPython 9.9+ moves ``execution_count`` on before the cell
+    runs, older ones after it; the running cell's own result has its number under both."""
+    import types
+
+    import IPython
+
+    from ddpkit.widget import panel
+
+    class Shell:  # what the widget reads of IPython's shell while cell [9] runs
+        def __init__(self, counter_moved_on: bool):
+            self.execution_count = 10 if counter_moved_on else 9
+            # IPython's ExecutionResult of the running cell: its execution_count is the cell's
+            self.displayhook = types.SimpleNamespace(exec_result=types.SimpleNamespace(execution_count=9))
+
+    for moved_on in (True, False):
+        monkeypatch.setattr(IPython, "get_ipython", lambda moved_on=moved_on: Shell(moved_on))
+        assert panel._cell_number() == 9
+        assert panel.run_label("job", panel._cell_number()) == "<code>job</code> (cell [9])"
+    idle = Shell(True)
+    idle.displayhook.exec_result = None  # no cell running (a button's callback): no number rather than a wrong one
+    monkeypatch.setattr(IPython, "get_ipython", lambda: idle)
+    assert panel._cell_number() is None
+
+
 # ----------------------------------------------------------------------------- the views alone
 def _step_records(buckets: int, layers: int = 32, rank: int = 0, step: int = 0, unit: bool = False):
     """One overlapped-DDP-like step: 2 gradients per layer, buckets launched in order."""
@@ -736,6 +761,95 @@ def test_a_later_recorded_run_that_did_not_train_keeps_the_run_that_did(widget):
     assert re.search(r"recorded run</b> of <code>_train</code>( \(cell \[\d+\]\))?: 3 steps", summary), summary
     assert "no training step" in summary
     assert "Bucket fill · rank 0 · step 2" in widget.live.fill.value
+
+
+def _fsdp_step(units: int = 20, rank: int = 0, step: int = 0):
+    """An FSDP-like step: an all-gather per unit in forward, backward with more all-gathers and
+    reduce-scatters in flight together, no gradient-ready records."""
+    from ddpkit.trace import Record
+
+    recs = [Record("span", "compute", "forward", rank, step, 0, 4_000_000),
+            Record("span", "compute", "backward", rank, step, 5_000_000, 20_000_000)]
+    for u in range(units):  # forward: one at a time, all before backward's shading
+        recs.append(Record("span", "comm", "all_gather", rank, step, 100_000 + 150_000 * u,
+                           200_000 + 150_000 * u, nbytes=1 << 16, unit=f"u{u}"))
+    for u in range(units):  # backward: each unit's all-gather overlaps the last one's reduce-scatter
+        t = 5_000_000 + 700_000 * u
+        recs.append(Record("span", "comm", "all_gather", rank, step, t, t + 500_000, nbytes=1 << 16, unit=f"u{u}"))
+        recs.append(Record("span", "comm", "reduce_scatter", rank, step, t + 300_000, t + 900_000, nbytes=1 << 16,
+                           unit=f"u{u}"))
+    return recs
+
+
+def test_the_fill_view_of_fsdp_counts_as_its_title_does_and_says_where_time_starts():
+    """05 and 09: "99 collectives" in the title, "93 collectives" on the first row (that row's own
+    count), and "ms since backward started" under forward's all-gathers, which come before it."""
+    from ddpkit.trace import bucket_fill
+    from ddpkit.viz import plot_bucket_fill
+    from ddpkit.widget.fill_view import fill_view
+
+    fig = bucket_fill(_fsdp_step(), 0, 0)
+    assert fig.packed and len(fig.comm) == 60 and fig.origin == "the step's first collective launched"
+    svg = fill_view(fig)
+    assert "60 collectives, no gradient-ready records" in svg
+    labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', svg)
+    assert labels[:2] == ["collectives", "2nd in flight"] and not any(re.match(r"\d+ collectives", lb) for lb in labels)
+    assert "launched while the rows above were still in flight" in svg  # the rows say what they are
+    assert "ms since the step&#x27;s first collective launched" in svg and "since backward started" not in svg
+    assert "since backward started" in fill_view(bucket_fill(_step_records(4), 0, 0))  # DDP: backward comes first
+    axes = plot_bucket_fill(_fsdp_step()).axes
+    assert axes[-1].get_xlabel() == "time since the step's first collective launched (ms)"
+
+
+def test_an_fsdp_run_opens_on_the_timeline_a_ddp_run_on_the_bucket_fill():
+    """09 opened on the bucket fill tab, which for FSDP says "no gradient-ready records"."""
+    from ddpkit.trace import Trace
+    from ddpkit.widget.live import LivePlots
+
+    plots = LivePlots()
+    try:
+        plots.show_trace(Trace(_fsdp_step() + _fsdp_step(rank=1), 2), "fsdp")
+        plots._replay_views()
+        assert plots.tabs.selected_index == 1  # the timeline
+        plots.show_trace(Trace(_step_records(4) + _step_records(4, rank=1), 2), "ddp")
+        plots._replay_views()
+        assert plots.tabs.selected_index == 0  # back to the bucket fill the widget had left
+        plots.tabs.selected_index = 2           # the learner picks memory: it stays
+        plots.show_trace(Trace(_fsdp_step() + _fsdp_step(rank=1), 2), "fsdp")
+        plots._replay_views()
+        assert plots.tabs.selected_index == 2
+    finally:
+        plots.close()
+
+
+def test_the_replay_never_draws_one_run_with_another_runs_index():
+    """04's rounds of recorded runs, back to back: the next run's trace arrived (and emptied the
+    index) while the painter drew the last one: KeyError 'steps', or a stale index kept for good."""
+    from ddpkit.trace import Trace
+    from ddpkit.widget.live import LivePlots
+
+    two = Trace([r for s in range(2) for r in _step_records(4, step=s)], 1)
+    three = Trace([r for s in range(3) for r in _step_records(4, step=s)], 1)
+    plots = LivePlots()
+    try:
+        plots.show_trace(two, "first")
+        plots._index(two)
+        stale = plots._replay
+        plots.show_trace(three, "second")
+        plots._replay = stale  # the painter of the first run stored its index after the second arrived
+        assert "3 steps on 1 rank" in plots._replay_views()[0]
+        plots._replay = {}     # ... or the second emptied it while the painter read it
+        assert "3 steps on 1 rank" in plots._replay_views()[0]
+    finally:
+        plots.close()
+
+
+def test_the_kits_own_jobs_are_named_as_the_learner_started_them():
+    """06 ended "No recorded run to draw: the last run, set_network": the job behind cluster.network = ..."""
+    from ddpkit.widget.panel import run_label
+
+    assert run_label("set_network", 12) == "setting <code>cluster.network</code> (cell [12])"
+    assert run_label("naive_job", None) == "<code>naive_job</code>"
 
 
 def test_the_timeline_view_gives_each_bucket_a_row_and_packs_many():

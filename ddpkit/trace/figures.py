@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from ddpkit.trace.measures import backward_phases, overlap_fraction, overlap_intervals
 from ddpkit.trace.records import Record, as_trace
-from ddpkit.units import plural
 
 
 def bucket_fill_order(trace, rank: int = 0, step: int = -1) -> list[tuple[str, int | None, int]]:
@@ -104,6 +103,22 @@ class BucketFill:
         return max([t for _, _, t in self.ready] + [r.end_ns or r.start_ns for r in self.comm]
                    + [b for _, b in self.computing + self.waiting], default=None)
 
+    @property
+    def origin(self) -> str:
+        """What the time axis counts from, in words: "backward started", or, where a collective
+        came first (FSDP's all-gathers in forward), "the step's first collective launched"."""
+        t0 = self.t0
+        if self.computing and self.computing[0][0] == t0:
+            return "backward started"
+        if self.comm and self.comm[0].start_ns == t0:
+            return "the step's first collective launched"
+        return "the first gradient was ready"
+
+    @property
+    def packed(self) -> bool:
+        """Are the collectives in packed rows (``PACKED_NOTE``), not a row per bucket's or unit's?"""
+        return any(label == packed_label(0) for label, _ in self.comm_rows)
+
 
 def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS) -> BucketFill:
     """The bucket fill figure of one rank's step: when each gradient became ready (by layer,
@@ -136,8 +151,8 @@ def comm_rows(comm, by_op: bool = False) -> list[tuple[str, list]]:
         keys = sorted(keys) if fits else keys
     if fits:
         return [(_row_label(k, by_op), [r for r in comm if key(r) == k]) for k in keys]
-    if by_op:
-        return [(plural(len(row), "collective") if i == 0 else "", row) for i, row in enumerate(pack_rows(comm))]
+    if by_op:  # the title counts them all; a row's label says what the row is, not its own count
+        return [(packed_label(i), row) for i, row in enumerate(pack_rows(comm))]
     rows = pack_rows(comm, TIMELINE_PACKED_ROWS)
     return [(packed_label(i, last=i == TIMELINE_PACKED_ROWS - 1), row) for i, row in enumerate(rows)]
 

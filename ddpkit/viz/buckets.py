@@ -4,6 +4,7 @@ with matplotlib."""
 from __future__ import annotations
 
 from ddpkit.trace import as_trace, bucket_fill
+from ddpkit.trace.figures import PACKED_NOTE
 from ddpkit.units import plural
 from ddpkit.viz._common import new_figure, no_data
 from ddpkit.viz.style import WAIT_COLOUR, bucket_colour, comm_colour
@@ -12,7 +13,8 @@ from ddpkit.viz.style import WAIT_COLOUR, bucket_colour, comm_colour
 def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
     """Top: one row per layer (in the order its gradients became ready), a dot per gradient,
     colour = bucket. Bottom: each bucket's collective, launch to completion. Shaded: backward
-    computing, then (grey) waiting for communication. Time in ms from the start of backward."""
+    computing, then (grey) waiting for communication. Time in ms from the start of backward, or
+    from the first collective where one came earlier (FSDP's all-gathers in forward)."""
     trace = as_trace(trace)
     if not trace.steps:
         fig = new_figure(2.0)
@@ -61,9 +63,11 @@ def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
         bottom.set_yticks(range(len(lanes)), [label for label, _ in lanes], fontsize=9)
         bottom.set_ylim(len(lanes) - 0.5, -0.5)
         bottom.set_ylabel("collectives")
+        if fill.packed:  # rows "collectives", "2nd in flight", ...: say what they are
+            bottom.set_title(PACKED_NOTE, fontsize=8, loc="left")
     else:
         no_data(bottom, "no collectives recorded in this step")
-    bottom.set_xlabel("time since backward started (ms)")
+    bottom.set_xlabel(f"time since {fill.origin} (ms)")
     bottom.grid(axis="x", alpha=0.3)
     if 0 < len(buckets) <= 12:
         from matplotlib.lines import Line2D

@@ -4,12 +4,14 @@ collective, from launch to completion (SVG; see ``svg.py``).
 It draws ``ddpkit.trace.bucket_fill``'s figure, as ``ddpkit.viz.plot_bucket_fill`` does: one row
 per layer, in the order its gradients became ready (backward runs from the last layer to the
 first, so the head is on top), a dot per gradient coloured by bucket; below, a row per bucket's
-(or FSDP unit's) collective. Behind both: backward computing, then waiting for communication
-after its last gradient was ready.
+(or FSDP unit's) collective, or, past a screenful, rows packed by how many were in flight at once.
+Behind both: backward computing, then waiting for communication after its last gradient was ready.
+Time counts from backward's start, or from the first collective where one came earlier (FSDP's
+all-gathers in forward); the axis says which.
 """
 from __future__ import annotations
 
-from ddpkit.trace.figures import BucketFill
+from ddpkit.trace.figures import PACKED_NOTE, BucketFill
 from ddpkit.units import plural
 from ddpkit.viz.style import WAIT_COLOUR, bucket_colour
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
@@ -55,6 +57,8 @@ def fill_view(fig: BucketFill) -> str:
                  size=11, fill="#555")
 
     svg.text(4, comm_top - 6, "collectives (launch -> completion)", size=11, weight="bold")
+    if fig.packed:  # rows "collectives", "2nd in flight", ...: say what they are
+        svg.text(LEFT + 90, comm_top - 6, f"rows: {PACKED_NOTE}", size=11, fill="#555")
     for i, (label, rs) in enumerate(lanes):
         y = comm_top + i * ROW
         svg.text(LEFT - 6, y + ROW / 2 + 4, label, size=11, anchor="end")
@@ -62,5 +66,5 @@ def fill_view(fig: BucketFill) -> str:
                         when=lambda r: f"launched at {(r.start_ns - t0) / 1e6:.2f} ms, took {r.dur_ns / 1e6:.2f} ms")
     if not lanes:
         svg.text(LEFT, comm_top + 10, "no collectives in this step", size=11, fill="#555")
-    x_axis(svg, x, height - 40, "ms since backward started", fmt=lambda v: f"{v:g}")
+    x_axis(svg, x, height - 40, f"ms since {fig.origin}", fmt=lambda v: f"{v:g}")
     return svg.html()

@@ -83,6 +83,8 @@ class LivePlots(widgets.VBox):
         self.last_trained = None          # (trace, label): the last run shown that trained
         self.later_without_steps = None   # (records, label) of a later recorded run with no step to draw
         self._replay: dict = {}
+        self._tab_chosen = False          # the tab for the run shown is chosen (``_open_tab``)
+        self._auto_tab: int | None = None  # the tab the widget opened itself, last time it did
         self.painter = Throttle(self._paint, FRAME_S, inline=False, name="ddpkit-widget-plots")
         self.step.observe(lambda _: self.painter.request(), names="value")
         self.rank.observe(lambda _: self.painter.request(), names="value")
@@ -91,6 +93,7 @@ class LivePlots(widgets.VBox):
     def start(self, world_size: int, label: str = "") -> None:
         """A recorded run begins (``label``: HTML naming it): draw as records arrive."""
         self.state, self.mode, self.trace, self._replay = LiveState(world_size), "live", None, {}
+        self._tab_chosen = False
         self._starting = label
         self._set_ranks(world_size)
         self.controls.children = [self.rank]
@@ -104,13 +107,14 @@ class LivePlots(widgets.VBox):
         drawn, one line says why the widget has no plots; a drawn run stays as it is."""
         if self.mode != "empty":
             return
-        inside = (" compare() and the sweeps record their runs inside the ranks and return the figures they "
-                  "print, not a trace for this widget." if series else "")
+        inside = (" It was part of <code>compare()</code> or a sweep: those record the runs they measure inside "
+                  "the ranks, for the figures they print, and keep those records there, so there is no trace "
+                  "here to draw." if series else "")
         self.summary.value = (
-            f"<b>No recorded run to draw</b>: the last run, {label}, ran with recording off, as every run "
-            "of this cluster so far. A run inside <code>with cluster.recording():</code> (or with "
-            "<b>record</b> switched on above) is drawn here: its bucket fill, every rank's timeline, memory "
-            f"and the loss.{inside}")
+            f"<b>No recorded run to draw</b>: the last run, {label}, ran with the cluster's recording off, as "
+            f"every run of this cluster so far.{inside} A run inside <code>with cluster.recording():</code> (or "
+            "with <b>record</b> switched on above) is drawn here: its bucket fill, every rank's timeline, memory "
+            "and the loss.")
         self.plots.layout.display = "none"
         self.controls.children = []
         self.layout.display = "flex"
@@ -140,18 +144,21 @@ class LivePlots(widgets.VBox):
             self.last_trained = (trace, label)
         self.later_without_steps = None
         self.trace, self.label, self.mode, self._replay = trace, label, "replay", {}
+        self._tab_chosen = False
         self._set_ranks(max(trace.world_size, len(trace.ranks)))
         self.painter.request()
 
-    def _index(self, trace) -> None:
-        """What the replay draws from: records by step, the loss, each rank's memory and its peak."""
+    def _index(self, trace) -> dict:
+        """What the replay draws from: records by step, the loss, each rank's memory and its peak;
+        it names the trace it was made from (a newer run may arrive while it is made)."""
         by_step = defaultdict(list)
         for r in trace.records:
             by_step[r.step].append(r)
         memory = {rank: memory_series(trace.records, rank) for rank in trace.ranks}
         steps = trace.steps
-        self._replay = dict(by_step=by_step, steps=steps, losses=loss_per_step(trace.records), memory=memory,
-                            peak=peak_of(memory), t0=min((r.start_ns for r in trace.records), default=0))
+        replay = dict(trace=trace, by_step=by_step, steps=steps, losses=loss_per_step(trace.records), memory=memory,
+                      peak=peak_of(memory), t0=min((r.start_ns for r in trace.records), default=0))
+        self._replay = replay
         if steps:
             with self.step.hold_trait_notifications():
                 self.step.min, self.step.max = steps[0], steps[-1]
@@ -159,12 +166,27 @@ class LivePlots(widgets.VBox):
             self.controls.children = [self.step, self.rank]
         else:
             self.controls.children = []
+        return replay
 
     def _set_ranks(self, n: int) -> None:
         options = list(range(max(n, 1)))
         if list(self.rank.options) != options:
             self.rank.options = options
             self.rank.value = 0
+
+    def _open_tab(self, records) -> None:
+        """Open the tab that has something to show for this run, once: the bucket fill where
+        gradients report when they were ready (the DDP wrappers), else the timeline (FSDP reports
+        its units' collectives only, and its bucket fill would be one line saying so). A tab the
+        learner picked (one the widget did not open itself) stays."""
+        if self._tab_chosen:
+            return
+        self._tab_chosen = True
+        wanted = 0 if any(r.kind == "instant" and r.cat == "grad_ready" for r in records) else 1
+        current = self.tabs.selected_index
+        if current != wanted and current in (0, self._auto_tab):
+            self.tabs.selected_index = wanted
+            self._auto_tab = wanted
 
     # ------------------------------------------------------------------ drawing (painter thread)
     def _paint(self) -> None:
@@ -185,6 +207,8 @@ class LivePlots(widgets.VBox):
         # Draw finished steps: a rank's newest step may still be half streamed (its records
         # leave once its collectives completed), and a half-drawn step would flicker.
         finished = [s for s in steps if all(s < newest for newest in latest.values())] or steps
+        if any(all(s < newest for newest in latest.values()) for s in steps):  # a whole step to judge by
+            self._open_tab([r for r in snap["records"] if r.step in finished])
         mine = [s for s in steps if s < latest.get(rank, -1)] or [s for s in steps if latest.get(rank) == s]
         fill = fill_view(bucket_fill(window, rank, mine[-1])) if mine else message("No steps recorded yet.")
         shown = finished[-ROLLING_STEPS:]
@@ -203,24 +227,27 @@ class LivePlots(widgets.VBox):
         return summary, fill, timeline_svg, memory, loss_view(losses, empty=LOSS_PENDING)
 
     def _replay_views(self):
-        trace = self.trace
-        if not self._replay:
-            self._index(trace)  # setting the slider here requests one more paint: harmless
-        rp = self._replay
+        # Read once: the thread that waits in cluster.run may hand over the next run's trace (and
+        # empty the index) while this one draws; an index is only used with the trace it came from.
+        trace, rp = self.trace, self._replay
+        if trace is None:
+            return None
+        if rp.get("trace") is not trace:
+            rp = self._index(trace)  # setting the slider here requests one more paint: harmless
         steps = rp["steps"]
         if not steps:
             text = message("This run recorded no training steps (records made before the first step only).")
-            return self._replay_summary(None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
+            return self._replay_summary(trace, rp, None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
                 loss_view(rp["losses"])
         step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
+        self._open_tab(trace.records)
         records = Trace(rp["by_step"][step], trace.world_size)  # the figures read this step only
-        return (self._replay_summary(step), fill_view(bucket_fill(records, self.rank.value, step)),
+        return (self._replay_summary(trace, rp, step), fill_view(bucket_fill(records, self.rank.value, step)),
                 timeline_view(timeline(records, [step], records.ranks or trace.ranks)),
                 memory_view(rp["memory"], rp["t0"], rp["peak"], marker_step=step),
                 loss_view(rp["losses"], marker_step=step))
 
-    def _replay_summary(self, step) -> str:
-        trace, rp = self.trace, self._replay
+    def _replay_summary(self, trace, rp: dict, step) -> str:
         span = (max((r.end_ns or r.start_ns) for r in trace.records) - rp["t0"]) / 1e9 if trace.records else 0
         where = f"showing step {step}; slide to replay another" if step is not None else "no steps to replay"
         later = ""

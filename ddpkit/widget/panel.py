@@ -37,18 +37,30 @@ log = logging.getLogger("ddpkit.widget")
 
 
 def _cell_number() -> int | None:
-    """The number of the notebook cell running now (its "[8]"), or None outside a kernel."""
+    """The number of the notebook cell running now (its "[8]"), or None outside a running cell.
+
+    Read from the running cell's own result, not ``shell.execution_count``: IPython up to 9.8
+    moves that counter on after the cell, 9.9 and later before it runs (ipython#15088), so the
+    counter is one too high in a new kernel; the result holds the cell's number in both."""
     try:
         from IPython import get_ipython
     except ImportError:
         return None
     shell = get_ipython()
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)  # set while a cell runs
+    return getattr(result, "execution_count", None)
+
+
+# Jobs the kit runs on the ranks itself, in the words of what the learner did to start them.
+KIT_JOBS = {"set_network": "setting <code>cluster.network</code>"}
 
 
 def run_label(name: str | None, cell: int | None) -> str:
-    """HTML naming a run: "<code>naive_job</code> (cell [8])", "a lambda (cell [3])", "a job"."""
-    if not name or name == "<lambda>":
+    """HTML naming a run: "<code>naive_job</code> (cell [8])", "a lambda (cell [3])", "a job",
+    "setting <code>cluster.network</code> (cell [12])" (a job of the kit's own, ``KIT_JOBS``)."""
+    if name in KIT_JOBS:
+        what = KIT_JOBS[name]
+    elif not name or name == "<lambda>":
         what = "a lambda" if name else "a job"
     else:
         what = f"<code>{html.escape(name)}</code>"
