@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
 import pytest
 
 import ddpkit
-from ddpkit.predictions import QUESTIONS, ask, faster_by, question, read
+from ddpkit.predictions import QUESTIONS, ask, faster_by, faster_spread, question, read
 from ddpkit.predictions import ledger as ledger_mod
 from ddpkit.predictions import unattended
 from ddpkit.predictions.explain import explain
@@ -456,7 +457,7 @@ def accumulate(every, iterations=8):
     return 1e3 * sum(times[1:]) / iterations
 
 
-def validated(cluster, runs, bucket_cap_mb, rounds=2):
+def validated(cluster, runs, bucket_cap_mb, rounds=3):
     from ddpkit.costmodel.validate import validate
 
     records, _, profile = validate(cluster, runs, steps=3, rounds=rounds, bucket_cap_mb=bucket_cap_mb)
@@ -468,45 +469,47 @@ def validated(cluster, runs, bucket_cap_mb, rounds=2):
 @pytest.mark.timeout(900)
 def test_step_times_land_within_the_cost_models_tolerance(cluster_of):
     """03, 04, 08 on the "paper" network, 07 on 10 GbE at 4 ranks: the cost model's predictions
-    (``validate``: calibrated, profiled on the ranks) against the same rounds' measurements."""
+    (``validate``: calibrated, profiled on the ranks) against the same rounds' measurements, each
+    known to within its rounds' spread on this shared machine (``Question.lands``)."""
     c2 = cluster_of(2)
     c2.network = "paper"
     try:
-        at1, profile = validated(c2, {"bucketed": ("bucketed", {}), "overlapped": ("overlapped", {})}, 1.0)
+        at1, _ = validated(c2, {"bucketed": ("bucketed", {}), "overlapped": ("overlapped", {})}, 1.0)
         at0, _ = validated(c2, {"bucketed": ("bucketed", {})}, 0)
-    finally:
-        c2.network = None
-    q3 = question("03.cap1_vs_cap0")
-    ref = q3.reference_answer(q3.setting, predicted={q3.options[0]: at1["bucketed"]["predicted_ms"],
-                                                     q3.options[1]: at0["bucketed"]["predicted_ms"]})
-    measured = faster_by(at1["bucketed"]["measured_ms"], at0["bucketed"]["measured_ms"])
-    assert ref > 0 and q3.lands(ref, measured), (ref, measured)
-
-    q4 = question("04.overlapped_vs_bucketed")
-    ref = q4.reference_answer(q4.setting, predicted={s: at1[s]["predicted_ms"] for s in q4.options})
-    measured = faster_by(*(at1[s]["measured_ms"] for s in q4.options))
-    assert q4.lands(ref, measured), (ref, measured)
-
-    q8 = question("08.every8_vs_every1")
-    fb = (profile.forward_s + profile.backward_s) * 1e3
-    ref = q8.reference_answer(q8.setting, step_ms=at1["overlapped"]["predicted_ms"], forward_backward_ms=fb)
-    c2.network = "paper"
-    try:
         per_iteration = {every: [max(c2.run(accumulate, every)) for _ in range(3)] for every in (1, 8)}
     finally:
         c2.network = None
-    m = q8.read(q8.setting, per_iteration)
-    assert ref > 0 and q8.lands(ref, m.value), (ref, m.value)
+    seen = {}
+
+    def check(key, first, second, *measured_by, **predicted):
+        q = question(key)
+        ref = q.reference_answer(q.setting, *measured_by, **predicted)
+        spread = faster_spread(first, second)
+        seen[key] = (ref, faster_by(statistics.median(first), statistics.median(second)), spread)
+        return q.lands(ref, seen[key][1], spread)
+
+    # 03 and 08: the alpha-beta formulas on the emulated link, from the measured time of the faster option
+    sweep = {("bucketed", 1): at1["bucketed"]["measured_ms_rounds"],
+             ("bucketed", 0): at0["bucketed"]["measured_ms_rounds"]}
+    assert check("03.cap1_vs_cap0", sweep["bucketed", 1], sweep["bucketed", 0], sweep), seen
+    assert seen["03.cap1_vs_cap0"][0] > 0, "the formulas: 66 messages cost more than 8"
+    assert check("04.overlapped_vs_bucketed", at1["overlapped"]["measured_ms_rounds"],
+                 at1["bucketed"]["measured_ms_rounds"],
+                 predicted={s: at1[s]["predicted_ms"] for s in ("overlapped", "bucketed")}), seen
+    assert check("08.every8_vs_every1", per_iteration[8], per_iteration[1], per_iteration), seen
+    assert seen["08.every8_vs_every1"][0] > 0, "the formulas: skipping 7 in 8 synchronisations is faster"
 
     c4 = cluster_of(4)
     c4.network = "10GbE"
     try:
-        at4, _ = validated(c4, ["overlapped", "fsdp"], 1.0, rounds=1)
+        at4, _ = validated(c4, ["overlapped", "fsdp"], 1.0, rounds=2)
     finally:
         c4.network = None
     q7 = question("07.overlapped_vs_fsdp")
     checked = list(at4.values())
     m = q7.read(q7.settings(), checked)
     ref = q7.reference_answer(q7.settings(), checked)
-    assert ref > 0 and q7.lands(ref, m.value), (ref, m.value)
+    spread = faster_spread(at4["overlapped"]["measured_ms_rounds"], at4["fsdp"]["measured_ms_rounds"])
+    assert ref > 0 and q7.lands(ref, m.value, spread), (ref, m.value, spread)
     assert math.isclose(sum(t.value for t in m.terms), m.times["fsdp"] - m.times["overlapped"], abs_tol=1e-6)
+    print(seen, (ref, m.value, spread))

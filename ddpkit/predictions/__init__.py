@@ -25,9 +25,10 @@ Pictures: ``ddpkit.viz.plot_reveal``, ``plot_ledger``, ``plot_class``; the comma
 from ddpkit.predictions.asking import Ask, ask
 from ddpkit.predictions.course import QUESTIONS, question
 from ddpkit.predictions.ledger import Entry, class_rows, class_table, learner_table, read, read_class
-from ddpkit.predictions.question import TIME_TOLERANCE, Question, faster_by
+from ddpkit.predictions.question import TIME_TOLERANCE, Question, faster_by, faster_spread
 from ddpkit.predictions.reading import Measured, Term
 from ddpkit.predictions.reveal import Reveal
 
 __all__ = ["ask", "Ask", "Reveal", "Question", "QUESTIONS", "question", "Measured", "Term", "faster_by",
-           "TIME_TOLERANCE", "Entry", "read", "read_class", "learner_table", "class_rows", "class_table"]
+           "faster_spread", "TIME_TOLERANCE", "Entry", "read", "read_class", "learner_table", "class_rows",
+           "class_table"]

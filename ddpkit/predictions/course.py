@@ -81,13 +81,29 @@ def _ref_fsdp_bytes(setting, *_, **__):
 CAP1, CAP0 = "cap 1 MiB (8 buckets)", "cap 0 (66 buckets)"
 
 
-def _read_03(setting, sweep, strategy: str = "bucketed"):
-    """Notebook 03's sweep: ``{(strategy, cap): [ms per round]}``."""
+def _extra_latency_ms(setting) -> tuple[int, float]:
+    """(how many more messages cap 0 sends than cap 1 MiB, the link's latency for them: each a ring
+    all-reduce's 2(N-1) alpha), for the course's MLP on the setting's link."""
     n, link = setting["world_size"], formulas.LINKS[setting["network"]]
-    times = {CAP1: statistics.median(sweep[(strategy, 1)]), CAP0: statistics.median(sweep[(strategy, 0)])}
     module = formulas.meta_model()
     extra = len(formulas.bucket_elements(module, 0)) - len(formulas.bucket_elements(module, 1.0))
-    latency = 1e3 * extra * 2 * (n - 1) * link.alpha
+    return extra, 1e3 * extra * 2 * (n - 1) * link.alpha
+
+
+def _ref_03(setting, sweep=None, *_, strategy: str = "bucketed", **__):
+    """The alpha-beta formula: cap 0 takes the cap-1 step (as measured in ``sweep``) plus the link's
+    latency for its extra messages; the bytes are the same."""
+    if sweep is None:
+        return None
+    base = statistics.median(sweep[(strategy, 1)])
+    return faster_by(base, base + _extra_latency_ms(setting)[1])
+
+
+def _read_03(setting, sweep, strategy: str = "bucketed"):
+    """Notebook 03's sweep: ``{(strategy, cap): [ms per round]}``."""
+    n = setting["world_size"]
+    times = {CAP1: statistics.median(sweep[(strategy, 1)]), CAP0: statistics.median(sweep[(strategy, 0)])}
+    extra, latency = _extra_latency_ms(setting)
     terms = [Term(f"the link's latency for {extra} more messages, {extra} x 2(N-1) alpha", latency),
              Term("the bytes on the link: the same 8.04 MiB either way", 0.0)]
     times_terms = remainder(times[CAP0] - times[CAP1], terms,
@@ -201,32 +217,38 @@ def _read_07(setting, checked):
 def _ref_07(setting, checked=None, *_, predicted=None, **__):
     if checked is not None:
         predicted = {r["strategy"]: r["predicted_ms"] for r in checked if "error" not in r}
-    return _predicted(setting, predicted)
+    return _predicted(setting, predicted=predicted)
 
 
 # --------------------------------------------------------------------------- 08 no_sync
 EVERY8, EVERY1 = "sync every 8", "sync every 1"
 
 
+def _skipped_link_ms(setting) -> float:
+    """The link's time for one step's all-reduces (1 MiB buckets of the course's MLP), 7 in 8 of
+    which an iteration synchronising every 8th skips."""
+    n, link = setting["world_size"], formulas.LINKS[setting["network"]]
+    buckets = formulas.bucket_elements(formulas.meta_model(), 1.0)
+    return sum(1e3 * formulas.collective_time("all_reduce", 4 * t, n, link) for t in buckets)
+
+
 def _read_08(setting, per_iteration):
     """Notebook 08's ``{every: [ms per iteration, per round]}``."""
-    n, link = setting["world_size"], formulas.LINKS[setting["network"]]
     times = {EVERY8: statistics.median(per_iteration[8]), EVERY1: statistics.median(per_iteration[1])}
-    module = formulas.meta_model()
-    buckets = formulas.bucket_elements(module, 1.0)
-    sync_ms = sum(1e3 * formulas.collective_time("all_reduce", 4 * t, n, link) for t in buckets)
-    terms = [Term(f"7 in 8 steps' all-reduces skipped: 7/8 x {sync_ms:.1f} ms of link time", 7 / 8 * sync_ms)]
-    return _faster(EVERY8, EVERY1, times, terms, n, setting["network"],
-                   "ms per iteration: the median over the rounds (the slowest rank's)")
+    sync_ms = _skipped_link_ms(setting)
+    terms = [Term(f"7 in 8 iterations' all-reduces skipped: 7/8 x {sync_ms:.1f} ms of link time", 7 / 8 * sync_ms)]
+    return _faster(EVERY8, EVERY1, times, terms, setting["world_size"], setting["network"],
+                   "ms per iteration: the median over the rounds (the slowest rank's)",
+                   rest="the rest: 7 in 8 optimizer steps skipped, less the link time backward hid")
 
 
-def _ref_08(setting, *_, step_ms=None, forward_backward_ms=None, **__):
-    """The cost model's step (``simulate``: forward, backward, synchronised, optimizer) and its
-    forward + backward alone: an iteration that synchronises every n costs fb + (step - fb) / n."""
-    if step_ms is None or forward_backward_ms is None:
+def _ref_08(setting, per_iteration=None, *_, **__):
+    """The alpha-beta formula: an iteration synchronising every 8th (as measured) plus 7/8 of one
+    step's link time is what synchronising every iteration costs."""
+    if per_iteration is None:
         return None
-    every = {k: forward_backward_ms + (step_ms - forward_backward_ms) / k for k in (1, 8)}
-    return faster_by(every[8], every[1])
+    base = statistics.median(per_iteration[8])
+    return faster_by(base, base + 7 / 8 * _skipped_link_ms(setting))
 
 
 # --------------------------------------------------------------------------- 09 hybrid sharding
@@ -305,7 +327,7 @@ QUESTIONS: dict[str, Question] = {q.key: q for q in [
        "on {world_size} ranks?", "MiB", "bytes", _read_trace_bytes, _ref_ddp_bytes, world_size=2),
     _q("03.cap1_vs_cap0",
        "On the \"{network}\" network, BucketedDDP with a 1 MiB cap (8 all-reduces a step) or a cap of 0 (66): "
-       "which step is faster, and by how much?", "%", "time", _read_03, _predicted, "faster", (CAP1, CAP0),
+       "which step is faster, and by how much?", "%", "time", _read_03, _ref_03, "faster", (CAP1, CAP0),
        hint="The same bytes either way; count the messages.", world_size=2, network="paper"),
     _q("04.torch_buckets",
        "After its first step torch's DDP rebuilds its buckets (default cap 25 MiB, the first bucket 1 MiB): "

@@ -25,6 +25,8 @@ QUANTITIES = ("bytes", "memory", "count", "time")
 # percent over several rounds, now and then twenty, one loaded round further). A `faster` reference
 # lands when the ratio of the two times it predicts is within that of the measured ratio for each
 # time: a factor (1 + TIME_TOLERANCE) ** 2 either way (so where the two are close, either winner).
+# On a machine other programs share, one timing round can move by more than that; ``lands`` then
+# counts the tolerance from the ends of the measurement's own rounds (``spread``).
 TIME_TOLERANCE = 0.25
 
 
@@ -118,14 +120,19 @@ class Question:
         digits = 0 if self.unit == "B" else 2
         return f"{value:,.{digits}f} {self.unit}"
 
-    def lands(self, reference: float, measured: float) -> bool:
+    def lands(self, reference: float, measured: float, spread: tuple[float, float] | None = None) -> bool:
         """Whether a reference answer lands where the measurement is: exactly for bytes, memory
-        and counts (to the byte), within ``TIME_TOLERANCE`` for times (see the module docstring)."""
+        and counts (to the byte); for a time, within ``TIME_TOLERANCE`` of each time (a "which is
+        faster": the ratio of the two, within that for each). ``spread``: the lowest and highest
+        value the measurement's own rounds give (``faster_spread``): on a shared machine a time is
+        known only that well, and the tolerance is counted from its ends."""
         if self.quantity != "time":
             return round(reference * self.scale) == round(measured * self.scale)
+        low, high = spread if spread is not None else (measured, measured)
         if self.kind == "faster":
-            return abs(math.log(time_ratio(reference) / time_ratio(measured))) <= 2 * math.log1p(TIME_TOLERANCE)
-        return abs(reference - measured) <= TIME_TOLERANCE * abs(measured)
+            k = (1 + TIME_TOLERANCE) ** 2
+            return time_ratio(low) / k <= time_ratio(reference) <= time_ratio(high) * k
+        return low * (1 - TIME_TOLERANCE) <= reference <= high * (1 + TIME_TOLERANCE)
 
 
 def faster_by(time_first: float, time_second: float) -> float:
@@ -136,6 +143,12 @@ def faster_by(time_first: float, time_second: float) -> float:
     if time_first <= time_second:
         return 100 * (time_second / time_first - 1)
     return -100 * (time_first / time_second - 1)
+
+
+def faster_spread(first_rounds, second_rounds) -> tuple[float, float]:
+    """The lowest and highest signed answer two options' rounds of timings give (ms each): the
+    first's slowest round against the second's fastest, and the other way round."""
+    return (faster_by(max(first_rounds), min(second_rounds)), faster_by(min(first_rounds), max(second_rounds)))
 
 
 def time_ratio(signed: float) -> float:
