@@ -134,10 +134,10 @@ def test_the_faster_sentence_splits_the_difference_into_the_steps_parts():
     assert m.value == pytest.approx(100 / 90 * 100 - 100)
     assert sum(t.value for t in m.terms) == pytest.approx(10.0)      # the parts add up to the difference
     s = explain(q, -10, m)
-    assert s.startswith("overlapped was faster by 11% (90.0 ms per step for overlapped, 100.0 for bucketed)")
+    assert s.startswith("Measured: overlapped was faster by 11% (90.0 ms for overlapped, 100.0 ms for bucketed)")
     assert "you said bucketed faster by 10%: the other way round" in s
     assert "exposed communication +15.0 ms" in s and "compute -5.0 ms" in s
-    assert "exposed communication decided it" in s
+    assert "the largest part: exposed communication." in s
     assert "the right one, and close" in explain(q, 15, m)
 
 

@@ -65,7 +65,7 @@ def _explain_number(q: Question, p: float | None, m: Measured) -> str:
     d = p - m.value
     reading = _closest(p, [r for r in m.readings if abs(r.value - m.value) > CLOSE * abs(m.value)])
     if reading is not None:
-        return f"Your {_fmt(q, p)} is {reading.label} ({_fmt(q, reading.value)}); the run measured {whole}."
+        return f"Your {_fmt(q, p)} matches {reading.label}, {_fmt(q, reading.value)}; the run measured {whole}."
     subset = _subset_like(abs(d), m.terms)
     if subset:
         names = " and ".join(t.label for t in subset)
@@ -85,8 +85,7 @@ def _explain_faster(q: Question, p: float | None, m: Measured) -> str:
     first, second = q.options
     t1, t2 = m.times[first], m.times[second]
     winner = first if m.value > 0 else second
-    result = (f"{winner} was faster by {abs(m.value):.0f}% ({t1:.1f} ms per step for {first}, "
-              f"{t2:.1f} for {second})")
+    result = f"Measured: {winner} was faster by {abs(m.value):.0f}% ({t1:.1f} ms for {first}, {t2:.1f} ms for {second})"
     if p is None:
         said = "no prediction was made"
     elif direction_right(p, m.value):
@@ -95,9 +94,9 @@ def _explain_faster(q: Question, p: float | None, m: Measured) -> str:
         said = f"you said {q.format(p)}: the other way round"
     diff = t2 - t1
     parts = ", ".join(f"{t.label} {t.value:+.1f} ms" for t in m.terms)
-    decided = max(m.terms, key=lambda t: abs(t.value))
+    decided = max(m.terms, key=lambda t: abs(t.value)).label.split(", ")[0].split(" (")[0].split(":")[0]
     return (f"{result}; {said}. Of the {abs(diff):.1f} ms between them ({second} minus {first}: {diff:+.1f} ms), "
-            f"{parts}: {decided.label} decided it.")
+            f"{parts}; the largest part: {decided}.")
 
 
 def _closest(p: float, readings: list[Term]) -> Term | None:

@@ -51,15 +51,20 @@ class Reveal:
                f"  your prediction: {said}",
                f"  measured:        {fmt(self.measured.value)}{note}"]
         if self.miss is not None:
-            unit = "points" if q.kind == "faster" else q.unit
-            number = q.kind == "number" and self.measured.value
-            rel = f" ({self.miss / abs(self.measured.value):+.0%})" if number else ""
-            out.append(f"  miss:            {self.miss:+,.2f} {unit}{rel}")
+            out.append(f"  miss:            {self._miss_words()}")
         if self.reference is not None:
             out.append(f"  the formulas' answer: {fmt(self.reference)}"
                        + ("" if q.quantity != "time" else " (the cost model's)"))
         out.append(f"  {self.sentence}")
         return out
+
+    def _miss_words(self) -> str:
+        """"-4.02 MiB (-50%)", or for "which is faster" "-599 points" (of the signed %)."""
+        q, m = self.question, self.miss
+        if q.kind == "faster":
+            return f"{m:+.0f} points"
+        rel = f" ({m / abs(self.measured.value):+.0%})" if self.measured.value else ""
+        return f"{m:+,.{0 if q.unit in ('B', 'collectives') else 2}f} {q.unit}{rel}"
 
     def text(self) -> str:
         return "\n".join(self.lines())
@@ -81,7 +86,7 @@ class Reveal:
                 "late": "none (the measurement ran first)"}[self.state]
         rows = [("your prediction", said), ("measured", fmt(self.measured.value))]
         if self.miss is not None:
-            rows.append(("miss", f"{self.miss:+,.2f} {'points' if q.kind == 'faster' else q.unit}"))
+            rows.append(("miss", self._miss_words()))
         if self.reference is not None:
             rows.append(("the formulas' answer" if q.quantity != "time" else "the cost model's answer",
                          fmt(self.reference)))

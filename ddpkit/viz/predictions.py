@@ -27,7 +27,7 @@ def plot_reveal(reveal):
             guess = t1 * time_ratio(reveal.prediction)
             ax.plot([guess, guess], [-0.4, 0.4], color=PREDICTED, lw=2.5, label="your prediction")
         ax.set_yticks([1, 0], [first, second])
-        ax.set_xlabel("ms per step (the second bar: the first's time, then the parts of the difference)")
+        ax.set_xlabel("ms (the second bar: the first's time, then the parts of the difference)")
     else:
         _stack(ax, 0, 0.0, m.terms)
         if reveal.prediction is not None:
