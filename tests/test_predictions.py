@@ -162,6 +162,15 @@ def test_an_answer_is_taken_before_the_measurement_and_kept_once(tmp_path):
     assert "measured 8.04 MiB" in q.status() and str(path) in q.status()
 
 
+def test_a_reveal_of_the_wrong_thing_says_what_it_reads():
+    q = ask("05.zero1_optimizer_state", ledger=False, show=False).answer(8.0)
+    with pytest.raises(ValueError, match=r"05.zero1_optimizer_state: cannot read the measurement from int .*"
+                                         r"it reads ``run_strategy\(\"zero1\""):
+        q.reveal(42)
+    with pytest.raises(ValueError, match="cannot read the measurement from Trace"):
+        ask("04.overlapped_vs_bucketed", ledger=False, show=False).reveal(fake_trace())
+
+
 def test_a_measurement_before_an_answer_says_so_and_keeps_nothing(tmp_path):
     path = tmp_path / "ledger.jsonl"
     q = ask("03.bucketed_bytes", ledger=path, show=False)

@@ -86,7 +86,13 @@ class Ask:
         q = self.question
         if q.read is None:
             raise ValueError(f"{q.key} has no reader: give its measurement to a Reveal yourself")
-        measured = q.read(self.setting, *measured_by, **options)
+        try:
+            measured = q.read(self.setting, *measured_by, **options)
+        except (TypeError, KeyError, AttributeError, IndexError, StopIteration) as exc:
+            given = ", ".join(type(x).__name__ for x in measured_by) or "nothing"
+            wants = (q.read.__doc__ or "what its measuring cell left").strip().splitlines()[0]
+            raise ValueError(f"{q.key}: cannot read the measurement from {given} ({type(exc).__name__}: {exc}); "
+                             f"it reads {wants}") from exc
         reveal = Reveal(q, self.setting, self.state if self.state != "waiting" else "late", self.prediction,
                         measured, q.reference_answer(self.setting, *measured_by), self.source)
         self.locked = True
