@@ -114,12 +114,29 @@ def latest(entries: list[Entry]) -> dict[str, Entry]:
     return {e.question: e for e in entries}
 
 
-def _fmt(value: float | None, unit: str, kind: str) -> str:
+WHOLE = ("B", "collectives")  # units counted in whole numbers
+
+
+def format_value(value: float | None, unit: str, kind: str) -> str:
     if value is None:
         return "skipped"
     if kind == "faster":
         return f"{value:+.0f}%"
-    return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+    if unit in WHOLE:
+        return f"{value:,.0f} {unit[:-1] if unit.endswith('s') and value == 1 else unit}"
+    return f"{value:,.2f} {unit}"
+
+
+def _share(v: float) -> str:
+    return "0%" if abs(v) < 0.005 else f"{v:+.0%}"
+
+
+def course_order(keys) -> list[str]:
+    """The course's order (``course.QUESTIONS``), then any other question by name."""
+    from ddpkit.predictions.course import QUESTIONS
+
+    known = [k for k in QUESTIONS if k in keys]
+    return known + sorted(k for k in keys if k not in QUESTIONS)
 
 
 def _table(heads: list[str], rows: list[list[str]]) -> list[str]:
@@ -137,11 +154,13 @@ def learner_table(entries: list[Entry]) -> str:
     the miss, whether it was close (within 10%, or the right winner within 10 points)."""
     last = latest(entries)
     rows = []
-    for key in sorted(last):
+    for key in course_order(last):
         e = last[key]
+        digits = 0 if e.unit in WHOLE else 2
         miss = "" if e.miss is None else (f"{e.miss:+.0f} pts" if e.kind == "faster" else
-                                          f"{e.miss:+,.2f} ({e.relative_miss:+.0%})")
-        rows.append([key, _fmt(e.prediction, e.unit, e.kind), _fmt(e.measurement, e.unit, e.kind), miss,
+                                          "0" if abs(e.relative_miss or 0.0) < 0.005 else
+                                          f"{e.miss:+,.{digits}f} ({_share(e.relative_miss)})")
+        rows.append([key, format_value(e.prediction, e.unit, e.kind), format_value(e.measurement, e.unit, e.kind), miss,
                      "" if e.prediction is None else ("yes" if e.close else "no"), str(e.world_size or "")])
     lines = _table(["question", "predicted", "measured", "miss", "close", "ranks"], rows)
     answered = [e for e in last.values() if e.prediction is not None]
@@ -181,7 +200,7 @@ def class_rows(ledgers: dict[str, list[Entry]]) -> list[ClassRow]:
         for key, e in latest(entries).items():
             per_question.setdefault(key, []).append(e)
     rows = []
-    for key in sorted(per_question):
+    for key in course_order(per_question):
         es = per_question[key]
         kind, unit = es[0].kind, es[0].unit
         answered = [e for e in es if e.prediction is not None]
@@ -199,7 +218,7 @@ def class_table(rows: list[ClassRow]) -> str:
     """The class's view: per question, how many answered, the median miss and its spread (the middle
     half of the misses), how many named the right winner (which is faster), how many were close."""
     def miss(v, kind):
-        return f"{v:+.0f} pts" if kind == "faster" else f"{v:+.0%}"
+        return f"{v:+.0f} pts" if kind == "faster" else _share(v)
 
     table = []
     for r in rows:

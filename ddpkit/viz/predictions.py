@@ -57,49 +57,40 @@ def _stack(ax, y: float, start: float, terms) -> None:
 
 
 def plot_ledger(entries):
-    """One learner's answers (``ledger.read``), the last per question: predicted against measured.
-    Numbers on log-log axes in each question's own unit (on the diagonal: right); "which is faster"
-    in signed % (+x: the first option faster by x %; the shaded quadrants: the right winner)."""
-    from ddpkit.predictions.ledger import latest
+    """One learner's answers (``ledger.read``), the last per question, one row each: predicted
+    against measured. Numbers: predicted / measured on a log axis (the green line, 1: right), the
+    two values beside the label; which is faster: the measured signed % (black) and the predicted
+    (orange) joined, +x the first option faster by x %."""
+    from ddpkit.predictions.ledger import course_order, format_value, latest
 
-    last = [e for e in latest(entries).values() if e.prediction is not None]
-    numbers = [e for e in last if e.kind == "number" and e.prediction > 0 and e.measurement > 0]
-    faster = [e for e in last if e.kind == "faster"]
-    fig = new_figure(4.2)
+    last = latest(entries)
+    answered = [last[k] for k in course_order(last) if last[k].prediction is not None]
+    numbers = [e for e in answered if e.kind == "number" and e.prediction > 0 and e.measurement > 0]
+    faster = [e for e in answered if e.kind == "faster"]
+    fig = new_figure(1.2 + 0.34 * max(len(numbers), len(faster), 1))
     a, b = fig.subplots(1, 2)
-    for e in numbers:
-        a.scatter(e.measurement, e.prediction, color="#4c72b0", zorder=3)
-        a.annotate(f"{e.question} ({e.unit})", (e.measurement, e.prediction), fontsize=7, xytext=(3, 3),
-                   textcoords="offset points")
-    values = [v for e in numbers for v in (e.measurement, e.prediction)] or [1.0, 10.0]
-    lo, hi = min(values) / 2, max(values) * 2
-    a.plot([lo, hi], [lo, hi], color="black", lw=0.8)
+    for i, e in enumerate(numbers):
+        a.scatter(e.prediction / e.measurement, i, color="#4c72b0", zorder=3)
+    a.axvline(1, color="#55a868", lw=1)
     a.set_xscale("log")
-    a.set_yscale("log")
-    a.set_xlim(lo, hi)
-    a.set_ylim(lo, hi)
-    a.set_xlabel("measured (each question's unit)")
-    a.set_ylabel("predicted")
-    a.set_title("numbers: on the line = right", fontsize=10)
-    _faster_panel(b, [(e.measurement, e.prediction, e.question) for e in faster])
+    a.set_yticks(range(len(numbers)), [f"{e.question}: {format_value(e.prediction, e.unit, e.kind)} vs "
+                                       f"{format_value(e.measurement, e.unit, e.kind)}" for e in numbers], fontsize=7)
+    a.set_xlabel("predicted / measured (1 = right)")
+    a.set_title("numbers: predicted vs measured", fontsize=10)
+    for i, e in enumerate(faster):
+        b.plot([e.measurement, e.prediction], [i, i], color="grey", lw=1)
+        b.scatter(e.measurement, i, color="black", zorder=3, label="measured" if i == 0 else None)
+        b.scatter(e.prediction, i, color="#dd8452", zorder=3, label="predicted" if i == 0 else None)
+    b.axvline(0, color="grey", lw=0.8)
+    b.set_yticks(range(len(faster)), [e.question for e in faster], fontsize=7)
+    b.set_xlabel("% faster (+: the first option)")
+    b.set_title("which is faster", fontsize=10)
+    if faster:
+        b.legend(fontsize=7, loc="best")
+    for ax in (a, b):
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
     return fig
-
-
-def _faster_panel(ax, points) -> None:
-    span = max([abs(v) for p in points for v in p[:2]] + [50.0]) * 1.15
-    ax.fill_between([0, span], 0, span, color="#55a868", alpha=0.12)
-    ax.fill_between([-span, 0], -span, 0, color="#55a868", alpha=0.12)
-    ax.plot([-span, span], [-span, span], color="black", lw=0.8)
-    for measured, predicted, label in points:
-        ax.scatter(measured, predicted, color="#dd8452", zorder=3)
-        ax.annotate(label, (measured, predicted), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.axvline(0, color="grey", lw=0.5)
-    ax.set_xlim(-span, span)
-    ax.set_ylim(-span, span)
-    ax.set_xlabel("measured, % (+: the first option faster)")
-    ax.set_ylabel("predicted, %")
-    ax.set_title("which is faster: green = the right winner", fontsize=10)
 
 
 def plot_class(rows):
