@@ -307,17 +307,19 @@ def _read_12(setting, records, strategy: str = "fsdp"):
 
 
 # --------------------------------------------------------------------------- the list
-def _q(key, text, unit, quantity, read, reference=None, kind="number", options=(), hint="", **setting):
+def _q(key, text, unit, quantity, read, reference=None, kind="number", options=(), hint="",
+       reference_from="the formulas", **setting):
     if kind == "faster":
         setting["options"] = options
-    return Question(key, text, unit, quantity, kind, tuple(options), setting, reference, read, hint)
+    return Question(key, text, unit, quantity, kind, tuple(options), setting, reference, read, hint, reference_from)
 
 
 QUESTIONS: dict[str, Question] = {q.key: q for q in [
     _q("01.one_vs_many",
        "One all-reduce of 4 MiB, or 64 all-reduces of 64 KiB (the same 4 MiB), on these {world_size} ranks: "
        "which takes less time, and by how much?", "%", "time", _read_01, _ref_01, "faster", (ONE, MANY),
-       hint="Each message pays the latency alpha; every byte pays beta.", world_size=2),
+       hint="Each message pays the latency alpha; every byte pays beta.",
+       reference_from="the loopback preset's alpha-beta line", world_size=2),
     _q("02.naive_bytes",
        "How many bytes does each rank send per step with NaiveDDP on {world_size} ranks? (the MLP: 8.04 MiB of "
        "fp32 gradients in 66 tensors)", "MiB", "bytes", _read_trace_bytes, _ref_ddp_bytes,
@@ -328,7 +330,8 @@ QUESTIONS: dict[str, Question] = {q.key: q for q in [
     _q("03.cap1_vs_cap0",
        "On the \"{network}\" network, BucketedDDP with a 1 MiB cap (8 all-reduces a step) or a cap of 0 (66): "
        "which step is faster, and by how much?", "%", "time", _read_03, _ref_03, "faster", (CAP1, CAP0),
-       hint="The same bytes either way; count the messages.", world_size=2, network="paper"),
+       hint="The same bytes either way; count the messages.",
+       reference_from="the alpha-beta formula on the link (from the cap-1 time)", world_size=2, network="paper"),
     _q("04.torch_buckets",
        "After its first step torch's DDP rebuilds its buckets (default cap 25 MiB, the first bucket 1 MiB): "
        "how many all-reduces does it issue in its second step?", "collectives", "count", _read_04, _ref_04,
@@ -337,7 +340,7 @@ QUESTIONS: dict[str, Question] = {q.key: q for q in [
        "On the \"{network}\" network with 1 MiB buckets: OverlappedDDP or BucketedDDP, which step is faster, "
        "and by how much?", "%", "time", _read_04_overlap, _predicted, "faster", (OVERLAPPED, BUCKETED),
        hint="What can hide under backward, and what does the hook add to backward on these cores?",
-       world_size=2, network="paper"),
+       reference_from="the cost model", world_size=2, network="paper"),
     _q("05.zero1_optimizer_state",
        "Under ZeRO-1 on {world_size} ranks, how much optimizer state (AdamW, fp32) does rank 0 hold? "
        "(the MLP: 2.1 M parameters, 8.04 MiB in fp32)", "MiB", "memory", _read_05_optim, _ref_05_optim,
@@ -352,11 +355,13 @@ QUESTIONS: dict[str, Question] = {q.key: q for q in [
     _q("07.overlapped_vs_fsdp",
        "{world_size} ranks on the emulated \"{network}\": OverlappedDDP or FSDP, which step is faster, "
        "and by how much?", "%", "time", _read_07, _ref_07, "faster", (OVERLAPPED, FSDP),
-       hint="FSDP sends 1.5x DDP's bytes, in three collectives per unit.", world_size=4, network="10GbE"),
+       hint="FSDP sends 1.5x DDP's bytes, in three collectives per unit.", reference_from="the cost model",
+       world_size=4, network="10GbE"),
     _q("08.every8_vs_every1",
        "On the \"{network}\" network: synchronising every 8th iteration (no_sync for the 7 before it) or every "
        "iteration, which is faster per iteration, and by how much?", "%", "time", _read_08, _ref_08, "faster",
-       (EVERY8, EVERY1), world_size=2, network="paper"),
+       (EVERY8, EVERY1), reference_from="the alpha-beta formula on the link (from the every-8 time)",
+       world_size=2, network="paper"),
     _q("09.hsdp_inter_node_bytes",
        "Hybrid sharding on {world_size} ranks in nodes of {ranks_per_node} (a 2.0 MiB model): how many bytes "
        "does a rank send across nodes per step?", "MiB", "bytes", _read_09, _ref_09, world_size=4,

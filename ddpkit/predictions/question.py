@@ -48,6 +48,7 @@ class Question:
     reference: Callable | None = field(default=None, compare=False)
     read: Callable | None = field(default=None, compare=False)   # (what the measuring cell left) -> Measured
     hint: str = ""                # what to think about, shown under the question
+    reference_from: str = "the formulas"   # whose answer the reference is, in the reveal's words
 
     def __post_init__(self):
         if self.kind not in ("number", "faster"):

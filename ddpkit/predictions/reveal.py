@@ -53,8 +53,7 @@ class Reveal:
         if self.miss is not None:
             out.append(f"  miss:            {self._miss_words()}")
         if self.reference is not None:
-            out.append(f"  the formulas' answer: {fmt(self.reference)}"
-                       + ("" if q.quantity != "time" else " (the cost model's)"))
+            out.append(f"  {q.reference_from}: {fmt(self.reference)}")
         out.append(f"  {self.sentence}")
         return out
 
@@ -88,10 +87,9 @@ class Reveal:
         if self.miss is not None:
             rows.append(("miss", self._miss_words()))
         if self.reference is not None:
-            rows.append(("the formulas' answer" if q.quantity != "time" else "the cost model's answer",
-                         fmt(self.reference)))
+            rows.append((q.reference_from, fmt(self.reference)))
         cells = "".join(f"<tr><td style='padding-right:1em'>{html.escape(a)}</td>"
-                        f"<td class='ddpkit-reveal-{a.split()[-1]}'><b>{html.escape(b)}</b></td></tr>" for a, b in rows)
+                        f"<td><b>{html.escape(b)}</b></td></tr>" for a, b in rows)
         buf = io.BytesIO()
         self.figure().savefig(buf, format="png", dpi=90, bbox_inches="tight")
         img = base64.b64encode(buf.getvalue()).decode()
