@@ -53,7 +53,7 @@ class Reveal:
         if self.miss is not None:
             out.append(f"  miss:            {self._miss_words()}")
         if self.reference is not None:
-            out.append(f"  {q.reference_from}: {fmt(self.reference)}")
+            out.append(f"  reference ({q.reference_from}): {fmt(self.reference)}")
         out.append(f"  {self.sentence}")
         return out
 
@@ -87,7 +87,7 @@ class Reveal:
         if self.miss is not None:
             rows.append(("miss", self._miss_words()))
         if self.reference is not None:
-            rows.append((q.reference_from, fmt(self.reference)))
+            rows.append((f"reference ({q.reference_from})", fmt(self.reference)))
         cells = "".join(f"<tr><td style='padding-right:1em'>{html.escape(a)}</td>"
                         f"<td><b>{html.escape(b)}</b></td></tr>" for a, b in rows)
         buf = io.BytesIO()

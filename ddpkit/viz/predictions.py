@@ -34,7 +34,7 @@ def plot_reveal(reveal):
             ax.plot([reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
         if reveal.reference is not None:
             ax.plot([reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                    label=reveal.question.reference_from)
+                    label=f"reference: {reveal.question.reference_from}")
         ax.set_yticks([0], ["measured"])
         ax.set_xlabel(q.unit)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
