@@ -17,6 +17,9 @@ Inside a rank (a Cluster job, a torchrun script, a test)::
 What an experiment trains, on any of them: ``ddpkit.Workload(model=, batch=, loss=, name=)`` (or
 ``ddpkit.Workload.builtin("mlp")``), for ``ddpkit.compare.compare(cluster, names, workload=wl)``.
 
+Before a measurement, the course asks for a prediction: ``q = ddpkit.ask("02.naive_bytes")``, then
+``q.reveal(trace)`` after the measuring cell (``ddpkit.predictions``).
+
 Plots (``ddpkit.viz``) and the widget (``ddpkit.widget``) are imported on first use, so a
 rank never pays for matplotlib or ipywidgets.
 """
@@ -25,6 +28,7 @@ import sys
 from ddpkit.cluster import Cluster, RankError
 from ddpkit.cluster.errors import DesyncError, GpuOutOfMemoryError
 from ddpkit.network import Network
+from ddpkit.predictions import ask
 from ddpkit.topology import Topology
 from ddpkit.torch_internals import check_torch
 from ddpkit.workload import Workload
@@ -57,7 +61,7 @@ check_torch()  # outside the tested torch range: one warning naming it, before a
 __all__ = [
     "Cluster", "RankError", "DesyncError", "GpuOutOfMemoryError", "Network", "Topology", "Workload", "rank",
     "world_size", "device",
-    "progress",
+    "progress", "ask",
     "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
     "init_process_group", "record",
 ]

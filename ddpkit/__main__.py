@@ -5,6 +5,8 @@
     python -m ddpkit predict --world-sizes 2,4,8 --network 100GbE                  # the cost model
     python -m ddpkit compare --model mypackage.models:gpt2_tiny    # your own ddpkit.Workload
     python -m ddpkit draw run1                       # pictures of your torchrun script's ddpkit.record("run1")
+    python -m ddpkit ledger                          # your predictions against your runs (a table, a picture)
+    python -m ddpkit ledger ana.jsonl ben.jsonl ...   # a class's: one row per question
     ddpkit lab                                       # JupyterLab on the course's first notebook
 
 Every argument is checked before a rank process starts: a typo costs no start-up time.
@@ -12,12 +14,13 @@ Bad arguments exit with code 2 and a message listing what is valid (argparse's c
 This file only parses and calls: the checks and the names (models, strategies, backends) are
 the library's, whose ValueError becomes the parser's error, and what it calls is library code a
 notebook imports too (``ddpkit.compare``, ``ddpkit.costmodel``, ``ddpkit.costmodel.validate``,
-``ddpkit.viz``, ``ddpkit.lab``).
+``ddpkit.viz``, ``ddpkit.lab``, ``ddpkit.predictions.report``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -36,7 +39,8 @@ from ddpkit.workload import samples_per_rank
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddpkit", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{compare,trace,predict,doctor,lab,draw}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{compare,trace,predict,doctor,ledger,lab,draw}")
 
     def add(name, **kwargs):
         return sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
@@ -108,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=None,
                    help="comma-separated check names, as printed (e.g. 'cluster,compare')")
     p.set_defaults(func=cmd_doctor)
+
+    p = add("ledger", help="the predictions you made in the notebooks against your runs; several files: a class's",
+            description="One ledger (default: predictions.jsonl here or in notebooks/): its table, and a picture "
+                        "of predicted against measured. Several: one row per question over the class (median miss, "
+                        "its spread, how many named the right winner), and one picture of everyone's misses.")
+    p.add_argument("ledgers", nargs="*", metavar="FILE", help="JSONL ledgers, one per learner")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="where to draw the picture (PNG; default: predictions.png, or class_predictions.png for "
+                        "several files, in the current folder)")
+    p.set_defaults(func=cmd_ledger)
 
     p = add("lab", help="JupyterLab on the course's first notebook (adds --allow-root as root)",
             description="Start JupyterLab on notebooks/00_start_here.ipynb of this checkout. Any other "
@@ -331,6 +345,25 @@ def cmd_doctor(args, parser) -> int:
         return doctor(args.world_size, gpus=args.gpus, only=args.only)
     except ValueError as exc:  # bad --only, --gpus
         parser.error(str(exc))
+
+
+# --------------------------------------------------------------------------- ledger
+def cmd_ledger(args, parser) -> int:
+    from ddpkit.predictions.report import report
+
+    plot = args.plot or ("class_predictions.png" if len(args.ledgers) > 1 else "predictions.png")
+    check_writable(parser, "--plot", plot)
+    missing = [p for p in args.ledgers if not os.path.isfile(p)]
+    if missing:
+        parser.error(f"no ledger at {', '.join(missing)}")
+    try:
+        text, fig = report(args.ledgers)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    print(text)
+    fig.savefig(plot, dpi=110)
+    print(f"wrote {plot}")
+    return 0
 
 
 # --------------------------------------------------------------------------- lab

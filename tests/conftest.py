@@ -20,6 +20,10 @@ TRANSPORT = os.environ.get("DDPKIT_TEST_TRANSPORT", "auto")
 
 
 def pytest_configure(config):
+    # The notebooks' prediction cells (ddpkit.ask) take one made-up learner's answers under nbval and in
+    # CI, so every notebook runs headless; the kernels nbval starts inherit it (ddpkit/predictions/unattended.py)
+    os.environ.setdefault("DDPKIT_ANSWERS", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                         "notebooks", "answers.json"))
     if TRANSPORT != "auto":  # every Cluster made in this process, the fixtures' and the tests' own
         from ddpkit.cluster import TRANSPORTS, Cluster
 

@@ -8,6 +8,9 @@
     plot_scaling(profile)            # the cost model's predicted scaling to 256 ranks
     plot_scaling_gap(gaps)           # a measured gap to perfect scaling, in parts (trace.gap)
     plot_memory_against_n(sweep)     # memory per rank at 1, 2, 4 ranks (ddpkit.memory_sweep)
+    plot_reveal(reveal)              # a prediction against its measurement (ddpkit.predictions)
+    plot_ledger(entries)             # a learner's predictions against the measurements
+    plot_class(rows)                 # a class's misses, per question
 
 matplotlib is imported inside the functions, never at import time, so ranks that only
 record never load it. Figures are built with the object API (no pyplot state), so they can
@@ -18,8 +21,9 @@ from ddpkit.viz.buckets import plot_bucket_fill
 from ddpkit.viz.compare import plot_compare
 from ddpkit.viz.gap import plot_scaling_gap
 from ddpkit.viz.memory import plot_memory, plot_memory_against_n
+from ddpkit.viz.predictions import plot_class, plot_ledger, plot_reveal
 from ddpkit.viz.scaling import plot_scaling
 from ddpkit.viz.timeline import plot_timeline
 
 __all__ = ["plot_bucket_fill", "plot_timeline", "plot_memory", "plot_compare", "plot_scaling", "plot_scaling_gap",
-           "plot_memory_against_n"]
+           "plot_memory_against_n", "plot_reveal", "plot_ledger", "plot_class"]

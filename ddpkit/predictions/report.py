@@ -1,0 +1,44 @@
+"""What ``python -m ddpkit ledger`` prints and draws: one learner's ledger, or a class's.
+
+    text, fig = report(["predictions.jsonl"])               # the learner's table, predicted vs measured
+    text, fig = report(["ana.jsonl", "ben.jsonl", ...])      # one row per question, the class's misses
+
+A notebook can call it too: ``print(text)``, and ``fig`` shows itself.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpkit.predictions.ledger import class_rows, class_table, learner_table, read, read_class
+from ddpkit.predictions.unattended import DEFAULT_LEDGER
+
+
+def default_ledger(here=None) -> Path:
+    """The learner's ledger when none is named: ``predictions.jsonl`` here, or in ``notebooks/``
+    here (a checkout's root); a FileNotFoundError saying where it looked."""
+    here = Path.cwd() if here is None else Path(here)
+    for path in (here / DEFAULT_LEDGER, here / "notebooks" / DEFAULT_LEDGER):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no {DEFAULT_LEDGER} in {here} or {here / 'notebooks'}: name the ledger file(s), "
+                            "e.g. python -m ddpkit ledger notebooks/predictions.jsonl")
+
+
+def report(paths) -> tuple[str, object]:
+    """(the table, the picture) for one ledger (a learner's) or several (a class: one learner per
+    file, named by the file). ValueError for a file that is not a ledger, or one with no answers."""
+    paths = [Path(p) for p in paths] or [default_ledger()]
+    if len(paths) == 1:
+        from ddpkit.viz.predictions import plot_ledger
+
+        entries = read(paths[0])
+        if not entries:
+            raise ValueError(f"{paths[0]} holds no answers yet")
+        return f"{paths[0]}:\n{learner_table(entries)}", plot_ledger(entries)
+    from ddpkit.viz.predictions import plot_class
+
+    ledgers = read_class(paths)
+    rows = class_rows(ledgers)
+    if not rows:
+        raise ValueError(f"none of the {len(paths)} ledgers holds an answer")
+    return f"{len(ledgers)} learners:\n{class_table(rows)}", plot_class(rows)
