@@ -56,7 +56,7 @@ def _train_recorded(steps):
     """Trains with a strategy built without a recorder: it records into the rank's recorder."""
     from ddpkit.experiment import local_batch, train_step
     from ddpkit.models import build_model
-    from ddpkit.rankside import recorder
+    from ddpkit.trace.seam import recorder
 
     module = build_model("mlp", seed=0, width=16, depth=3)
     model = ddpkit.OverlappedDDP(module, bucket_cap_mb=0.0)
@@ -111,7 +111,7 @@ def test_jobs_that_record_by_hand_still_work_when_the_cluster_records(cluster_of
 
 def test_a_failed_recorded_run_keeps_what_was_recorded(cluster_of):
     def job():
-        from ddpkit.rankside import recorder
+        from ddpkit.trace.seam import recorder
 
         recorder().next_step()
         recorder().loss(1.5)

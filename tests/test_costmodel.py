@@ -350,10 +350,10 @@ def test_a_wrappers_host_work_is_spread_over_the_layers_compute():
 
 def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
     def job():
-        from ddpkit.rankside import comm_counts
+        from ddpkit import rankside
 
         def sent():
-            return sum(c[1] for c in comm_counts().values())
+            return sum(c[1] for c in rankside.comm().snapshot().values())
 
         before = sent()
         out = cm.wrapper_job({"ddp": ("bucketed", {}), "sharded": ("fsdp", {"reshard_after_forward": True})},

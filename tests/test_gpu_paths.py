@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit import rankside
-from ddpkit.rankside import NullRecorder
+from ddpkit.trace.seam import NullRecorder
 
 
 class _SetDeviceSpy:
@@ -309,7 +309,7 @@ def test_every_torchrun_rank_of_a_node_chooses_the_same_backend(monkeypatch, set
 
 # ----------------------------------------------------------------------------- 8: start before launch
 def _order_of_mark_and_launch():
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
 
     events = []
 
@@ -437,7 +437,7 @@ def test_a_recorded_cuda_run_records_cuda_spans_and_streams(world):
 
 
 def _synchronous_all_reduce_span():
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
     from ddpkit.trace import Recorder
 
     rec = Recorder()
@@ -510,7 +510,7 @@ def test_the_allocator_peak_starts_afresh_with_each_job_and_each_timed_run():
 
 
 def _emulated_all_reduce():
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
     from ddpkit.trace import Recorder
 
     t = torch.ones(2**20, device=ddpkit.device())  # 4 MiB

@@ -57,10 +57,10 @@ def _runs_out_of_memory():
     waits for it in a collective (it is stopped, as a rank sharing the GPU would be)."""
     import torch.distributed as dist
 
-    from ddpkit import rankside
+    from ddpkit.cluster.worker import report
 
     rank = dist.get_rank()
-    rankside.report("gpu_memory", held=_held(10 * (rank + 1)))  # what the worker sends after a job on a GPU
+    report("gpu_memory", held=_held(10 * (rank + 1)))  # what the worker sends after a job on a GPU
     if rank == 1:
         raise torch.OutOfMemoryError(OOM)
     dist.barrier()

@@ -20,8 +20,8 @@ stop button is pressed, or when another rank failed and this one may be stuck). 
 a stray SIGINT is ignored, so it cannot kill an idle rank.
 
 A worker is a whole process, so it holds a little process-wide state (``_context``): the
-connection to the parent, which ``ddpkit.progress()`` uses to report from inside a job, and
-the namespace ``%%ranks`` cells run in.
+connection to the parent, which ``report`` (and ``ddpkit.progress()``) send through from inside a
+job, and the namespace ``%%ranks`` cells run in.
 """
 from __future__ import annotations
 
@@ -109,11 +109,16 @@ class _Context:
 _context: _Context | None = None  # set once in main(); None outside a Cluster worker
 
 
-def _report(kind: str, payload: dict) -> None:
-    """A side message (progress, records, ...) to the parent while a job runs: what
-    ``ddpkit.rankside.report`` sends through, inside a worker."""
+def report(kind: str, **payload) -> None:
+    """Send a side message (progress, records, a stuck collective, ...) to the cluster while a job
+    runs; nothing happens outside a Cluster worker."""
     if _context is not None:
         _context.send(("event", kind, payload))
+
+
+def progress(done: int, total: int) -> None:
+    """Report ``done`` of ``total`` steps to the cluster widget (does nothing outside a Cluster)."""
+    report("progress", done=int(done), total=int(total))
 
 
 class _ChannelWriter(io.TextIOBase):
@@ -336,7 +341,6 @@ def main() -> None:
     _context = _Context(conn, rank)
     from ddpkit import rankside
 
-    rankside.set_reporter(_report)
     sys.stdout, sys.stderr = _ChannelWriter("stdout"), _ChannelWriter("stderr")
 
     import torch
@@ -382,9 +386,9 @@ def main() -> None:
             break
         if msg[0] != "run":
             continue
-        flight = rankside.attached_comm().flight
+        flight = rankside.comm().flight
         if len(msg) > 2:  # the file to keep this rank's last collectives in, where the parent reads them
-            flight.attach(msg[2]["ring"], msg[2]["job"])
+            flight.attach(msg[2]["ring"], msg[2]["job"], report)
         try:
             _context.running = True
             _before_job()

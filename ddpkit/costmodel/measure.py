@@ -7,6 +7,7 @@ at once. ``measure_collectives`` times each collective back to back at several s
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from functools import partial
@@ -222,10 +223,11 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
     """
     import torch.distributed as dist
 
-    from ddpkit.rankside import device, real_transport
+    from ddpkit import rankside
 
-    with real_transport():
-        return _time_collectives(ops, sizes, repeats, calls_bytes, device(), dist.get_world_size())
+    comm = rankside.comm()
+    with comm.real_transport() if comm is not None else contextlib.nullcontext():
+        return _time_collectives(ops, sizes, repeats, calls_bytes, rankside.device(), dist.get_world_size())
 
 
 def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int, between=None) -> dict:
@@ -235,7 +237,7 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
     import torch.distributed as dist
 
     from ddpkit.rankside import barrier
-    from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
+    from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat
 
     unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
     if unknown:

@@ -75,13 +75,12 @@ from torch import nn
 
 from ddpkit.nested import tensors
 from ddpkit.rankside import device as rank_device
-from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, forward_timed, nbytes, no_sync,
-                                       prepare_module, reduce_scatter_flat)
+from ddpkit.strategies.common import clip_grad_norm_, forward_timed, nbytes, no_sync, prepare_module
 from ddpkit.strategies.deferred_init import is_deferred, materialize_by_unit
 from ddpkit.strategies.flat_layout import alloc_storage, free_storage, held_bytes
 from ddpkit.strategies.flat_param import FlatParamUnit, cast_floats, plan_units
-from ddpkit.torch_internals import queue_at_end_of_backward
+from ddpkit.torch_internals import all_gather_flat, queue_at_end_of_backward, reduce_scatter_flat
+from ddpkit.trace.seam import recorder as rank_recorder
 
 
 @dataclass
