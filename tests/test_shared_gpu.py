@@ -222,7 +222,7 @@ def test_a_skipped_collective_on_ranks_sharing_a_gpu_is_a_desync_within_seconds(
 @pytest.mark.gpu
 def test_memory_per_rank_on_a_shared_gpu_follows_the_zero_formulas():
     from ddpkit import Workload
-    from ddpkit.memory import parameter_count
+    from ddpkit.memory_formulas import parameter_count
     from ddpkit.memory_sweep import formula_totals, memory_against_n
 
     workload = Workload.builtin("mlp", width=64, depth=4)

@@ -143,7 +143,7 @@ def test_compare_says_that_dropout_makes_a_run_differ_from_one_process_by_design
 
 
 def test_memory_counts_a_workloads_parameters_for_the_zero_formulas():
-    from ddpkit.memory import parameter_count, predicted_model_state
+    from ddpkit.memory_formulas import parameter_count, predicted_model_state
 
     gpt = Workload.builtin("gpt", **SMALL_GPT)
     psi = parameter_count(gpt)
