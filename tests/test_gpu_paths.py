@@ -37,10 +37,9 @@ class _SetDeviceSpy:
 
 
 @pytest.fixture
-def set_device(monkeypatch):
+def set_device(monkeypatch, no_rank_device):
     spy = _SetDeviceSpy()
     monkeypatch.setattr(torch.cuda, "set_device", spy)
-    monkeypatch.setattr(rankside._RANK, "device", None)  # restored after the test
     return spy
 
 
@@ -267,18 +266,18 @@ def test_the_nccl_group_gets_the_clusters_timeout_its_name_and_its_global_ranks(
 
 # ----------------------------------------------------------------------------- 5: results on the CPU
 def test_a_result_is_pickled_with_its_tensors_copied_to_the_cpu():
-    from ddpkit.cluster.worker import _pickle
+    from ddpkit.cluster.worker import pickle_result
 
     base = torch.arange(1000.0)
     param = torch.nn.Parameter(torch.ones(3))
     result = {"view": base[10:13], "param": param, "nested": [(base[:2],)], "n": 1}
     # the CPU stands in for CUDA here: what is done to a CUDA tensor is done to these
-    back = pickle.loads(_pickle(result, devices=("cpu",)))
+    back = pickle.loads(pickle_result(result, devices=("cpu",)))
     assert torch.equal(back["view"], base[10:13]) and back["view"].untyped_storage().nbytes() == 12
     assert type(back["param"]) is torch.nn.Parameter and back["param"].requires_grad
     assert torch.equal(back["nested"][0][0], base[:2]) and back["n"] == 1
     # by default only CUDA tensors are copied: a CPU view keeps its storage as before
-    assert pickle.loads(_pickle(base[10:13])).untyped_storage().nbytes() == 4000
+    assert pickle.loads(pickle_result(base[10:13])).untyped_storage().nbytes() == 4000
 
 
 # ----------------------------------------------------------------------------- 6: torchrun's backend
@@ -391,14 +390,14 @@ def test_hybrid_sharding_makes_its_groups_once_per_layout(cluster_of):
 
 # ----------------------------------------------------------------------------- 10: peak per job
 def test_each_job_starts_a_fresh_allocator_peak_on_the_ranks_gpu(monkeypatch, set_device):
-    from ddpkit.cluster.worker import _before_job
+    from ddpkit.cluster.worker import before_job
 
     resets = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: resets.append(dev))
-    _before_job()  # a CPU rank: nothing to reset
+    before_job()  # a CPU rank: nothing to reset
     assert resets == []
     rankside.set_device(4)
-    _before_job()
+    before_job()
     assert resets == [torch.device("cuda", 4)]
 
 
