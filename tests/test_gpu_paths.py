@@ -250,9 +250,9 @@ def test_the_nccl_group_gets_the_clusters_timeout_its_name_and_its_global_ranks(
     monkeypatch.setattr(_FakeNCCL, "made", [])
     opts = types.SimpleNamespace(store="store", group_rank=1, group_size=2, timeout=timedelta(seconds=7),
                                  group_id="3", global_ranks_in_group=[2, 5])
-    process_group._real_backend("nccl", opts)
+    process_group.build_real_backend("nccl", opts)
     default = types.SimpleNamespace(**{**vars(opts), "group_id": "0", "global_ranks_in_group": []})
-    process_group._real_backend("nccl", default)
+    process_group.build_real_backend("nccl", default)
     (store, rank, size, o), (_, _, _, d) = _FakeNCCL.made
     assert (store, rank, size) == ("store", 1, 2)
     assert o._timeout == timedelta(seconds=7)  # not NCCL's own 10 minutes

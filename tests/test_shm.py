@@ -70,11 +70,11 @@ def _groups(chunk_bytes: int = SMALL_CHUNK, timeout: float = TIMEOUT, staged: bo
 
     import torch.distributed as dist
 
-    from ddpkit.cluster.processes import _loopback_store
+    from ddpkit.cluster.processes import loopback_store
     from ddpkit.comm.transport import HostStaged, ShmBackend
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    store = _loopback_store(30.0) if rank == 0 else None
+    store = loopback_store(30.0) if rank == 0 else None
     port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     if rank:
@@ -278,12 +278,12 @@ def _staged_under_ddpkits_group():
     from ddpkit.trace.seam import recording
     from solutions.collectives import ring_all_reduce
 
-    built = process_group._real_backend
-    process_group._real_backend = lambda *a, **k: HostStaged(built(*a, **k), devices=("cpu",))
+    built = process_group.build_real_backend
+    process_group.build_real_backend = lambda *a, **k: HostStaged(built(*a, **k), devices=("cpu",))
     try:
         group = dist.new_group([0, 1])
     finally:
-        process_group._real_backend = built
+        process_group.build_real_backend = built
     rank, out = dist.get_rank(), {}
     out["staged"] = type(group._get_backend(torch.device("cpu"))).__name__  # torch holds the real one
     before = rankside.comm().snapshot()

@@ -264,7 +264,7 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
 
     def create(opts, _backend_options):
         # one call per group: its store, its rank and size, and the global ranks it spans
-        real = _real_backend(real_backend, opts, shm_prefix)
+        real = build_real_backend(real_backend, opts, shm_prefix)
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return DdpkitProcessGroup(rankside.comm(), real, opts.group_rank, opts.group_size, ranks)
 
@@ -272,7 +272,9 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def _real_backend(name: str, opts, shm_prefix: str | None = None):
+def build_real_backend(name: str, opts, shm_prefix: str | None = None):
+    """The real process group under one of ddpkit's (``name``: the Cluster's transport), for the group
+    torch describes in ``opts``."""
     if name == "nccl":
         # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
         # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,
@@ -298,4 +300,4 @@ def _real_backend(name: str, opts, shm_prefix: str | None = None):
     return HostStaged(real, methods=STAGED if name == "shm" else POINT_TO_POINT)
 
 
-__all__ = ["BACKEND_NAME", "DdpkitProcessGroup", "install"]
+__all__ = ["BACKEND_NAME", "DdpkitProcessGroup", "build_real_backend", "install"]

@@ -56,7 +56,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ddpkit.trace.measures import _intersect, _length, _union
+from ddpkit.trace.intervals import clip, intersect, length, minus, union
 from ddpkit.trace.records import as_trace
 
 STEP_PARTS = ("compute", "exposed_comm", "straggler_wait", "host")
@@ -64,27 +64,6 @@ GAP_PARTS = ("contention", "host_overhead", "exposed_comm", "straggler_wait")
 PART_LABELS = {"contention": "compute slowed by contention", "host_overhead": "host overhead",
                "exposed_comm": "exposed communication", "straggler_wait": "waiting for the slowest rank",
                "compute": "compute", "host": "host", "residual": "residual"}
-
-
-def _minus(xs, ys) -> list[tuple[int, int]]:
-    """``xs`` without ``ys`` (both sorted, disjoint interval lists)."""
-    out, j = [], 0
-    for a, b in xs:
-        while j < len(ys) and ys[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(ys) and ys[k][0] < b:
-            if ys[k][0] > a:
-                out.append((a, ys[k][0]))
-            a = max(a, ys[k][1])
-            k += 1
-        if a < b:
-            out.append((a, b))
-    return out
-
-
-def _clip(intervals, a: int, b: int) -> list[tuple[int, int]]:
-    return [(max(x, a), min(y, b)) for x, y in intervals if min(y, b) > max(x, a)]
 
 
 @dataclass
@@ -110,7 +89,7 @@ def _compute_intervals(mine) -> list[tuple[int, int]]:
             inside = [t for t in ready if r.start_ns <= t <= r.end_ns]
             end = max(inside) if inside else r.end_ns
         out.append((r.start_ns, end))
-    return _union(out)
+    return union(out)
 
 
 def _issue_matching(trace) -> dict[tuple, int]:
@@ -136,7 +115,7 @@ def _group(r) -> tuple:
 def _rank_step(by_rank_step, comm_of, latest, rank: int, steps, a: int, b: int) -> dict[str, int]:
     """The partition of one rank's time in ``[a, b)`` (ns) into STEP_PARTS, from the compute
     spans of ``steps`` and every collective of the rank."""
-    compute = _clip(_compute_intervals([r for s in steps for r in by_rank_step[(rank, s)]]), a, b)
+    compute = clip(_compute_intervals([r for s in steps for r in by_rank_step[(rank, s)]]), a, b)
     comm, waiting = [], []
     for r, key in comm_of[rank]:
         end = r.end_ns if r.end_ns is not None else b
@@ -146,10 +125,10 @@ def _rank_step(by_rank_step, comm_of, latest, rank: int, steps, a: int, b: int) 
         last = latest.get(key, r.start_ns)
         if last > r.start_ns:  # another rank issued it later: rank r waits for it to arrive
             waiting.append((r.start_ns, min(last, end)))
-    blocked = _minus(_clip(_union(comm), a, b), compute)
-    straggler = _length(_intersect(blocked, _clip(_union(waiting), a, b)))
-    blocked_ns = _length(blocked)
-    compute_ns = _length(compute)
+    blocked = minus(clip(union(comm), a, b), compute)
+    straggler = length(intersect(blocked, clip(union(waiting), a, b)))
+    blocked_ns = length(blocked)
+    compute_ns = length(compute)
     return dict(compute=compute_ns, straggler_wait=straggler, exposed_comm=blocked_ns - straggler,
                 host=(b - a) - compute_ns - blocked_ns)
 
