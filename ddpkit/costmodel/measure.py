@@ -110,12 +110,12 @@ def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd"
     ranks that share a machine's cores contend for them as they do in training. ``workload``: a
     ``ddpkit.Workload``, or a built-in's name sized by ``model_kwargs``; each rank profiles its
     layers on a batch of ``batch_per_rank`` samples."""
-    import ddpkit
+    from ddpkit.rankside import device
     from ddpkit.workload import Workload
 
     wl = Workload.of(workload, model_kwargs)
-    module = wl.build().to(ddpkit.device())
-    batch = wl.local_batch(0, batch_per_rank, 0, 1, ddpkit.device())
+    module = wl.build().to(device())
+    batch = wl.local_batch(0, batch_per_rank, 0, 1, device())
     return profile_model(module, batch, optimizer=optimizer, repeats=repeats, loss=wl.compute_loss)
 
 
@@ -126,9 +126,9 @@ def profile_for(workload, batch_per_rank: int, optimizer: str = "sgd", model_kwa
     rank), so ranks sharing this machine's cores slow each other down as in a real run."""
     if ranks is None:
         return profile_job(workload, batch_per_rank, optimizer, model_kwargs)
-    import ddpkit
+    from ddpkit.cluster import Cluster
 
-    with ddpkit.Cluster(ranks, backend="auto", threads_per_rank=threads) as cluster:
+    with Cluster(ranks, backend="auto", threads_per_rank=threads) as cluster:
         return slowest_profile(cluster.run(profile_job, workload, batch_per_rank, optimizer, model_kwargs))
 
 
@@ -160,15 +160,14 @@ def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer:
     import torch
     import torch.distributed as dist
 
-    import ddpkit
     from ddpkit.experiment import train_batch, wrap
-    from ddpkit.rankside import subgroup
+    from ddpkit.rankside import device, subgroup
     from ddpkit.workload import Workload
 
     wl = Workload.of(workload, model_kwargs)
     rank = dist.get_rank()
     alone = [subgroup([r]) for r in range(dist.get_world_size())][rank]  # every rank makes every group
-    dev = ddpkit.device()
+    dev = device()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     per_step = {}
     for label, (name, options) in runs.items():
