@@ -29,7 +29,7 @@ def _loops(chunk_ms: float, iters: int) -> tuple[float, float, float]:
     import torch.distributed as dist
 
     from ddpkit.costmodel.measure import compute_chunk  # timed one rank at a time, on a core of its own
-    from ddpkit.strategies._common import all_gather_flat  # torch 2.13's name, without its warning
+    from ddpkit.torch_internals import all_gather_flat  # torch 2.13's name, without its warning
 
     chunk = compute_chunk(chunk_ms / 1e3)
     small = torch.ones(256)  # 1 KiB of float32

@@ -30,14 +30,14 @@ def job(strategy: str, rounds: int, steps: int, batch: int):
     from ddpkit import rankside
     from ddpkit.experiment import local_batch, train_step, wrap
     from ddpkit.models import build_model
-    from ddpkit.trace import Recorder
+    from ddpkit.trace import Recorder, seam
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    flight = rankside.attached_comm().flight
+    flight = rankside.comm().flight
     out = {}
     for recorded in (False, True):
-        recorder = Recorder(rank=rank, world_size=world) if recorded else rankside.recorder()
-        with rankside.recording(recorder):
+        recorder = Recorder(rank=rank, world_size=world) if recorded else seam.recorder()
+        with seam.recording(recorder):
             module = build_model("mlp")
             model, opt = wrap(strategy, module, recorder=recorder)
             x, y = local_batch(module, batch, 0, rank, world)

@@ -15,6 +15,7 @@ the slowest rank (adjacent blocks see the same machine). Target: on costs <= 5 %
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 
@@ -27,9 +28,10 @@ def job(rounds: int, steps: int, bucket_cap_mb: float):
     import ddpkit
     from ddpkit.experiment import local_batch, make_optimizer, train_step
     from ddpkit.models import build_model
-    from ddpkit.rankside import recording
+    from ddpkit.cluster.worker import report
     from ddpkit.trace import Recorder
     from ddpkit.trace.live import Streamer
+    from ddpkit.trace.seam import NULL_RECORDER, recording
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rec = Recorder()
@@ -47,7 +49,7 @@ def job(rounds: int, steps: int, bucket_cap_mb: float):
             train_step(model, opt, x, y)
             times[mode].append((time.perf_counter() - t) * 1e3)
 
-    send = lambda **batch: ddpkit.rankside.report("records", **batch)  # noqa: E731
+    send = functools.partial(report, "records")
     for r in range(rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             if mode == "off":
@@ -57,7 +59,7 @@ def job(rounds: int, steps: int, bucket_cap_mb: float):
                 model.recorder = rec
                 with Streamer(rec, send), recording(rec):
                     block("on")
-                model.recorder = ddpkit.rankside.NULL_RECORDER
+                model.recorder = NULL_RECORDER
     warm = steps  # drop each mode's first block (allocation, first touch, first imports)
     return dict(off=times["off"][warm:], on=times["on"][warm:], steps=steps,
                 records_per_step=len(rec.records) / (rounds * steps))

@@ -94,7 +94,7 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
             batch = wl.local_batch(step, global_batch_size, rank, world, dev)
             spent.update(dict.fromkeys(PARTS, 0.0))
             hooks.update(calls=0, own=0.0)
-            moved = ddpkit.rankside.transport_seconds()
+            moved = ddpkit.rankside.comm().transport_seconds()
             t0 = time.perf_counter()
             loss = wl.compute_loss(model, batch)
             t1 = time.perf_counter()
@@ -107,7 +107,7 @@ def _job(strategy: str, cap_mb: float, steps: int, global_batch_size: int, warmu
             t4 = time.perf_counter()
             if step >= warmup:
                 rows.append(dict(step=t4 - t0, backward=t2 - t1, sync=t3 - t2, **spent,
-                                 moved=ddpkit.rankside.transport_seconds() - moved,
+                                 moved=ddpkit.rankside.comm().transport_seconds() - moved,
                                  hook_calls=hooks["calls"], hook_own=hooks["own"]))
         for step in range(warmup + steps):  # the same backward, hooks idle: no bucket is touched
             batch = wl.local_batch(step, global_batch_size, rank, world, dev)

@@ -23,7 +23,7 @@ def job(rounds: int, steps: int, width: int, depth: int, batch: int):
     import ddpkit
     from ddpkit.experiment import local_batch, make_optimizer, train_step
     from ddpkit.models import build_model
-    from ddpkit.strategies._common import NULL_RECORDER
+    from ddpkit.trace.seam import NULL_RECORDER
     from ddpkit.trace import Recorder
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -99,11 +99,11 @@ def shared_gpu_job(candidates, collectives, sizes, rounds: int, iters: int) -> d
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.cluster.processes import _loopback_store
+    from ddpkit.cluster.processes import loopback_store
 
     rank, n, dev = dist.get_rank(), dist.get_world_size(), ddpkit.device()
     finish = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    store = _loopback_store(120.0) if rank == 0 else None   # rank 0 hosts it, on loopback only
+    store = loopback_store(120.0) if rank == 0 else None   # rank 0 hosts it, on loopback only
     port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     if rank != 0:

@@ -124,10 +124,10 @@ def transports_job(candidates, collectives, sizes, rounds: int, iters: int) -> d
 
     import torch.distributed as dist
 
-    from ddpkit.cluster.processes import _loopback_store
+    from ddpkit.cluster.processes import loopback_store
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    store = _loopback_store(60.0) if rank == 0 else None   # rank 0 hosts it, on loopback only
+    store = loopback_store(60.0) if rank == 0 else None   # rank 0 hosts it, on loopback only
     port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     if rank != 0:

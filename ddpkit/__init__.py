@@ -32,7 +32,8 @@ from ddpkit.predictions import ask
 from ddpkit.topology import Topology
 from ddpkit.torch_internals import check_torch
 from ddpkit.workload import Workload
-from ddpkit.rankside import device, progress, rank, world_size
+from ddpkit.cluster.worker import progress
+from ddpkit.rankside import device, rank, world_size
 from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
                                ZeRO2)
 from ddpkit.torchrun import init_process_group, record

@@ -253,6 +253,7 @@ def _cmd_validate(args, parser) -> int:
 
 def cmd_predict(args, parser) -> int:
     from ddpkit import costmodel
+    from ddpkit.network import NETWORKS, as_network
 
     if args.world_sizes is None:
         args.world_sizes = [2, 4] if args.validate else [2, 4, 8]
@@ -292,7 +293,7 @@ def cmd_predict(args, parser) -> int:
         fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here", host=cluster.backend != "nccl")
         print(costmodel.format_fit(fitted))
         # the alpha-beta lines, for every world size alike, between every pair of ranks (the nodes kept)
-        network = costmodel.as_network(fitted.line(), gpus_per_node=network.gpus_per_node)
+        network = as_network(fitted.line(), gpus_per_node=network.gpus_per_node)
 
     if args.threads:
         import torch
@@ -316,7 +317,7 @@ def cmd_predict(args, parser) -> int:
 
         # weak scaling (the same work per rank at every size): the first world size's profile
         profile = next(iter(profiles.values()))
-        nets = {net.name: net for net in (network, costmodel.NETWORKS["100GbE"], costmodel.NETWORKS["nvlink"])}
+        nets = {net.name: net for net in (network, NETWORKS["100GbE"], NETWORKS["nvlink"])}
         fig = plot_scaling(profile, strategies=args.strategies, networks=list(nets.values()))
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")

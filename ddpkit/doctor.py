@@ -6,8 +6,8 @@ than ranks, the ranks sharing them over ddpkit's own transport; without a GPU, g
 exercises, on tiny models and few steps, every feature the notebooks use: every strategy and
 torch's own wrappers (each must equal one process), recording and streaming, the emulated
 network, memory statistics and a small comparison. One row per feature, ``ok`` or ``FAILED``
-with the last line of the error; the exit status is 1 on any failure.
-Under a minute on 2 CPU cores (12-21 s on the development machine, shared with other work).
+with the last line of the error; the exit status is 1 on any failure, and the last line says how long
+it took (``docs/classroom.md``: what that was on a small machine).
 
     python -m ddpkit doctor                     # the first GPUs (or the CPU), 2 ranks
     python -m ddpkit doctor --gpus 4,5          # a student's pair of GPUs

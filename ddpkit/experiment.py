@@ -22,9 +22,9 @@ import contextlib
 import torch
 
 from ddpkit.models import make_batch, supervised_loss
-from ddpkit.rankside import recorder as rank_recorder
 from ddpkit.strategies.table import NAMES as STRATEGIES  # noqa: F401  (the names, for callers)
 from ddpkit.strategies.table import strategy as strategy_row
+from ddpkit.trace.seam import recorder as rank_recorder
 from ddpkit.workload import resolve, shard_batch
 
 
@@ -263,11 +263,14 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     """
     import torch.distributed as dist
 
-    from ddpkit.rankside import device, emulation_counts, progress, recording, transport_seconds
+    from ddpkit import rankside
+    from ddpkit.cluster.worker import progress
+    from ddpkit.rankside import device
+    from ddpkit.trace.seam import recording
 
     wl = resolve(workload, model, model_kwargs, seed)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = device()
+    dev, comm = device(), rankside.comm()  # comm: what this rank's emulated links did
     module = wl.build(seed)
     dropout = active_dropout(module) if reference is not None else []
     recorder = rank_recorder()  # recording off, unless the cluster is recording (cluster.recording())
@@ -290,7 +293,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             if step == warmup:
-                emulated_before, moved_before = emulation_counts(), transport_seconds()
+                emulated_before, moved_before = comm.emulation_counts(), comm.transport_seconds()
             if step >= warmup:
                 timer.start()
             loss = train_batch(wrapped, opt, batch, wl.compute_loss, recorder, max_norm)
@@ -300,7 +303,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
             if report_progress:
                 progress(step + 1, total)
         times = timer.result()
-        emulated = [b - a for a, b in zip(emulated_before, emulation_counts(), strict=True)] if steps else [0, 0]
+        emulated = [b - a for a, b in zip(emulated_before, comm.emulation_counts(), strict=True)] if steps else [0, 0]
         # the allocator's peak over the timed steps: read now, before what follows (gathering the
         # full model for the comparison, the memory pass) allocates more than a step does
         gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
@@ -309,7 +312,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
                    losses=[float(loss) for loss in losses],
                    emulated_collectives=emulated[0], outran_link=emulated[1],
                    # the emulated NIC's rule: ms a step this rank spent moving bytes when it waited
-                   transport_ms_per_step=1e3 * (transport_seconds() - moved_before) / steps if steps else 0.0)
+                   transport_ms_per_step=1e3 * (comm.transport_seconds() - moved_before) / steps if steps else 0.0)
         if record:
             # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
             # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the

@@ -1,4 +1,4 @@
-"""Memory per rank by category, and what the ZeRO formulas predict for it.
+"""Memory per rank by category, measured inside the rank.
 
 Categories (bytes, per rank; ``CATEGORIES``, the one list of them, in the order plots stack them):
 - ``parameters``: the tensors ``model.parameters()`` yields (for FSDP: the local shards);
@@ -16,7 +16,7 @@ since the job began: a Cluster's ranks live across jobs, and each job starts fro
 ``reset_cuda_peak``) and ``cuda_reserved`` (what it holds from the GPU, freed blocks included), and
 ``cuda_context``: what the rank's process holds on its GPU *outside* the allocator, mostly its CUDA
 context (the driver's state and the kernels it loaded: hundreds of MiB per process, so N ranks
-sharing one GPU pay it N times), where NVML can tell (``ddpkit.cluster.gpu_memory``). The model states
+sharing one GPU pay it N times), where NVML can tell (``cuda_context_bytes``). The model states
 are the categories above; none of this is in them.
 
     with ActivationMeter(model) as act:
@@ -26,33 +26,27 @@ are the categories above; none of this is in them.
 or, to catch the gradients before ``zero_grad`` frees them, the one memory-measuring pass:
 ``measure_step(model, opt, batch, loss)`` (forward, backward, sync, measure).
 
-``zero_predictions`` gives the ZeRO paper's model-state formulas for the same run;
-``predicted_model_state(strategy, ...)`` the one a strategy follows (hybrid sharding: over its
-shard group, not the world), for Ψ = ``parameter_count(model or workload)``. The measurements of a
-whole run per strategy are ``experiment.run_strategy``'s and ``compare``'s (``memory``: per rank,
+What the ZeRO formulas predict for the same run is ``ddpkit.memory_formulas``'s. The measurements of
+a whole run per strategy are ``experiment.run_strategy``'s and ``compare``'s (``memory``: per rank,
 by category), for any ``ddpkit.Workload``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import weakref
 
 import torch
 
 from ddpkit.nested import tensors
-from ddpkit.strategies.table import STRATEGIES
-from ddpkit.cluster.gpu_memory import cuda_context_bytes
-from ddpkit.torch_internals import TorchDispatchMode, allocator_history
+from ddpkit.torch_internals import TorchDispatchMode, allocator_history, nvml_index
 
 # Every category, in the order plots stack them: model states first, then what the ZeRO formulas
 # leave out.
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "activations",
               "unsharded_parameters")
 MODEL_STATES = CATEGORIES[:3]  # what the ZeRO formulas count
-
-# Which ZeRO stage each ddpkit strategy is, for putting predictions beside measurements.
-STAGE_OF_STRATEGY = {name: row.zero_stage for name, row in STRATEGIES.items()}
-
 
 def _tensor_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``: a tensor seen twice (a tied weight), or
@@ -243,6 +237,43 @@ def cuda_allocator_bytes(device=None) -> dict[str, int]:
     return out
 
 
+def cuda_context_bytes(device=None) -> int | None:
+    """Bytes this process holds on ``device`` outside the caching allocator: NVML's figure for this
+    process (what ``nvidia-smi`` lists for it) minus the allocator's reserved bytes. Mostly the CUDA
+    context (the driver's state, the kernels loaded); also what libraries allocate past the
+    allocator (NCCL's buffers). None where NVML cannot tell: no ``nvidia-ml-py`` (``pynvml``), or a
+    container whose process ids NVML does not see."""
+    used = _nvml_process_bytes(nvml_index(device), os.getpid())
+    return None if used is None else max(0, used - torch.cuda.memory_reserved(device))
+
+
+@functools.cache
+def _nvml_handle(index: int):
+    """NVML's handle of GPU ``index`` (NVML's numbering), NVML initialised once per process; None
+    where there is no NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 - no pynvml, no driver library, no such GPU: NVML cannot tell
+        return None
+
+
+def _nvml_process_bytes(index: int, pid: int) -> int | None:
+    handle = _nvml_handle(index)
+    if handle is None:
+        return None
+    import pynvml
+
+    try:
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001
+        return None
+    used = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
+    return sum(used) if used else None
+
+
 def reset_cuda_peak(device) -> None:
     """Start ``cuda_max_allocated`` afresh on ``device`` (a GPU; nothing for the CPU). A Cluster's
     worker calls it before every job: its ranks outlive jobs, and a peak counted since the rank
@@ -267,60 +298,8 @@ def cuda_memory_snapshot(path, max_entries: int = 100_000):
         allocator_history(False, path=path)
 
 
-# ----------------------------------------------------------------------------- ZeRO formulas
-def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes: float = 4,
-                     grad_bytes: float = 4) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank for DDP and ZeRO-1/2/3 (Rajbhandari et al., 2020, section 5;
-    ``docs/papers.md``).
-
-    Ψ = ``num_params``, N = ``world_size`` (the ranks the state is sharded over), K =
-    optimizer-state bytes per parameter. The defaults are fp32 with Adam, as on CPU: parameters
-    4Ψ, gradients 4Ψ, Adam's two moments 8Ψ. The paper's mixed-precision case is
-    ``param_bytes=2, grad_bytes=2, k=12`` (K counts the fp32 master copy too), giving DDP 16Ψ,
-    ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3 16Ψ/N.
-    """
-    if world_size < 1 or num_params < 0:
-        raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
-    p, g, o, n = param_bytes * num_params, grad_bytes * num_params, k * num_params, world_size
-    stages = {
-        "DDP": (p, g, o),            # everything replicated
-        "ZeRO-1": (p, g, o / n),     # optimizer state sharded
-        "ZeRO-2": (p, g / n, o / n),  # ... and gradients
-        "ZeRO-3": (p / n, g / n, o / n),  # ... and parameters (FSDP full sharding)
-    }
-    return {name: {"parameters": a, "gradients": b, "optimizer_state": c, "total": a + b + c}
-            for name, (a, b, c) in stages.items()}
-
-
-def parameter_count(model) -> int:
-    """Ψ of the ZeRO formulas: the trainable parameters of ``model`` (an ``nn.Module``, or a
-    ``ddpkit.Workload``, whose model is built here once), a tied parameter counted once."""
-    from ddpkit.workload import Workload
-
-    module = model.build() if isinstance(model, Workload) else model
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-
-def shard_group_size(strategy: str, world_size: int, topology=None) -> int:
-    """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
-    hybrid sharding, which shards inside a node of ``topology`` (a ``ddpkit.Topology``, a
-    ``ddpkit.Network`` with ``gpus_per_node``, or None: nodes of 2) and replicates across nodes,
-    so its state is everything / k, not / N. The table's ``Strategy.shard_group_size``."""
-    return STRATEGIES[strategy].shard_group_size(world_size, topology)
-
-
-def predicted_model_state(strategy: str, num_params: int, world_size: int, topology=None,
-                          **bytes_per_param) -> dict[str, float]:
-    """The ZeRO formula ``strategy`` follows (its table row's stage), sharded over its shard group
-    (hybrid sharding: a node of ``topology``, as above): ``{parameters, gradients,
-    optimizer_state, total}`` bytes per rank."""
-    stage = STRATEGIES[strategy].zero_stage
-    return zero_predictions(num_params, shard_group_size(strategy, world_size, topology), **bytes_per_param)[stage]
-
-
 __all__ = [
-    "CATEGORIES", "MODEL_STATES", "STAGE_OF_STRATEGY", "model_state_bytes", "memory_by_category", "record_memory",
-    "measure_step", "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_memory_snapshot",
-    "reset_cuda_peak", "zero_predictions",
-    "parameter_count", "shard_group_size", "predicted_model_state",
+    "CATEGORIES", "MODEL_STATES", "model_state_bytes", "memory_by_category", "record_memory", "measure_step",
+    "step_memory", "ActivationMeter", "TensorWatch", "cuda_allocator_bytes", "cuda_context_bytes",
+    "cuda_memory_snapshot", "reset_cuda_peak",
 ]

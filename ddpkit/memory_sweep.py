@@ -3,7 +3,7 @@
     sweep = {n: memory_against_n(cluster_of_n, ["overlapped", "zero1", "zero2", "fsdp"]) for n in (1, 2, 4)}
     ddpkit.viz.plot_memory_against_n(sweep)       # stacked by category, the ZeRO formula beside
 
-The ZeRO formulas (``ddpkit.memory.zero_predictions``) count model states only: parameters,
+The ZeRO formulas (``ddpkit.memory_formulas.zero_predictions``) count model states only: parameters,
 gradients, optimizer state. What a rank holds in a step is more, and the rest does not shrink
 with N: activations (the same per-rank batch at every N), DDP's buckets (a second copy of every
 gradient), FSDP's unsharded units (a gathered unit is full size whatever N, and a prefetch holds
@@ -78,7 +78,7 @@ def memory_against_n(cluster, strategies, workload=None, per_rank_batch: int = 3
 
 def formula_totals(sweep: dict, num_params: int) -> dict[tuple[str, int], float]:
     """``{(strategy, n): the ZeRO formula's model-state bytes per rank}`` for ``{n: {strategy: ...}}``
-    (fp32 AdamW: 4 + 4 + 8 bytes per parameter, ``ddpkit.memory.predicted_model_state``)."""
-    from ddpkit.memory import predicted_model_state
+    (fp32 AdamW: 4 + 4 + 8 bytes per parameter, ``ddpkit.memory_formulas.predicted_model_state``)."""
+    from ddpkit.memory_formulas import predicted_model_state
 
     return {(s, n): predicted_model_state(s, num_params, n)["total"] for n, runs in sweep.items() for s in runs}

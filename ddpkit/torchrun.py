@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import rankside
+from ddpkit.trace.seam import recording
 
 SUFFIX = ".records"
 
@@ -60,7 +61,7 @@ def record(folder: str):
     os.makedirs(folder, exist_ok=True)
     rec = Recorder()
     rec.align_clocks()
-    with rankside.recording(rec):
+    with recording(rec):
         yield rec
     torch.save({"world_size": rec.world_size, "backend": rec.backend, "records": rec.records},
                os.path.join(folder, f"rank{rec.rank}{SUFFIX}"))

@@ -39,7 +39,8 @@ from ddpkit.comm import process_group
 from ddpkit.cluster import BACKENDS, resolve_backend
 from ddpkit.experiment import train_batch, wrap
 from ddpkit.models import MODELS
-from ddpkit.rankside import comm_counts, set_device, set_topology
+from ddpkit import rankside
+from ddpkit.rankside import set_device, set_topology
 from ddpkit.strategies.table import DEFAULT, NAMES
 from ddpkit.topology import Topology
 from ddpkit.units import human_bytes
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     full = model.full_state_dict()
     checksum = sum(float(v.double().sum()) for v in full.values())
     if rank == 0:
-        sent = sum(count[1] for count in comm_counts().values())  # every collective this rank took part in
+        sent = sum(count[1] for count in rankside.comm().snapshot().values())  # every collective this rank took part in
         print(f"final checksum {checksum:.10f} ({args.strategy}, {world} ranks, {args.steps} steps); "
               f"rank 0 sent {human_bytes(sent)} through ddpkit's process group", flush=True)
         if args.save:

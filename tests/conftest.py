@@ -47,6 +47,17 @@ def _clusters():
 
 
 @pytest.fixture
+def no_rank_device():
+    """The test process is a rank with no GPU chosen when the test starts and when it ends
+    (``rankside.set_device(None)``): a test that pretends to bind one leaves none behind."""
+    from ddpkit import rankside
+
+    rankside.set_device(None)
+    yield
+    rankside.set_device(None)
+
+
+@pytest.fixture
 def cluster_of(_clusters):
     """``cluster_of(n)`` -> a ready CPU Cluster with n ranks, shared across tests."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from ddpkit.experiment import local_batch, train_single_process, train_step
-from ddpkit.strategies._common import NullRecorder
+from ddpkit.trace.seam import NullRecorder
 
 SMALL_MLP = dict(width=16, depth=4)                          # 5 Linears, 1258 parameters
 SMALL_GPT = dict(vocab=16, dim=16, layers=1, heads=2, seq=8)  # tied head, LayerNorm, attention

@@ -1,6 +1,7 @@
 """The Cluster: jobs, results, errors, output, life cycle, bad input, stale imports, %%ranks."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -56,7 +57,7 @@ def _train_recorded(steps):
     """Trains with a strategy built without a recorder: it records into the rank's recorder."""
     from ddpkit.experiment import local_batch, train_step
     from ddpkit.models import build_model
-    from ddpkit.rankside import recorder
+    from ddpkit.trace.seam import recorder
 
     module = build_model("mlp", seed=0, width=16, depth=3)
     model = ddpkit.OverlappedDDP(module, bucket_cap_mb=0.0)
@@ -111,7 +112,7 @@ def test_jobs_that_record_by_hand_still_work_when_the_cluster_records(cluster_of
 
 def test_a_failed_recorded_run_keeps_what_was_recorded(cluster_of):
     def job():
-        from ddpkit.rankside import recorder
+        from ddpkit.trace.seam import recorder
 
         recorder().next_step()
         recorder().loss(1.5)
@@ -407,48 +408,47 @@ def test_a_memory_cap_is_checked_before_any_rank_starts(gpus_here, fraction, gpu
     assert _children() == before
 
 
-def test_a_memory_cap_reaches_each_rank_before_it_allocates(gpus_here, monkeypatch):
-    from ddpkit import rankside
-    from ddpkit.cluster import check_arguments, worker
+def test_a_memory_cap_reaches_each_rank_before_it_allocates(gpus_here, monkeypatch, no_rank_device):
+    from ddpkit.cluster import check_arguments
     from ddpkit.cluster.events import Events
     from ddpkit.cluster.processes import Workers
+    from ddpkit.cluster.rank_setup import join_device
 
     gpus_here(1)
     workers = Workers(Events())
     workers.settings = check_arguments(4, gpus=[0, 0, 0, 0], memory_fraction=0.25)
     workers.admission = SimpleNamespace(address=("127.0.0.1", 1), key=b"k")
     workers.store = SimpleNamespace(port=2)
-    configs = [workers.config(r) for r in range(4)]
-    assert [(c["gpu"], c["transport"], c["memory_fraction"]) for c in configs] == [(0, "cuda-ipc", 0.25)] * 4
+    told = [workers.rank_settings(r) for r in range(4)]
+    assert [(t.gpu, t.transport, t.memory_fraction) for t in told] == [(0, "cuda-ipc", 0.25)] * 4
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: calls.append(("device", torch.device(dev))))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, dev: calls.append(("cap", f, torch.device(dev))))
-    monkeypatch.setattr(rankside._RANK, "device", None)
-    assert worker._join_device(configs[3]) == "cuda:0"
+    assert join_device(told[3]) == "cuda:0"
     assert calls == [("device", torch.device("cuda", 0)), ("cap", 0.25, torch.device("cuda", 0))]
 
 
-def test_each_rank_is_told_its_gpu_and_binds_it_before_joining(eight_gpus, monkeypatch):
+def test_each_rank_is_told_its_gpu_and_binds_it_before_joining(eight_gpus, monkeypatch, no_rank_device):
     from ddpkit import rankside
-    from ddpkit.cluster import check_arguments, worker
+    from ddpkit.cluster import check_arguments
     from ddpkit.cluster.events import Events
     from ddpkit.cluster.processes import Workers
+    from ddpkit.cluster.rank_setup import RankSettings, join_device
 
     workers = Workers(Events())
     workers.settings = check_arguments(2, gpus=[4, 5])
     workers.admission = SimpleNamespace(address=("127.0.0.1", 1), key=b"k")
     workers.store = SimpleNamespace(port=2)
-    configs = [workers.config(r) for r in range(2)]
-    assert [(c["rank"], c["gpu"], c["backend"]) for c in configs] == [(0, 4, "nccl"), (1, 5, "nccl")]
+    told = [RankSettings.from_json(workers.rank_settings(r).to_json()) for r in range(2)]  # as it travels
+    assert [(t.rank, t.gpu, t.backend) for t in told] == [(0, 4, "nccl"), (1, 5, "nccl")]
 
     bound = []  # the worker's side, with CUDA patched out
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: bound.append(torch.device(dev)))
-    monkeypatch.setattr(rankside._RANK, "device", None)
-    assert worker._join_device(configs[1]) == "cuda:5"
+    assert join_device(told[1]) == "cuda:5"
     assert bound == [torch.device("cuda", 5)] and ddpkit.device() == torch.device("cuda", 5)
-    monkeypatch.setattr(rankside._RANK, "device", None)
-    assert worker._join_device(dict(configs[1], gpu=None)) == "cpu" and bound == [torch.device("cuda", 5)]
+    rankside.set_device(None)
+    assert join_device(dataclasses.replace(told[1], gpu=None)) == "cpu" and bound == [torch.device("cuda", 5)]
 
 
 @pytest.mark.gpu

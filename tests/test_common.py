@@ -1,4 +1,4 @@
-"""The pieces every strategy shares (ddpkit/strategies/_common.py)."""
+"""The pieces every strategy shares (ddpkit/strategies/common.py) and the recorder seam they record through."""
 from __future__ import annotations
 
 import pytest
@@ -9,11 +9,11 @@ from torch import nn
 import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_single_process, train_step
 from ddpkit.models import build_model
-from ddpkit.strategies._common import (
-    NULL_RECORDER, NullRecorder, broadcast_from_rank0, check_same_shapes, nbytes,
-    prepare_module, require_process_group, unique_named_parameters,
+from ddpkit.strategies.common import (
+    broadcast_from_rank0, check_same_shapes, nbytes, prepare_module, require_process_group, unique_named_parameters,
 )
 from ddpkit.strategies.ddp_module import DDPModule
+from ddpkit.trace.seam import NULL_RECORDER, NullRecorder
 
 
 def test_null_recorder_is_off_and_accepts_the_four_calls():
@@ -184,7 +184,7 @@ def test_ddp_module_forward_no_sync_finish_and_state(cluster_of):
 
 
 def _built_inside_recording():
-    from ddpkit.rankside import recorder, recording
+    from ddpkit.trace.seam import recorder, recording
     from ddpkit.strategies.table import NAMES
     from ddpkit.trace import Recorder
 

@@ -7,22 +7,23 @@ import math
 import pytest
 
 from ddpkit import costmodel as cm
+from ddpkit.network import Link, Network, collective_time
 from ddpkit.strategies.table import strategy
 
-NET = cm.Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
+NET = Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
 
 
 def test_collective_times_follow_the_ring_formulas():
     s = 1e6
     # all-reduce on 4 ranks: 2*3 alpha + 2*3/4 * S * beta
-    assert cm.collective_time("all_reduce", s, 4, NET) == pytest.approx(6 * 20e-6 + 1.5 * s / 10e9)
-    assert cm.collective_time("all_gather", s, 4, NET) == pytest.approx(3 * 20e-6 + 0.75 * s / 10e9)
-    assert cm.collective_time("reduce_scatter", s, 8, NET) == pytest.approx(7 * 20e-6 + 7 / 8 * s / 10e9)
+    assert collective_time("all_reduce", s, 4, NET) == pytest.approx(6 * 20e-6 + 1.5 * s / 10e9)
+    assert collective_time("all_gather", s, 4, NET) == pytest.approx(3 * 20e-6 + 0.75 * s / 10e9)
+    assert collective_time("reduce_scatter", s, 8, NET) == pytest.approx(7 * 20e-6 + 7 / 8 * s / 10e9)
     # a broadcast's pipeline: every link but the last carries all S, one after another
-    assert cm.collective_time("broadcast", s, 4, NET) == pytest.approx(3 * 20e-6 + s / 10e9)
-    assert cm.collective_time("all_reduce", s, 1, NET) == 0.0
+    assert collective_time("broadcast", s, 4, NET) == pytest.approx(3 * 20e-6 + s / 10e9)
+    assert collective_time("all_reduce", s, 1, NET) == 0.0
     with pytest.raises(KeyError):
-        cm.collective_time("all_to_all", s, 2, NET)
+        collective_time("all_to_all", s, 2, NET)
 
 
 def test_buckets_follow_torch_ddp_rules():
@@ -69,7 +70,7 @@ def test_overlap_gain_shrinks_as_communication_dominates():
     p = _mlp_like()
     gains, comm_over_backward = [], []
     for gbps in (10, 3, 1, 0.3, 0.1, 0.03):  # slower and slower network
-        net = cm.Link(f"{gbps}", alpha=20e-6, beta=1 / (gbps * 1e9))
+        net = Link(f"{gbps}", alpha=20e-6, beta=1 / (gbps * 1e9))
         bucketed = cm.simulate("bucketed", p, 8, net, 2)
         overlapped = cm.simulate("overlapped", p, 8, net, 2)
         assert overlapped.ms_per_step <= bucketed.ms_per_step + 1e-9
@@ -105,9 +106,9 @@ def test_naive_is_one_all_reduce_per_tensor_and_slowest_on_latency():
 
 
 def test_fit_recovers_alpha_and_beta():
-    true = cm.Link("true", alpha=50e-6, beta=1 / 2e9)
+    true = Link("true", alpha=50e-6, beta=1 / 2e9)
     sizes = [4096, 65536, 1 << 20, 1 << 22, 1 << 24]
-    samples = [(s, cm.collective_time("all_reduce", s, 4, true)) for s in sizes]
+    samples = [(s, collective_time("all_reduce", s, 4, true)) for s in sizes]
     fit = cm.fit_link(samples, 4)
     assert fit.alpha == pytest.approx(true.alpha, rel=1e-6)
     assert fit.beta == pytest.approx(true.beta, rel=1e-6)
@@ -153,9 +154,9 @@ def test_plot_scaling_draws_to_256():
 def test_fit_gives_each_collective_its_own_line():
     truth = {"all_reduce": (300e-6, 1 / 1.5e9), "all_gather": (100e-6, 1 / 1e9),
              "reduce_scatter": (600e-6, 1 / 0.7e9)}
-    true = cm.Link("true", *truth["all_reduce"], per_op=truth)
+    true = Link("true", *truth["all_reduce"], per_op=truth)
     sizes = [1024, 16384, 1 << 18, 1 << 20, 1 << 22]
-    samples = {op: [(s, cm.collective_time(op, s, 2, true)) for s in sizes] for op in truth}
+    samples = {op: [(s, collective_time(op, s, 2, true)) for s in sizes] for op in truth}
     fit = cm.fit_link(samples, 2)
     for op, (alpha, beta) in truth.items():
         assert fit.alpha_beta(op) == pytest.approx((alpha, beta), rel=1e-6)
@@ -167,9 +168,9 @@ def test_fit_gives_each_collective_its_own_line():
     with pytest.raises(ValueError, match="unknown collective"):
         cm.fit_link({"all_to_all": samples["all_gather"]}, 2)
     with pytest.raises(ValueError, match=">= 0"):
-        cm.Link("bad", 1e-6, 1e-9, per_op={"all_gather": (-1.0, 1e-9)})
+        Link("bad", 1e-6, 1e-9, per_op={"all_gather": (-1.0, 1e-9)})
     with pytest.raises(ValueError, match="unknown collective"):
-        cm.Link("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
+        Link("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
 
 
 def test_measured_timings_are_interpolated_at_their_world_size_only():
@@ -177,7 +178,7 @@ def test_measured_timings_are_interpolated_at_their_world_size_only():
                "all_gather": [(1024, 0.5e-3), (1 << 22, 4e-3)]}
     net = cm.fit_link(samples, 2)
     assert net.measured_world_size == 2
-    t = lambda op, s, n=2, network=net: cm.collective_time(op, s, n, network)  # noqa: E731
+    t = lambda op, s, n=2, network=net: collective_time(op, s, n, network)  # noqa: E731
     assert t("all_reduce", 1 << 20) == pytest.approx(2e-3)                     # a measured point
     mid = (1 << 20) + ((1 << 22) - (1 << 20)) / 2
     assert t("all_reduce", mid) == pytest.approx(5e-3)                         # halfway between
@@ -190,7 +191,7 @@ def test_measured_timings_are_interpolated_at_their_world_size_only():
     assert t("all_reduce", 1 << 20, 4) == pytest.approx(6 * alpha + 1.5 * (1 << 20) * beta)  # other N: line
     assert t("all_reduce", 1 << 20, network=line) == pytest.approx(2 * alpha + (1 << 20) * beta)
     with pytest.raises(ValueError, match="world size"):
-        cm.Link("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
+        Link("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
 
 
 def test_calibration_sizes_reach_the_largest_collective():
@@ -304,7 +305,7 @@ def test_hybrid_sharding_follows_the_networks_nodes():
     2.5 S. The default layout (nodes of 2) would be 3 * 1/2 * S + 2 * 3/4 * S/2 = 2.25 S."""
     p = _mlp_like()
     s = p.param_bytes
-    nodes_of_4 = cm.Network.of("10GbE", gpus_per_node=4)
+    nodes_of_4 = Network.of("10GbE", gpus_per_node=4)
     assert cm.simulate("hsdp", p, 8, nodes_of_4).comm_bytes_per_step == pytest.approx(2.5 * s)
     assert cm.simulate("hsdp", p, 8, "10GbE").comm_bytes_per_step == pytest.approx(2.25 * s)
     # the optimizer steps a node's share: 1/4 of it, as memory and the run do
@@ -314,7 +315,7 @@ def test_hybrid_sharding_follows_the_networks_nodes():
 
 def test_predict_keeps_hybrid_sharding_on_odd_nodes_and_refuses_what_cannot_be_laid_out():
     p = _mlp_like()
-    nodes_of_3 = cm.Network.of("10GbE", gpus_per_node=3)
+    nodes_of_3 = Network.of("10GbE", gpus_per_node=3)
     rows = cm.predict(p, ["fsdp", "hsdp"], [3, 6], nodes_of_3)
     assert [(r.world_size, r.strategy) for r in rows] == [(3, "fsdp"), (3, "hsdp"), (6, "fsdp"), (6, "hsdp")]
     with pytest.raises(ValueError, match="hsdp shards inside nodes: .* 3 is not a multiple of 2"):
@@ -350,10 +351,10 @@ def test_a_wrappers_host_work_is_spread_over_the_layers_compute():
 
 def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
     def job():
-        from ddpkit.rankside import comm_counts
+        from ddpkit import rankside
 
         def sent():
-            return sum(c[1] for c in comm_counts().values())
+            return sum(c[1] for c in rankside.comm().snapshot().values())
 
         before = sent()
         out = cm.wrapper_job({"ddp": ("bucketed", {}), "sharded": ("fsdp", {"reshard_after_forward": True})},
@@ -370,12 +371,12 @@ def test_under_the_cards_rule_the_rank_moves_the_bytes_when_it_waits():
     when it waits, beside the link's time; torch's DDP (futures) has the link's thread move them
     after the link delivered. Without the rule, a host transport's work is charged at the issue."""
     p = _mlp_like()  # 8 MiB of gradients, 6.4 ms of backward
-    shm = cm.Link("shm", alpha=0.0, beta=1 / 4e9, host=True)  # ~0.26 ms a 1 MiB bucket
+    shm = Link("shm", alpha=0.0, beta=1 / 4e9, host=True)  # ~0.26 ms a 1 MiB bucket
     card = dataclasses.replace(shm, at_wait=True)
-    moved = 8 * cm.Network("paper").with_floor(shm).transport_time("all_reduce", 1024 * 1024, 2) * 1e3
+    moved = 8 * Network("paper").with_floor(shm).transport_time("all_reduce", 1024 * 1024, 2) * 1e3
 
     def step(strategy, network, floor):
-        return cm.simulate(strategy, p, 2, cm.Network(network).with_floor(floor), 1).ms_per_step
+        return cm.simulate(strategy, p, 2, Network(network).with_floor(floor), 1).ms_per_step
 
     # moved at the wait, the bytes never cost more than moved from the issue; on 10GbE (a bucket's
     # link time near its backward) they hide under the link instead of slowing backward

@@ -19,7 +19,7 @@ from torch import nn
 import ddpkit
 from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_step
 from ddpkit.models import build_model, loss_fn, make_batch
-from ddpkit.strategies._common import unique_named_parameters
+from ddpkit.strategies.common import unique_named_parameters
 from ddpkit.strategies.buckets import assign_buckets, bucket_cap_bytes
 from helpers import SMALL_CAP, SMALL_GPT, SMALL_MLP, TOL, CountingRecorder, reference_params, train_on_rank
 

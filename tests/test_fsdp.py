@@ -22,7 +22,7 @@ from ddpkit.experiment import local_batch, make_optimizer, max_abs_diff, train_s
 from ddpkit.models import build_model, loss_fn, make_batch
 from ddpkit.memory import TensorWatch
 from ddpkit.strategies.table import fsdp_units
-from ddpkit.strategies._common import all_gather_flat
+from ddpkit.torch_internals import all_gather_flat
 from helpers import SMALL_GPT, SMALL_MLP, TOL, CountingRecorder, ranks, reference_params, train_on_rank
 
 BATCH = 24  # splits evenly over 1, 2, 3 and 4 ranks

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit import rankside
-from ddpkit.rankside import NullRecorder
+from ddpkit.trace.seam import NullRecorder
 
 
 class _SetDeviceSpy:
@@ -37,10 +37,9 @@ class _SetDeviceSpy:
 
 
 @pytest.fixture
-def set_device(monkeypatch):
+def set_device(monkeypatch, no_rank_device):
     spy = _SetDeviceSpy()
     monkeypatch.setattr(torch.cuda, "set_device", spy)
-    monkeypatch.setattr(rankside._RANK, "device", None)  # restored after the test
     return spy
 
 
@@ -251,9 +250,9 @@ def test_the_nccl_group_gets_the_clusters_timeout_its_name_and_its_global_ranks(
     monkeypatch.setattr(_FakeNCCL, "made", [])
     opts = types.SimpleNamespace(store="store", group_rank=1, group_size=2, timeout=timedelta(seconds=7),
                                  group_id="3", global_ranks_in_group=[2, 5])
-    process_group._real_backend("nccl", opts)
+    process_group.build_real_backend("nccl", opts)
     default = types.SimpleNamespace(**{**vars(opts), "group_id": "0", "global_ranks_in_group": []})
-    process_group._real_backend("nccl", default)
+    process_group.build_real_backend("nccl", default)
     (store, rank, size, o), (_, _, _, d) = _FakeNCCL.made
     assert (store, rank, size) == ("store", 1, 2)
     assert o._timeout == timedelta(seconds=7)  # not NCCL's own 10 minutes
@@ -267,18 +266,18 @@ def test_the_nccl_group_gets_the_clusters_timeout_its_name_and_its_global_ranks(
 
 # ----------------------------------------------------------------------------- 5: results on the CPU
 def test_a_result_is_pickled_with_its_tensors_copied_to_the_cpu():
-    from ddpkit.cluster.worker import _pickle
+    from ddpkit.cluster.worker import pickle_result
 
     base = torch.arange(1000.0)
     param = torch.nn.Parameter(torch.ones(3))
     result = {"view": base[10:13], "param": param, "nested": [(base[:2],)], "n": 1}
     # the CPU stands in for CUDA here: what is done to a CUDA tensor is done to these
-    back = pickle.loads(_pickle(result, devices=("cpu",)))
+    back = pickle.loads(pickle_result(result, devices=("cpu",)))
     assert torch.equal(back["view"], base[10:13]) and back["view"].untyped_storage().nbytes() == 12
     assert type(back["param"]) is torch.nn.Parameter and back["param"].requires_grad
     assert torch.equal(back["nested"][0][0], base[:2]) and back["n"] == 1
     # by default only CUDA tensors are copied: a CPU view keeps its storage as before
-    assert pickle.loads(_pickle(base[10:13])).untyped_storage().nbytes() == 4000
+    assert pickle.loads(pickle_result(base[10:13])).untyped_storage().nbytes() == 4000
 
 
 # ----------------------------------------------------------------------------- 6: torchrun's backend
@@ -309,7 +308,7 @@ def test_every_torchrun_rank_of_a_node_chooses_the_same_backend(monkeypatch, set
 
 # ----------------------------------------------------------------------------- 8: start before launch
 def _order_of_mark_and_launch():
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
 
     events = []
 
@@ -391,14 +390,14 @@ def test_hybrid_sharding_makes_its_groups_once_per_layout(cluster_of):
 
 # ----------------------------------------------------------------------------- 10: peak per job
 def test_each_job_starts_a_fresh_allocator_peak_on_the_ranks_gpu(monkeypatch, set_device):
-    from ddpkit.cluster.worker import _before_job
+    from ddpkit.cluster.worker import before_job
 
     resets = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: resets.append(dev))
-    _before_job()  # a CPU rank: nothing to reset
+    before_job()  # a CPU rank: nothing to reset
     assert resets == []
     rankside.set_device(4)
-    _before_job()
+    before_job()
     assert resets == [torch.device("cuda", 4)]
 
 
@@ -437,7 +436,7 @@ def test_a_recorded_cuda_run_records_cuda_spans_and_streams(world):
 
 
 def _synchronous_all_reduce_span():
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
     from ddpkit.trace import Recorder
 
     rec = Recorder()
@@ -510,7 +509,7 @@ def test_the_allocator_peak_starts_afresh_with_each_job_and_each_timed_run():
 
 
 def _emulated_all_reduce():
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
     from ddpkit.trace import Recorder
 
     t = torch.ones(2**20, device=ddpkit.device())  # 4 MiB

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ddpkit.memory import (
-    ActivationMeter, cuda_memory_snapshot, memory_by_category, model_state_bytes, record_memory,
-    step_memory, zero_predictions,
+    ActivationMeter, cuda_memory_snapshot, memory_by_category, model_state_bytes, record_memory, step_memory,
 )
+from ddpkit.memory_formulas import zero_predictions
 from ddpkit.models import build_model, loss_fn, make_batch
 
 
@@ -180,7 +180,7 @@ def test_sharding_shrinks_memory_per_rank_as_zero_predicts(cluster_of):
 
 
 def test_hybrid_sharding_state_divides_by_the_real_node_size():
-    from ddpkit.memory import predicted_model_state, shard_group_size
+    from ddpkit.memory_formulas import predicted_model_state, shard_group_size
     from ddpkit.network import Network
     from ddpkit.topology import Topology
 
@@ -198,7 +198,7 @@ def test_memory_against_n_follows_the_formulas_and_says_what_they_leave_out(clus
     """memory_sweep on 1 and 2 ranks: model states equal the ZeRO formula at each N; DDP's buckets
     and the activations stay whole; no optimizer state before the first step; FSDP holds a unit."""
     from ddpkit import Workload
-    from ddpkit.memory import parameter_count
+    from ddpkit.memory_formulas import parameter_count
     from ddpkit.memory_sweep import formula_totals, memory_against_n
 
     workload = Workload.builtin("mlp", width=64, depth=4)

@@ -32,16 +32,16 @@ def on_network(cluster, network):
 def _bytes_per_step(name, steps=3):
     from ddpkit.experiment import local_batch, train_step, wrap
     from ddpkit.models import build_model
-    from ddpkit.rankside import comm_counts
+    from ddpkit import rankside
 
     rank, n = dist.get_rank(), dist.get_world_size()
     module = build_model("mlp", seed=0, **SMALL_MLP)
     model, opt = wrap(name, module, bucket_cap_mb=0.001)
     train_step(model, opt, *local_batch(module, 12, 0, rank, n))  # warm-up: torch DDP rebuilds buckets
-    before = comm_counts()
+    before = rankside.comm().snapshot()
     for step in range(1, 1 + steps):
         train_step(model, opt, *local_batch(module, 12, step, rank, n))
-    after = comm_counts()
+    after = rankside.comm().snapshot()
     sent = {}  # per op, over every link (a shared cluster's earlier jobs may have used other links)
     for (op, link), (calls, b, _) in after.items():
         was = before.get((op, link), (0, 0, 0))
@@ -66,11 +66,11 @@ def test_bytes_per_step_equal_ring_theory_for_every_strategy(cluster_of, name):
 
 
 def _one_all_reduce_counted():
-    from ddpkit.rankside import comm_counts
+    from ddpkit import rankside
 
-    before = comm_counts().get(("all_reduce", "inter-node"), (0, 0.0, 0.0))
+    before = rankside.comm().snapshot().get(("all_reduce", "inter-node"), (0, 0.0, 0.0))
     dist.all_reduce(torch.ones(1000))
-    after = comm_counts()[("all_reduce", "inter-node")]
+    after = rankside.comm().snapshot()[("all_reduce", "inter-node")]
     return after[0] - before[0], after[1] - before[1], type(dist.group.WORLD).__name__
 
 
@@ -80,10 +80,10 @@ def test_a_cluster_runs_on_ddpkits_process_group(cluster_of):
 
 
 def _point_to_point_and_rooted_collectives():
-    from ddpkit.rankside import comm_counts
+    from ddpkit import rankside
 
     rank = dist.get_rank()
-    before = comm_counts()
+    before = rankside.comm().snapshot()
     t = torch.full((3,), float(rank + 1))
     if rank == 0:
         dist.send(t, dst=1)
@@ -92,7 +92,7 @@ def _point_to_point_and_rooted_collectives():
     dist.reduce(t, dst=0)  # rank 0: 1 + 1
     gathered = [torch.zeros(3) for _ in range(2)] if rank == 0 else None
     dist.gather(torch.full((3,), float(rank)), gathered, dst=0)
-    return t.tolist(), gathered and [g.tolist() for g in gathered], comm_counts() == before
+    return t.tolist(), gathered and [g.tolist() for g in gathered], rankside.comm().snapshot() == before
 
 
 def test_what_no_strategy_issues_passes_through_uncounted(cluster_of):
@@ -103,12 +103,12 @@ def test_what_no_strategy_issues_passes_through_uncounted(cluster_of):
 
 
 def _reduce_scatter_counts():
-    from ddpkit.rankside import comm_counts
-    from ddpkit.strategies._common import reduce_scatter_flat
+    from ddpkit import rankside
+    from ddpkit.torch_internals import reduce_scatter_flat
 
-    before = comm_counts().get(("reduce_scatter", "inter-node"), (0, 0.0, 0.0))
+    before = rankside.comm().snapshot().get(("reduce_scatter", "inter-node"), (0, 0.0, 0.0))
     reduce_scatter_flat(torch.empty(500), torch.ones(1000))
-    _, sent, moved = comm_counts()[("reduce_scatter", "inter-node")]
+    _, sent, moved = rankside.comm().snapshot()[("reduce_scatter", "inter-node")]
     return sent - before[1], moved - before[2]
 
 
@@ -145,7 +145,7 @@ def test_a_reduce_scatter_waited_twice_keeps_what_the_caller_wrote_since(cluster
 def _recorded_bucketed():
     from ddpkit.experiment import local_batch, train_step, wrap
     from ddpkit.models import build_model
-    from ddpkit.rankside import recording
+    from ddpkit.trace.seam import recording
     from ddpkit.trace import Recorder
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -170,7 +170,7 @@ def test_each_collective_is_recorded_once_with_its_link_and_bucket(cluster_of):
 def _labels_on_this_thread_only():
     import threading
 
-    from ddpkit.rankside import NULL_RECORDER, NullRecorder, recording
+    from ddpkit.trace.seam import NULL_RECORDER, NullRecorder, recording
     from ddpkit.trace import Recorder
 
     class Counting(NullRecorder):  # a recorder that is on, as a test's counting one
@@ -212,7 +212,7 @@ def test_labels_reach_the_collectives_issued_in_the_block_on_its_thread(cluster_
 
 # ----------------------------------------------------------------------------- emulation
 def _timed_all_reduce(numel, calls=3):
-    from ddpkit.rankside import network
+    from ddpkit import rankside
 
     t = torch.ones(numel)
     dist.all_reduce(t)  # warm-up
@@ -220,7 +220,7 @@ def _timed_all_reduce(numel, calls=3):
     t0 = time.perf_counter()
     for _ in range(calls):
         dist.all_reduce(t)
-    return (time.perf_counter() - t0) / calls, network().emulated_time("all_reduce", numel * 4, [0, 1])
+    return (time.perf_counter() - t0) / calls, rankside.comm().network.emulated_time("all_reduce", numel * 4, [0, 1])
 
 
 def test_a_collective_takes_at_least_what_the_emulated_link_takes(cluster_of):
@@ -328,15 +328,15 @@ def test_collectives_on_one_link_run_one_after_another(cluster_of):
 
 
 def _links_of_groups():
-    from ddpkit.rankside import comm_counts
+    from ddpkit import rankside
 
     rank = dist.get_rank()
     node = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates every group
     across = dist.new_group([0, 2]), dist.new_group([1, 3])
-    before = comm_counts()
+    before = rankside.comm().snapshot()
     dist.all_reduce(torch.ones(100), group=node[rank // 2])
     dist.all_reduce(torch.ones(100), group=across[rank % 2])
-    after = comm_counts()
+    after = rankside.comm().snapshot()
     grew = {k for k in after if after[k][0] > before.get(k, (0,))[0]}
     return sorted(grew), type(node[rank // 2]).__name__
 
@@ -353,8 +353,8 @@ def test_switching_the_network_keeps_the_ranks(cluster_of):
     pids = [r.pid for r in c.ranks]
     with on_network(c, "10GbE"):
         assert c.network.inter.name == "10GbE"
-        assert c.run(lambda: ddpkit.rankside.network().inter.name) == ["10GbE", "10GbE"]
-    assert c.run(lambda: ddpkit.rankside.network().emulated) == [False, False]
+        assert c.run(lambda: ddpkit.rankside.comm().network.inter.name) == ["10GbE", "10GbE"]
+    assert c.run(lambda: ddpkit.rankside.comm().network.emulated) == [False, False]
     assert [r.pid for r in c.ranks] == pids
 
 
@@ -381,7 +381,7 @@ def test_a_rank_that_dies_under_emulation_is_a_rank_error_and_the_cluster_recove
             c.run(die)
         assert 1 in info.value.ranks
         assert c.run(lambda: dist.get_world_size()) == [2, 2]  # restarted, still emulating
-        assert c.run(lambda: ddpkit.rankside.network().inter.name) == ["10GbE", "10GbE"]
+        assert c.run(lambda: ddpkit.rankside.comm().network.inter.name) == ["10GbE", "10GbE"]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -492,15 +492,15 @@ def test_the_emulated_nic_moves_the_bytes_when_the_rank_waits(cluster_of):
         import torch
         import torch.distributed as dist
 
-        from ddpkit.rankside import transport_seconds
+        from ddpkit import rankside
 
         x = torch.full((1 << 18,), float(dist.get_rank() + 1))
-        before = transport_seconds()
+        before = rankside.comm().transport_seconds()
         work = dist.all_reduce(x, async_op=True)
         time.sleep(0.05)  # far past the link's time for 1 MiB on 10GbE (~1 ms)
         untouched = bool((x == dist.get_rank() + 1).all())  # nothing moved while the rank "computed"
         work.wait()
-        return untouched, bool((x == 3.0).all()), transport_seconds() - before
+        return untouched, bool((x == 3.0).all()), rankside.comm().transport_seconds() - before
 
     c = cluster_of(2)
     with on_network(c, "10GbE"):

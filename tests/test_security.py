@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import ddpkit
-from ddpkit.cluster import worker
+from ddpkit.cluster import admission
 from ddpkit.cluster import Cluster
 
 
@@ -77,7 +77,7 @@ def test_a_client_with_a_wrong_key_is_refused_logged_and_its_payload_never_runs(
     with socket.create_connection(cluster._workers.admission.address) as s:
         nonce = s.recv(32)
         assert len(nonce) == 32  # the parent speaks first: a challenge
-        wrong = worker._mac(b"not the key" * 3, b"client", nonce)
+        wrong = admission.mac(b"not the key" * 3, b"client", nonce)
         s.sendall(wrong + b"\0" * 32)
         try:
             s.sendall(struct.pack("!i", len(payload)) + payload)  # then tries its luck anyway
@@ -103,7 +103,7 @@ def test_a_client_with_no_key_that_just_sends_a_pickle_is_refused(cluster, caplo
 
 def test_a_silent_client_stalls_neither_other_connections_nor_restart(cluster, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="ddpkit.cluster")
-    monkeypatch.setattr(worker, "HANDSHAKE_TIMEOUT", 1.0)
+    monkeypatch.setattr(admission, "HANDSHAKE_TIMEOUT", 1.0)
     address = cluster._workers.admission.address
     silent = socket.create_connection(address)  # connects, then says nothing
     try:

@@ -57,10 +57,10 @@ def _runs_out_of_memory():
     waits for it in a collective (it is stopped, as a rank sharing the GPU would be)."""
     import torch.distributed as dist
 
-    from ddpkit import rankside
+    from ddpkit.cluster.worker import report
 
     rank = dist.get_rank()
-    rankside.report("gpu_memory", held=_held(10 * (rank + 1)))  # what the worker sends after a job on a GPU
+    report("gpu_memory", held=_held(10 * (rank + 1)))  # what the worker sends after a job on a GPU
     if rank == 1:
         raise torch.OutOfMemoryError(OOM)
     dist.barrier()
@@ -81,27 +81,26 @@ def test_a_rank_out_of_gpu_memory_says_what_each_rank_held_and_the_cluster_runs_
 
 
 def test_after_each_job_on_a_gpu_a_rank_says_what_it_held_and_one_out_of_memory_gives_back_its_cache(
-        monkeypatch):
+        monkeypatch, no_rank_device):
     from ddpkit import rankside
     from ddpkit.cluster import gpu_memory, worker
 
     sent, emptied = [], []
-    monkeypatch.setattr(worker, "_context", SimpleNamespace(send=sent.append))
-    monkeypatch.setattr(rankside._RANK, "device", None)
-    worker._after_job(None, None)  # a CPU rank: nothing to say
+    worker.after_job(sent.append, None, None)  # a CPU rank: nothing to say
     assert sent == []
-    monkeypatch.setattr(rankside._RANK, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)  # no GPU here: the rank's is pretended
+    rankside.set_device(0)
     for name, value in (("memory_allocated", 3 * GIB), ("max_memory_allocated", 4 * GIB),
                         ("memory_reserved", 5 * GIB)):
         monkeypatch.setattr(torch.cuda, name, lambda dev=None, v=value: v)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=16 * GIB))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(gpu_memory, "cuda_context_bytes", lambda dev: 300 * MIB)
-    worker._after_job(None, 0.25)
+    worker.after_job(sent.append, None, 0.25)
     assert sent == [("event", "gpu_memory", {"held": GpuHeld("cuda:0", 3 * GIB, 4 * GIB, 5 * GIB, 300 * MIB,
                                                              4 * GIB, 16 * GIB)})]
     assert emptied == []  # a job that went well keeps its allocator's cache
-    worker._after_job(torch.OutOfMemoryError(OOM), None)
+    worker.after_job(sent.append, torch.OutOfMemoryError(OOM), None)
     assert len(sent) == 2 and emptied == [True]  # ranks sharing the GPU may need what it cached
 
 
@@ -222,7 +221,7 @@ def test_a_skipped_collective_on_ranks_sharing_a_gpu_is_a_desync_within_seconds(
 @pytest.mark.gpu
 def test_memory_per_rank_on_a_shared_gpu_follows_the_zero_formulas():
     from ddpkit import Workload
-    from ddpkit.memory import parameter_count
+    from ddpkit.memory_formulas import parameter_count
     from ddpkit.memory_sweep import formula_totals, memory_against_n
 
     workload = Workload.builtin("mlp", width=64, depth=4)

@@ -70,11 +70,11 @@ def _groups(chunk_bytes: int = SMALL_CHUNK, timeout: float = TIMEOUT, staged: bo
 
     import torch.distributed as dist
 
-    from ddpkit.cluster.processes import _loopback_store
+    from ddpkit.cluster.processes import loopback_store
     from ddpkit.comm.transport import HostStaged, ShmBackend
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    store = _loopback_store(30.0) if rank == 0 else None
+    store = loopback_store(30.0) if rank == 0 else None
     port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     if rank:
@@ -275,17 +275,18 @@ def _staged_under_ddpkits_group():
     from ddpkit.comm.transport import HostStaged
     from ddpkit.network import Network
     from ddpkit.trace import Recorder
+    from ddpkit.trace.seam import recording
     from solutions.collectives import ring_all_reduce
 
-    built = process_group._real_backend
-    process_group._real_backend = lambda *a, **k: HostStaged(built(*a, **k), devices=("cpu",))
+    built = process_group.build_real_backend
+    process_group.build_real_backend = lambda *a, **k: HostStaged(built(*a, **k), devices=("cpu",))
     try:
         group = dist.new_group([0, 1])
     finally:
-        process_group._real_backend = built
+        process_group.build_real_backend = built
     rank, out = dist.get_rank(), {}
     out["staged"] = type(group._get_backend(torch.device("cpu"))).__name__  # torch holds the real one
-    before = rankside.comm_counts()
+    before = rankside.comm().snapshot()
     x = torch.arange(10.0) * (rank + 1)
     dist.all_reduce(x, group=group)
     y = torch.full((3,), float(rank))
@@ -298,22 +299,22 @@ def _staged_under_ddpkits_group():
     ring = torch.arange(7.0) * (rank + 1)
     ring_all_reduce(ring, group)  # the course's exercise: send and recv, which gloo takes for CPU tensors only
     out["results"] = [x.tolist(), y.tolist(), flat.tolist(), part.tolist(), ring.tolist()]
-    after = rankside.comm_counts()
+    after = rankside.comm().snapshot()
     out["counted"] = {op: after[(op, link)][0] - before.get((op, link), (0,))[0] for op, link in after
                       if after[(op, link)] != before.get((op, link))}
     rec = Recorder()
-    with rankside.recording(rec):
+    with recording(rec):
         dist.all_reduce(torch.ones(8), group=group)
     out["recorded"] = [(r.name, r.nbytes) for r in rec.records if r.cat == "comm"]
     net = Network("10GbE")
-    rankside.set_network(net)
+    rankside.comm().set_network(net)
     try:
         z = torch.ones(2**18)  # 1 MiB
         t0 = time.perf_counter()
         dist.all_reduce(z, group=group, async_op=True).wait()  # bytes moved at the wait (the NIC's rule)
         out["emulated"] = (time.perf_counter() - t0, net.collective_time("all_reduce", 2**20, 2), z[0].item())
     finally:
-        rankside.set_network(Network("loopback"))
+        rankside.comm().set_network(Network("loopback"))
     return out
 
 

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
+from ddpkit.network import ring_bytes
 from ddpkit.trace import (
     LANES, Record, Recorder, Trace, bucket_fill_order, collective_bytes, collective_counts,
-    comm_bytes_per_step, launch_order, overlap_fraction, ring_bytes, to_chrome_trace,
+    comm_bytes_per_step, launch_order, overlap_fraction, to_chrome_trace,
 )
 
 
@@ -280,7 +281,7 @@ def test_a_real_gloo_collective_gets_a_completion_time(cluster_of, op):
         import torch
         import torch.distributed as dist
 
-        from ddpkit.strategies._common import reduce_scatter_flat
+        from ddpkit.torch_internals import reduce_scatter_flat
         from ddpkit.trace import Recorder
 
         rec = Recorder()

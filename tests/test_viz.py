@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ddpkit.memory import predicted_model_state, zero_predictions
+from ddpkit.memory_formulas import predicted_model_state, zero_predictions
 from ddpkit.trace import Record, Trace
 from ddpkit.viz import plot_bucket_fill, plot_memory, plot_timeline
 

@@ -365,12 +365,12 @@ def test_memory_not_recorded_is_said_not_drawn(widget):
 
         module = torch.nn.Linear(8, 8)
         model = ddpkit.NaiveDDP(module)
-        ddpkit.rankside.recorder().next_step()
-        with ddpkit.rankside.recorder().span("forward"):
+        ddpkit.trace.seam.recorder().next_step()
+        with ddpkit.trace.seam.recorder().span("forward"):
             model(torch.ones(2, 8)).sum().backward()
         model.finish_gradient_synchronization()
 
-    import ddpkit.rankside  # noqa: F401
+    import ddpkit.trace.seam  # noqa: F401
 
     with widget.cluster.recording():
         widget.cluster.run(job)
@@ -381,7 +381,7 @@ def test_memory_not_recorded_is_said_not_drawn(widget):
 
 def _records_then_rank_1_fails(steps):
     """Records a few steps on each rank (no collectives), then rank 1 raises."""
-    rec = ddpkit.rankside.recorder()
+    rec = ddpkit.trace.seam.recorder()
     for step in range(steps):
         rec.next_step()
         with rec.span("forward"):
@@ -393,7 +393,7 @@ def _records_then_rank_1_fails(steps):
 
 
 def test_a_failing_rank_turns_red_and_the_partial_trace_is_kept(widget):
-    import ddpkit.rankside  # noqa: F401  (the job reaches it as ddpkit.rankside)
+    import ddpkit.trace.seam  # noqa: F401  (the job reaches it as ddpkit.trace.seam)
 
     with pytest.raises(ddpkit.RankError), widget.cluster.recording():
         widget.cluster.run(_records_then_rank_1_fails, 5)
@@ -739,7 +739,7 @@ def _steps_without_compute():
     import torch
     import torch.distributed as dist
 
-    from ddpkit.rankside import recorder
+    from ddpkit.trace.seam import recorder
 
     for _ in range(2):
         recorder().next_step()

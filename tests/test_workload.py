@@ -143,7 +143,7 @@ def test_compare_says_that_dropout_makes_a_run_differ_from_one_process_by_design
 
 
 def test_memory_counts_a_workloads_parameters_for_the_zero_formulas():
-    from ddpkit.memory import parameter_count, predicted_model_state
+    from ddpkit.memory_formulas import parameter_count, predicted_model_state
 
     gpt = Workload.builtin("gpt", **SMALL_GPT)
     psi = parameter_count(gpt)
@@ -235,7 +235,7 @@ def test_a_hand_written_loop_under_recording_gives_numbered_steps_and_live_frame
 # ----------------------------------------------------------------------------- FSDP units
 def test_units_by_class_are_every_submodule_of_it_in_the_modules_order():
     from ddpkit.models import Block
-    from ddpkit.strategies._common import default_units, resolve_units
+    from ddpkit.strategies.common import default_units, resolve_units
 
     gpt = build_model("gpt", **dict(SMALL_GPT, layers=3))
     assert resolve_units(gpt, {Block}) == list(gpt.blocks) == resolve_units(gpt, Block)

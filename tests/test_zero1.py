@@ -264,7 +264,7 @@ def test_bytes_and_state_per_rank_down_the_ladder(cluster_of):
     sharded_optimizer and fsdp 1.5x (1.4-1.6). Model state per rank with AdamW at 2 ranks, measured:
     fsdp < zero2 < zero1 < DDP, each within 5% of its ZeRO formula."""
     from ddpkit.experiment import run_strategy
-    from ddpkit.memory import predicted_model_state
+    from ddpkit.memory_formulas import predicted_model_state
 
     world = 2
     psi = sum(p.numel() for p in build_model("mlp", **MEDIUM_MLP).parameters())

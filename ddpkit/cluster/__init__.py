@@ -21,8 +21,8 @@ This file is the public face; the work is done by the pieces beside it, one job 
 - ``events``: what the parent knows about each rank, and the observers (the widget) told of it;
 - ``errors``: ``RankError`` (and ``DesyncError``, ``GpuOutOfMemoryError``);
 - ``gpu_memory``: what a rank holds on its GPU, and what to say when one runs out.
-The other end of the job channel is ``ddpkit.cluster.worker``; what a job can ask there is
-``ddpkit.rankside``.
+The other end of the job channel is ``ddpkit.cluster.worker`` (what a job reports through:
+``report``, ``ddpkit.progress``); what a job can ask of its rank is ``ddpkit.rankside``.
 
 Recording is the one place the cluster reaches into a later layer, the recorder's: the switch
 must live on the cluster (``cluster.recording()``), and what it runs on the ranks and collects
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -128,9 +129,7 @@ class Cluster:
     def network(self, network) -> None:
         new = check_network(network, self.world_size)
         if self._workers.alive:
-            from ddpkit.rankside import set_network
-
-            self._run(set_network, (new.to_dict(),), {}, record=False)
+            self._run(_set_network, (new.to_dict(),), {}, record=False)
             # ranks restarted after a fault come back on it too
             self._workers.settings = dataclasses.replace(self._workers.settings, network=new)
         self._network = new
@@ -183,9 +182,11 @@ class Cluster:
         self._workers.check_none_died_while_idle()
         collector, runner = None, None
         if record:
+            from ddpkit.cluster.worker import report
             from ddpkit.trace.live import Collector, run_recorded
 
-            collector, runner = Collector(self.world_size, self.backend), (run_recorded, ())
+            collector = Collector(self.world_size, self.backend)
+            runner = (run_recorded, (functools.partial(report, "records"),))  # the ranks' batches, sent here
         payload = self._pickler.dumps(fn, args, kwargs, runner)
         if not self._job_lock.acquire(blocking=False):
             raise RuntimeError("another run() is still going on this cluster; wait for it to finish")
@@ -252,6 +253,13 @@ class Cluster:
         states = ", ".join(r.status for r in self.ranks)
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
                 f"devices={self.devices}, ranks=[{states}])")
+
+
+def _set_network(network: dict) -> None:
+    """A job: this rank's collectives are emulated on ``network`` from now on."""
+    from ddpkit import rankside
+
+    rankside.comm().set_network(network)
 
 
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,

@@ -5,22 +5,70 @@ whatever it unpickles is as good as executed (pickle can call any function). So:
 - the socket listens on loopback (127.0.0.1, port chosen by the OS): nothing off this machine
   can reach it;
 - each connection must first pass a mutual HMAC challenge with a random key made per cluster
-  start (``worker.handshake``), in its own thread with a time limit, so a stranger that
+  start (``handshake``, which the worker runs too), in its own thread with a time limit, so a stranger that
   connects and says nothing cannot stall the others. Only then is anything unpickled;
 - an admitted worker then says hello: its rank, the start (generation) it belongs to, its pid.
 A connection that fails any of this is refused and logged (logger ``ddpkit.cluster``).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import queue
 import socket
 import threading
-
-from ddpkit.cluster.worker import HANDSHAKE_TIMEOUT, handshake
+from multiprocessing.connection import Connection
 
 log = logging.getLogger("ddpkit.cluster")
+
+# Both ends of the job channel run this. Nothing is unpickled before it succeeds, so a
+# process that does not know the key can connect but never get anything executed.
+_NONCE = 32           # bytes of random challenge
+_DIGEST = 32          # bytes of HMAC-SHA256
+HANDSHAKE_TIMEOUT = 5.0  # seconds a peer gets to answer; a silent client cannot stall anyone
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection during the handshake")
+        buf += chunk
+    return buf
+
+
+def mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of ``role + nonce`` under ``key``: a side's answer to the other's challenge."""
+    return hmac.new(key, role + nonce, hashlib.sha256).digest()
+
+
+def handshake(sock: socket.socket, key: bytes, server: bool) -> Connection:
+    """Mutual HMAC challenge over a fresh socket; returns it as a multiprocessing Connection.
+
+    The server (parent) sends a nonce; the client answers HMAC(key, b"client"+nonce) and its
+    own nonce; the server checks, then answers HMAC(key, b"server"+client_nonce). The role
+    prefix stops a peer from reflecting one side's challenge back at it. Raises
+    ``PermissionError`` on a wrong answer, ``OSError``/``ConnectionError`` on silence.
+    """
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    if server:
+        nonce = os.urandom(_NONCE)
+        sock.sendall(nonce)
+        answer, their_nonce = _recv_exact(sock, _DIGEST), _recv_exact(sock, _NONCE)
+        if not hmac.compare_digest(answer, mac(key, b"client", nonce)):
+            raise PermissionError("wrong key")
+        sock.sendall(mac(key, b"server", their_nonce))
+    else:
+        nonce = _recv_exact(sock, _NONCE)
+        mine = os.urandom(_NONCE)
+        sock.sendall(mac(key, b"client", nonce) + mine)
+        if not hmac.compare_digest(_recv_exact(sock, _DIGEST), mac(key, b"server", mine)):
+            raise PermissionError("the parent did not prove it knows the key")
+    sock.settimeout(None)  # from here on: blocking reads of length-prefixed pickles
+    return Connection(sock.detach())
 
 
 class Admission:

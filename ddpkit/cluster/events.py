@@ -1,7 +1,7 @@
 """What the parent knows about each rank, and who is told when it changes.
 
 Everything the ranks say reaches the notebook through here: a status change, a line a rank
-printed, an event it reported from inside a job (``rankside.report(kind, **payload)``, e.g.
+printed, an event it reported from inside a job (``cluster.worker.report(kind, **payload)``, e.g.
 ``ddpkit.progress()``). Each updates the rank's ``RankState`` and is passed on to the
 observers as ``callback(kind, rank, **fields)``; the widget is one such observer. Observers are
 called on whichever thread the news arrived on (the main thread while ``run()`` waits, a
@@ -116,7 +116,7 @@ class Events:
             print(f"[rank {rank}] {text}", file=sys.stderr if stream == "stderr" else sys.stdout)
 
     def event(self, rank: int, kind: str, payload: dict) -> None:
-        """Something a job reported from inside a rank (``rankside.report``): progress, ..."""
+        """Something a job reported from inside a rank (``cluster.worker.report``): progress, ..."""
         if kind == "progress":
             self.ranks[rank].progress = (payload["done"], payload["total"])
         self.notify(kind, rank, **payload)

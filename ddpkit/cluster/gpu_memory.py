@@ -2,17 +2,16 @@
 
 A Cluster's worker on a GPU reports after every job what it held there (``GpuHeld.now``): the
 caching allocator's live, peak and reserved bytes, what the process holds outside the allocator
-(mostly its CUDA context: ``cuda_context_bytes``) and its cap. Ranks sharing a GPU draw on one
+(mostly its CUDA context: ``ddpkit.memory.cuda_context_bytes``) and its cap. Ranks sharing a GPU draw on one
 pool, so when one of them runs out, its own figures say little: the ``GpuOutOfMemoryError`` the
 cluster raises (``ddpkit.cluster.jobs``) names what *each* rank sharing that GPU held, and how to
 fit (``explain_out_of_memory``).
 """
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
+from ddpkit.memory import cuda_context_bytes
 from ddpkit.units import human_bytes
 
 
@@ -46,53 +45,12 @@ class GpuHeld:
                 f"{human_bytes(self.reserved)} reserved{outside}{cap}")
 
 
-def cuda_context_bytes(device=None) -> int | None:
-    """Bytes this process holds on ``device`` outside the caching allocator: NVML's figure for this
-    process (what ``nvidia-smi`` lists for it) minus the allocator's reserved bytes. Mostly the CUDA
-    context (the driver's state, the kernels loaded); also what libraries allocate past the
-    allocator (NCCL's buffers). None where NVML cannot tell: no ``nvidia-ml-py`` (``pynvml``), or a
-    container whose process ids NVML does not see."""
-    import torch
-
-    from ddpkit.torch_internals import nvml_index
-
-    used = _nvml_process_bytes(nvml_index(device), os.getpid())
-    return None if used is None else max(0, used - torch.cuda.memory_reserved(device))
-
-
-@functools.cache
-def _nvml_handle(index: int):
-    """NVML's handle of GPU ``index`` (NVML's numbering), NVML initialised once per process; None
-    where there is no NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # noqa: BLE001 - no pynvml, no driver library, no such GPU: NVML cannot tell
-        return None
-
-
-def _nvml_process_bytes(index: int, pid: int) -> int | None:
-    handle = _nvml_handle(index)
-    if handle is None:
-        return None
-    import pynvml
-
-    try:
-        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except Exception:  # noqa: BLE001
-        return None
-    used = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
-    return sum(used) if used else None
-
-
 # What fits more on one GPU, in the order a learner can try them
 HOW_TO_FIT = ("to fit: fewer ranks on the GPU (each holds its own model states, activations and CUDA context), "
               "a smaller batch per rank (its activations), or a strategy that shards the model states (zero1: "
               "optimizer state / N; zero2: gradients too; fsdp: parameters too; "
-              "ddpkit.memory.predicted_model_state gives the bytes); Cluster(..., memory_fraction=f) caps each "
-              "rank at a fraction f of its GPU, so one that outgrows its share fails alone instead of starving "
+              "ddpkit.memory_formulas.predicted_model_state gives the bytes); Cluster(..., memory_fraction=f) caps "
+              "each rank at a fraction f of its GPU, so one that outgrows its share fails alone instead of starving "
               "the others")
 
 
@@ -120,4 +78,4 @@ def explain_out_of_memory(out_of_memory: dict[int, str], held: dict[int, GpuHeld
     return "\n".join(lines)
 
 
-__all__ = ["GpuHeld", "HOW_TO_FIT", "cuda_context_bytes", "explain_out_of_memory"]
+__all__ = ["GpuHeld", "HOW_TO_FIT", "explain_out_of_memory"]

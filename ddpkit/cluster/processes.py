@@ -24,7 +24,6 @@ from an older generation's pipes is dropped.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import queue
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from ddpkit.cluster.admission import Admission
 from ddpkit.cluster.placement import rank_environment
+from ddpkit.cluster.rank_setup import RankSettings
 from ddpkit.torch_internals import is_chatter
 from ddpkit.cluster.errors import RankError
 from ddpkit.cluster.events import Events
@@ -102,7 +102,7 @@ class Workers:
         self.generation += 1
         self.shm_prefix = f"dk{secrets.token_hex(4)}_"  # this start's names in /dev/shm (transport "shm")
         self.admission = Admission(self.generation, settings.world_size)
-        self.store = _loopback_store(settings.timeout)
+        self.store = loopback_store(settings.timeout)
         self.events.reset(settings.world_size)
         # The workers run the same ddpkit as this process, wherever it was imported from: this
         # file is <root>/ddpkit/cluster/processes.py, and <root> goes on their PYTHONPATH.
@@ -127,7 +127,7 @@ class Workers:
         proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 cwd=os.getcwd(), start_new_session=True)
-        proc.stdin.write((json.dumps(self.config(rank)) + "\n").encode())
+        proc.stdin.write((self.rank_settings(rank).to_json() + "\n").encode())
         proc.stdin.flush()  # stdin stays open: its end-of-file tells the worker we are gone
         self.procs.append(proc)
         self.events.ranks[rank].pid = proc.pid
@@ -143,16 +143,16 @@ class Workers:
             t.start()
         self._readers.append(readers)
 
-    def config(self, rank: int) -> dict:
+    def rank_settings(self, rank: int) -> RankSettings:
         """What worker ``rank`` of this start is told on its stdin (one JSON line)."""
         s = self.settings
-        return dict(rank=rank, world_size=s.world_size, backend=s.backend,
-                    gpu=None if s.gpus is None else s.gpus[rank],
-                    address=list(self.admission.address), authkey=self.admission.key.hex(),
-                    generation=self.generation, store_host="127.0.0.1", store_port=self.store.port,
-                    timeout=s.timeout, sys_path=sys.path, threads=s.threads_per_rank, network=s.network.to_dict(),
-                    transport=s.transport, shm_prefix=self.shm_prefix,
-                    cores=None if s.cores is None else list(s.cores[rank]), memory_fraction=s.memory_fraction)
+        return RankSettings(rank=rank, world_size=s.world_size, generation=self.generation,
+                            address=tuple(self.admission.address), authkey=self.admission.key.hex(),
+                            store=("127.0.0.1", self.store.port), timeout=s.timeout, backend=s.backend,
+                            transport=s.transport, shm_prefix=self.shm_prefix, network=s.network.to_dict(),
+                            threads_per_rank=s.threads_per_rank, sys_path=list(sys.path),
+                            gpu=None if s.gpus is None else s.gpus[rank], memory_fraction=s.memory_fraction,
+                            cores=None if s.cores is None else list(s.cores[rank]))
 
     def _wait_ready(self) -> None:
         """Take each rank's admitted connection, then wait until every rank has joined the group."""
@@ -296,7 +296,7 @@ class Workers:
         self.store = None
 
 
-def _loopback_store(timeout: float):
+def loopback_store(timeout: float):
     """The rendezvous TCPStore, hosted here, listening on loopback only."""
     from ddpkit.torch_internals import loopback_tcp_store
 

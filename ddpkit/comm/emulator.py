@@ -1,60 +1,26 @@
 """The emulated network: this rank's links, each a queue of collectives that complete on its clock.
 
-A laptop's ranks talk through the machine's own memory, where moving a gradient costs little next
-to computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The emulator
-makes every collective take as long as it would on a chosen network (``ddpkit.Network``):
+Why: a laptop's ranks talk through the machine's own memory, where moving a gradient costs little
+next to computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The
+emulator makes every collective take as long as it would on a chosen network (``ddpkit.Network``).
 
-- the real collective runs (the bytes really move, over the ranks' transport: shared memory or
-  gloo's sockets; on shared memory when the rank waits, see the NIC's rule below) while the
-  emulated link carries it: the link starts on it when it is issued,
-  or when the link frees up if it is still busy with an earlier one, and takes what the network
-  takes for the algorithm's bytes and latency (``Network.emulated_time``: ring all-reduce
-  2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S, and (N-1) or 2(N-1) alphas). The
-  collective completes when both are done: ``max(real end, max(issue, link free) + link time)``.
-  So where the link is slower than this machine's own transport, the link's time replaces the
-  real transfer's, as on the network itself; collectives on one link run one after another, in
-  issue order. (Counted *after* the real transfer instead, a collective would take the link's
-  time plus the transport's on every link; counted from issue, it takes the link's time wherever
-  the link is slower: ``tests/test_process_group.py`` holds the rule, and ``compare`` on a
-  ``--network`` shows it.) The
-  link's thread sleeps until the link would have delivered, then asks whether the real
-  collective is done (asking moves the shared-memory transport along, as MPI's test does) and
-  waits for it if not: one wake-up per collective, at the emulated time;
-- where this machine's transport is *slower* than the link, the real transfer decides: the
-  network is faster than this machine can emulate. Each link counts how often that happened
-  (``Emulator.fidelity``): under the NIC's rule, one whose bytes took the rank longer to move
-  than the link's time; otherwise one still moving when the link's thread looks, or one whose
-  real end came after the link's time (its future's completion, stamped; from the shared-memory
-  transport, when its last rank deposited the bytes, whoever then finished it); ``compare`` and the
-  widget say so beside their figures instead of printing figures that read as the network's;
-- waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
-  so backward keeps both CPU cores;
-- the NIC's rule. On the cluster being emulated, a network card and NCCL move the bytes, not the
-  cores that run backward. Here the transport's copies and sums (``ddpkit.comm.transport``: a
-  memcpy and a sum per bucket) are CPU work, and with one core per rank, done from the issue they
-  were charged to the backward they overlapped: overlapped DDP paid them inside backward while
-  bucketed DDP got them free under the link's time, and overlap measured as a loss (stage 4's
-  issue: bucketed/overlapped 0.73-0.91 on 10GbE). So on an emulated network the shared-memory
-  transport defers a collective (``Runner.submit(deferred=True)``): nothing moves at the issue nor
-  on its group's thread, the link's time runs from the issue as before, and the bytes move when
-  the rank waits for the collective (``EmulatedWork.wait``), on a core that would otherwise idle:
-  a step takes compute + the link's exposed time + the transfer's tail. A collective whose future
-  is handed out instead (torch's DDP and our comm hooks chain work on it; its callbacks read the
-  result) has its bytes moved by the link's thread when the link delivers it. Results stay exact
-  (``tests/test_equivalence.py`` on 10GbE); gloo's sockets (``transport="gloo"``) move bytes on
-  gloo's own threads and NCCL on the GPU: neither is deferred. The time ranks spent moving bytes
-  is counted (``Emulator.moved_s``: the transport's part; the rest of a collective was the link);
-- on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
-  thread's current stream wait for it -- the default stream, which backward's later kernels
-  would then queue behind. So the link's thread never waits on a CUDA collective: it polls
-  ``is_completed()`` (the collective's end event, reached by the GPU) with short sleeps, touching
-  no stream, and the ``Work`` handed back (``EmulatedWork``) does the real ``wait()`` in the
-  caller's own thread once the emulated time has passed: torch's stream semantics, unchanged.
+How: each link (intra-node, inter-node) is one daemon thread with a FIFO queue. The real
+collective runs (the bytes really move) while the link carries it, from its issue or from when the
+link frees up, for ``Network.emulated_time``; it completes when both are done, ``max(real end,
+max(issue, link free) + link time)``, so where the link is slower than this machine's transport,
+its time replaces the transfer's, as on the network itself (``tests/test_process_group.py`` holds
+the rule). Where the transport is slower, the real transfer decides: each link counts how often
+(``Emulator.fidelity``), and ``compare`` and the widget say so beside their figures. Waiting sleeps
+(``time.sleep``, ``Work.wait``), never spins: backward keeps the cores.
 
-Each link (the intra-node and the inter-node one) is one daemon thread with a FIFO queue. A
-collective is handed over as the real ``Work`` and a ``torch.futures.Future``; the thread sets
-the future's result (the real collective's result) at the emulated completion time, or its
-exception if the real collective failed, so a timeout or a dead peer surfaces as usual.
+The network card, emulated: on the cluster being emulated, a network card and NCCL move the bytes,
+not the cores that run backward. So on the shared-memory transport nothing moves at the issue: the
+rank moves the bytes when it waits (``EmulatedWork.wait``), on a core that would otherwise idle, or
+the link's thread does when the link delivers a collective whose future was handed out (torch's DDP
+and our comm hooks chain work on it). gloo's sockets and NCCL move bytes on threads and a GPU of
+their own. On a GPU the link's thread polls the collective's end event (a wait would hold back the
+caller's stream) and the ``Work`` handed back does the real ``wait()`` in the caller's thread.
+``docs/laptop_cluster.md`` says what this changed, and how it was measured.
 """
 from __future__ import annotations
 
@@ -333,7 +299,7 @@ class EmulatedWork(FutureWork):
         return self._future.done() and (self._first is None or self._first.get_future().done())
 
 
-# Read in the parent, from the ranks' ``fidelity`` counts (``rankside.emulation_counts``, summed by
+# Read in the parent, from the ranks' ``fidelity`` counts (``Comm.emulation_counts``, summed by
 # ``run_strategy`` and ``series.timed_rounds``): where the real transfer outran the link.
 OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
 

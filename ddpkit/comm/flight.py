@@ -3,7 +3,7 @@
 ddpkit's process group hands every collective to ``FlightRecorder.issue`` *before* launching it,
 always (recording on or off): which group, its index in that group (1 for the group's first
 collective), the op, the bytes, the dtype and, while recording, the strategy's labels (bucket,
-unit: a recorder that is off opens no ``labels()`` block, see ``ddpkit.rankside``). That is the
+unit: a recorder that is off opens no ``labels()`` block, see ``ddpkit.trace.seam``). That is the
 sequence ``ddpkit.comm.desync`` compares across ranks when they part.
 
 The user's line of code that issued a collective is taken *lazily*, from a stack, when it
@@ -27,7 +27,7 @@ holds its tensors, which would change what ``ddpkit.memory`` sees.
 
 The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
 collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
-reports it to the parent (``rankside.report("stuck", ...)``, with the job thread's stack), and
+reports it to the parent (``report("stuck", ...)``, the worker's, with the job thread's stack), and
 reports again when it completes after all. Only ``Work``s someone still holds can be watched:
 torch's own DDP drops its Python handle at once, so a rank stuck there is found by the other
 rule (a rank that finished while this one issued more, see ``ddpkit.comm.desync``).
@@ -190,9 +190,10 @@ class FlightRecorder:
             p[_WORK] = weakref.ref(work)
 
     # ------------------------------------------------------------------ shared with the parent
-    def attach(self, path: str, job: int) -> None:
+    def attach(self, path: str, job: int, report) -> None:
         """Keep the ring in ``path`` (made by the Cluster's parent) from now on, and start the
-        watchdog; ``job``: the job about to run. Called by the worker before each job."""
+        watchdog, which tells ``report(kind, **payload)`` of a collective stuck and unstuck;
+        ``job``: the job about to run. Called by the worker before each job."""
         shared = _map(path, len(self.buf)) if path != self.path else None
         if shared is not None:
             shared[:] = bytes(self.buf)  # what was issued before (the group's first collectives)
@@ -200,7 +201,8 @@ class FlightRecorder:
             self.buf, self.path = shared, path
             _dump_stacks_on_request(path + ".stack")
         if self.watchdog is None:
-            self.watchdog = threading.Thread(target=self._watch, name="ddpkit-flight-watchdog", daemon=True)
+            self.watchdog = threading.Thread(target=self._watch, args=(report,), name="ddpkit-flight-watchdog",
+                                             daemon=True)
             self.watchdog.start()
         self.begin_job(job)
 
@@ -211,9 +213,7 @@ class FlightRecorder:
     def end_job(self) -> None:
         self.job = 0
 
-    def _watch(self) -> None:
-        from ddpkit import rankside
-
+    def _watch(self, report) -> None:
         main = threading.main_thread().ident
         while True:
             time.sleep(WATCH_S)
@@ -227,7 +227,7 @@ class FlightRecorder:
                     break
                 pending.popleft()
                 if p[_REPORTED]:
-                    rankside.report("unstuck", seq=p[_SEQ])
+                    report("unstuck", seq=p[_SEQ])
             if not pending or not self.job:
                 continue
             p, now = pending[0], time.monotonic()
@@ -238,7 +238,7 @@ class FlightRecorder:
                 frame = sys._current_frames().get(main)
                 stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
                 ranks, ordinal = self.groups[p[_GROUP]]
-                rankside.report("stuck", seq=p[_SEQ], ranks=list(ranks), group=ordinal, index=p[_INDEX],
+                report("stuck", seq=p[_SEQ], ranks=list(ranks), group=ordinal, index=p[_INDEX],
                                 waited=now - p[_SEEN], stack=_from_the_job(stack), job=self.job)
 
 

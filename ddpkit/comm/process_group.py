@@ -8,9 +8,10 @@ reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimi
 1. counts it: collectives and the bytes one rank sends by the ring algorithm (ring all-reduce
    2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S; a broadcast, whose root sends more than
    the others, the ranks' average, (N-1)/N S: ``network.ring_bytes``), the same figure on every
-   rank, per kind and per link (intra-node or inter-node, see ``ddpkit.Network``), in ``Comm.counts``;
+   rank, per kind and per link (intra-node or inter-node, see ``ddpkit.Network``), in ``Comm.counts``
+   (``ddpkit.comm.rank_comm``);
 2. records it -- the one writer of a collective's record -- as a span from issue to completion,
-   with its link and group, in the rank's recorder when recording is on (``rankside.recorder()``);
+   with its link and group, in the rank's recorder when recording is on (``trace.seam.recorder()``);
    a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
    and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
 3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``) and returns a
@@ -33,58 +34,19 @@ what the real backend moved.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ddpkit.comm.emulator import EmulatedWork, Emulator
-from ddpkit.comm.flight import FlightRecorder
+from ddpkit.comm.emulator import EmulatedWork
+from ddpkit.comm.rank_comm import Comm
 from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
+from ddpkit.trace import seam
 from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, register_real_backend,
                                     work_from_future)
 
 BACKEND_NAME = "ddpkit"
-
-
-@dataclass
-class Count:
-    """Collectives of one kind on one link: how many, and the bytes this rank sent."""
-
-    calls: int = 0
-    bytes: float = 0.0            # by the algorithm (ring formulas, network.ring_bytes)
-    transport_bytes: float = 0.0  # what the real backend moved (gloo's reduce-scatter: 2x)
-
-
-@dataclass
-class Comm:
-    """What every ddpkit group of this rank shares: the network, its emulator, the counts and the
-    flight recorder."""
-
-    network: Network
-    real_backend: str                         # "gloo" or "nccl": what runs underneath
-    emulator: Emulator = field(init=False)
-    counts: dict = field(default_factory=lambda: defaultdict(Count))  # (op, link) -> Count
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    flight: FlightRecorder = field(default_factory=FlightRecorder, repr=False)
-
-    def __post_init__(self):
-        self.emulator = Emulator()
-
-    def count(self, op: str, link: str, sent: float, moved: float) -> None:
-        with self.lock:  # collectives are issued from autograd's threads too
-            c = self.counts[(op, link)]
-            c.calls += 1
-            c.bytes += sent
-            c.transport_bytes += moved
-
-    def snapshot(self) -> dict:
-        """``{(op, link): (calls, bytes, transport_bytes)}`` now; subtract two to get a window."""
-        with self.lock:
-            return {k: (c.calls, c.bytes, c.transport_bytes) for k, c in self.counts.items()}
 
 
 def _finished(value):
@@ -136,7 +98,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         link, emulated = self._link_on(comm.network)
         link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         delayed = comm.emulator.delays(link_s)
-        rec, labels = rankside.recorder(), rankside.labelled()
+        rec, labels = seam.recorder(), seam.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
                                  labels.recorder if labels is not None and labels.recorder is not rec else None) if r]
         # into the flight recorder first: a rank that dies inside the launch (gloo aborts on a
@@ -302,15 +264,17 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
 
     def create(opts, _backend_options):
         # one call per group: its store, its rank and size, and the global ranks it spans
-        real = _real_backend(real_backend, opts, shm_prefix)
+        real = build_real_backend(real_backend, opts, shm_prefix)
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-        return DdpkitProcessGroup(rankside.attached_comm(), real, opts.group_rank, opts.group_size, ranks)
+        return DdpkitProcessGroup(rankside.comm(), real, opts.group_rank, opts.group_size, ranks)
 
     if not backend_registered(BACKEND_NAME):  # torch keeps its backend plugins per process
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def _real_backend(name: str, opts, shm_prefix: str | None = None):
+def build_real_backend(name: str, opts, shm_prefix: str | None = None):
+    """The real process group under one of ddpkit's (``name``: the Cluster's transport), for the group
+    torch describes in ``opts``."""
     if name == "nccl":
         # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
         # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,
@@ -336,4 +300,4 @@ def _real_backend(name: str, opts, shm_prefix: str | None = None):
     return HostStaged(real, methods=STAGED if name == "shm" else POINT_TO_POINT)
 
 
-__all__ = ["BACKEND_NAME", "Comm", "Count", "DdpkitProcessGroup", "install"]
+__all__ = ["BACKEND_NAME", "DdpkitProcessGroup", "build_real_backend", "install"]

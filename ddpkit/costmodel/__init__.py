@@ -5,8 +5,8 @@
     costmodel.predict(profile, world_sizes=(8, 64, 256))       # every strategy x world size
     cluster.run(costmodel.wrapper_job, runs)                   # each wrapper's own host work, alone
 
-What a collective costs on a network is ``ddpkit.network``'s (re-exported here: ``Link``,
-``Network``, their presets, ``collective_time``). On a real machine, ``measure_collectives``
+What a collective costs on a network is ``ddpkit.network``'s (``Link``, ``Network``, their presets,
+``collective_time``). On a real machine, ``measure_collectives``
 times each collective back to back at several sizes and ``fit_link`` fits each its own line.
 ``python -m ddpkit predict --validate`` (``ddpkit.costmodel.validate``) puts the model's
 predictions beside measured steps; ``python -m ddpkit predict`` prints predictions for any
@@ -21,11 +21,9 @@ from ddpkit.costmodel.simulate import (
     STRATEGIES, Layer, MiB, Prediction, Profile, assign_buckets, format_predictions, predict, simulate,
     uniform_profile,
 )
-from ddpkit.network import LINKS, NETWORKS, RING_STEPS, Link, Network, as_network, collective_time, ring_bytes
 
 __all__ = [
-    "MiB", "RING_STEPS", "Link", "LINKS", "Network", "NETWORKS", "as_network", "collective_time", "ring_bytes",
-    "STRATEGIES",
+    "MiB", "STRATEGIES",
     "assign_buckets", "Layer", "Profile", "uniform_profile", "Prediction", "simulate", "predict",
     "format_predictions", "profile_model", "profile_job", "profile_for", "slowest_profile",
     "median_profile", "CALIBRATION_SIZES", "calibration_sizes", "model_calibration_sizes",

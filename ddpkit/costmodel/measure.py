@@ -7,6 +7,7 @@ at once. ``measure_collectives`` times each collective back to back at several s
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from functools import partial
@@ -109,12 +110,12 @@ def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd"
     ranks that share a machine's cores contend for them as they do in training. ``workload``: a
     ``ddpkit.Workload``, or a built-in's name sized by ``model_kwargs``; each rank profiles its
     layers on a batch of ``batch_per_rank`` samples."""
-    import ddpkit
+    from ddpkit.rankside import device
     from ddpkit.workload import Workload
 
     wl = Workload.of(workload, model_kwargs)
-    module = wl.build().to(ddpkit.device())
-    batch = wl.local_batch(0, batch_per_rank, 0, 1, ddpkit.device())
+    module = wl.build().to(device())
+    batch = wl.local_batch(0, batch_per_rank, 0, 1, device())
     return profile_model(module, batch, optimizer=optimizer, repeats=repeats, loss=wl.compute_loss)
 
 
@@ -125,9 +126,9 @@ def profile_for(workload, batch_per_rank: int, optimizer: str = "sgd", model_kwa
     rank), so ranks sharing this machine's cores slow each other down as in a real run."""
     if ranks is None:
         return profile_job(workload, batch_per_rank, optimizer, model_kwargs)
-    import ddpkit
+    from ddpkit.cluster import Cluster
 
-    with ddpkit.Cluster(ranks, backend="auto", threads_per_rank=threads) as cluster:
+    with Cluster(ranks, backend="auto", threads_per_rank=threads) as cluster:
         return slowest_profile(cluster.run(profile_job, workload, batch_per_rank, optimizer, model_kwargs))
 
 
@@ -159,15 +160,14 @@ def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer:
     import torch
     import torch.distributed as dist
 
-    import ddpkit
     from ddpkit.experiment import train_batch, wrap
-    from ddpkit.rankside import subgroup
+    from ddpkit.rankside import device, subgroup
     from ddpkit.workload import Workload
 
     wl = Workload.of(workload, model_kwargs)
     rank = dist.get_rank()
     alone = [subgroup([r]) for r in range(dist.get_world_size())][rank]  # every rank makes every group
-    dev = ddpkit.device()
+    dev = device()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     per_step = {}
     for label, (name, options) in runs.items():
@@ -222,10 +222,11 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
     """
     import torch.distributed as dist
 
-    from ddpkit.rankside import device, real_transport
+    from ddpkit import rankside
 
-    with real_transport():
-        return _time_collectives(ops, sizes, repeats, calls_bytes, device(), dist.get_world_size())
+    comm = rankside.comm()
+    with comm.real_transport() if comm is not None else contextlib.nullcontext():
+        return _time_collectives(ops, sizes, repeats, calls_bytes, rankside.device(), dist.get_world_size())
 
 
 def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int, between=None) -> dict:
@@ -235,7 +236,7 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
     import torch.distributed as dist
 
     from ddpkit.rankside import barrier
-    from ddpkit.strategies._common import all_gather_flat, reduce_scatter_flat
+    from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat
 
     unknown = [op for op in ops if op not in ("all_reduce", "all_gather", "reduce_scatter")]
     if unknown:

@@ -13,7 +13,7 @@ hsdp.py               HSDP              hybrid sharding: FSDP inside a node, rep
 reference.py          torch's own DistributedDataParallel, ZeroRedundancyOptimizer and fully_shard
                       (1-D, and 2-D for hybrid sharding)
 
-What they share: ``_common.py`` (the recorder seam, construction checks), ``ddp_module.py``
+What they share: ``common.py`` (construction checks, FSDP's units, clipping), ``ddp_module.py``
 (``DDPModule``, the base of the three DDP wrappers),
 ``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed and overlapped DDP),
 ``zero_buckets.py`` (ZeRO-1/2's buckets padded to N shards, and which optimizers can be sharded),

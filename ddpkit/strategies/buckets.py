@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ddpkit.strategies._common import nbytes
+from ddpkit.strategies.common import nbytes
 from ddpkit.strategies.flat_layout import FlatLayout
 from ddpkit.torch_internals import copy_all, queue_at_end_of_backward
 

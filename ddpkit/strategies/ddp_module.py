@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 
-from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (clip_grad_norm_, forward_timed, no_sync, prepare_module,
-                                      unique_named_parameters)
+from ddpkit.strategies.common import (clip_grad_norm_, forward_timed, no_sync, prepare_module,
+                                     unique_named_parameters)
 from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, layout, make_buckets
 from ddpkit.strategies.torch_ddp_args import TorchDDPArgs, group_of
 from ddpkit.torch_internals import queue_at_end_of_backward, tensors_to
+from ddpkit.trace.seam import recorder as rank_recorder
 
 
 class DDPModule(nn.Module, Joinable):

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ddpkit.strategies._common import broadcast_from_rank0
+from ddpkit.strategies.common import broadcast_from_rank0
 
 
 def is_deferred(module: nn.Module) -> bool:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddpkit.nested import map_leaves
-from ddpkit.strategies._common import default_units, resolve_units
+from ddpkit.strategies.common import default_units, resolve_units
 from ddpkit.strategies.flat_layout import FlatLayout, free_storage
 
 
@@ -60,8 +60,8 @@ class Plan:
 
 def plan_units(module: nn.Module, units: Iterable | None = None) -> Plan:
     """Decide the units of ``module``: ``units`` as modules or module classes
-    (``_common.resolve_units``: every submodule of a class given, e.g. ``{GPT2Block}``), in the
-    module's order; default ``_common.default_units`` (the blocks of its largest ModuleList, else
+    (``common.resolve_units``: every submodule of a class given, e.g. ``{GPT2Block}``), in the
+    module's order; default ``common.default_units`` (the blocks of its largest ModuleList, else
     each child with trainable parameters). The root keeps whatever no unit claims. Each trainable
     parameter goes to the innermost unit that contains *every* use of it (tied parameters), so no
     unit reshards a tensor another still needs; a unit left with no trainable parameter is no

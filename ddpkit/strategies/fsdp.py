@@ -1,68 +1,27 @@
 """FSDP: ZeRO-3, every parameter sharded 1/N per rank and gathered just in time.
 
-DDP keeps the whole model (parameters, gradients, optimizer state) on every rank. FSDP
-(Zhao et al., 2023; the idea is ZeRO stage 3) keeps only 1/N of each on a rank:
+DDP keeps the whole model (parameters, gradients, optimizer state) on every rank; FSDP (Zhao et
+al., 2023; ZeRO stage 3) keeps 1/N of each. The module is cut into *units* (``flat_param.plan_units``),
+each one *flat parameter* padded to a multiple of N and split into N *shards*; rank r keeps shard r,
+and ``fsdp.parameters()`` are the shards, so the optimizer only ever sees 1/N of the model.
 
-1. The module is cut into *units* (submodules: ``units=`` as modules or module classes, e.g.
-   ``units={GPT2Block}`` as torch's ModuleWrapPolicy; by default the blocks of the model's largest
-   ``nn.ModuleList``, e.g. a transformer's layers, else each child with trainable parameters;
-   the root keeps the rest). Each unit's parameters are flattened into one
-   *flat parameter* of T elements, padded to a multiple of N (at most N-1 zeros), and split in
-   N equal *shards* of ceil(T/N) elements. Rank r keeps shard r; ``fsdp.parameters()`` are the
-   shards, so the optimizer (and its state) only ever sees 1/N of the model.
-2. Forward: before a unit runs, *unshard* it: all-gather the shards into the full flat
-   parameter (N * shard elements) and point the unit's original parameters at views into it.
-   After the unit ran, *reshard*: free the full flat parameter (``reshard_after_forward``).
-3. Backward: when the gradient reaches the unit's output, unshard it again (the backward of a
-   Linear needs its weight), and prefetch the all-gather of the unit that comes next in
-   backward (``backward_prefetch``). When the unit's parameter gradients are ready, pack them into one flat gradient,
-   divide by N, and *reduce-scatter* it: rank r receives the sum of everyone's shard r, which
-   is exactly the gradient of its shard. Then reshard.
+- forward: before a unit runs, *unshard* it (all-gather its shards; the unit's parameters become
+  views into the full flat parameter); after it ran, *reshard* (free it: ``reshard_after_forward``);
+- backward: unshard it again when the gradient reaches its output (a Linear's backward needs its
+  weight); once its gradients are ready, pack them into one flat gradient, divide by N and
+  *reduce-scatter* it: rank r receives the sum of everyone's shard r, the gradient of its shard.
 
-Communication per step, S = bytes of the flat parameters, per rank: all-gather (N-1)/N * S
-twice (forward, backward) plus reduce-scatter (N-1)/N * S, i.e. 3(N-1)/N * S = 1.5x DDP's
-all-reduce (2(N-1)/N * S). With ``reshard_after_forward=False`` the backward all-gather goes
-away (ZeRO-2-like: parameters stay gathered from forward to backward, 1x DDP's volume).
-
-Peak parameter memory is the shards (sum of T_i / N) plus the largest gathered units.
-
-The FSDP paper's switches (its section 3.3-3.4 and 4; ``docs/papers.md``), each off or on so its
-effect can be seen:
-- ``backward_prefetch`` (default on): in backward, issue the next unit's all-gather before this
-  unit's gradient computation, so it travels meanwhile.
-- ``forward_prefetch`` (default off, as in torch): in forward, issue the next unit's all-gather
-  (in the previous forward's order: the first step has none) before this unit computes.
-- ``limit_all_gathers=L`` (the *rate limiter*; default None, no limit; True means torch's 2): a
-  prefetch is only issued while fewer than L units (the root not counted) are unsharded or being
-  gathered, which bounds the memory that prefetching can hold. The all-gather of the unit about to
-  compute always goes ahead: on the host there is no later free to wait for. L=1 turns prefetching
-  off; with ``reshard_after_forward=False`` units stay gathered, so it also stops prefetches there.
-- deferred initialization: pass a module built on the ``meta`` device; it is materialized unit by
-  unit on ``device``, each unit sharded at once (``deferred_init.py``).
-- hybrid sharding (``hsdp.py``): ``process_group`` is the shard group (the ranks of a node) and
-  ``replicate_group`` the ranks holding the same shard on the other nodes; after a unit's
-  reduce-scatter in the node, its gradient shard is all-reduced across nodes.
-
-Rules worth knowing:
-- The root (the wrapped module itself) keeps the parameters that are in no unit. It is
-  gathered at the start of forward and stays gathered until the end of backward (its
-  backward is the last to finish; the FSDP paper does the same).
-- Tied parameters (one tensor reachable under several names, e.g. TinyGPT's head.weight is
-  tok.weight) go to the innermost unit that contains *every* use, or the root: a unit
-  containing only one use would reshard it while another unit still needs it.
-- Frozen parameters (requires_grad=False) are not flattened: they stay whole, ordinary
-  parameters on every rank (broadcast from rank 0 at construction, never reduced).
-- Buffers are broadcast from rank 0 at construction and otherwise left alone. (With a
-  ``replicate_group`` the construction broadcast runs over the default group, every rank.)
-- Between steps the original parameters do not exist as attributes (they are views into a
-  freed buffer): use ``full_state_dict()`` to read them.
+Bytes a rank sends a step, S the flat parameters' bytes: two all-gathers and a reduce-scatter,
+3(N-1)/N S, 1.5x DDP's all-reduce (``reshard_after_forward=False``: no second all-gather, 1x).
+Peak parameter memory: the shards plus the largest gathered units. The root keeps what no unit
+holds, gathered from the start of forward to the end of backward, as in the FSDP paper. Between
+steps the original parameters are views into freed buffers: read them with ``full_state_dict()``.
 
 Reading order: construction (plan which unit owns which parameter, then build the units one by
-one), then *forward*, where each unit's all-gather is triggered by its forward pre-hook, then
-*backward*, where the reduce-scatter is triggered by the autograd function ``_Unshard`` at the
-bottom of this file, then the full state dicts (one all-gather per unit). What a unit is (the
-plan, its flat layout, shard, gathered buffer; mixed-precision dtypes) lives in ``flat_param.py``,
-where a flat buffer puts each tensor in ``flat_layout.py``.
+one), *forward* (each unit's all-gather from its forward pre-hook), *backward* (the reduce-scatter
+from the autograd function ``_Unshard`` at the bottom), the full state dicts. A unit's flat
+parameter and its mixed precision live in ``flat_param.py``; where a flat buffer puts each tensor,
+in ``flat_layout.py``.
 """
 from __future__ import annotations
 
@@ -75,13 +34,12 @@ from torch import nn
 
 from ddpkit.nested import tensors
 from ddpkit.rankside import device as rank_device
-from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (all_gather_flat, clip_grad_norm_, forward_timed, nbytes, no_sync,
-                                       prepare_module, reduce_scatter_flat)
+from ddpkit.strategies.common import clip_grad_norm_, forward_timed, nbytes, no_sync, prepare_module
 from ddpkit.strategies.deferred_init import is_deferred, materialize_by_unit
 from ddpkit.strategies.flat_layout import alloc_storage, free_storage, held_bytes
 from ddpkit.strategies.flat_param import FlatParamUnit, cast_floats, plan_units
-from ddpkit.torch_internals import queue_at_end_of_backward
+from ddpkit.torch_internals import all_gather_flat, queue_at_end_of_backward, reduce_scatter_flat
+from ddpkit.trace.seam import recorder as rank_recorder
 
 
 @dataclass
@@ -95,7 +53,20 @@ class PendingReduce:
 
 
 class FSDP(nn.Module):
-    """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time."""
+    """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time.
+
+    The FSDP paper's switches (sections 3.3-3.4 and 4; ``docs/papers.md``), each off or on so its
+    effect can be seen: ``backward_prefetch`` (on: the next unit's all-gather is issued before this
+    unit's gradient computation, so it travels meanwhile); ``forward_prefetch`` (off, as in torch:
+    the next unit's, in the previous forward's order, before this unit computes);
+    ``limit_all_gathers=L``, the rate limiter (None: no limit; True: torch's 2): a prefetch waits
+    while L units (the root not counted) are unsharded or being gathered, which bounds what
+    prefetching holds; the unit about to compute always goes ahead, and L=1 prefetches nothing. A
+    module built on the ``meta`` device is materialized unit by unit on ``device``, each unit
+    sharded at once (``deferred_init.py``). Hybrid sharding (``hsdp.py``): ``process_group`` is the
+    node, ``replicate_group`` the ranks holding the same shard on the other nodes (a unit's gradient
+    shard is all-reduced across them). Frozen parameters stay whole on every rank, never reduced;
+    buffers are broadcast from rank 0 at construction (over every rank with a ``replicate_group``)."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module | type] | None = None,
                  reshard_after_forward: bool = True, backward_prefetch: bool = True,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.rankside import subgroup
-from ddpkit.strategies._common import require_process_group
+from ddpkit.strategies.common import require_process_group
 from ddpkit.strategies.fsdp import FSDP
 from ddpkit.topology import Topology
 

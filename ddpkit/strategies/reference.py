@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import (clip_grad_norm_, default_units, nbytes, prepare_module,
-                                       require_process_group, resolve_units, unique_named_parameters)
+from ddpkit.strategies.common import (clip_grad_norm_, default_units, nbytes, prepare_module,
+                                      require_process_group, resolve_units, unique_named_parameters)
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.buckets import bucket_cap_bytes
 from ddpkit.torch_internals import fully_shard
+from ddpkit.trace.seam import recorder as rank_recorder
 
 
 class TorchDDP(nn.Module):

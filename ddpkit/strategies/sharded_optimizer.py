@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies._common import all_gather_flat, nbytes, require_process_group
+from ddpkit.strategies.common import nbytes, require_process_group
 from ddpkit.strategies.flat_layout import FlatLayout
+from ddpkit.torch_internals import all_gather_flat
+from ddpkit.trace.seam import recorder as rank_recorder
 
 
 def partition_by_size(sizes: list[int], world_size: int) -> list[int]:

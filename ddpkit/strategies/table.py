@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from ddpkit.models import MLP, TinyGPT
-from ddpkit.strategies._common import default_units, resolve_units
+from ddpkit.strategies.common import default_units, resolve_units
 from ddpkit.topology import Topology
 
 
@@ -100,10 +100,10 @@ class Strategy:
 
 # ----------------------------------------------------------------------------- how to build
 def fsdp_units(module, units=None) -> list:
-    """The FSDP units: ``units`` as given (modules or module classes, ``_common.resolve_units``),
+    """The FSDP units: ``units`` as given (modules or module classes, ``common.resolve_units``),
     else for the course's models one per Linear of the MLP and one per block of TinyGPT (the root
     keeps embeddings, final norm and the tied head), and for any other model FSDP's own default
-    (``_common.default_units``: the blocks of its largest ModuleList, e.g. a transformer's layers).
+    (``common.default_units``: the blocks of its largest ModuleList, e.g. a transformer's layers).
     Used by fsdp, hsdp and torch's alike, and by the cost model's profile."""
     if units is not None:
         return resolve_units(module, units)

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.strategies._common import all_gather_flat, clip_grad_norm_, reduce_scatter_flat
+from ddpkit.strategies.common import clip_grad_norm_
 from ddpkit.strategies.buckets import layout, make_buckets
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
+from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat
 
 # Optimizers whose update of one element reads only that element's gradient and state, so that
 # stepping a slice of a flat buffer equals stepping the whole tensors. (Weight decay, momentum,

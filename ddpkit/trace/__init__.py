@@ -10,26 +10,34 @@
     bucket_fill(trace), timeline(trace)        # what the plots and the widget draw (figures.py)
     decompose(trace_at_1, trace_at_n)          # the gap to perfect scaling, in parts (gap.py)
 
-Nothing here draws: plots (``ddpkit.viz``) and the widget read these records.
+Nothing here draws: plots (``ddpkit.viz``) and the widget read these records. What strategies and
+ddpkit's process group record through is the seam, ``ddpkit.trace.seam`` (``NullRecorder``, the rank's
+recorder): importing it loads none of the modules below, which load on first use of their names.
 """
-from ddpkit.trace.chrome import LANES, to_chrome_trace
-from ddpkit.trace.figures import (
-    BucketFill, Timeline, bucket_fill, bucket_fill_order, fill_rows, launch_order, layer_of, loss_per_step,
-    memory_peak, memory_series, timeline,
-)
-from ddpkit.trace.measures import (
-    backward_phases, collective_bytes, collective_counts, comm_after_backward_ms, comm_bytes_per_step,
-    overlap_fraction, overlap_intervals, ring_bytes,
-)
-from ddpkit.trace.recorder import Recorder
-from ddpkit.trace.records import Record, Trace, as_trace
-from ddpkit.trace.gap import Gap, StepBreakdown, decompose, format_gaps, step_breakdown
+import importlib
 
-__all__ = [
-    "Record", "Recorder", "Trace", "as_trace", "to_chrome_trace", "ring_bytes",
-    "comm_bytes_per_step", "collective_counts", "collective_bytes", "overlap_fraction",
-    "overlap_intervals", "comm_after_backward_ms", "bucket_fill_order", "launch_order", "LANES",
-    "backward_phases", "fill_rows", "layer_of", "memory_series", "memory_peak", "loss_per_step",
-    "bucket_fill", "BucketFill", "timeline", "Timeline", "decompose", "step_breakdown", "format_gaps", "Gap",
-    "StepBreakdown",
-]
+# Where each name lives (its one public home is that module; this package hands it on, loaded on
+# first use).
+_HOMES = {
+    **dict.fromkeys(["LANES", "to_chrome_trace"], "chrome"),
+    **dict.fromkeys(["BucketFill", "Timeline", "bucket_fill", "bucket_fill_order", "fill_rows", "launch_order",
+                     "layer_of", "loss_per_step", "memory_peak", "memory_series", "timeline"], "figures"),
+    **dict.fromkeys(["backward_phases", "collective_bytes", "collective_counts", "comm_after_backward_ms",
+                     "comm_bytes_per_step", "overlap_fraction", "overlap_intervals"], "measures"),
+    **dict.fromkeys(["Recorder"], "recorder"),
+    **dict.fromkeys(["Record", "Trace", "as_trace"], "records"),
+    **dict.fromkeys(["Gap", "StepBreakdown", "decompose", "format_gaps", "step_breakdown"], "gap"),
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ddpkit.trace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ddpkit.trace.{_HOMES[name]}"), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

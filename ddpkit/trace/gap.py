@@ -4,59 +4,22 @@ Pure functions of recorded traces (a Trace, a Recorder or a list of Records): th
 recorded at 1 rank and at N ranks, e.g. with ``cluster.recording()`` around
 ``ddpkit.experiment.run_strategy``. Nothing here runs, times or draws.
 
-    one = step_breakdown(trace_at_1)              # where one rank's step time goes
+    one = step_breakdown(trace_at_1)              # every rank's step time in STEP_PARTS
     gap = decompose(trace_at_1, trace_at_4, "strong")
     gap.parts     # {"exposed_comm": ms, "straggler_wait": ms, "host_overhead": ms, "contention": ms}
     gap.residual_ms, gap.efficiency
     print(format_gaps([gap2, gap4]))             # ddpkit.viz.plot_scaling_gap draws them
 
-**A step, partitioned on every rank.** Step s lasts from the end of step s-1 to its own end,
-where a step ends when its last collective has completed on every rank (``step_ends``: no rank
-has its gradients before; the optimizer step that follows falls in the next interval). These
-are the same two moments on every rank, so each rank's time between them is the measured step
-time. Every instant of it is one of four things, decided in this order:
-
-- *compute*: inside a compute span (``forward``, the optimizer ``step``, any other compute span
-  a job records) or inside ``backward`` up to its last gradient-ready event (what comes after
-  it is waiting for communication, as ``measures.backward_phases`` cuts it); ``sync`` is not
-  compute: it waits for the gradients;
-- *straggler wait*: not computing, one of this rank's collectives is in flight, and some other
-  rank has not issued that collective yet: rank r waits for the slowest rank to arrive.
-  Collectives are matched across ranks by their step, their group and their order in it;
-- *exposed communication*: not computing, a collective in flight, every rank has issued it:
-  waiting for the bytes to move (communication that backward did not hide);
-- *host overhead*: none of the above -- no compute span open, no collective in flight: Python
-  between the spans (the loop, ``zero_grad``, the next batch, recording), launching
-  collectives, copying buckets back out after their all-reduce, memory samples.
-
-Caveats, from what is recorded: work inside a compute span counts as compute even when it is
-not arithmetic -- DDP's gradient hooks and bucket copies in ``backward``, FSDP's waits for its
-all-gathers inside ``forward`` (FSDP's exposed all-gathers therefore show as compute). The
-course measures DDP with it.
-
-**The gap to perfect scaling.** T(n) is the measured step time at n ranks: from the end of the
-step before the first measured step to the end of the last, divided by the number of steps.
-Perfect scaling is T(1)/N for strong scaling (the same global batch split N ways) and T(1) for
-weak scaling (the same batch per rank, N times the global batch). With f = 1/N (strong) or 1
-(weak), and each part the mean over the N ranks and the steps:
-
-- compute contention     = compute(N) - f * compute(1): compute spans longer than their share of
-  one rank's (ranks sharing cores, memory bandwidth, caches; on a GPU per rank, near 0);
-- host overhead          = host(N) - f * host(1): per-step costs that do not shrink with N;
-- exposed communication  = exposed(N) - f * exposed(1);
-- straggler wait         = straggler(N) (at 1 rank nobody waits for another).
-
-gap = T(N) - f * T(1) = the sum of the parts + residual. Because the four partition every
-rank's time between the same two moments, the residual is zero up to rounding: printing it
-checks the bookkeeping (nothing counted twice or missed), it is not a measure of noise. Noise
-shows between runs: record each size twice and compare. Efficiency is f * T(1) / T(N).
+Why it adds up: the parts partition every rank's time between the same two moments (a step's
+end and the next's), so the residual is zero up to rounding. Printing it checks the bookkeeping
+(nothing counted twice or missed); noise shows between runs (record each size twice).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ddpkit.trace.measures import _intersect, _length, _union
+from ddpkit.trace.intervals import clip, intersect, length, minus, union
 from ddpkit.trace.records import as_trace
 
 STEP_PARTS = ("compute", "exposed_comm", "straggler_wait", "host")
@@ -64,27 +27,6 @@ GAP_PARTS = ("contention", "host_overhead", "exposed_comm", "straggler_wait")
 PART_LABELS = {"contention": "compute slowed by contention", "host_overhead": "host overhead",
                "exposed_comm": "exposed communication", "straggler_wait": "waiting for the slowest rank",
                "compute": "compute", "host": "host", "residual": "residual"}
-
-
-def _minus(xs, ys) -> list[tuple[int, int]]:
-    """``xs`` without ``ys`` (both sorted, disjoint interval lists)."""
-    out, j = [], 0
-    for a, b in xs:
-        while j < len(ys) and ys[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(ys) and ys[k][0] < b:
-            if ys[k][0] > a:
-                out.append((a, ys[k][0]))
-            a = max(a, ys[k][1])
-            k += 1
-        if a < b:
-            out.append((a, b))
-    return out
-
-
-def _clip(intervals, a: int, b: int) -> list[tuple[int, int]]:
-    return [(max(x, a), min(y, b)) for x, y in intervals if min(y, b) > max(x, a)]
 
 
 @dataclass
@@ -110,7 +52,7 @@ def _compute_intervals(mine) -> list[tuple[int, int]]:
             inside = [t for t in ready if r.start_ns <= t <= r.end_ns]
             end = max(inside) if inside else r.end_ns
         out.append((r.start_ns, end))
-    return _union(out)
+    return union(out)
 
 
 def _issue_matching(trace) -> dict[tuple, int]:
@@ -136,7 +78,7 @@ def _group(r) -> tuple:
 def _rank_step(by_rank_step, comm_of, latest, rank: int, steps, a: int, b: int) -> dict[str, int]:
     """The partition of one rank's time in ``[a, b)`` (ns) into STEP_PARTS, from the compute
     spans of ``steps`` and every collective of the rank."""
-    compute = _clip(_compute_intervals([r for s in steps for r in by_rank_step[(rank, s)]]), a, b)
+    compute = clip(_compute_intervals([r for s in steps for r in by_rank_step[(rank, s)]]), a, b)
     comm, waiting = [], []
     for r, key in comm_of[rank]:
         end = r.end_ns if r.end_ns is not None else b
@@ -146,10 +88,10 @@ def _rank_step(by_rank_step, comm_of, latest, rank: int, steps, a: int, b: int) 
         last = latest.get(key, r.start_ns)
         if last > r.start_ns:  # another rank issued it later: rank r waits for it to arrive
             waiting.append((r.start_ns, min(last, end)))
-    blocked = _minus(_clip(_union(comm), a, b), compute)
-    straggler = _length(_intersect(blocked, _clip(_union(waiting), a, b)))
-    blocked_ns = _length(blocked)
-    compute_ns = _length(compute)
+    blocked = minus(clip(union(comm), a, b), compute)
+    straggler = length(intersect(blocked, clip(union(waiting), a, b)))
+    blocked_ns = length(blocked)
+    compute_ns = length(compute)
     return dict(compute=compute_ns, straggler_wait=straggler, exposed_comm=blocked_ns - straggler,
                 host=(b - a) - compute_ns - blocked_ns)
 
@@ -171,12 +113,22 @@ def step_ends(trace) -> dict[int, int]:
 
 
 def step_breakdown(trace, steps=None, skip: int = 1) -> StepBreakdown:
-    """Partition every rank's steps into STEP_PARTS (see the module docstring) and average them.
+    """Partition every rank's steps into STEP_PARTS and average them.
 
     Step s lasts from the end of step s-1 to its own end (``step_ends``): the same two moments
-    on every rank. ``steps``: training steps to use (each needs the step before it); default
-    every step after the first ``skip`` (warm-up: allocations, bucket rebuilds) and the next one
-    (whose interval holds the warm-up's optimizer step, the first, which allocates its state)."""
+    on every rank. Each instant of it is the first of these that holds:
+    - *compute*: inside a compute span (``forward``, the optimizer ``step``, any other), or inside
+      ``backward`` up to its last gradient-ready event (``measures.backward_phases``); not ``sync``;
+    - *straggler wait*: a collective of this rank in flight that some other rank has not issued
+      yet (collectives matched across ranks by step, group and order in it);
+    - *exposed communication*: a collective in flight that every rank has issued;
+    - *host overhead*: the rest (the loop, ``zero_grad``, launching collectives, bucket copies).
+    Work inside a compute span counts as compute even when it is not arithmetic: DDP's gradient
+    hooks in ``backward``, FSDP's waits for its all-gathers in ``forward``.
+
+    ``steps``: training steps to use (each needs the step before it); default every step after the
+    first ``skip`` (warm-up: allocations, bucket rebuilds) and the next one (whose interval holds the
+    warm-up's optimizer step, the first, which allocates its state)."""
     trace = as_trace(trace)
     trained = trace.steps
     ends = step_ends(trace)
@@ -224,7 +176,7 @@ class Gap:
     one_rank_ms: float          # T(1): the measured step time at 1 rank
     step_ms: float              # T(N): the measured step time at N ranks (between the shared step ends)
     ideal_ms: float             # perfect scaling: T(1)/N (strong) or T(1) (weak)
-    parts: dict[str, float]     # GAP_PARTS (see the module docstring); negative = better than ideal
+    parts: dict[str, float]     # GAP_PARTS (see ``decompose``); negative = better than ideal
     at_one: StepBreakdown
     at_n: StepBreakdown
 
@@ -255,8 +207,15 @@ class Gap:
 
 def decompose(one_rank, n_ranks, mode: str = "strong", skip: int = 1) -> Gap:
     """The gap of ``n_ranks`` (a trace at N ranks) to perfect scaling from ``one_rank`` (the same
-    workload recorded at 1 rank), in parts: see the module docstring. ``mode``: "strong" (the same
-    global batch at both) or "weak" (the same batch per rank). Either may be a ``StepBreakdown``."""
+    workload recorded at 1 rank), in parts. ``mode``: "strong" (the same global batch at both) or
+    "weak" (the same batch per rank). Either may be a ``StepBreakdown``.
+
+    With T(n) the measured step time and f = 1/N (strong) or 1 (weak): ideal = f T(1), and
+    gap = T(N) - f T(1) = contention + host_overhead + exposed_comm + straggler_wait + residual,
+    each the ``step_breakdown`` part at N minus f times it at 1: contention is compute longer than
+    its share of one rank's (ranks sharing cores, memory bandwidth, caches), host overhead the
+    per-step costs that do not shrink with N; at 1 rank nobody waits for a straggler. Efficiency
+    is f T(1) / T(N)."""
     if mode not in ("strong", "weak"):
         raise ValueError(f"mode must be 'strong' or 'weak', got {mode!r}")
     one = one_rank if isinstance(one_rank, StepBreakdown) else step_breakdown(one_rank, skip=skip)

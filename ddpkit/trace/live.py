@@ -5,11 +5,11 @@ the notebook while the job goes; the notebook merges them into one Trace.
         cluster.run(job)
     cluster.last_trace                 # every rank's records, merged
 
-Rank side, ``run_recorded(fn, args, kwargs, interval_s)``: a fresh ``Recorder`` with its clock
-aligned to rank 0's, made the rank's recorder (``rankside.recording``) while ``fn`` runs, so
+Rank side, ``run_recorded(fn, args, kwargs, send, interval_s)``: a fresh ``Recorder`` with its clock
+aligned to rank 0's, made the rank's recorder (``trace.seam.recording``) while ``fn`` runs, so
 every strategy built inside the job records into it; a daemon thread drains it every
 ``interval_s`` and sends what is new as one "records" event over the job channel
-(``rankside.report``). One message per interval however many records: a chatty run cannot flood
+(``send``: the Cluster's worker's ``report``). One message per interval however many records: a chatty run cannot flood
 the channel. The last batch (``final=True``) leaves before the job's result or error, on the
 same ordered channel, so the notebook has every record when ``run`` returns.
 
@@ -70,15 +70,16 @@ class Streamer:
                 self.send(records=batch, final=final)
 
 
-def run_recorded(fn, args, kwargs, interval_s: float = INTERVAL_S):
+def run_recorded(fn, args, kwargs, send, interval_s: float = INTERVAL_S):
     """A Cluster job that runs ``fn(*args, **kwargs)`` with recording on (see the module
-    docstring) and returns exactly what ``fn`` returned."""
-    from ddpkit import rankside
+    docstring), sends each batch of records as ``send(records=..., final=...)``, and returns
+    exactly what ``fn`` returned."""
     from ddpkit.trace.recorder import Recorder
+    from ddpkit.trace.seam import recording
 
     rec = Recorder()
     rec.align_clocks()  # every rank on rank 0's clock, so the merged timeline lines up
-    with Streamer(rec, lambda **batch: rankside.report("records", **batch), interval_s), rankside.recording(rec):
+    with Streamer(rec, send, interval_s), recording(rec):
         return fn(*args, **kwargs)
 
 

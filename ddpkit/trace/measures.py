@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from ddpkit.network import ring_bytes
+from ddpkit.trace.intervals import intersect, length, union
 from ddpkit.trace.records import as_trace
 
 
@@ -52,34 +53,6 @@ def collective_bytes(trace) -> dict[int, dict[int, int]]:
     return {s: dict(v) for s, v in _by_step(out)}
 
 
-def _union(intervals) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals) -> int:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersect(xs, ys) -> list[tuple[int, int]]:
-    """Intersection of two sorted, disjoint interval lists."""
-    out, i, j = [], 0, 0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if a < b:
-            out.append((a, b))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
 def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
     """(comm union, ``compute`` union, their intersection) for one rank and step, in ns.
 
@@ -89,7 +62,7 @@ def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
     (the last ``grad_ready`` instant) when there are any: that is where autograd's work ended.
     """
     mine = [r for r in records if r.rank == rank and r.step == step]
-    comm = _union((r.start_ns, r.end_ns) for r in mine
+    comm = union((r.start_ns, r.end_ns) for r in mine
                   if r.kind == "span" and r.cat == "comm" and r.end_ns is not None)
     ready = [r.start_ns for r in mine if r.kind == "instant" and r.cat == "grad_ready"]
     busy = []
@@ -97,8 +70,8 @@ def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
         if r.kind == "span" and r.cat == "compute" and r.name == compute and r.end_ns is not None:
             inside = [t for t in ready if r.start_ns <= t <= r.end_ns]
             busy.append((r.start_ns, max(inside) if inside and compute == "backward" else r.end_ns))
-    busy = _union(busy)
-    return comm, busy, _intersect(comm, busy)
+    busy = union(busy)
+    return comm, busy, intersect(comm, busy)
 
 
 def comm_after_backward_ms(trace, rank: int = 0, step: int = -1) -> float:
@@ -122,7 +95,7 @@ def backward_phases(records, rank: int, step: int) -> tuple[list, list]:
     computing. ``overlap_intervals`` counts hidden communication against the same cut.
     """
     _, busy, _ = overlap_intervals(records, rank, step)
-    spans = _union((r.start_ns, r.end_ns) for r in records
+    spans = union((r.start_ns, r.end_ns) for r in records
                    if r.rank == rank and r.step == step and r.kind == "span" and r.cat == "compute"
                    and r.name == "backward" and r.end_ns is not None)
     waiting = []
@@ -154,6 +127,6 @@ def overlap_fraction(trace, rank: int | None = None, step: int | None = None,
     for rk in ranks:
         for s in steps:
             comm, _, both = overlap_intervals(trace.records, rk, s, compute)
-            total += _length(comm)
-            hidden += _length(both)
+            total += length(comm)
+            hidden += length(both)
     return hidden / total if total else 0.0

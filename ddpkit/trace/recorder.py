@@ -1,6 +1,6 @@
 """The Recorder: each rank's hot path of appending tuples, resolved into Records when read.
 
-Strategies talk to a recorder through the seam in ``ddpkit/strategies/_common.py``: ``span``,
+Strategies talk to a recorder through the seam (``ddpkit/trace/seam.py``): ``span``,
 ``labels`` (around the collectives they issue), ``grad_ready``, ``memory`` and ``begin_forward``
 (a training forward through a wrapper begins a step, unless the loop began it); the training step
 adds ``loss`` and ``begin_step``. ddpkit's process group, the one writer of collective records,
@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 
 from ddpkit import rankside
+from ddpkit.trace.seam import Labels
 from ddpkit.trace.clocks import CudaClock, align_clocks, cuda_event
 from ddpkit.trace.records import Record, Trace
 
@@ -90,7 +91,7 @@ class Recorder:
         self._fresh = False    # next_step() was called and no train_step or forward has begun it yet
         self._loop_began = False  # train_step began this step and its forward has not run yet
         # train_step times the step's forward and backward itself; in a loop of its own (a user's
-        # script) the wrappers do (``strategies._common.forward_timed``)
+        # script) the wrappers do (``strategies.common.forward_timed``)
         self.loop_spans = False
         self._watched = None  # works without a future, waited on by a thread (see _watch)
 
@@ -127,8 +128,8 @@ class Recorder:
     def labels(self, **fields):
         """``with rec.labels(bucket=i): work = dist.all_reduce(...)``: the collectives this thread
         issues inside the block are recorded into this recorder with ``fields`` (bucket, unit,
-        ...) by ddpkit's process group, their one writer (``rankside.Labels``)."""
-        return rankside.Labels(self, fields)
+        ...) by ddpkit's process group, their one writer (``seam.Labels``)."""
+        return Labels(self, fields)
 
     def launch_mark(self):
         """The start of a collective about to be launched: (host ns, CUDA event on the current

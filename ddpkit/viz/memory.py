@@ -1,7 +1,8 @@
 """Memory per category, per rank and per strategy, beside the ZeRO formulas' predictions."""
 from __future__ import annotations
 
-from ddpkit.memory import CATEGORIES, STAGE_OF_STRATEGY
+from ddpkit.memory import CATEGORIES
+from ddpkit.memory_formulas import STAGE_OF_STRATEGY
 from ddpkit.trace import Trace, memory_peak
 from ddpkit.viz._common import byte_unit, new_figure, no_data
 from ddpkit.viz.style import CATEGORY_COLOURS, OTHER_COLOUR
@@ -54,7 +55,7 @@ def plot_memory(measured, predicted=None, title: str | None = None):
 
     ``measured``: a Trace (what each rank held at its peak), a list of per-rank
     ``{category: bytes}``, or ``{label: that}`` for several strategies. ``predicted``:
-    ``{label: {category: bytes}}``, e.g. ``ddpkit.memory.zero_predictions(...)``, whose
+    ``{label: {category: bytes}}``, e.g. ``ddpkit.memory_formulas.zero_predictions(...)``, whose
     "DDP"/"ZeRO-1"/"ZeRO-3" are matched to labels naive/bucketed/overlapped, zero1, fsdp.
     """
     groups = _normalise(measured)

@@ -21,7 +21,7 @@ MAX_POINTS = 300  # per rank: longer series are thinned (keeping each bin's high
 
 NOT_RECORDED = ("Memory was not recorded in this run. A recorded run samples it in "
                 "ddpkit.experiment.train_step (twice a step); a job with its own loop can call "
-                "ddpkit.memory.record_memory(ddpkit.rankside.recorder(), model, optimizer).")
+                "ddpkit.memory.record_memory(ddpkit.trace.seam.recorder(), model, optimizer).")
 
 PEAK_MEANS = ("peak: the most one rank held at once among the samples (each point stacks the categories: "
               "model state, buffers, activations)")

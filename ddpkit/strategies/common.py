@@ -1,36 +1,12 @@
-"""What every strategy shares: the recorder seam, rank-0 broadcast, and input checks.
+"""What every strategy shares: construction checks, rank-0 broadcast, FSDP's units, clipping, timing.
 
-The recorder seam
------------------
-Strategies *report* what happens; they never store or draw it. Every wrapper takes
-``recorder=None`` and talks to it through four calls:
+Strategies report what happens through the recorder seam (``ddpkit.trace.seam``: ``span``,
+``labels``, ``grad_ready``, ``memory``; ``NullRecorder`` when recording is off) and never store or
+draw it. What the DDP wrappers share besides (construction, forward, when a sync is pending) is
+``DDPModule`` in ``ddp_module.py``.
 
-    with recorder.span("forward", cat="compute"):          # a timed span on this rank
-        ...
-    with recorder.labels(bucket=i):                         # label the collectives issued inside:
-        work = dist.all_reduce(flat, async_op=True)         #   bucket i's all-reduce
-    recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
-    recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
-
-A strategy never records a collective itself: ddpkit's process group sees every collective
-(torch's wrappers' too) and is the one writer of its record -- from issue to completion, with
-its FULL size S (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the
-input), its link and group -- into the rank's recorder, and into the recorder of the
-``labels()`` block it was issued in (this thread's), with the block's fields. So a strategy
-labels what only it knows (the bucket, the FSDP unit) and nothing else. (Under a plain torch
-process group, e.g. a torchrun script, there is no such writer: spans, gradients and memory are
-recorded, collectives are not -- as ddpkit's byte counts are empty there.)
-
-``NullRecorder`` (``ddpkit.rankside``) is the default: each call does nothing, so recording off costs one
-attribute lookup and an empty ``with``. ``ddpkit.trace.Recorder`` implements the same calls
-and keeps plain records. Strategies check ``recorder.enabled`` before doing extra work that
-only recording needs (e.g. registering hooks just to time gradient readiness).
-
-What the DDP wrappers share besides (construction, forward, when a sync is pending)
-is ``DDPModule`` in ``ddp_module.py``.
-
-This module sits in the strategy layer and imports nothing from later layers
-(trace, memory, viz, widget): data flows cluster -> strategy -> recorder -> plots.
+This module sits in the strategy layer and imports nothing from later layers (trace's records,
+memory, viz, widget): data flows cluster -> strategy -> recorder -> plots.
 """
 from __future__ import annotations
 
@@ -41,13 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.rankside import NULL_RECORDER, NullRecorder  # noqa: F401  (the seam's do-nothing side)
-
-
-from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat  # noqa: F401  (renamed in 2.12)
 from ddpkit.torch_internals import first_tensor, queue_at_end_of_backward
-
-
+from ddpkit.trace.seam import NULL_RECORDER
 
 
 def require_process_group(strategy: str, group=None) -> None:

@@ -1,0 +1,141 @@
+"""The recorder seam: what strategies and ddpkit's process group record through, and the rank's recorder.
+
+Strategies *report* what happens; they never store or draw it. Every wrapper takes
+``recorder=None`` (the rank's recorder, ``recorder()``) and talks to it through a few calls:
+
+    with recorder.span("forward", cat="compute"):          # a timed span on this rank
+        ...
+    with recorder.labels(bucket=i):                         # label the collectives issued inside:
+        work = dist.all_reduce(flat, async_op=True)         #   bucket i's all-reduce
+    recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
+    recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
+
+A strategy never records a collective itself: ddpkit's process group sees every collective
+(torch's wrappers' too) and is the one writer of its record, into the rank's recorder and into
+the recorder of the ``labels()`` block it was issued in (``labelled()``: per *thread*, as
+collectives are issued from autograd's threads too), with the block's fields. So a strategy labels
+what only it knows (the bucket, the FSDP unit). Under a plain torch process group (a torchrun
+script) there is no such writer: spans, gradients and memory are recorded, collectives are not.
+
+``NullRecorder`` is the default: each call does nothing, so recording off costs one attribute
+lookup and an empty ``with``; strategies check ``recorder.enabled`` before work only recording
+needs. ``ddpkit.trace.Recorder`` implements the same calls and keeps plain records. The rank's
+recorder is process-wide on purpose: a process is one rank, and everything in it that records
+must record into one place, also from threads the job did not start. This module imports nothing
+else of ``ddpkit.trace``: strategies and the process group load no records, figures or exports.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+class _Issuing(threading.local):
+    labels = None  # the innermost Labels block this thread is in (a class default: finding none is fast)
+
+
+_ISSUING = _Issuing()
+
+
+class Labels:
+    """``with recorder.labels(bucket=i): ...``: the collectives this thread issues inside the
+    block are recorded (by ddpkit's process group) into ``recorder``, with ``fields`` added.
+    Blocks nest: the innermost one labels (a recorder that is off opens no block at all)."""
+
+    __slots__ = ("recorder", "fields", "_outer")
+
+    def __init__(self, recorder, fields: dict):
+        self.recorder, self.fields = recorder, fields
+
+    def __enter__(self):
+        self._outer = _ISSUING.labels
+        _ISSUING.labels = self
+        return self
+
+    def __exit__(self, *exc):
+        _ISSUING.labels = self._outer
+        return False
+
+
+def labelled():
+    """The ``Labels`` block this thread is issuing collectives in (its ``recorder`` and
+    ``fields``), or None: what ddpkit's process group asks of each collective."""
+    return _ISSUING.labels
+
+
+class NullRecorder:
+    """The recorder that records nothing (the default for every strategy)."""
+
+    enabled = False
+
+    def span(self, name: str, cat: str = "compute", **fields):
+        return _NO_SPAN
+
+    def labels(self, **fields):
+        """Label the collectives issued inside the block (bucket, unit, ...). Off: a shared empty
+        ``with``. A recorder that is on (a subclass, e.g. a test's counting recorder) gets them."""
+        return Labels(self, fields) if self.enabled else _NO_SPAN
+
+    def launch_mark(self):
+        """What ddpkit's process group takes just *before* launching a collective it will record
+        (``collective(..., launched=mark)``); None here: nothing to mark."""
+        return None
+
+    def collective(self, name: str, work, nbytes: int, **fields) -> None:
+        """What ddpkit's process group calls for each collective it records (strategies label)."""
+
+    def grad_ready(self, param_name: str, **fields) -> None:
+        pass
+
+    def memory(self, **bytes_by_category: int) -> None:
+        pass
+
+    # what the training step (``experiment.train_step``) tells a recorder besides
+    def begin_step(self) -> None:
+        pass
+
+    def next_step(self) -> None:
+        pass
+
+    def begin_forward(self) -> None:  # a wrapper's training forward (trace.Recorder: a step begins)
+        pass
+
+    loop_spans = True  # the loop times forward and backward itself (trace.Recorder: unless it is one of its own)
+
+    def loss(self, value) -> None:
+        pass
+
+    def memory_due(self) -> bool:
+        return False
+
+
+NULL_RECORDER = NullRecorder()
+
+
+class _Current:
+    recorder = NULL_RECORDER  # this rank's recorder now (one instance, ``_CURRENT``)
+
+
+_CURRENT = _Current()
+
+
+def recorder():
+    """The recorder this rank records into now: a ``ddpkit.trace.Recorder`` while recording is on
+    (``with recording(rec):``, or ``cluster.recording()`` in the notebook), else the do-nothing
+    ``NullRecorder``. A strategy built with ``recorder=None`` takes this one."""
+    return _CURRENT.recorder
+
+
+@contextlib.contextmanager
+def recording(rec):
+    """Make ``rec`` this rank's recorder inside the block (the previous one is restored after)."""
+    previous, _CURRENT.recorder = _CURRENT.recorder, rec
+    try:
+        yield rec
+    finally:
+        _CURRENT.recorder = previous
+
+
+__all__ = ["Labels", "NULL_RECORDER", "NullRecorder", "labelled", "recorder", "recording"]
