@@ -276,8 +276,8 @@ def test_plot_tabs_after_a_job_that_records_by_hand(widget):
     assert widget.live.layout.display != "none"
     assert widget.live.tabs.titles == ("bucket fill", "timeline", "memory")
     assert widget.live.step.value == 1 and (widget.live.step.min, widget.live.step.max) == (0, 1)
-    assert "<svg" in widget.live.fill.value and "step 1" in widget.live.fill.value
-    assert "<svg" in widget.live.timeline.value and "bucket 0" in widget.live.timeline.value
+    assert "<svg" in widget.live.panes["fill"].value and "step 1" in widget.live.panes["fill"].value
+    assert "<svg" in widget.live.panes["timeline"].value and "bucket 0" in widget.live.panes["timeline"].value
 
     widget.cluster.run(ddpkit.rank)  # a later untraced run keeps the last run's plots
     assert widget.plots_done.wait(5) and widget.live.mode == "replay"
@@ -288,7 +288,7 @@ def test_a_recorded_run_draws_while_it_goes_then_replays_any_step(widget):
     frames = {name: [] for name in ("fill", "timeline", "memory", "loss", "summary")}
     running = {"on": False}
     for name in frames:
-        getattr(widget.live, name).observe(
+        (widget.live.summary if name == "summary" else widget.live.panes[name]).observe(
             lambda ch, name=name: frames[name].append((running["on"], ch["new"])), names="value")
     widget.record_toggle.value = True  # the widget's switch is the cluster's
     assert c.record
@@ -315,13 +315,13 @@ def test_a_recorded_run_draws_while_it_goes_then_replays_any_step(widget):
     assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
     assert (widget.live.step.min, widget.live.step.max, widget.live.step.value) == (0, 39, 39)
     widget.live.step.value = 7
-    assert widget.plots_done.wait(10) and wait_for(lambda: "step 7" in widget.live.fill.value)
-    assert "Bucket fill · rank 0 · step 7" in widget.live.fill.value
-    assert "Timeline · step 7" in widget.live.timeline.value
+    assert widget.plots_done.wait(10) and wait_for(lambda: "step 7" in widget.live.panes["fill"].value)
+    assert "Bucket fill · rank 0 · step 7" in widget.live.panes["fill"].value
+    assert "Timeline · step 7" in widget.live.panes["timeline"].value
     widget.live.rank.value = 1
-    assert wait_for(lambda: "Bucket fill · rank 1 · step 7" in widget.live.fill.value)
+    assert wait_for(lambda: "Bucket fill · rank 1 · step 7" in widget.live.panes["fill"].value)
     # memory over the whole run, its peak and what was live at it
-    memory = widget.live.memory.value
+    memory = widget.live.panes["memory"].value
     assert "Memory per rank over time" in memory and "peak" in memory and "parameters" in memory
     assert "optimizer state" in memory and "gradients" in memory
     # the loss per step is the ranks' mean, and the default-style model learns
@@ -329,7 +329,7 @@ def test_a_recorded_run_draws_while_it_goes_then_replays_any_step(widget):
 
     mean = loss_per_step(trace.records)
     assert mean[3] == pytest.approx((losses[0][3] + losses[1][3]) / 2, rel=1e-6)
-    assert f"step 39: {mean[39]:.3f}" in widget.live.loss.value
+    assert f"step 39: {mean[39]:.3f}" in widget.live.panes["loss"].value
     assert mean[39] < mean[0]
     # what the live plots drew from, batch by batch, is what the figures compute from the trace
     from ddpkit.trace import memory_series
@@ -375,8 +375,8 @@ def test_memory_not_recorded_is_said_not_drawn(widget):
     with widget.cluster.recording():
         widget.cluster.run(job)
     assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
-    assert "not recorded" in widget.live.memory.value and "<svg" not in widget.live.memory.value
-    assert "not recorded" in widget.live.loss.value
+    assert "not recorded" in widget.live.panes["memory"].value and "<svg" not in widget.live.panes["memory"].value
+    assert "not recorded" in widget.live.panes["loss"].value
 
 
 def _records_then_rank_1_fails(steps):
@@ -529,7 +529,7 @@ def test_a_chatty_run_neither_floods_the_page_nor_grows_the_kernel(widget):
     sent = []
     c.subscribe(lambda kind, rank, **f: sent.append(kind) if kind == "records" else None)
     updates = []
-    for v in (widget.live.fill, widget.live.timeline, widget.live.memory, widget.live.loss, widget.live.summary):
+    for v in (*widget.live.panes.values(), widget.live.summary):
         v.observe(lambda ch: updates.append(1), names="value")
     tracemalloc.start()
     try:
@@ -689,7 +689,7 @@ def test_the_live_summary_never_says_step_none_and_the_loss_waits_for_every_rank
     try:
         plots.start(2)
         plots.state.add(0, [Record("span", "comm", "broadcast", 0, None, 0, 10)])
-        summary = plots._live_views()[0]
+        summary = plots._live_frame()[0]
         assert "None" not in summary and "setting up" in summary
     finally:
         plots.close()
@@ -727,7 +727,7 @@ def test_a_later_recorded_run_without_steps_keeps_the_last_run_with_steps(widget
     assert "4 steps on 2 ranks" in widget.live.summary.value
     assert "<code>_train</code>" in widget.live.summary.value and "<code>_only_communicates</code>" in \
         widget.live.summary.value  # the run drawn, and the later one that was not
-    assert "Bucket fill · rank 0 · step 3" in widget.live.fill.value
+    assert "Bucket fill · rank 0 · step 3" in widget.live.panes["fill"].value
     # the status line of an unrecorded run names no loss (the recorded run's is not its own)
     c.run(int)
     assert "loss" not in widget._describe("now")
@@ -760,7 +760,7 @@ def test_a_later_recorded_run_that_did_not_train_keeps_the_run_that_did(widget):
     summary = widget.live.summary.value
     assert re.search(r"recorded run</b> of <code>_train</code>( \(cell \[\d+\]\))?: 3 steps", summary), summary
     assert "no training step" in summary
-    assert "Bucket fill · rank 0 · step 2" in widget.live.fill.value
+    assert "Bucket fill · rank 0 · step 2" in widget.live.panes["fill"].value
 
 
 def _fsdp_step(units: int = 20, rank: int = 0, step: int = 0):
@@ -809,15 +809,48 @@ def test_an_fsdp_run_opens_on_the_timeline_a_ddp_run_on_the_bucket_fill():
     plots = LivePlots()
     try:
         plots.show_trace(Trace(_fsdp_step() + _fsdp_step(rank=1), 2), "fsdp")
-        plots._replay_views()
+        plots._replay_frame()
         assert plots.tabs.selected_index == 1  # the timeline
         plots.show_trace(Trace(_step_records(4) + _step_records(4, rank=1), 2), "ddp")
-        plots._replay_views()
+        plots._replay_frame()
         assert plots.tabs.selected_index == 0  # back to the bucket fill the widget had left
         plots.tabs.selected_index = 2           # the learner picks memory: it stays
         plots.show_trace(Trace(_fsdp_step() + _fsdp_step(rank=1), 2), "fsdp")
-        plots._replay_views()
+        plots._replay_frame()
         assert plots.tabs.selected_index == 2
+    finally:
+        plots.close()
+
+
+def test_a_new_figure_is_its_view_and_one_entry_in_the_list(monkeypatch):
+    """Issue 48.7: the views were positional (four widgets, tab titles, a five-way zip, five-tuples):
+    a figure is now a ``View`` and an entry in ``live.VIEWS``; its pane, tab, empty words follow."""
+    from ddpkit.trace import Record, Trace
+    from ddpkit.widget import live
+    from ddpkit.widget.view import View
+
+    def figure(frame, empty):
+        return empty if frame.step is None else f"<p>{len(frame.records.records)} records of step {frame.step}</p>"
+
+    count = View("count", "records", figure, pending="counting", missing="no steps to count")
+    monkeypatch.setattr(live, "VIEWS", (*live.VIEWS, count))
+    plots = live.LivePlots()
+    try:
+        assert plots.tabs.titles == ("bucket fill", "timeline", "memory", "records")
+        assert "ddpkit-count-view" in plots.panes["count"]._dom_classes
+        assert plots.plots.children == (plots.tabs, plots.panes["loss"])  # beside the tabs: title None
+        plots.start(1)
+        plots.state.add(0, [Record("span", "comm", "broadcast", 0, None, 0, 10)])
+        plots._paint()
+        assert plots.panes["count"].value == "counting"  # while live: what is coming
+        plots.show_trace(Trace([Record("span", "comm", "broadcast", 0, None, 0, 10)], 1), "setup only")
+        plots._paint()
+        assert plots.panes["count"].value == "no steps to count"  # after the run: what it did not record
+        plots.show_trace(Trace(_step_records(4), 1), "ddp")
+        plots._paint()
+        assert plots.panes["count"].value == f"<p>{len(_step_records(4))} records of step 0</p>"
+        assert "Bucket fill · rank 0 · step 0" in plots.panes["fill"].value
+        assert plots.tabs.selected_index == 0  # the new tab does not open itself: the bucket fill still does
     finally:
         plots.close()
 
@@ -837,9 +870,9 @@ def test_the_replay_never_draws_one_run_with_another_runs_index():
         stale = plots._replay
         plots.show_trace(three, "second")
         plots._replay = stale  # the painter of the first run stored its index after the second arrived
-        assert "3 steps on 1 rank" in plots._replay_views()[0]
+        assert "3 steps on 1 rank" in plots._replay_frame()[0]
         plots._replay = {}     # ... or the second emptied it while the painter read it
-        assert "3 steps on 1 rank" in plots._replay_views()[0]
+        assert "3 steps on 1 rank" in plots._replay_frame()[0]
     finally:
         plots.close()
 
@@ -910,8 +943,9 @@ def test_the_widget_and_the_plot_draw_torch_ddps_buckets_as_the_figure_has_them(
     assert None not in {b for _, b, _ in order} and len(fill.buckets) >= 3  # every gradient in a bucket
 
     assert wait_for(lambda: widget.live.mode == "replay") and widget.plots_done.wait(30)
-    assert f"step {fill.step}" in widget.live.fill.value
-    dots = re.findall(r'<circle [^>]*fill="([^"]+)"[^>]*><title>([^<:]+): bucket (\S+), ready', widget.live.fill.value)
+    svg = widget.live.panes["fill"].value
+    assert f"step {fill.step}" in svg
+    dots = re.findall(r'<circle [^>]*fill="([^"]+)"[^>]*><title>([^<:]+): bucket (\S+), ready', svg)
     assert sorted((name, int(b), colour) for colour, name, b in dots) == \
         sorted((name, b, bucket_colour(b)) for name, b, _ in order)  # no grey "bucket None" dot
 

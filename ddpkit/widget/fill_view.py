@@ -11,10 +11,11 @@ all-gathers in forward); the axis says which.
 """
 from __future__ import annotations
 
-from ddpkit.trace.figures import PACKED_NOTE, BucketFill
+from ddpkit.trace.figures import PACKED_NOTE, BucketFill, bucket_fill
 from ddpkit.units import plural
 from ddpkit.viz.style import WAIT_COLOUR, bucket_colour
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
+from ddpkit.widget.view import NO_STEPS, NO_STEPS_YET, Frame, View
 
 WIDTH = 860
 ROW = 15           # px per row: 11 px labels, never scaled down (the tabs are WIDTH wide)
@@ -68,3 +69,18 @@ def fill_view(fig: BucketFill) -> str:
         svg.text(LEFT, comm_top + 10, "no collectives in this step", size=11, fill="#555")
     x_axis(svg, x, height - 40, f"ms since {fig.origin}", fmt=lambda v: f"{v:g}")
     return svg.html()
+
+
+def _figure(frame: Frame, empty: str) -> str:
+    if frame.step is None:
+        return message(empty)
+    return fill_view(bucket_fill(frame.records, frame.rank, frame.step))
+
+
+def _reports_ready(records) -> bool:
+    """The DDP wrappers report when each gradient became ready; FSDP reports its units' collectives
+    only, and its bucket fill would be one line saying so."""
+    return any(r.kind == "instant" and r.cat == "grad_ready" for r in records)
+
+
+FILL = View("fill", "bucket fill", _figure, pending=NO_STEPS_YET, missing=NO_STEPS, opens=_reports_ready)

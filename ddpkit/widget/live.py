@@ -13,11 +13,12 @@ recorded run with nothing of the kind to draw (a job that only communicated, or 
 micro-batches counted as steps with no compute recorded) does not replace it; the summary says
 that it happened. Before any run was recorded, one line says why there is nothing to draw.
 
-Every view draws a figure computed by ``ddpkit.trace.figures`` -- ``bucket_fill``, ``timeline``,
-``memory_series`` and its peak, ``loss_per_step`` -- the functions the matplotlib plots
-(``ddpkit.viz``) draw from too, so the widget and the plots cannot disagree. The plots are HTML
-widgets holding SVG (``svg.py``): cheap to draw while ranks share the CPU, and readable by a test
-as text.
+The views are a list, ``VIEWS`` (each a ``view.View`` in its own file): a pane each, redrawn
+from one ``view.Frame`` -- the live window, or the replayed step. Every view draws a figure
+computed by ``ddpkit.trace.figures`` -- ``bucket_fill``, ``timeline``, ``memory_series`` and its
+peak, ``loss_per_step`` -- the functions the matplotlib plots (``ddpkit.viz``) draw from too, so
+the widget and the plots cannot disagree. The panes are HTML widgets holding SVG (``svg.py``):
+cheap to draw while ranks share the CPU, and readable by a test as text.
 """
 from __future__ import annotations
 
@@ -27,20 +28,22 @@ from collections import defaultdict
 
 import ipywidgets as widgets
 
-from ddpkit.trace.figures import bucket_fill, loss_per_step, memory_series, peak_of, timeline
+from ddpkit.trace.figures import loss_per_step, memory_series, peak_of
 from ddpkit.trace.records import Trace
 from ddpkit.units import plural
-from ddpkit.widget.fill_view import fill_view
-from ddpkit.widget.loss_view import loss_view
-from ddpkit.widget.memory_view import memory_view
+from ddpkit.widget.fill_view import FILL
+from ddpkit.widget.loss_view import LOSS
+from ddpkit.widget.memory_view import MEMORY
 from ddpkit.widget.state import LiveState
-from ddpkit.widget.svg import message
 from ddpkit.widget.throttle import Throttle
-from ddpkit.widget.timeline_view import timeline_view
+from ddpkit.widget.timeline_view import TIMELINE
+from ddpkit.widget.view import Frame
+
+# The views, tabs in this order (the first one whose ``opens`` says so is opened for a run), then
+# those drawn beside the tabs (``title`` None). A new figure: its file, and an entry here.
+VIEWS = (FILL, TIMELINE, MEMORY, LOSS)
 
 FRAME_S = 0.5       # at most two redraws a second
-LOSS_PENDING = "Loss: drawn once every rank has reported the first step's loss."
-MEMORY_PENDING = "Memory: drawn once a rank has sent its first sample (a recorded train_step takes two a step)."
 PLOT_WIDTH = 880    # px the tabs ask for: the views' SVG width (860) and the tab's padding
 ROLLING_STEPS = 3   # the live timeline's window
 
@@ -51,28 +54,29 @@ def trained(trace) -> bool:
 
 
 class LivePlots(widgets.VBox):
-    """Tabs (bucket fill, timeline, memory) beside the loss, a summary line, and replay controls."""
+    """A pane per view (in tabs, or beside them), a summary line, and replay controls."""
 
     def __init__(self):
         self.summary = widgets.HTML()
         self.summary.add_class("ddpkit-live-summary")
-        self.fill, self.timeline, self.memory, self.loss = (widgets.HTML() for _ in range(4))
-        for w, name in ((self.fill, "fill"), (self.timeline, "timeline"), (self.memory, "memory"),
-                        (self.loss, "loss")):
-            w.add_class("ddpkit-plot")
-            w.add_class(f"ddpkit-{name}-view")
+        self.panes = {view.name: widgets.HTML() for view in VIEWS}  # a view's name -> what shows it
+        for name, pane in self.panes.items():
+            pane.add_class("ddpkit-plot")
+            pane.add_class(f"ddpkit-{name}-view")
+        self._tabbed = [view for view in VIEWS if view.title is not None]
         # The tabs ask for their plots' full width (860 px): drawn at their own size, an 11 px
-        # label stays 11 px; where the row has no room beside them, the loss wraps below.
-        self.tabs = widgets.Tab([self.fill, self.timeline, self.memory],
+        # label stays 11 px; where the row has no room beside them, the views beside wrap below.
+        self.tabs = widgets.Tab([self.panes[view.name] for view in self._tabbed],
                                 layout=widgets.Layout(flex=f"1 1 {PLOT_WIDTH}px", min_width="0"))
-        self.tabs.titles = ("bucket fill", "timeline", "memory")
+        self.tabs.titles = tuple(view.title for view in self._tabbed)
         self.step = widgets.IntSlider(description="replay step", min=0, max=0, continuous_update=True,
                                       layout=widgets.Layout(width="60%"), style={"description_width": "initial"})
         self.step.add_class("ddpkit-step-slider")
         self.rank = widgets.Dropdown(description="bucket fill of rank", options=[0], value=0,
                                      style={"description_width": "initial"}, layout=widgets.Layout(width="220px"))
         self.controls = widgets.HBox([self.step, self.rank])
-        self.plots = widgets.HBox([self.tabs, self.loss], layout=widgets.Layout(flex_flow="row wrap"))
+        beside = [self.panes[view.name] for view in VIEWS if view.title is None]
+        self.plots = widgets.HBox([self.tabs, *beside], layout=widgets.Layout(flex_flow="row wrap"))
         super().__init__([self.summary, self.plots, self.controls], layout=widgets.Layout(display="none"))
         self.add_class("ddpkit-live")
         self.state = LiveState()
@@ -175,14 +179,14 @@ class LivePlots(widgets.VBox):
             self.rank.value = 0
 
     def _open_tab(self, records) -> None:
-        """Open the tab that has something to show for this run, once: the bucket fill where
-        gradients report when they were ready (the DDP wrappers), else the timeline (FSDP reports
-        its units' collectives only, and its bucket fill would be one line saying so). A tab the
-        learner picked (one the widget did not open itself) stays."""
+        """Open the tab that has something to show for this run, once: the first whose view
+        ``opens`` for its records (the bucket fill where gradients report when they were ready,
+        the DDP wrappers; else the timeline, FSDP). A tab the learner picked (one the widget did
+        not open itself) stays."""
         if self._tab_chosen:
             return
         self._tab_chosen = True
-        wanted = 0 if any(r.kind == "instant" and r.cat == "grad_ready" for r in records) else 1
+        wanted = next((i for i, view in enumerate(self._tabbed) if view.opens(records)), 0)
         current = self.tabs.selected_index
         if current != wanted and current in (0, self._auto_tab):
             self.tabs.selected_index = wanted
@@ -190,14 +194,17 @@ class LivePlots(widgets.VBox):
 
     # ------------------------------------------------------------------ drawing (painter thread)
     def _paint(self) -> None:
-        views = self._live_views() if self.mode == "live" else self._replay_views() if self.mode == "replay" else None
-        if views is None:
+        drawn = self._live_frame() if self.mode == "live" else self._replay_frame() if self.mode == "replay" else None
+        if drawn is None:
             return
-        for w, value in zip((self.summary, self.fill, self.timeline, self.memory, self.loss), views, strict=True):
+        summary, frame = drawn
+        values = [(self.summary, summary)] + [(self.panes[view.name], view.draw(frame)) for view in VIEWS]
+        for w, value in values:
             if w.value != value:  # an unchanged view costs the page nothing
                 w.value = value
 
-    def _live_views(self):
+    def _live_frame(self) -> tuple[str, Frame] | None:
+        """The summary line and the frame of the run streaming in (None before its first record)."""
         snap = self.state.snapshot()
         if not snap["count"]:
             return None
@@ -209,14 +216,12 @@ class LivePlots(widgets.VBox):
         finished = [s for s in steps if all(s < newest for newest in latest.values())] or steps
         if any(all(s < newest for newest in latest.values()) for s in steps):  # a whole step to judge by
             self._open_tab([r for r in snap["records"] if r.step in finished])
+        # the step drawn in full: the newest one this rank finished (or, before that, the one it is in)
         mine = [s for s in steps if s < latest.get(rank, -1)] or [s for s in steps if latest.get(rank) == s]
-        fill = fill_view(bucket_fill(window, rank, mine[-1])) if mine else message("No steps recorded yet.")
-        shown = finished[-ROLLING_STEPS:]
-        timeline_svg = timeline_view(timeline(window, shown, window.ranks)) if shown \
-            else message("No steps recorded yet.")
-        peak = peak_of(snap["memory"])
-        memory = memory_view(snap["memory"], snap["t0"] or 0, peak, empty=MEMORY_PENDING)
         losses = snap["loss"]
+        frame = Frame(live=True, records=window, rank=rank, step=mine[-1] if mine else None,
+                      steps=finished[-ROLLING_STEPS:], ranks=window.ranks, memory=snap["memory"],
+                      t0=snap["t0"] or 0, peak=peak_of(snap["memory"]), losses=losses, marker=None)
         newest = max(snap["latest"].values(), default=None)
         where = f"step {newest}" if newest is not None else "setting up (no training step yet)"
         # the newest step every rank's loss has reached: the value the loss plot ends on
@@ -224,9 +229,10 @@ class LivePlots(widgets.VBox):
         who = f" {self._starting}" if self._starting else ""
         summary = (f"<b style='color:#c62828'>&#9679; recording</b>{who}: {where} &middot; "
                    f"{snap['count']:,} records so far{loss_text} &middot; plots redraw every {FRAME_S:g} s")
-        return summary, fill, timeline_svg, memory, loss_view(losses, empty=LOSS_PENDING)
+        return summary, frame
 
-    def _replay_views(self):
+    def _replay_frame(self) -> tuple[str, Frame] | None:
+        """The summary line and the frame of the step the slider picks (None: no run to replay)."""
         # Read once: the thread that waits in cluster.run may hand over the next run's trace (and
         # empty the index) while this one draws; an index is only used with the trace it came from.
         trace, rp = self.trace, self._replay
@@ -234,18 +240,15 @@ class LivePlots(widgets.VBox):
             return None
         if rp.get("trace") is not trace:
             rp = self._index(trace)  # setting the slider here requests one more paint: harmless
-        steps = rp["steps"]
-        if not steps:
-            text = message("This run recorded no training steps (records made before the first step only).")
-            return self._replay_summary(trace, rp, None), text, text, memory_view(rp["memory"], rp["t0"], rp["peak"]), \
-                loss_view(rp["losses"])
-        step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
-        self._open_tab(trace.records)
-        records = Trace(rp["by_step"][step], trace.world_size)  # the figures read this step only
-        return (self._replay_summary(trace, rp, step), fill_view(bucket_fill(records, self.rank.value, step)),
-                timeline_view(timeline(records, [step], records.ranks or trace.ranks)),
-                memory_view(rp["memory"], rp["t0"], rp["peak"], marker_step=step),
-                loss_view(rp["losses"], marker_step=step))
+        steps, step = rp["steps"], None
+        if steps:
+            step = steps[max(bisect.bisect_right(steps, self.step.value) - 1, 0)]  # a recorded step
+            self._open_tab(trace.records)
+        records = Trace(rp["by_step"][step] if steps else [], trace.world_size)  # the figures read this step only
+        frame = Frame(live=False, records=records, rank=self.rank.value, step=step, steps=[step] if steps else [],
+                      ranks=records.ranks or trace.ranks, memory=rp["memory"], t0=rp["t0"], peak=rp["peak"],
+                      losses=rp["losses"], marker=step)
+        return self._replay_summary(trace, rp, step), frame
 
     def _replay_summary(self, trace, rp: dict, step) -> str:
         span = (max((r.end_ns or r.start_ns) for r in trace.records) - rp["t0"]) / 1e9 if trace.records else 0

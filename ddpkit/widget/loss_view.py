@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from ddpkit.widget.svg import Scale, Svg, message, nice_ticks
+from ddpkit.widget.view import Frame, View
 
 WIDTH, HEIGHT = 300, 210
 MAX_POINTS = 500  # longer curves are drawn from every k-th step
 
 NOT_RECORDED = "Loss: not recorded in this run (a recorded ddpkit.experiment.train_step records it)."
+PENDING = "Loss: drawn once every rank has reported the first step's loss."
 
 
 def loss_view(losses: dict[int, float], marker_step: int | None = None, empty: str = NOT_RECORDED) -> str:
@@ -38,3 +40,10 @@ def loss_view(losses: dict[int, float], marker_step: int | None = None, empty: s
         svg.circle(x(marker_step), y(losses[marker_step]), 4, "#d62728",
                    title=f"step {marker_step}: loss {losses[marker_step]:.4f}")
     return svg.html()
+
+
+def _figure(frame: Frame, empty: str) -> str:
+    return loss_view(frame.losses, marker_step=frame.marker, empty=empty)
+
+
+LOSS = View("loss", None, _figure, pending=PENDING, missing=NOT_RECORDED)  # small, beside the tabs

@@ -12,6 +12,7 @@ from ddpkit.memory import CATEGORIES
 from ddpkit.units import human_bytes
 from ddpkit.viz.style import CATEGORY_COLOURS
 from ddpkit.widget.svg import Scale, Svg, message, x_axis
+from ddpkit.widget.view import Frame, View
 
 WIDTH = 860
 LEFT = 70
@@ -22,6 +23,7 @@ MAX_POINTS = 300  # per rank: longer series are thinned (keeping each bin's high
 NOT_RECORDED = ("Memory was not recorded in this run. A recorded run samples it in "
                 "ddpkit.experiment.train_step (twice a step); a job with its own loop can call "
                 "ddpkit.memory.record_memory(ddpkit.trace.seam.recorder(), model, optimizer).")
+PENDING = "Memory: drawn once a rank has sent its first sample (a recorded train_step takes two a step)."
 
 PEAK_MEANS = ("peak: the most one rank held at once among the samples (each point stacks the categories: "
               "model state, buffers, activations)")
@@ -96,3 +98,10 @@ def _thin(pts: list) -> list:
         return pts
     per = -(-len(pts) // MAX_POINTS)
     return [max(pts[i:i + per], key=lambda p: sum(p[2].values())) for i in range(0, len(pts), per)]
+
+
+def _figure(frame: Frame, empty: str) -> str:
+    return memory_view(frame.memory, frame.t0, frame.peak, marker_step=frame.marker, empty=empty)
+
+
+MEMORY = View("memory", "memory", _figure, pending=PENDING, missing=NOT_RECORDED)

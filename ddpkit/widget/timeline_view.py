@@ -12,10 +12,11 @@ and ranks drawn.
 """
 from __future__ import annotations
 
-from ddpkit.trace.figures import PACKED_NOTE, Timeline
+from ddpkit.trace.figures import PACKED_NOTE, Timeline, timeline
 from ddpkit.units import plural
 from ddpkit.viz.style import OVERLAP_COLOUR, SPAN_COLOURS, WAIT_COLOUR
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
+from ddpkit.widget.view import NO_STEPS, NO_STEPS_YET, Frame, View
 
 WIDTH = 860
 LEFT = 140
@@ -90,3 +91,12 @@ def _legend(svg: Svg, y: float) -> None:
         svg.rect(x, y - 9, 12, 10, colour, opacity=0.6 if colour == OVERLAP_COLOUR else None)
         svg.text(x + 16, y, label, size=11)
         x += 24 + 6.6 * len(label)  # about 6.6 px a character at 11 px
+
+
+def _figure(frame: Frame, empty: str) -> str:
+    return timeline_view(timeline(frame.records, frame.steps, frame.ranks)) if frame.steps else message(empty)
+
+
+# Every run has a timeline: a run whose bucket fill has nothing to show (FSDP) opens here.
+TIMELINE = View("timeline", "timeline", _figure, pending=NO_STEPS_YET, missing=NO_STEPS,
+                opens=lambda records: True)
