@@ -113,7 +113,7 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
             max_param_diff=max(res["max_param_diff"] for res in results),
             dropout=r0["dropout"],  # where the model drops out: then it differs from one process by design
             outran_link=outran_share(timings.emulated.get(s)),
-            # on an emulated network: of the step, ms the rank spent moving bytes itself (the NIC's rule)
+            # on an emulated network: of the step, ms the rank spent moving bytes itself (at_wait)
             transport_ms_per_step=(statistics.median(timings.transport[s]) if timings.emulated.get(s, [0])[0]
                                    else None),
         ))
@@ -192,7 +192,7 @@ def format_table(records: list[dict]) -> str:
                  + (" inter-node: the part that crosses nodes (the network's two tiers)." if nodes else ""))
     if moving:
         notes.append("moving bytes: ms a step the slowest rank spent in its waits moving the bytes of its "
-                     "collectives itself (the emulated network card's rule, ddpkit.comm.emulator), waiting there "
+                     "collectives itself (at the wait: the emulated network card, ddpkit.comm.emulator), waiting there "
                      "for a peer that came late included: the transport's part; the rest was the emulated link's. "
                      "torch's wrappers chain work on their collectives' futures, so their bytes move on the "
                      "link's thread when the link delivers them, counted nowhere here.")

@@ -318,9 +318,9 @@ def emulation_counts() -> tuple[int, int]:
 
 
 def transport_seconds() -> float:
-    """Seconds this rank has spent moving the bytes of collectives that an emulated NIC carried
-    (``ddpkit.comm.emulator``: the transport's part of their time) so far; 0 off a network."""
-    return 0.0 if _RANK.comm is None else _RANK.comm.emulator.moved_s()
+    """Seconds this rank has spent moving the bytes of ``at_wait`` collectives when it waited for
+    them (``ddpkit.comm.emulator``: the transport's part of their time) so far; 0 off a network."""
+    return 0.0 if _RANK.comm is None else _RANK.comm.emulator.transport_s()
 
 
 def comm_counts() -> dict:

@@ -7,6 +7,8 @@ import math
 import pytest
 
 from ddpkit import costmodel as cm
+from ddpkit.costmodel.stream import Stream
+from ddpkit.network import LinkClock
 from ddpkit.strategies.table import strategy
 
 NET = cm.Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
@@ -365,13 +367,13 @@ def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
         assert sent == 0  # alone: every collective ran over a group of one, no byte crossed to the peer
 
 
-def test_under_the_cards_rule_the_rank_moves_the_bytes_when_it_waits():
-    """The emulated card's rule (``Link.at_wait``): an issue costs the rank nothing, the bytes move
+def test_at_wait_the_rank_moves_the_bytes_when_it_waits():
+    """``Link.at_wait`` (the emulated network card): an issue costs the rank nothing, the bytes move
     when it waits, beside the link's time; torch's DDP (futures) has the link's thread move them
     after the link delivered. Without the rule, a host transport's work is charged at the issue."""
     p = _mlp_like()  # 8 MiB of gradients, 6.4 ms of backward
     shm = cm.Link("shm", alpha=0.0, beta=1 / 4e9, host=True)  # ~0.26 ms a 1 MiB bucket
-    card = dataclasses.replace(shm, at_wait=True)
+    at_wait = dataclasses.replace(shm, at_wait=True)
     moved = 8 * cm.Network("paper").with_floor(shm).transport_time("all_reduce", 1024 * 1024, 2) * 1e3
 
     def step(strategy, network, floor):
@@ -380,12 +382,37 @@ def test_under_the_cards_rule_the_rank_moves_the_bytes_when_it_waits():
     # moved at the wait, the bytes never cost more than moved from the issue; on 10GbE (a bucket's
     # link time near its backward) they hide under the link instead of slowing backward
     for network in ("paper", "10GbE", "30,2", "0,1000"):
-        assert step("overlapped", network, card) <= step("overlapped", network, shm) + 1e-9
-    assert step("overlapped", "10GbE", card) < step("overlapped", "10GbE", shm) - 0.2
+        assert step("overlapped", network, at_wait) <= step("overlapped", network, shm) + 1e-9
+    assert step("overlapped", "10GbE", at_wait) < step("overlapped", "10GbE", shm) - 0.2
     # a link faster than the transport: the rank moves every byte itself, after backward
     compute = (p.forward_s + p.backward_s + p.optimizer_s) * 1e3
-    assert step("overlapped", "0,1000", card) == pytest.approx(compute + moved)
+    assert step("overlapped", "0,1000", at_wait) == pytest.approx(compute + moved)
     # torch's DDP: the link's thread moves each bucket after delivering it, the link busy meanwhile
-    assert step("torch_ddp", "paper", card) == pytest.approx(step("overlapped", "paper", card) + moved)
-    # a network that is not emulated: shared memory moves the bytes from the issue, the rule is off
-    assert step("overlapped", "loopback", card) == step("overlapped", "loopback", shm)
+    assert step("torch_ddp", "paper", at_wait) == pytest.approx(step("overlapped", "paper", at_wait) + moved)
+    # a network that is not emulated: shared memory moves the bytes from the issue, at_wait is off
+    assert step("overlapped", "loopback", at_wait) == step("overlapped", "loopback", shm)
+
+
+def test_one_link_clock_in_issue_order_done_when_link_and_transfer_are():
+    """``LinkClock``, the rule the emulator keeps and the cost model simulates: a collective starts
+    on the link at its issue or when the link frees up, and completes when both the link and the
+    real transfer are done; under at_wait the transfer is not the link's."""
+    clock = LinkClock()
+    assert clock.delivers(0.0, 2.0) == 2.0
+    assert clock.complete(2.0, 1.0) == 2.0   # the transfer ended first: the link decides
+    assert clock.delivers(1.0, 2.0) == 4.0   # issued while the link was busy: starts when it frees
+    assert clock.complete(4.0, 5.0) == 5.0   # the transfer outran the link: busy until it ended
+    assert clock.delivers(6.0, 1.0) == 7.0   # issued on an idle link: from the issue
+    assert clock.complete(7.0) == 7.0        # at_wait: the rank moves the bytes, off the link
+
+
+def test_each_link_keeps_its_own_clock_as_in_the_emulator():
+    """Two tiers: a collective inside a node does not wait behind one across nodes (the emulator
+    runs one thread per link); two on one link run one after the other."""
+    net = cm.Network.of("10GbE", gpus_per_node=2)
+    stream, s = Stream(4, net), 2**20
+    across = stream.issue("all_reduce", s, 0.0, [0, 2])
+    inside = stream.issue("all_reduce", s, 0.0, [0, 1])
+    assert across.end == pytest.approx(net.emulated_time("all_reduce", s, [0, 2]))
+    assert inside.end == pytest.approx(net.emulated_time("all_reduce", s, [0, 1]))
+    assert stream.issue("all_reduce", s, 0.0, [0, 2]).end == pytest.approx(2 * across.end)

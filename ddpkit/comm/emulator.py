@@ -5,12 +5,12 @@ to computing it, so overlap, bucket sizes and hybrid sharding have nothing to sh
 makes every collective take as long as it would on a chosen network (``ddpkit.Network``):
 
 - the real collective runs (the bytes really move, over the ranks' transport: shared memory or
-  gloo's sockets; on shared memory when the rank waits, see the NIC's rule below) while the
+  gloo's sockets; on shared memory when the rank waits, see ``at_wait`` below) while the
   emulated link carries it: the link starts on it when it is issued,
   or when the link frees up if it is still busy with an earlier one, and takes what the network
-  takes for the algorithm's bytes and latency (``Network.emulated_time``: ring all-reduce
-  2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S, and (N-1) or 2(N-1) alphas). The
-  collective completes when both are done: ``max(real end, max(issue, link free) + link time)``.
+  takes for the algorithm's bytes and latency (``Network.emulated_time``, by ``ddpkit.network``'s
+  ring formulas). The collective completes when both are done: ``max(real end, max(issue, link
+  free) + link time)``, the rule of ``ddpkit.network.LinkClock``, which the cost model simulates.
   So where the link is slower than this machine's own transport, the link's time replaces the
   real transfer's, as on the network itself; collectives on one link run one after another, in
   issue order. (Counted *after* the real transfer instead, a collective would take the link's
@@ -22,28 +22,28 @@ makes every collective take as long as it would on a chosen network (``ddpkit.Ne
   waits for it if not: one wake-up per collective, at the emulated time;
 - where this machine's transport is *slower* than the link, the real transfer decides: the
   network is faster than this machine can emulate. Each link counts how often that happened
-  (``Emulator.fidelity``): under the NIC's rule, one whose bytes took the rank longer to move
+  (``Emulator.fidelity``): under ``at_wait``, one whose bytes took the rank longer to move
   than the link's time; otherwise one still moving when the link's thread looks, or one whose
   real end came after the link's time (its future's completion, stamped; from the shared-memory
   transport, when its last rank deposited the bytes, whoever then finished it); ``compare`` and the
   widget say so beside their figures instead of printing figures that read as the network's;
 - waiting sleeps: the link's thread blocks in ``time.sleep`` and ``Work.wait``, never spinning,
   so backward keeps both CPU cores;
-- the NIC's rule. On the cluster being emulated, a network card and NCCL move the bytes, not the
-  cores that run backward. Here the transport's copies and sums (``ddpkit.comm.transport``: a
+- ``at_wait``, the emulated network card. On the cluster being emulated, a network card and NCCL
+  move the bytes, not the cores that run backward. Here the transport's copies and sums (``ddpkit.comm.transport``: a
   memcpy and a sum per bucket) are CPU work, and with one core per rank, done from the issue they
   were charged to the backward they overlapped: overlapped DDP paid them inside backward while
   bucketed DDP got them free under the link's time, and overlap measured as a loss (stage 4's
-  issue: bucketed/overlapped 0.73-0.91 on 10GbE). So on an emulated network the shared-memory
-  transport defers a collective (``Runner.submit(deferred=True)``): nothing moves at the issue nor
+  issue: bucketed/overlapped 0.73-0.91 on 10GbE). So on an emulated network the process group
+  launches a collective on the shared-memory transport ``at_wait=True``: nothing moves at the issue nor
   on its group's thread, the link's time runs from the issue as before, and the bytes move when
   the rank waits for the collective (``EmulatedWork.wait``), on a core that would otherwise idle:
   a step takes compute + the link's exposed time + the transfer's tail. A collective whose future
   is handed out instead (torch's DDP and our comm hooks chain work on it; its callbacks read the
   result) has its bytes moved by the link's thread when the link delivers it. Results stay exact
   (``tests/test_equivalence.py`` on 10GbE); gloo's sockets (``transport="gloo"``) move bytes on
-  gloo's own threads and NCCL on the GPU: neither is deferred. The time ranks spent moving bytes
-  is counted (``Emulator.moved_s``: the transport's part; the rest of a collective was the link);
+  gloo's own threads and NCCL on the GPU: neither is ``at_wait``. The time ranks spent moving
+  bytes is counted (``Emulator.transport_s``: the transport's part; the rest was the link's);
 - on a GPU (NCCL) ``Work.wait`` returns once the collective is *queued*, and makes the calling
   thread's current stream wait for it -- the default stream, which backward's later kernels
   would then queue behind. So the link's thread never waits on a CUDA collective: it polls
@@ -63,6 +63,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ddpkit.network import LinkClock
 from ddpkit.torch_internals import FutureWork
 
 POLL_S = 100e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
@@ -79,23 +80,23 @@ class _Transfer:
     on_gpu: bool = False    # a CUDA collective: wait for it by polling (see the module docstring)
     issued_s: float = 0.0   # perf_counter when it was issued: the link starts on it then (or when free)
     real_end: float | None = None  # perf_counter when the real collective completed, where it tells
-    deferred: bool = False  # the NIC's rule: the bytes move when the rank waits (see the docstring)
-    drive: bool = False     # ... unless its future was handed out: then the link's thread moves them
+    at_wait: bool = False   # the bytes move when the rank waits (see the docstring)
+    on_futures: bool = False  # ... unless its future was handed out: then the link's thread moves them
     passed: bool = False    # the link's thread has delivered it (set under ``lock``)
     link_end: float = 0.0   # perf_counter when the link delivered it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class _Link:
-    """One emulated link: its queue, its thread, and when it is next free."""
+    """One emulated link: its queue, its thread, and its clock (when it is next free)."""
 
     def __init__(self, name: str, device=None):
         self.name, self.device = name, device  # device: the rank's GPU, for the thread (or None)
-        self.free_s = 0.0
+        self.clock = LinkClock()
         self.carried = 0         # collectives this link completed
         self.outran = 0          # ... of which the real transfer ended after the link's time
-        self.moved_s = 0.0       # the NIC's rule: time the rank spent moving the bytes when it waited
-        self.lock = threading.Lock()  # carried/outran/moved_s are also counted by waiting threads
+        self.transport_s = 0.0   # at_wait: time the rank spent moving the bytes when it waited
+        self.lock = threading.Lock()  # carried/outran/transport_s are also counted by waiting threads
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name=f"ddpkit-link-{name}", daemon=True)
         self.thread.start()
@@ -116,15 +117,15 @@ class _Link:
             t = self.queue.get()
             # The link's own time first: asleep until it would have delivered, then the real
             # collective, which has usually finished by then (no second wake-up to hear it end).
-            link_end = max(t.issued_s, self.free_s) + t.link_s
+            link_end = self.clock.delivers(t.issued_s, t.link_s)
             delay = link_end - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
             with t.lock:
                 t.passed, t.link_end = True, link_end
-                drive = t.drive or not t.deferred
-            if not drive:  # delivered; the rank moves the bytes when it waits (EmulatedWork.wait)
-                self.free_s = link_end
+                moves_here = t.on_futures or not t.at_wait
+            if not moves_here:  # delivered; the rank moves the bytes when it waits (EmulatedWork.wait)
+                self.clock.complete(link_end)
                 t.future.set_result(t.result)
                 continue
             try:
@@ -141,17 +142,18 @@ class _Link:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            # the link is busy until the real transfer ended where that was later (not for this
-            # thread's own lateness: the next collective's link time still counts from link_end)
-            self.free_s = max(time.perf_counter(), link_end) if moving else link_end
+            # the link is busy until the real transfer ended where that was later; one done when the
+            # link delivered ended then, as far as this thread can tell (its own lateness does not
+            # count: the next collective's link time still counts from link_end)
+            self.clock.complete(link_end, time.perf_counter() if moving else link_end)
             self.count(outran)
             t.future.set_result(result)
 
-    def count(self, outran: bool, moved_s: float = 0.0) -> None:
+    def count(self, outran: bool, transport_s: float = 0.0) -> None:
         with self.lock:
             self.carried += 1
             self.outran += outran
-            self.moved_s += moved_s
+            self.transport_s += transport_s
 
 
 def _note_end(work, transfer: _Transfer) -> None:
@@ -222,8 +224,8 @@ class Emulator:
         future = torch.futures.Future()
         device = _device_of(result)
         on_gpu = device is not None and device.type == "cuda"
-        deferred = not on_gpu and getattr(work, "deferred", False)  # the shared-memory transport's
-        transfer = _Transfer(work, future, link_s, result, on_gpu, issued, deferred=deferred)
+        at_wait = not on_gpu and getattr(work, "at_wait", False)  # the shared-memory transport's
+        transfer = _Transfer(work, future, link_s, result, on_gpu, issued, at_wait=at_wait)
         if not on_gpu:  # when did the real bytes arrive? (a CUDA future completes at launch: no use)
             _note_end(work, transfer)
         link = self._link(kind, device if on_gpu else None)
@@ -231,7 +233,7 @@ class Emulator:
         # a Work of ddpkit's own (the shared-memory transport's) may be waited for twice: whoever
         # waits finishes the real collective first, while the link's time runs, not after it
         ours = work if not on_gpu and isinstance(work, FutureWork) else None
-        return EmulatedWork(future, work if on_gpu else None, ours, transfer if deferred else None, link)
+        return EmulatedWork(future, work if on_gpu else None, ours, transfer if at_wait else None, link)
 
     def fidelity(self) -> dict[str, tuple[int, int]]:
         """``{link: (collectives carried, of which the real transfer outran the link)}`` so far;
@@ -242,13 +244,13 @@ class Emulator:
             links = list(self._links.items())
         return {kind: (link.carried, link.outran) for kind, link in links}
 
-    def moved_s(self) -> float:
-        """Seconds this rank spent moving the bytes of NIC-carried collectives when it waited for
+    def transport_s(self) -> float:
+        """Seconds this rank spent moving the bytes of ``at_wait`` collectives when it waited for
         them (the transport's part of their time; the rest was the link's); subtract two to count
         a window."""
         with self._lock:
             links = list(self._links.values())
-        return sum(link.moved_s for link in links)
+        return sum(link.transport_s for link in links)
 
     def _link(self, kind: str, device=None) -> _Link:
         with self._lock:
@@ -274,7 +276,7 @@ class EmulatedWork(FutureWork):
     then -- a CUDA collective, ``real`` -- does the real ``wait()`` in the caller's own thread, so
     the caller's current stream waits for the collective as torch's own ``Work`` would make it.
     ``first``: a CPU collective whose ``wait()`` may run twice (ddpkit's own), finished by the
-    caller before it waits for the link. ``transfer``: a collective under the NIC's rule, whose
+    caller before it waits for the link. ``transfer``: an ``at_wait`` collective, whose
     bytes move only when somebody waits (``first``'s wait), or, once its future is handed out
     (torch's DDP, a comm hook), on the link's thread when the link delivers it: a future's
     callbacks read the result, so it must be there when the future completes. ``get_future()``
@@ -299,20 +301,20 @@ class EmulatedWork(FutureWork):
         return True
 
     def _move_bytes(self) -> None:
-        """The NIC's rule: this rank moves the bytes now, while it would wait anyway; counted as
-        the transport's time, and as outrunning the link where moving them took longer than it."""
+        """``at_wait``: this rank moves the bytes now, while it would wait anyway; counted as the
+        transport's time, and as outrunning the link where moving them took longer than it."""
         t = self._transfer
         start = time.perf_counter()
         self._first.wait()
         end = time.perf_counter()
         self._transfer = None  # counted once
-        self._link.count(outran=end - max(start, t.issued_s) > t.link_s, moved_s=end - start)
+        self._link.count(outran=end - max(start, t.issued_s) > t.link_s, transport_s=end - start)
 
     def get_future(self):
         t = self._transfer
         if t is not None:
             with t.lock:
-                t.drive = True         # the link's thread moves the bytes (and counts them) before it
+                t.on_futures = True    # the link's thread moves the bytes (and counts them) before it
                 delivered = t.passed   # completes the future, unless it has delivered already: then
             if delivered:              # they move here, now
                 self._move_bytes()

@@ -53,8 +53,8 @@ class CostStep:
     backward_prefetch: bool = True
     limit_all_gathers: int | None = None
     on_futures: bool = False          # the wrapper chains its work on each collective's future
-                                      # (torch's DDP): the emulated card's rule moves the bytes on
-                                      # the link's thread when the link delivers (comm.emulator)
+                                      # (torch's DDP): under at_wait the bytes move on the
+                                      # link's thread when the link delivers (comm.emulator)
 
 
 @dataclass(frozen=True)
