@@ -27,7 +27,7 @@ from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, 
                               parser_checked)
 from ddpkit.cluster import cores_per_rank
 from ddpkit.cluster.placement import SHARED_GPU_NOTE, shares
-from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import NAMES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.units import human_bytes
 from ddpkit.workload import samples_per_rank
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("compare", help="time every strategy on the same model, data and optimizer")
     add_run_args(p, steps=10)
     p.add_argument("--strategies", type=strategy_list, default=None,
-                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all that fit the world size)")
+                   help=f"comma-separated, from: {', '.join(NAMES)} (default all that fit the world size)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="repeat the whole set this many times, interleaved (default 3)")
     p.add_argument("--json", metavar="PATH", help="write one record per strategy here")
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("trace", help="record one strategy and write a Chrome trace (open in Perfetto)")
     add_run_args(p, steps=3)
-    p.add_argument("--strategy", choices=STRATEGIES, required=True, metavar="NAME",
-                   help=f"one of: {', '.join(STRATEGIES)}")
+    p.add_argument("--strategy", choices=NAMES, required=True, metavar="NAME",
+                   help=f"one of: {', '.join(NAMES)}")
     p.add_argument("--out", metavar="PATH", required=True, help="the trace file (.json)")
     p.set_defaults(func=cmd_trace)
 
@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
     p.add_argument("--strategies", type=strategy_list, default=None,
-                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all; with --validate all but "
-                        f"{', '.join(s for s in STRATEGIES if not strategy_row(s).predictable)}, whose "
+                   help=f"comma-separated, from: {', '.join(NAMES)} (default all; with --validate all but "
+                        f"{', '.join(s for s in NAMES if not strategy_row(s).predictable)}, whose "
                         "implementation overheads the model does not know)")
     p.add_argument("--world-sizes", type=int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
@@ -139,7 +139,7 @@ def _write_json(path: str, records: list[dict]) -> None:
 # --------------------------------------------------------------------------- compare
 def cmd_compare(args, parser) -> int:
     check_run_args(parser, args)
-    args.strategies = runnable_strategies(parser, args.strategies, list(STRATEGIES), [args.world_size], args.network)
+    args.strategies = runnable_strategies(parser, args.strategies, list(NAMES), [args.world_size], args.network)
     check_writable(parser, "--json", args.json)
     check_writable(parser, "--plot", args.plot)
     from ddpkit.compare import compare, format_table
@@ -250,7 +250,7 @@ def cmd_predict(args, parser) -> int:
             parser.error("--pin-cores pins the ranks that --validate or --fit start; without them predict "
                          "starts none (--profile-on-ranks shares the cores, as training would)")
         parser_checked(parser, cores_per_rank, max(started))
-    default = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
+    default = [s for s in NAMES if not (args.validate and not strategy_row(s).predictable)]
     args.strategies = runnable_strategies(parser, args.strategies, default, args.world_sizes, network)
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "

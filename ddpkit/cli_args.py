@@ -11,7 +11,7 @@ import textwrap
 
 from ddpkit.cluster import BACKENDS, TRANSPORTS, check_arguments, check_network
 from ddpkit.models import MODELS
-from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import NAMES
 from ddpkit.strategies.table import unfit
 from ddpkit.workload import samples_per_rank
 
@@ -48,11 +48,11 @@ def int_list(text: str) -> list[int]:
 
 def strategy_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
+    unknown = [n for n in names if n not in NAMES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown strateg{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"valid: {', '.join(STRATEGIES)}")
+            f"valid: {', '.join(NAMES)}")
     return list(dict.fromkeys(names))  # keep order, drop repeats
 
 

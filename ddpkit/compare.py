@@ -1,7 +1,7 @@
 """Compare every strategy on one cluster: interleaved timing rounds, one recorded run each, a table.
 
     with ddpkit.Cluster(2) as cluster:
-        records = compare(cluster, names, steps=10, rounds=3)   # names from strategies.table.STRATEGIES
+        records = compare(cluster, names, steps=10, rounds=3)   # names from strategies.table.NAMES
         records = compare(cluster, names, workload=wl)          # on your own model: a ddpkit.Workload
     print(format_table(records))       # or ddpkit.viz.plot_compare(records)
 

@@ -23,7 +23,6 @@ import torch
 
 from ddpkit.models import make_batch, supervised_loss
 from ddpkit.rankside import recorder as rank_recorder
-from ddpkit.strategies.table import NAMES as STRATEGIES  # noqa: F401  (the names, for callers)
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.workload import resolve, shard_batch
 

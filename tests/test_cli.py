@@ -10,7 +10,7 @@ import pytest
 
 import ddpkit
 from ddpkit.__main__ import main
-from ddpkit.experiment import STRATEGIES
+from ddpkit.strategies.table import NAMES
 from ddpkit.compare import torch_reference
 from ddpkit.strategies.table import strategy as strategy_row
 
@@ -34,7 +34,7 @@ def error_of(argv, capsys) -> str:
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["compare", "--strategies", "naive,bogus"], "unknown strategy 'bogus'; valid: " + ", ".join(STRATEGIES)),
+    (["compare", "--strategies", "naive,bogus"], "unknown strategy 'bogus'; valid: " + ", ".join(NAMES)),
     (["compare", "--strategies", ""], "valid: naive"),
     (["compare", "--world-size", "0"], "--world-size: expected a whole number >= 1, got 0"),
     (["compare", "--steps", "two"], "--steps: expected a whole number >= 1, got 'two'"),
@@ -87,7 +87,7 @@ def test_help_never_cuts_a_strategy_name_at_the_edge_of_the_terminal(command, ca
     with pytest.raises(SystemExit):
         main([command, "--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in STRATEGIES), out  # "shard ed_optimizer" once
+    assert all(name in out for name in NAMES), out  # "shard ed_optimizer" once
 
 
 def test_lab_starts_jupyterlab_on_the_first_notebook_and_adds_allow_root_as_root():
@@ -174,7 +174,7 @@ def test_predict_lays_out_hybrid_sharding_on_the_nodes_given(capsys):
     captured = capsys.readouterr()
     assert "left out: hsdp shards inside nodes" in captured.err and "left out: torch_hsdp" in captured.err
     predicted = [line.split()[1] for line in captured.out.splitlines() if line.split()[:1] == ["3"]]
-    assert predicted == [s for s in STRATEGIES if s not in ("hsdp", "torch_hsdp")]
+    assert predicted == [s for s in NAMES if s not in ("hsdp", "torch_hsdp")]
 
 
 def test_predicts_table_keeps_its_columns_and_says_what_the_default_cap_is(capsys):
@@ -269,7 +269,7 @@ def _cli(*args, timeout=300):
 
 
 def test_compare_short_run_writes_sane_records(tmp_path):
-    strategies = list(STRATEGIES)
+    strategies = list(NAMES)
     out = tmp_path / "compare.json"
     res = _cli("compare", "--world-size", "2", "--strategies", ",".join(strategies), "--width", "8",
                "--depth", "2", "--steps", "2", "--rounds", "1", "--global-batch-size", "8",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 import ddpkit
-from ddpkit.experiment import (STRATEGIES, run_strategy, summarize_records,
-                               train_single_process)
+from ddpkit.experiment import run_strategy, summarize_records, train_single_process
 from ddpkit.models import build_model
-from ddpkit.strategies.table import STRATEGIES as STRATEGIES_TABLE
+from ddpkit.strategies.table import NAMES, STRATEGIES
 from ddpkit.strategies.table import fsdp_units
 
 TINY = dict(width=16, depth=3)  # Linear(16,16) x3 + head(16->10): 986 parameters, 3944 bytes
@@ -28,7 +27,7 @@ def test_unknown_strategy_is_a_clear_error(cluster_of):
         cluster_of(2).run(run_strategy, "bogus", steps=1, model_kwargs=TINY)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", NAMES)
 def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
     n, warmup, steps = 2, 1, 2
     ref = train_single_process("mlp", "sgd", steps=warmup + steps, global_batch_size=8, **TINY)
@@ -43,7 +42,7 @@ def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
         assert 0.0 <= r["overlap_fraction"] <= 1.0
         assert r["model_state_bytes"] > 0 and r["peak_bytes"] >= r["model_state_bytes"]
         mem = r["memory"]
-        row = STRATEGIES_TABLE[strategy]
+        row = STRATEGIES[strategy]
         if row.zero_stage == "ZeRO-3":  # fsdp, hsdp (at 2 ranks one node: FSDP), torch's
             if not row.torch_native:  # ours: half of the parameters each, plus the padding
                 assert mem["parameters"] <= TINY_BYTES / n + 4 * n * len(fsdp_units(build_model("mlp", **TINY)))

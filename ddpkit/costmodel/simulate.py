@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ddpkit.costmodel.stream import Stream
 from ddpkit.network import as_network
 from ddpkit.strategies.buckets import assign_buckets, layout  # the same rules the strategies use
-from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import NAMES
 from ddpkit.strategies.table import unfit
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.topology import Topology
@@ -280,7 +280,7 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
                       max(0.0, end - compute) * 1e3, stream.bytes, stream.count)
 
 
-def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
+def predict(profile: Profile, strategies=NAMES, world_sizes=(2, 4, 8), network="loopback",
             bucket_cap_mb: float | None = None) -> list[Prediction]:
     """Every (strategy, world size) pair, world sizes outermost. A ValueError naming the strategy
     where one cannot run at a world size (hybrid sharding on ranks that are not whole nodes of the

@@ -1,7 +1,7 @@
 """The cost model against measurement on one cluster: calibrate, profile, time, predict; a table.
 
     with ddpkit.Cluster(2) as cluster:
-        records, network, profile = validate(cluster, names)   # names from strategies.table.STRATEGIES
+        records, network, profile = validate(cluster, names)   # names from strategies.table.NAMES
     print(format_validation(records))
 
 ``python -m ddpkit predict --validate`` runs this once per world size; notebook 07 calls it.
