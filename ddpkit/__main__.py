@@ -188,11 +188,11 @@ def cmd_trace(args, parser) -> int:
                               global_batch_size=args.global_batch_size, optimizer=args.optimizer,
                               bucket_cap_mb=args.bucket_cap_mb)
     progress.close()
-    to_chrome_trace([r["records"] for r in results], path=args.out)
+    to_chrome_trace([r.records for r in results], path=args.out)
     r0 = results[0]
     print(f"wrote {args.out}: {args.strategy} on {args.world_size} ranks, {1 + args.steps} steps; "
-          f"{human_bytes(r0['comm_bytes_per_step'])} sent per rank per step, overlap "
-          f"{r0['overlap_fraction']:.0%}. Open it at https://ui.perfetto.dev")
+          f"{human_bytes(r0.comm_bytes_per_step)} sent per rank per step, overlap "
+          f"{r0.overlap_fraction:.0%}. Open it at https://ui.perfetto.dev")
     return 0
 
 

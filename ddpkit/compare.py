@@ -94,24 +94,24 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
         r0 = results[0]
         # every collective passes through ddpkit's process group, torch's wrappers' too; without
         # it (a plain gloo group) torch's collectives run out of sight: unknown, not zero
-        reported = bool(r0["collectives_per_step"]) or n == 1
+        reported = bool(r0.collectives_per_step) or n == 1
         records.append(dict(
             strategy=s, name=name, world_size=n, model=wl.name, model_kwargs=dict(wl.config), steps=steps,
             rounds=len(per_round[s]),
             ms_per_step=statistics.median(per_round[s]),
             ms_per_step_rounds=per_round[s],
             ms_per_step_min=min(per_round[s]),
-            comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
+            comm_bytes_per_step=r0.comm_bytes_per_step if reported else None,
             # nodes only where the network has two tiers: else every byte would read as crossing nodes
-            inter_node_bytes_per_step=(r0["inter_node_bytes_per_step"] if reported and tiers else None),
-            collectives_per_step=r0["collectives_per_step"],
-            comm_ms_per_step=r0["comm_ms_per_step"] if reported else None,
-            model_state_bytes=max(res["model_state_bytes"] for res in results),
-            peak_bytes=max(res["peak_bytes"] for res in results),
-            memory=[res["memory"] for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
-            overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
-            max_param_diff=max(res["max_param_diff"] for res in results),
-            dropout=r0["dropout"],  # where the model drops out: then it differs from one process by design
+            inter_node_bytes_per_step=(r0.inter_node_bytes_per_step if reported and tiers else None),
+            collectives_per_step=r0.collectives_per_step,
+            comm_ms_per_step=r0.comm_ms_per_step if reported else None,
+            model_state_bytes=max(res.model_state_bytes for res in results),
+            peak_bytes=max(res.peak_bytes for res in results),
+            memory=[res.memory for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
+            overlap_fraction=statistics.mean(res.overlap_fraction for res in results) if reported else None,
+            max_param_diff=max(res.max_param_diff for res in results),
+            dropout=r0.dropout,  # where the model drops out: then it differs from one process by design
             outran_link=outran_share(timings.emulated.get(s)),
             # on an emulated network: of the step, ms the rank spent moving bytes itself (at_wait)
             transport_ms_per_step=(statistics.median(timings.transport[s]) if timings.emulated.get(s, [0])[0]

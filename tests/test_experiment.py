@@ -35,13 +35,13 @@ def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
                           record=True, reference=ref, model_kwargs=TINY)
     ddp_bytes = 2 * (n - 1) / n * TINY_BYTES  # all-reduce of every gradient, ring cost
     for r in results:
-        assert r["strategy"] == strategy and r["world_size"] == n
-        assert r["max_param_diff"] < 1e-5
-        assert len(r["step_ms"]) == steps and r["ms_per_step"] > 0
-        assert len(r["losses"]) == warmup + steps
-        assert 0.0 <= r["overlap_fraction"] <= 1.0
-        assert r["model_state_bytes"] > 0 and r["peak_bytes"] >= r["model_state_bytes"]
-        mem = r["memory"]
+        assert r.strategy == strategy and r.world_size == n
+        assert r.max_param_diff < 1e-5
+        assert len(r.step_ms) == steps and r.ms_per_step > 0
+        assert len(r.losses) == warmup + steps
+        assert 0.0 <= r.overlap_fraction <= 1.0
+        assert r.model_state_bytes > 0 and r.peak_bytes >= r.model_state_bytes
+        mem = r.memory
         row = STRATEGIES[strategy]
         if row.zero_stage == "ZeRO-3":  # fsdp, hsdp (at 2 ranks one node: FSDP), torch's
             if not row.torch_native:  # ours: half of the parameters each, plus the padding
@@ -52,9 +52,9 @@ def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
         # the DDP family and ZeRO-1/2 an all-reduce's worth (a reduce-scatter plus an all-gather,
         # with at most N-1 elements of padding per bucket), FSDP and the sharded optimizer 1.5x
         if row.bytes_vs_ddp is not None:
-            assert r["comm_bytes_per_step"] == pytest.approx(row.bytes_vs_ddp * ddp_bytes, rel=0.02), strategy
+            assert r.comm_bytes_per_step == pytest.approx(row.bytes_vs_ddp * ddp_bytes, rel=0.02), strategy
         if strategy == "naive":
-            assert r["collectives_per_step"] == {"all_reduce": 8}  # one per parameter tensor
+            assert r.collectives_per_step == {"all_reduce": 8}  # one per parameter tensor
 
 
 def test_summarize_records_averages_steps_after_warmup():
@@ -71,11 +71,11 @@ def test_summarize_records_averages_steps_after_warmup():
         Record("counter", "memory", "memory", 0, 2, 31 * ms, args={"parameters": 7, "gradients": 5}),
     ]
     out = summarize_records(recs, world_size=4, steps=[1, 2])
-    assert out["comm_bytes_per_step"] == pytest.approx(2 * 3 / 4 * 400)
-    assert out["collectives_per_step"] == {"all_reduce": 1}
-    assert out["comm_ms_per_step"] == pytest.approx(10.0)
-    assert out["overlap_fraction"] == pytest.approx(0.25)
-    assert out["peak_memory_sample"] == 12
+    assert out.comm_bytes_per_step == pytest.approx(2 * 3 / 4 * 400)
+    assert out.collectives_per_step == {"all_reduce": 1}
+    assert out.comm_ms_per_step == pytest.approx(10.0)
+    assert out.overlap_fraction == pytest.approx(0.25)
+    assert out.peak_memory_sample == 12
 
 
 @pytest.mark.parametrize("strategy", ["overlapped", "fsdp", "torch_fsdp"])
@@ -85,9 +85,9 @@ def test_recorded_run_of_tiny_gpt_equals_one_process(cluster_of, strategy):
     # gradient is exactly zero, moves by ~lr on rounding noise (see test_equivalence.py).
     gpt = dict(vocab=16, dim=16, layers=2, heads=2, seq=8)
     ref = train_single_process("gpt", "sgd", steps=3, global_batch_size=4, **gpt)
-    results = cluster_of(2).run(run_strategy, strategy, model="gpt", steps=2, warmup=1, global_batch_size=4,
+    results = cluster_of(2).run(run_strategy, strategy, "gpt", steps=2, warmup=1, global_batch_size=4,
                           optimizer="sgd", record=True, reference=ref, model_kwargs=gpt)
-    assert all(r["max_param_diff"] < 1e-5 for r in results), [r["max_param_diff"] for r in results]
+    assert all(r.max_param_diff < 1e-5 for r in results), [r.max_param_diff for r in results]
 
 
 # ----------------------------------------------------------------------------- the timing loop

@@ -265,7 +265,7 @@ def _emulated_share():
     from ddpkit.experiment import run_strategy
 
     out = run_strategy("bucketed", steps=2, model_kwargs=SMALL_MLP)
-    return out["emulated_collectives"], out["outran_link"]
+    return out.emulated_collectives, out.outran_link
 
 
 def test_a_run_counts_the_collectives_whose_real_transfer_outran_the_link(cluster_of):
