@@ -55,6 +55,11 @@ def error_of(argv, capsys) -> str:
     (["trace", "--strategy", "zero9", "--out", "t.json"], "invalid choice: 'zero9'"),
     (["trace", "--strategy", "naive"], "the following arguments are required: --out"),
     (["predict", "--network", "carrier-pigeon"], "valid presets: loopback, nvlink, 100GbE, 10GbE, 1GbE, paper"),
+    (["predict", "--comm-hook", "int8"], "invalid choice: 'int8'"),
+    (["compare", "--strategies", "naive,zero1", "--comm-hook", "bf16_compress"],
+     "--comm-hook bf16_compress: none of naive, zero1 takes a communication hook; those that do: bucketed, "
+     "overlapped, sharded_optimizer"),
+    (["trace", "--strategy", "fsdp", "--out", "t.json", "--comm-hook", "fp16_compress"], "none of fsdp takes"),
     (["predict", "--world-sizes", "2,0"], "expected a whole number >= 1"),
     (["predict", "--world-sizes", "3", "--global-batch-size", "32"], "use --batch-per-rank"),
     (["predict", "--fit", "--fit-ranks", "1"], "--fit-ranks must be >= 2"),
@@ -189,6 +194,19 @@ def test_predicts_table_keeps_its_columns_and_says_what_the_default_cap_is(capsy
     end = table[0].index("strategy") + len("strategy")
     assert [line[:end].split()[-1] for line in table[1:]] == ["bucketed", "sharded_optimizer", "torch_zero"]
     assert len({len(line) for line in table}) == 1, table  # every column in its place
+
+
+def test_predict_with_a_comm_hook_halves_the_bytes_of_the_strategies_that_take_one(capsys):
+    """--comm-hook bf16_compress: the header says so; bucketed sends half its bytes, naive (no
+    buckets for a hook) as many as without it."""
+    args = ["predict", "--width", "8", "--depth", "2", "--world-sizes", "2", "--strategies", "naive,bucketed"]
+    sent = {}
+    for hook in ([], ["--comm-hook", "bf16_compress"]):
+        assert main([*args, *hook]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert ("comm hook bf16_compress" in out[0]) == bool(hook)
+        sent[bool(hook)] = {line.split()[1]: " ".join(line.split()[-2:]) for line in out if line.split()[:1] == ["2"]}
+    assert sent[True]["naive"] == sent[False]["naive"] and sent[True]["bucketed"] != sent[False]["bucketed"]
 
 
 def test_output_path_that_is_a_directory_or_read_only(tmp_path, capsys, no_cluster):

@@ -416,3 +416,25 @@ def test_each_link_keeps_its_own_clock_as_in_the_emulator():
     assert across.end == pytest.approx(net.emulated_time("all_reduce", s, [0, 2]))
     assert inside.end == pytest.approx(net.emulated_time("all_reduce", s, [0, 1]))
     assert stream.issue("all_reduce", s, 0.0, [0, 2]).end == pytest.approx(2 * across.end)
+
+
+def test_a_comm_hook_is_priced_by_its_row_on_the_buckets_that_take_one():
+    """bf16_compress (``COMM_HOOKS``: 2 bytes an element, a cast down before the launch, a cast
+    back and a copy into the bucket after the wait) halves the bytes of the buckets' all-reduce
+    where the buckets take a hook; the others are as they were; one that takes none refuses it."""
+    p = dataclasses.replace(_mlp_like(), copy_s_per_byte=1e-10)
+    names = ["naive", "bucketed", "overlapped", "sharded_optimizer", "zero1"]
+    plain = {r.strategy: r for r in cm.predict(p, names, [4], "10GbE")}
+    hooked = {r.strategy: r for r in cm.predict(p, names, [4], "10GbE", comm_hook="bf16_compress")}
+    for s in ("bucketed", "overlapped"):
+        assert hooked[s].comm_bytes_per_step == pytest.approx(plain[s].comm_bytes_per_step / 2)
+        assert hooked[s].ms_per_step < plain[s].ms_per_step
+    # the gradients' all-reduce halved, the parameters' all-gather as it was: 1.5x DDP becomes 1.0x
+    assert hooked["sharded_optimizer"].comm_bytes_per_step == pytest.approx(plain["overlapped"].comm_bytes_per_step)
+    assert hooked["naive"] == plain["naive"] and hooked["zero1"] == plain["zero1"]
+    # on a link that costs nothing, the hook's three passes over the gradients are all it adds
+    free, bf16 = cm.Link("free", 0.0, 0.0), dataclasses.replace(strategy("bucketed").cost, comm_hook="bf16_compress")
+    added = cm.simulate("bucketed", p, 2, free, cost=bf16).ms_per_step - cm.simulate("bucketed", p, 2, free).ms_per_step
+    assert added == pytest.approx(3 * p.copy_s(p.param_bytes) * 1e3)
+    with pytest.raises(ValueError, match="zero1 takes no communication hook.*those that do: bucketed"):
+        cm.simulate("zero1", p, 2, cost=dataclasses.replace(strategy("zero1").cost, comm_hook="bf16_compress"))

@@ -187,6 +187,21 @@ def test_compare_announces_its_series_to_the_cluster_and_a_progress_bar(cluster_
     assert bar not in cluster._events.observers  # followed for the comparison only
 
 
+def test_compare_passes_a_comm_hook_to_the_strategies_that_take_one(cluster_of):
+    """compare(..., comm_hook="bf16_compress"): bucketed's buckets go in bf16, half the bytes,
+    close to one process (rounded, not exact); naive, which has no buckets, runs as it is; the
+    table says which rows the hook reduced."""
+    from ddpkit.compare import compare, format_table
+
+    records = compare(cluster_of(2), ["naive", "bucketed"], model_kwargs=TINY, steps=1, rounds=1,
+                      global_batch_size=8, record_steps=1, comm_hook="bf16_compress")
+    by = {r["strategy"]: r for r in records}
+    assert by["naive"]["comm_hook"] is None and by["bucketed"]["comm_hook"] == "bf16_compress"
+    assert by["bucketed"]["comm_bytes_per_step"] == pytest.approx(by["naive"]["comm_bytes_per_step"] / 2)
+    assert by["naive"]["max_param_diff"] < 1e-5 and 0 < by["bucketed"]["max_param_diff"] < 2e-3
+    assert "comm hook: bf16_compress reduced the buckets of bucketed" in format_table(records)
+
+
 def test_progress_bar_shows_what_the_series_counted():
     import io
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from ddpkit.costmodel.stream import Stream
 from ddpkit.network import as_network
 from ddpkit.strategies.buckets import assign_buckets, layout  # the same rules the strategies use
-from ddpkit.strategies.table import NAMES
+from ddpkit.strategies.comm_hooks import COMM_HOOKS, CommHook
+from ddpkit.strategies.table import NAMES, TAKES_COMM_HOOK
 from ddpkit.strategies.table import unfit
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.topology import Topology
@@ -107,7 +108,8 @@ class Prediction:
 
 
 def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
-              first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True) -> float:
+              first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True,
+              hook: CommHook | None = None) -> float:
     """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
     copies, one after another) beside the communication stream. Returns when both are done.
 
@@ -119,7 +121,9 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
     backward, and a bucket is launched as soon as its last gradient is in; without, all of it
     starts when backward ends. ``reduce`` is the buckets' collective: DDP's all-reduce, or ZeRO-1/2's
     reduce-scatter (half the bytes; the other half is the parameters' all-gather after the step),
-    whose result is stepped where it landed: no copy back out (``copy_out`` False).
+    whose result is stepped where it landed: no copy back out (``copy_out`` False). ``hook``: a
+    communication hook reduces each bucket instead (``comm_hooks.COMM_HOOKS``): the bytes it sends,
+    and its passes over the bucket before the launch and after the wait (casts, a copy back).
     """
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
     t = profile.forward_s
@@ -130,6 +134,9 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]
+    hook = hook or COMM_HOOKS["allreduce"]
+    before, after = hook.passes
+    sent = [hook.wire_bytes(size, profile.elem_bytes) for size in sizes]
     launched = []
     if overlap:
         missing = [len(b) for b in buckets]
@@ -142,15 +149,16 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
                 t += profile.copy_s(b)
                 missing[bucket_of[i]] -= 1
                 while len(launched) < len(buckets) and missing[len(launched)] == 0:  # in bucket order
-                    t, done = stream.launch(reduce, sizes[len(launched)], t)
+                    k = len(launched)
+                    t, done = stream.launch(reduce, sent[k], t + profile.copy_s(sizes[k]) * before)
                     launched.append(done)
     else:
         t += profile.backward_s
-        for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
-            t, done = stream.launch(reduce, size, t + profile.copy_s(size))
+        for size, wire in zip(sizes, sent, strict=True):  # pack bucket k, launch it, pack k+1 while k is sent
+            t, done = stream.launch(reduce, wire, t + profile.copy_s(size) * (1 + before))
             launched.append(done)
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
-        t = stream.wait(t, done) + (profile.copy_s(size) if copy_out else 0.0)
+        t = stream.wait(t, done) + profile.copy_s(size) * (copy_out + after)
     return t
 
 
@@ -228,6 +236,9 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
     ``CostStep`` to simulate instead of the table's, e.g. a switch flipped
     (``dataclasses.replace(strategy(name).cost, forward_prefetch=True)``)."""
     step = strategy_row(strategy).cost if cost is None else cost  # how the strategy communicates
+    if step.comm_hook is not None and not strategy_row(strategy).takes_comm_hook:
+        raise ValueError(f"{strategy} takes no communication hook (its buckets are not all-reduced by "
+                         f"our wrapper); those that do: {', '.join(TAKES_COMM_HOOK)}")
     network = as_network(network)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -247,7 +258,8 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
         cap = cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         first = first_mb * MiB if step.bucketed and first_mb is not None else None
         end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
-                        reduce=step.grad_reduce, copy_out=step.copy_out) + opt
+                        reduce=step.grad_reduce, copy_out=step.copy_out,
+                        hook=COMM_HOOKS[step.comm_hook] if step.comm_hook else None) + opt
         p_bytes = profile.param_bytes
         if step.gather_params and step.gather_in_place:
             # ZeRO-1/2: each bucket's flat parameters are all-gathered in place (the module's
@@ -281,15 +293,19 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
 
 
 def predict(profile: Profile, strategies=NAMES, world_sizes=(2, 4, 8), network="loopback",
-            bucket_cap_mb: float | None = None) -> list[Prediction]:
+            bucket_cap_mb: float | None = None, comm_hook: str | None = None) -> list[Prediction]:
     """Every (strategy, world size) pair, world sizes outermost. A ValueError naming the strategy
     where one cannot run at a world size (hybrid sharding on ranks that are not whole nodes of the
-    network's, or the default layout's: ``ddpkit.Topology``)."""
+    network's, or the default layout's: ``ddpkit.Topology``). ``comm_hook``: a name in
+    ``comm_hooks.COMM_HOOKS``, for the strategies whose buckets take one (the others as they are)."""
     network = as_network(network)
     why = unfit(strategies, world_sizes, network)
     if why:
         raise ValueError("; ".join(why.values()))
-    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies]
+    rows = {s: strategy_row(s) for s in strategies}
+    costs = {s: dataclasses.replace(row.cost, comm_hook=comm_hook if row.takes_comm_hook else None)
+             for s, row in rows.items()}
+    return [simulate(s, profile, n, network, bucket_cap_mb, cost=costs[s]) for n in world_sizes for s in strategies]
 
 
 def format_predictions(predictions: list[Prediction]) -> str:
