@@ -207,8 +207,8 @@ def format_table(records: list[dict]) -> str:
         notes.append("moving bytes: ms a step the slowest rank spent in its waits moving the bytes of its "
                      "collectives itself (at the wait: the emulated network card, ddpkit.comm.emulator), waiting there "
                      "for a peer that came late included: the transport's part; the rest was the emulated link's. "
-                     "torch's wrappers chain work on their collectives' futures, so their bytes move on the "
-                     "link's thread when the link delivers them, counted nowhere here.")
+                     "torch's wrappers and communication hooks chain work on their collectives' futures, so their "
+                     "bytes move on the link's thread when the link delivers them, counted nowhere here.")
     hooked = [r["strategy"] for r in records if r.get("comm_hook")]
     if hooked:
         hooks = sorted({r["comm_hook"] for r in records if r.get("comm_hook")})

@@ -438,3 +438,14 @@ def test_a_comm_hook_is_priced_by_its_row_on_the_buckets_that_take_one():
     assert added == pytest.approx(3 * p.copy_s(p.param_bytes) * 1e3)
     with pytest.raises(ValueError, match="zero1 takes no communication hook.*those that do: bucketed"):
         cm.simulate("zero1", p, 2, cost=dataclasses.replace(strategy("zero1").cost, comm_hook="bf16_compress"))
+
+
+def test_a_comm_hook_chains_on_futures_as_torchs_ddp():
+    """Under at_wait a hooked bucket's bytes move on the link's thread when the link delivers (the
+    hook's future is handed out, as torch's DDP's): the plain hook is on_futures, nothing more."""
+    p = _mlp_like()
+    at_wait = cm.Network("paper").with_floor(cm.Link("shm", alpha=0.0, beta=1 / 4e9, host=True, at_wait=True))
+    cost = strategy("overlapped").cost
+    hooked = cm.simulate("overlapped", p, 2, at_wait, 1, cost=dataclasses.replace(cost, comm_hook="allreduce"))
+    on_futures = cm.simulate("overlapped", p, 2, at_wait, 1, cost=dataclasses.replace(cost, on_futures=True))
+    assert hooked.ms_per_step == on_futures.ms_per_step != cm.simulate("overlapped", p, 2, at_wait, 1).ms_per_step

@@ -243,7 +243,8 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
-    stream = Stream(n, network, on_futures=step.on_futures)
+    # a comm hook chains its work on its collective's future (comm_hooks.py), as torch's DDP does
+    stream = Stream(n, network, on_futures=step.on_futures or step.comm_hook is not None)
     # the ranks it shards over: all N, or for hybrid sharding the k of a node (the network's
     # nodes, else the default layout); a ValueError where they do not come in whole nodes
     k = strategy_row(strategy).shard_group_size(n, network)
