@@ -21,7 +21,7 @@ its own steps of the course's MLP and, inside them, the four calls DDP makes on 
                (overlapped's line "gradient hooks" gives the hooks' own Python, per hook)
     moved      of the waits, the time the rank spent moving the bytes itself (waiting there for a late
                peer included): on an emulated network the shared-memory transport moves them when
-               the rank waits (the emulated NIC's rule, ``ddpkit.comm.emulator``), not during backward
+               the rank waits (``at_wait``, ``ddpkit.comm.emulator``), not during backward
 
 (the parts: the mean over the ranks of each rank's median; everything the median over the rounds).
 Bucketed DDP does its DDP work after backward, while the emulated link's time runs anyway;
@@ -206,7 +206,7 @@ def main() -> None:
                   f"waiting off the step, and its DDP work but the waits grew by {grew:+.1f} ms")
             # The limits (the module docstring): backward's -- bucketed's step without its waiting,
             # plus the last bucket's link time or the rank moving the bytes after backward (the
-            # card's rule: "moved", overlapped's) -- and the link's, carrying the buckets back to back
+            # at_wait: "moved", overlapped's) -- and the link's, carrying the buckets back to back
             b, o = med["bucketed"], med["overlapped"]
             after = max(links[-1] if links and net.emulated else 0.0, o["moved"])
             rest = b["step"] - b["backward"] - b["ddp"]  # forward, loss, optimizer

@@ -593,7 +593,7 @@ def _recorded_run_in_a_snapshot(path: str) -> dict:
 
     with cuda_memory_snapshot(path, max_entries=50_000):
         out = run_strategy(SNAPSHOT_STRATEGY, steps=2, warmup=1, record=True, report_progress=False)
-    return {"bytes": os.path.getsize(path), "peak_bytes": out["peak_bytes"], "memory": out["memory"]}
+    return {"bytes": os.path.getsize(path), "peak_bytes": out.peak_bytes, "memory": out.memory}
 
 
 def snapshot(path: str, dry: bool = False) -> int:

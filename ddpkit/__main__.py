@@ -27,10 +27,10 @@ import time
 from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, strategy_list,
                               check_writable, parse_network, runnable_strategies, check_run_args, parse_workload,
                               MODEL_HELP, add_run_args, add_gpus_arg, add_transport_arg, add_network_args,
-                              parser_checked)
+                              parser_checked, add_comm_hook_arg, check_comm_hook)
 from ddpkit.cluster import cores_per_rank
 from ddpkit.cluster.placement import SHARED_GPU_NOTE, shares
-from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.table import NAMES
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.units import human_bytes
 from ddpkit.workload import samples_per_rank
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("compare", help="time every strategy on the same model, data and optimizer")
     add_run_args(p, steps=10)
     p.add_argument("--strategies", type=strategy_list, default=None,
-                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all that fit the world size)")
+                   help=f"comma-separated, from: {', '.join(NAMES)} (default all that fit the world size)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="repeat the whole set this many times, interleaved (default 3)")
     p.add_argument("--json", metavar="PATH", help="write one record per strategy here")
@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("trace", help="record one strategy and write a Chrome trace (open in Perfetto)")
     add_run_args(p, steps=3)
-    p.add_argument("--strategy", choices=STRATEGIES, required=True, metavar="NAME",
-                   help=f"one of: {', '.join(STRATEGIES)}")
+    p.add_argument("--strategy", choices=NAMES, required=True, metavar="NAME",
+                   help=f"one of: {', '.join(NAMES)}")
     p.add_argument("--out", metavar="PATH", required=True, help="the trace file (.json)")
     p.set_defaults(func=cmd_trace)
 
@@ -70,14 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("predict", help="the alpha-beta cost model: predicted ms/step per strategy")
     p.add_argument("--strategies", type=strategy_list, default=None,
-                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default all; with --validate all but "
-                        f"{', '.join(s for s in STRATEGIES if not strategy_row(s).predictable)}, whose "
+                   help=f"comma-separated, from: {', '.join(NAMES)} (default all; with --validate all but "
+                        f"{', '.join(s for s in NAMES if not strategy_row(s).predictable)}, whose "
                         "implementation overheads the model does not know)")
     p.add_argument("--world-sizes", type=int_list, default=None,
                    help="comma-separated (default 2,4,8; with --validate 2,4)")
     add_network_args(p)
     p.add_argument("--bucket-cap-mb", type=bucket_cap, default=None,
                    help="bucket size cap in MiB (default: torch DDP's, 25 with the first bucket at 1)")
+    add_comm_hook_arg(p)
     p.add_argument("--model", default="mlp", metavar="NAME", help=MODEL_HELP)
     p.add_argument("--width", type=positive_int, default=None)
     p.add_argument("--depth", type=positive_int, default=None)
@@ -153,7 +154,8 @@ def _write_json(path: str, records: list[dict]) -> None:
 # --------------------------------------------------------------------------- compare
 def cmd_compare(args, parser) -> int:
     check_run_args(parser, args)
-    args.strategies = runnable_strategies(parser, args.strategies, list(STRATEGIES), [args.world_size], args.network)
+    args.strategies = runnable_strategies(parser, args.strategies, list(NAMES), [args.world_size], args.network)
+    check_comm_hook(parser, args.comm_hook, args.strategies)
     check_writable(parser, "--json", args.json)
     check_writable(parser, "--plot", args.plot)
     from ddpkit.compare import compare, format_table
@@ -164,7 +166,8 @@ def cmd_compare(args, parser) -> int:
     with _start_cluster(args) as cluster:
         records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
                           rounds=args.rounds, global_batch_size=args.global_batch_size,
-                          optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+                          optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress,
+                          comm_hook=args.comm_hook)
     progress.close()
     print(f"{args.world_size} ranks ({cluster.carried_by}) on {args.network.describe()}, "
           f"model {_describe(args.workload)}, {args.steps} steps x {args.rounds} rounds, "
@@ -188,6 +191,7 @@ def cmd_compare(args, parser) -> int:
 def cmd_trace(args, parser) -> int:
     check_run_args(parser, args)
     runnable_strategies(parser, [args.strategy], None, [args.world_size], args.network)
+    check_comm_hook(parser, args.comm_hook, [args.strategy])
     check_writable(parser, "--out", args.out)
     from ddpkit.experiment import run_strategy
     from ddpkit.progressbar import ProgressBar
@@ -200,13 +204,14 @@ def cmd_trace(args, parser) -> int:
         results = cluster.run(run_strategy, args.strategy, record=True, return_records=True,
                               workload=args.workload, steps=args.steps,
                               global_batch_size=args.global_batch_size, optimizer=args.optimizer,
-                              bucket_cap_mb=args.bucket_cap_mb)
+                              bucket_cap_mb=args.bucket_cap_mb,
+                              options={"comm_hook": args.comm_hook} if args.comm_hook else None)
     progress.close()
-    to_chrome_trace([r["records"] for r in results], path=args.out)
+    to_chrome_trace([r.records for r in results], path=args.out)
     r0 = results[0]
     print(f"wrote {args.out}: {args.strategy} on {args.world_size} ranks, {1 + args.steps} steps; "
-          f"{human_bytes(r0['comm_bytes_per_step'])} sent per rank per step, overlap "
-          f"{r0['overlap_fraction']:.0%}. Open it at https://ui.perfetto.dev")
+          f"{human_bytes(r0.comm_bytes_per_step)} sent per rank per step, overlap "
+          f"{r0.overlap_fraction:.0%}. Open it at https://ui.perfetto.dev")
     return 0
 
 
@@ -226,7 +231,7 @@ def _cmd_validate(args, parser) -> int:
         with ddpkit.Cluster(n, backend="auto", network=args.network, transport=args.transport,
                             pin_cores=args.pin_cores) as cluster:
             recs, transport, profile = validate(
-                cluster, args.strategies, workload=args.workload, steps=args.steps,
+                cluster, _with_comm_hook(args.strategies, args.comm_hook), workload=args.workload, steps=args.steps,
                 rounds=args.rounds, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
                 bucket_cap_mb=args.bucket_cap_mb, progress=progress)
         progress.close()
@@ -251,6 +256,12 @@ def _cmd_validate(args, parser) -> int:
     return 1 if all("error" in r for r in records) else 0
 
 
+def _with_comm_hook(strategies, comm_hook):
+    """The strategies as validate's variants, ``comm_hook`` in the options of those that take one."""
+    return {s: (s, {"comm_hook": comm_hook} if comm_hook and strategy_row(s).takes_comm_hook else {})
+            for s in strategies}
+
+
 def cmd_predict(args, parser) -> int:
     from ddpkit import costmodel
     from ddpkit.network import NETWORKS, as_network
@@ -265,8 +276,9 @@ def cmd_predict(args, parser) -> int:
             parser.error("--pin-cores pins the ranks that --validate or --fit start; without them predict "
                          "starts none (--profile-on-ranks shares the cores, as training would)")
         parser_checked(parser, cores_per_rank, max(started))
-    default = [s for s in STRATEGIES if not (args.validate and not strategy_row(s).predictable)]
+    default = [s for s in NAMES if not (args.validate and not strategy_row(s).predictable)]
     args.strategies = runnable_strategies(parser, args.strategies, default, args.world_sizes, network)
+    check_comm_hook(parser, args.comm_hook, args.strategies)
     if args.validate and (args.fit or args.batch_per_rank or args.plot or args.threads or args.profile_on_ranks):
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "
                      "global batch split as compare does: leave out --fit, --batch-per-rank, --plot, "
@@ -301,7 +313,8 @@ def cmd_predict(args, parser) -> int:
         torch.set_num_threads(args.threads)
     cap = ("25 MiB, the first bucket 1 MiB (torch DDP's default: the last layers' gradients, ready first, "
            "go out in a small bucket)" if args.bucket_cap_mb is None else f"{args.bucket_cap_mb:g} MiB")
-    print(f"network {network.describe()}; bucket cap {cap}; model {_describe(args.workload)}")
+    hook = f"; comm hook {args.comm_hook} on the buckets that take one" if args.comm_hook else ""
+    print(f"network {network.describe()}; bucket cap {cap}; model {_describe(args.workload)}{hook}")
     profiles: dict = {}  # one rank's compute per (batch per rank, ranks profiled at once)
     predictions = []
     for n in args.world_sizes:
@@ -310,7 +323,8 @@ def cmd_predict(args, parser) -> int:
         if key not in profiles:
             profiles[key] = costmodel.profile_for(args.workload, batch, args.optimizer, ranks=key[1],
                                                   threads=args.threads)
-        predictions += costmodel.predict(profiles[key], args.strategies, [n], network, args.bucket_cap_mb)
+        predictions += costmodel.predict(profiles[key], args.strategies, [n], network, args.bucket_cap_mb,
+                                         comm_hook=args.comm_hook)
     print(costmodel.format_predictions(predictions))
     if args.plot:
         from ddpkit.viz import plot_scaling

@@ -11,8 +11,9 @@ import textwrap
 
 from ddpkit.cluster import BACKENDS, TRANSPORTS, check_arguments, check_network
 from ddpkit.models import MODELS
-from ddpkit.strategies.table import NAMES as STRATEGIES
-from ddpkit.strategies.table import unfit
+from ddpkit.strategies.comm_hooks import COMM_HOOKS
+from ddpkit.strategies.table import NAMES, TAKES_COMM_HOOK, unfit
+from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.workload import samples_per_rank
 
 
@@ -48,11 +49,11 @@ def int_list(text: str) -> list[int]:
 
 def strategy_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
+    unknown = [n for n in names if n not in NAMES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown strateg{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"valid: {', '.join(STRATEGIES)}")
+            f"valid: {', '.join(NAMES)}")
     return list(dict.fromkeys(names))  # keep order, drop repeats
 
 
@@ -100,6 +101,13 @@ def runnable_strategies(parser, given, default, world_sizes, network) -> list[st
     for reason in why.values():
         print(f"left out: {reason}", file=sys.stderr)
     return [s for s in names if s not in why]
+
+
+def check_comm_hook(parser, comm_hook: str | None, strategies) -> None:
+    """``--comm-hook`` reduces the buckets of the strategies that take one: at least one must run."""
+    if comm_hook is not None and not any(strategy_row(s).takes_comm_hook for s in strategies):
+        parser.error(f"--comm-hook {comm_hook}: none of {', '.join(strategies)} takes a communication hook; "
+                     f"those that do: {', '.join(TAKES_COMM_HOOK)}")
 
 
 def check_run_args(parser, args) -> None:
@@ -150,6 +158,14 @@ def add_run_args(p, steps: int) -> None:
                         "0 leaves torch's default, which oversubscribes the cores)")
     add_transport_arg(p)
     add_network_args(p)
+    add_comm_hook_arg(p)
+
+
+def add_comm_hook_arg(p) -> None:
+    p.add_argument("--comm-hook", choices=COMM_HOOKS, default=None, metavar="NAME",
+                   help=f"reduce the buckets with this communication hook ({', '.join(COMM_HOOKS)}; "
+                        f"ddpkit/strategies/comm_hooks.py) in the strategies that take one "
+                        f"({', '.join(TAKES_COMM_HOOK)}); the others run as they are")
 
 
 def add_gpus_arg(p) -> None:

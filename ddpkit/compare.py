@@ -1,7 +1,7 @@
 """Compare every strategy on one cluster: interleaved timing rounds, one recorded run each, a table.
 
     with ddpkit.Cluster(2) as cluster:
-        records = compare(cluster, names, steps=10, rounds=3)   # names from strategies.table.STRATEGIES
+        records = compare(cluster, names, steps=10, rounds=3)   # names from strategies.table.NAMES
         records = compare(cluster, names, workload=wl)          # on your own model: a ddpkit.Workload
     print(format_table(records))       # or ddpkit.viz.plot_compare(records)
 
@@ -42,7 +42,7 @@ def spread(times: list[float]) -> str:
 
 def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rounds=3,
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=None, record_steps=3,
-            progress=None, *, model=None, max_norm=None) -> list[dict]:
+            progress=None, *, model=None, max_norm=None, comm_hook=None) -> list[dict]:
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
     order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
     then one short recorded run each for bytes, overlap, memory and equality with one process. One
@@ -52,14 +52,21 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
     ``ddpkit.Workload`` (your model, its data and loss), a built-in's name sized by
     ``model_kwargs`` (``model=`` is the older name of this keyword), or
     ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
-    gradients to it every step. Each run is announced to the cluster (``cluster.announce``: the
-    widget labels its progress with the strategy, the round and the run's place in the whole
-    comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar`` to follow the comparison on a
-    terminal, or None."""
+    gradients to it every step. ``comm_hook``: a communication hook's name
+    (``strategies.comm_hooks.COMM_HOOKS``, e.g. ``"bf16_compress"``) that reduces the buckets of
+    every strategy whose buckets take one (``Strategy.takes_comm_hook``); the others run as they
+    are (a variant's own ``{"comm_hook": ...}`` option works too). Each run is announced to the
+    cluster (``cluster.announce``: the widget labels its progress with the strategy, the round and
+    the run's place in the whole comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar``
+    to follow the comparison on a terminal, or None."""
+    from ddpkit.strategies.table import strategy as strategy_row
     from ddpkit.workload import resolve
 
     wl = resolve(workload, model, model_kwargs)
     runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
+    if comm_hook is not None:  # on every strategy whose buckets take one
+        runs = {label: (name, {**options, "comm_hook": comm_hook} if strategy_row(name).takes_comm_hook else options)
+                for label, (name, options) in runs.items()}
     with Series(cluster, len(runs) * (rounds + 1), follow=progress) as series:
         return _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
                         bucket_cap_mb, record_steps, max_norm, series)
@@ -94,31 +101,37 @@ def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
         r0 = results[0]
         # every collective passes through ddpkit's process group, torch's wrappers' too; without
         # it (a plain gloo group) torch's collectives run out of sight: unknown, not zero
-        reported = bool(r0["collectives_per_step"]) or n == 1
+        reported = bool(r0.collectives_per_step) or n == 1
         records.append(dict(
             strategy=s, name=name, world_size=n, model=wl.name, model_kwargs=dict(wl.config), steps=steps,
+            comm_hook=_hook_name(options.get("comm_hook")),
             rounds=len(per_round[s]),
             ms_per_step=statistics.median(per_round[s]),
             ms_per_step_rounds=per_round[s],
             ms_per_step_min=min(per_round[s]),
-            comm_bytes_per_step=r0["comm_bytes_per_step"] if reported else None,
+            comm_bytes_per_step=r0.comm_bytes_per_step if reported else None,
             # nodes only where the network has two tiers: else every byte would read as crossing nodes
-            inter_node_bytes_per_step=(r0["inter_node_bytes_per_step"] if reported and tiers else None),
-            collectives_per_step=r0["collectives_per_step"],
-            comm_ms_per_step=r0["comm_ms_per_step"] if reported else None,
-            model_state_bytes=max(res["model_state_bytes"] for res in results),
-            peak_bytes=max(res["peak_bytes"] for res in results),
-            memory=[res["memory"] for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
-            overlap_fraction=statistics.mean(res["overlap_fraction"] for res in results) if reported else None,
-            max_param_diff=max(res["max_param_diff"] for res in results),
-            dropout=r0["dropout"],  # where the model drops out: then it differs from one process by design
+            inter_node_bytes_per_step=(r0.inter_node_bytes_per_step if reported and tiers else None),
+            collectives_per_step=r0.collectives_per_step,
+            comm_ms_per_step=r0.comm_ms_per_step if reported else None,
+            model_state_bytes=max(res.model_state_bytes for res in results),
+            peak_bytes=max(res.peak_bytes for res in results),
+            memory=[res.memory for res in results],  # per rank, by category (ddpkit.viz.plot_memory)
+            overlap_fraction=statistics.mean(res.overlap_fraction for res in results) if reported else None,
+            max_param_diff=max(res.max_param_diff for res in results),
+            dropout=r0.dropout,  # where the model drops out: then it differs from one process by design
             outran_link=outran_share(timings.emulated.get(s)),
-            # on an emulated network: of the step, ms the rank spent moving bytes itself (the NIC's rule)
+            # on an emulated network: of the step, ms the rank spent moving bytes itself (at_wait)
             transport_ms_per_step=(statistics.median(timings.transport[s]) if timings.emulated.get(s, [0])[0]
                                    else None),
         ))
     _add_ratios(records)
     return records
+
+
+def _hook_name(hook) -> str | None:
+    """A record's communication hook: its name, or a function's (records stay plain data)."""
+    return hook if hook is None or isinstance(hook, str) else getattr(hook, "__name__", repr(hook))
 
 
 def torch_reference(strategy: str) -> str:
@@ -192,10 +205,15 @@ def format_table(records: list[dict]) -> str:
                  + (" inter-node: the part that crosses nodes (the network's two tiers)." if nodes else ""))
     if moving:
         notes.append("moving bytes: ms a step the slowest rank spent in its waits moving the bytes of its "
-                     "collectives itself (the emulated network card's rule, ddpkit.comm.emulator), waiting there "
+                     "collectives itself (at the wait: the emulated network card, ddpkit.comm.emulator), waiting there "
                      "for a peer that came late included: the transport's part; the rest was the emulated link's. "
-                     "torch's wrappers chain work on their collectives' futures, so their bytes move on the "
-                     "link's thread when the link delivers them, counted nowhere here.")
+                     "torch's wrappers and communication hooks chain work on their collectives' futures, so their "
+                     "bytes move on the link's thread when the link delivers them, counted nowhere here.")
+    hooked = [r["strategy"] for r in records if r.get("comm_hook")]
+    if hooked:
+        hooks = sorted({r["comm_hook"] for r in records if r.get("comm_hook")})
+        notes.append(f"comm hook: {', '.join(hooks)} reduced the buckets of {', '.join(hooked)} "
+                     "(ddpkit.strategies.comm_hooks): its bytes in sent/step, its rounding in max |diff|.")
     dropping = next((r for r in records if r.get("dropout")), None)
     if dropping is not None:
         from ddpkit.experiment import DROPOUT_NOTE

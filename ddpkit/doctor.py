@@ -43,15 +43,16 @@ class Context:
     tolerance: float
     start_s: float | None = None  # how long the cluster took to start (None: it was given)
 
-    def run_strategy(self, name: str, **kwargs) -> list[dict]:
+    def run_strategy(self, name: str, **kwargs) -> list:
+        """``experiment.run_strategy`` on every rank: a ``RunResult`` each."""
         from ddpkit.experiment import run_strategy
 
         common = dict(steps=STEPS, warmup=WARMUP, global_batch_size=self.batch, model_kwargs=TINY,
                       bucket_cap_mb=BUCKET_CAP_MB, reference=self.reference, report_progress=False)
         return self.cluster.run(run_strategy, name, **{**common, **kwargs})
 
-    def equal_to_one_process(self, results: list[dict]) -> str:
-        diff = max(r["max_param_diff"] for r in results)
+    def equal_to_one_process(self, results: list) -> str:
+        diff = max(r.max_param_diff for r in results)
         if not diff <= self.tolerance:  # NaN fails too
             raise AssertionError(f"differs from one process by {diff:.3g} (tolerance {self.tolerance:g})")
         return f"equals one process (max |diff| {diff:.1e})"
@@ -61,8 +62,8 @@ class Context:
 def _strategy(name: str):
     def check(ctx: Context) -> str:
         results = ctx.run_strategy(name)
-        if not all(math.isfinite(loss) for r in results for loss in r["losses"]):
-            raise AssertionError(f"a loss is not finite: {[r['losses'] for r in results]}")
+        if not all(math.isfinite(loss) for r in results for loss in r.losses):
+            raise AssertionError(f"a loss is not finite: {[r.losses for r in results]}")
         return ctx.equal_to_one_process(results)
 
     return check
@@ -150,13 +151,13 @@ def _network(ctx: Context) -> str:
 
 def _memory(ctx: Context) -> str:
     results = ctx.run_strategy("zero2", record=True)
-    sample = results[0]["memory"]
+    sample = results[0].memory
     empty = [k for k in ("parameters", "gradients", "optimizer_state") if not sample.get(k)]
     if empty:
         raise AssertionError(f"no bytes measured for {', '.join(empty)}: {sample}")
     if _on_gpu(ctx.cluster) and not sample.get("cuda_allocated"):
         raise AssertionError(f"no CUDA allocator statistics on a GPU: {sample}")
-    peak = max(r["peak_bytes"] for r in results)
+    peak = max(r.peak_bytes for r in results)
     if not peak > 0:
         raise AssertionError(f"peak {peak} bytes")
     cuda = " (CUDA allocator)" if "cuda_allocated" in sample else ""

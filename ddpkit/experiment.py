@@ -13,7 +13,8 @@ loss); ``train_step`` is it for the course's (inputs, targets) batches. Below th
 name -> wrapper + optimizer, from ``ddpkit.strategies.table``) and ``run_strategy``, the Cluster
 job behind ``compare`` and ``python -m ddpkit compare`` and ``trace``: build the workload's model,
 train, time each step (perf_counter on CPU, CUDA events on GPU), and optionally record, reading
-bytes, overlap and memory back from ``ddpkit.trace``'s records.
+bytes, overlap and memory back from ``ddpkit.trace``'s records; what it measured is a
+``ddpkit.run_result.RunResult``.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import contextlib
 import torch
 
 from ddpkit.models import make_batch, supervised_loss
-from ddpkit.strategies.table import NAMES as STRATEGIES  # noqa: F401  (the names, for callers)
-from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.trace.seam import recorder as rank_recorder
+from ddpkit.run_result import RecordSummary, RunResult
+from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.workload import resolve, shard_batch
 
 
@@ -149,7 +150,7 @@ def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float | N
 # ---------------------------------------------------------------------------------------------
 # What one recorded run measures, read back from the recorder's plain records.
 # ---------------------------------------------------------------------------------------------
-def summarize_records(records, world_size: int, steps: list[int]) -> dict:
+def summarize_records(records, world_size: int, steps: list[int]) -> RecordSummary:
     """Per-step averages over ``steps`` of one rank's records: bytes sent (ring cost), collective
     counts, comm time and the share of it hidden under backward (``ddpkit.trace``'s definitions)."""
     from ddpkit import trace as tr
@@ -169,7 +170,7 @@ def summarize_records(records, world_size: int, steps: list[int]) -> dict:
         hidden_ns += sum(b - a for a, b in both)
     peak_sample = max((sum(v for k, v in r.args.items() if not k.startswith("cuda"))
                        for r in t.records if r.kind == "counter" and r.cat == "memory"), default=0)
-    return dict(
+    return RecordSummary(
         comm_bytes_per_step=sum(per_bytes.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
         inter_node_bytes_per_step=sum(inter_node.get(s, {}).get(rank, 0.0) for s in steps) / len(steps),
         collectives_per_step=counts,
@@ -246,98 +247,133 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
                  optimizer: str = "sgd", record: bool = False, bucket_cap_mb: float | None = None,
                  warmup: int = 1, seed: int = 0, model_kwargs: dict | None = None,
                  reference: dict | None = None, return_records: bool = False,
-                 report_progress: bool = True, options: dict | None = None, max_norm: float | None = None,
-                 model: str | None = None) -> dict:
+                 report_progress: bool = True, options: dict | None = None,
+                 max_norm: float | None = None) -> RunResult:
     """A Cluster job: build ``workload``'s model, train ``warmup + steps`` steps, report on this rank.
 
-    ``workload``: a ``ddpkit.Workload``, a built-in's name (sized by ``model_kwargs``; ``model=``
-    is the older name of this keyword) or ``"package.module:function"``; default the MLP. ``seed``: the model's
-    initialization (and a built-in's data). Timing covers the ``steps`` steps after the warmup
-    (which pays one-off costs: allocating buckets, torch DDP's bucket rebuild). With
-    ``record=True`` a recorder is attached and bytes, overlap and memory are measured too — use a
-    separate run for timing, recording costs a little. ``reference`` ({name: tensor} after warmup +
-    steps single-process steps) adds ``max_param_diff``, and ``dropout``: where the model drops
-    out (``active_dropout``; then the two differ by design). ``options``: more keywords for the wrapper
-    (``wrap``, e.g. FSDP's ``units={GPT2Block}``); ``max_norm``: clip gradients to it every step.
-    Returns a plain dict (picklable, for ``Cluster.run``).
+    ``workload``: a ``ddpkit.Workload``, a built-in's name (sized by ``model_kwargs``) or
+    ``"package.module:function"``; default the MLP. ``seed``: the model's initialization (and a
+    built-in's data). Timing covers the ``steps`` steps after the warmup (which pays one-off costs:
+    allocating buckets, torch DDP's bucket rebuild). With ``record=True`` a recorder is attached
+    and bytes, overlap and memory are measured too — use a separate run for timing, recording
+    costs a little. ``reference`` ({name: tensor} after warmup + steps single-process steps) adds
+    ``max_param_diff``, and ``dropout``: where the model drops out (``active_dropout``; then the
+    two differ by design). ``options``: more keywords for the wrapper (``wrap``, e.g. FSDP's
+    ``units={GPT2Block}``, the DDP family's ``comm_hook="bf16_compress"``); ``max_norm``: clip
+    gradients to it every step. Returns a ``RunResult`` (picklable, for ``Cluster.run``).
+
+    Five steps, top to bottom: build, train and time, summarise the records, compare with one
+    process, measure memory.
     """
     import torch.distributed as dist
 
-    from ddpkit import rankside
-    from ddpkit.cluster.worker import progress
     from ddpkit.rankside import device
     from ddpkit.trace.seam import recording
 
-    wl = resolve(workload, model, model_kwargs, seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev, comm = device(), rankside.comm()  # comm: what this rank's emulated links did
+    wl = resolve(workload, model_kwargs=model_kwargs, seed=seed)
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     module = wl.build(seed)
-    dropout = active_dropout(module) if reference is not None else []
-    recorder = rank_recorder()  # recording off, unless the cluster is recording (cluster.recording())
-    if record:
-        from ddpkit.trace import Recorder
-
-        recorder = Recorder(rank=rank, world_size=world, device=str(dev))
-        recorder.align_clocks()  # so the ranks' records share rank 0's clock in a trace
+    dropout = active_dropout(module) if reference is not None else []  # before the wrapper moves it
+    recorder = _run_recorder(record, rank, world, dev)
     # everything the job builds records into it: the strategy, and ddpkit's process group
     with recording(recorder):
         wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder, options=options)
-        timer = _StepTimer(dev)
-        losses = []
-        total = warmup + steps
-        for step in range(total):
-            if record:
-                recorder.next_step()  # records carry the step index (construction is "setup")
-            batch = wl.local_batch(step, global_batch_size, rank, world, dev)
-            if step == warmup and dev.type == "cuda":  # the peak of the timed steps only
-                torch.cuda.synchronize(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            if step == warmup:
-                emulated_before, moved_before = comm.emulation_counts(), comm.transport_seconds()
-            if step >= warmup:
-                timer.start()
-            loss = train_batch(wrapped, opt, batch, wl.compute_loss, recorder, max_norm)
-            if step >= warmup:
-                timer.stop()
-            losses.append(loss)
-            if report_progress:
-                progress(step + 1, total)
-        times = timer.result()
-        emulated = [b - a for a, b in zip(emulated_before, comm.emulation_counts(), strict=True)] if steps else [0, 0]
-        # the allocator's peak over the timed steps: read now, before what follows (gathering the
-        # full model for the comparison, the memory pass) allocates more than a step does
-        gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
-        out = dict(strategy=strategy, rank=rank, world_size=world, model=wl.name, steps=steps,
-                   step_ms=times, ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
-                   losses=[float(loss) for loss in losses],
-                   emulated_collectives=emulated[0], outran_link=emulated[1],
-                   # the emulated NIC's rule: ms a step this rank spent moving bytes when it waited
-                   transport_ms_per_step=1e3 * (comm.transport_seconds() - moved_before) / steps if steps else 0.0)
+        result, gpu_peak = _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup,
+                                           global_batch_size, max_norm, report_progress, dev)
         if record:
             # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
             # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the
             # memory pass) is put in a step of its own so it is not counted.
-            out.update(summarize_records(recorder.records, world, list(range(warmup, total)) or [0]))
+            summary = summarize_records(recorder.records, world, list(range(warmup, warmup + steps)) or [0])
+            _take_summary(result, summary)
             recorder.next_step()
         if reference is not None:
-            out["max_param_diff"] = _diff_to(reference, wrapped)
-            out["dropout"] = dropout
+            result.max_param_diff, result.dropout = _diff_to(reference, wrapped), dropout
         if record:
-            from ddpkit.memory import MODEL_STATES, measure_step
-
-            # Memory is measured in one more forward/backward/sync (no optimizer step), with the
-            # gradients present as in the middle of a step (train_step ends by dropping them).
-            batch = wl.local_batch(total, global_batch_size, rank, world, dev)
-            sample = measure_step(wrapped, opt, batch, wl.compute_loss, recorder)
-            opt.zero_grad(set_to_none=True)
-            out["memory"] = sample
-            out["model_state_bytes"] = sum(sample[c] for c in MODEL_STATES)
-            peak_sample = out.pop("peak_memory_sample")
-            if gpu_peak is not None:
-                out["peak_bytes"] = gpu_peak
-            else:  # CPU: what one step holds at once, or the largest sample a strategy reported
-                out["peak_bytes"] = max(sum(v for k, v in sample.items() if not k.startswith("cuda")),
-                                        peak_sample)
+            batch = wl.local_batch(warmup + steps, global_batch_size, rank, world, dev)
+            _measure_memory(result, wrapped, opt, batch, wl.compute_loss, recorder, gpu_peak,
+                            summary.peak_memory_sample)
             if return_records:
-                out["records"] = recorder.records
-        return out
+                result.records = recorder.records
+    return result
+
+
+def _run_recorder(record: bool, rank: int, world: int, dev):
+    """The run's recorder: one of its own when it records, else the rank's (off unless the
+    cluster is recording: ``cluster.recording()``)."""
+    if not record:
+        return rank_recorder()
+    from ddpkit.trace import Recorder
+
+    recorder = Recorder(rank=rank, world_size=world, device=str(dev))
+    recorder.align_clocks()  # so the ranks' records share rank 0's clock in a trace
+    return recorder
+
+
+def _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup, global_batch_size, max_norm,
+                    report_progress, dev) -> tuple[RunResult, int | None]:
+    """Train ``warmup + steps`` steps, timing those after the warmup, and count what the emulated
+    network did meanwhile; (the result so far, the GPU allocator's peak over the timed steps)."""
+    import torch.distributed as dist
+
+    from ddpkit import rankside
+    from ddpkit.cluster.worker import progress
+
+    comm = rankside.comm()  # what this rank's emulated links did
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timer = _StepTimer(dev)
+    losses = []
+    total = warmup + steps
+    for step in range(total):
+        if record:
+            recorder.next_step()  # records carry the step index (construction is "setup")
+        batch = wl.local_batch(step, global_batch_size, rank, world, dev)
+        if step == warmup and dev.type == "cuda":  # the peak of the timed steps only
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        if step == warmup:
+            emulated_before, transport_before = comm.emulation_counts(), comm.transport_seconds()
+        if step >= warmup:
+            timer.start()
+        loss = train_batch(wrapped, opt, batch, wl.compute_loss, recorder, max_norm)
+        if step >= warmup:
+            timer.stop()
+        losses.append(loss)
+        if report_progress:
+            progress(step + 1, total)
+    times = timer.result()
+    emulated = [b - a for a, b in zip(emulated_before, comm.emulation_counts(), strict=True)] if steps else [0, 0]
+    # the allocator's peak over the timed steps: read now, before what follows (gathering the
+    # full model for the comparison, the memory pass) allocates more than a step does
+    gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+    result = RunResult(
+        strategy, rank, world, wl.name, steps, step_ms=times,
+        ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
+        losses=[float(loss) for loss in losses], emulated_collectives=emulated[0], outran_link=emulated[1],
+        transport_ms_per_step=1e3 * (comm.transport_seconds() - transport_before) / steps if steps else 0.0)
+    return result, gpu_peak
+
+
+def _take_summary(result: RunResult, summary: RecordSummary) -> None:
+    """The recorded averages into the result (the memory sample's peak goes to ``_measure_memory``)."""
+    result.comm_bytes_per_step = summary.comm_bytes_per_step
+    result.inter_node_bytes_per_step = summary.inter_node_bytes_per_step
+    result.collectives_per_step = summary.collectives_per_step
+    result.comm_ms_per_step = summary.comm_ms_per_step
+    result.overlap_fraction = summary.overlap_fraction
+
+
+def _measure_memory(result: RunResult, wrapped, opt, batch, loss, recorder, gpu_peak: int | None,
+                    peak_sample: int) -> None:
+    """Memory, measured in one more forward/backward/sync (no optimizer step), with the gradients
+    present as in the middle of a step (``train_batch`` ends by dropping them)."""
+    from ddpkit.memory import MODEL_STATES, measure_step
+
+    sample = measure_step(wrapped, opt, batch, loss, recorder)
+    opt.zero_grad(set_to_none=True)
+    result.memory = sample
+    result.model_state_bytes = sum(sample[c] for c in MODEL_STATES)
+    # GPU: the allocator's peak over the timed steps; CPU: what one step holds at once, or the
+    # largest sample a strategy reported
+    result.peak_bytes = gpu_peak if gpu_peak is not None else max(
+        sum(v for k, v in sample.items() if not k.startswith("cuda")), peak_sample)

@@ -1,8 +1,9 @@
-"""What a link costs, and what the ranks are connected by: ``Link``, ``Network`` and their presets.
+"""What a link costs, and what the ranks are connected by: ``Link``, ``Network``, their presets,
+and ``LinkClock``, when a collective completes on an emulated link.
 
 A ``Link`` is the alpha-beta description of one kind of connection, with alpha the latency of
 one message (seconds) and beta the time per byte (seconds per byte, 1 / bandwidth). A ring
-collective on it costs (docs/papers.md, "cost of collectives"):
+collective on it costs (docs/papers.md, "cost of collectives"; the kit's one statement of them):
 
     all-reduce of S bytes on N ranks       2(N-1) alpha + 2(N-1)/N S beta
     all-gather / reduce-scatter (full S)    (N-1) alpha +  (N-1)/N S beta
@@ -15,10 +16,11 @@ symmetric collectives; a broadcast's root sends more than the rest, and it count
 A ``Network`` is what a cluster's ranks are connected by: one link between every pair of ranks,
 or two tiers (``gpus_per_node=k``: ranks r // k share a node, joined by a fast ``intra`` link;
 nodes are joined by the slow ``inter`` link). A collective whose group spans nodes runs at the
-pace of the inter-node link, one inside a node at the intra-node link's. Two consumers read it:
+pace of the inter-node link, one inside a node at the intra-node link's. Two consumers read it,
+and both time a collective on an emulated link by ``Network.emulated_time`` and ``LinkClock``:
 
 - the emulator (``ddpkit.comm.emulator``), which makes a collective on this laptop last as long as it
-  would on that network (``Network.emulated_time``); ``"loopback"`` adds no delay;
+  would on that network; ``"loopback"`` adds no delay;
 - the cost model (``ddpkit.costmodel``), which predicts a step. On an emulated network a
   collective moves on the real transport underneath (shared memory here) and on the
   emulated link side by side, and takes the longer of the two: that transport is the network's
@@ -42,11 +44,10 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
 
 
 def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends for a collective of full size S = ``nbytes`` (ring algorithms), as an
-    average over the group's ranks: what all of them send together, divided by N.
-
-    all-reduce 2(N-1)/N * S (a reduce-scatter then an all-gather); all-gather and reduce-scatter
-    (N-1)/N * S; every rank sends as much as the next. A broadcast is not symmetric: in a ring
+    """Bytes one rank sends for a collective of full size S = ``nbytes`` (the ring algorithms of
+    the module docstring), as an average over the group's ranks: what all of them send together,
+    divided by N; every rank sends as much as the next for the symmetric collectives (an all-reduce
+    is a reduce-scatter then an all-gather). A broadcast is not symmetric: in a ring
     pipeline the root sends all S, every other rank but the last forwards it, the last sends
     nothing: (N-1) S in all, (N-1)/N * S per rank, as an all-gather of S. So N broadcasts of S/N,
     each from the rank that owns it (torch's ZeroRedundancyOptimizer), count as one all-gather of
@@ -88,8 +89,8 @@ class Link:
     threads, the shared-memory transport's copies and sums), so its time is taken from their
     compute: the cost model puts it on the rank's timeline, not beside it (as a GPU's NCCL or a
     network card would be). ``at_wait``: it moves a collective's bytes only when the rank waits
-    for it (the shared-memory transport under an emulated network: the emulated card's rule,
-    ``ddpkit.comm.emulator``), not from the issue.
+    for it, not from the issue (the shared-memory transport under an emulated network: the
+    emulated network card, ``LinkClock``).
 
     ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
     ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
@@ -159,6 +160,38 @@ def _interpolate(table, nbytes: float, slope: float) -> float:
         if a <= nbytes <= b:
             return ta if b == a else ta + (tb - ta) * (nbytes - a) / (b - a)
     raise AssertionError("unreachable: table sizes are sorted")
+
+
+class LinkClock:
+    """When collectives complete on one emulated link: the one rule the emulator keeps in real time
+    (``ddpkit.comm.emulator``, one clock per link of a rank) and the cost model simulates
+    (``ddpkit.costmodel.simulate``), in seconds on one timeline.
+
+    A collective occupies the link from its issue, or from when the link frees up if it is still
+    busy with an earlier one (collectives on one link run one after another, in issue order), for
+    the link's time (``Network.emulated_time``: the ring formulas above): ``delivers``. The real
+    transfer underneath runs side by side, and the collective completes when both are done; the
+    link is busy until then: ``complete``. Under ``at_wait`` (``Link.at_wait``: the shared-memory
+    transport on an emulated network, the emulated network card) the real transfer is not the
+    link's: the collective's bytes move when the rank waits for it, and the link is done with it
+    when it delivers (``complete`` without ``real_end``), unless a future of it was handed out
+    (``on_futures``: torch's DDP, a comm hook), when the link's thread moves them on delivery:
+    ``real_end`` then is the delivery plus the transfer.
+    """
+
+    def __init__(self):
+        self.free_s = 0.0  # when the link is done with every collective issued so far
+
+    def delivers(self, issued_s: float, link_s: float) -> float:
+        """When the link delivers a collective issued at ``issued_s`` that takes ``link_s`` on it."""
+        return max(issued_s, self.free_s) + link_s
+
+    def complete(self, link_end: float, real_end: float | None = None) -> float:
+        """The collective the link delivered at ``link_end`` completes, its real transfer having
+        ended at ``real_end`` (None: not on the link, ``at_wait``); returns when, and the link is
+        busy until then."""
+        self.free_s = link_end if real_end is None else max(real_end, link_end)
+        return self.free_s
 
 
 # Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,

@@ -96,11 +96,10 @@ def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: in
             if err:
                 timings.errors[label] = err
             else:  # as slow as the slowest rank
-                timings.per_round[label].append(max(res["ms_per_step"] for res in results))
-                timings.transport.setdefault(label, []).append(
-                    max(res.get("transport_ms_per_step", 0.0) for res in results))
+                timings.per_round[label].append(max(res.ms_per_step for res in results))
+                timings.transport.setdefault(label, []).append(max(res.transport_ms_per_step for res in results))
                 counts = timings.emulated.setdefault(label, [0, 0])
                 for res in results:
-                    counts[0] += res.get("emulated_collectives", 0)
-                    counts[1] += res.get("outran_link", 0)
+                    counts[0] += res.emulated_collectives
+                    counts[1] += res.outran_link
     return timings

@@ -10,7 +10,7 @@ import pytest
 
 import ddpkit
 from ddpkit.__main__ import main
-from ddpkit.experiment import STRATEGIES
+from ddpkit.strategies.table import NAMES
 from ddpkit.compare import torch_reference
 from ddpkit.strategies.table import strategy as strategy_row
 
@@ -34,7 +34,7 @@ def error_of(argv, capsys) -> str:
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["compare", "--strategies", "naive,bogus"], "unknown strategy 'bogus'; valid: " + ", ".join(STRATEGIES)),
+    (["compare", "--strategies", "naive,bogus"], "unknown strategy 'bogus'; valid: " + ", ".join(NAMES)),
     (["compare", "--strategies", ""], "valid: naive"),
     (["compare", "--world-size", "0"], "--world-size: expected a whole number >= 1, got 0"),
     (["compare", "--steps", "two"], "--steps: expected a whole number >= 1, got 'two'"),
@@ -55,6 +55,11 @@ def error_of(argv, capsys) -> str:
     (["trace", "--strategy", "zero9", "--out", "t.json"], "invalid choice: 'zero9'"),
     (["trace", "--strategy", "naive"], "the following arguments are required: --out"),
     (["predict", "--network", "carrier-pigeon"], "valid presets: loopback, nvlink, 100GbE, 10GbE, 1GbE, paper"),
+    (["predict", "--comm-hook", "int8"], "invalid choice: 'int8'"),
+    (["compare", "--strategies", "naive,zero1", "--comm-hook", "bf16_compress"],
+     "--comm-hook bf16_compress: none of naive, zero1 takes a communication hook; those that do: bucketed, "
+     "overlapped, sharded_optimizer"),
+    (["trace", "--strategy", "fsdp", "--out", "t.json", "--comm-hook", "fp16_compress"], "none of fsdp takes"),
     (["predict", "--world-sizes", "2,0"], "expected a whole number >= 1"),
     (["predict", "--world-sizes", "3", "--global-batch-size", "32"], "use --batch-per-rank"),
     (["predict", "--fit", "--fit-ranks", "1"], "--fit-ranks must be >= 2"),
@@ -87,7 +92,7 @@ def test_help_never_cuts_a_strategy_name_at_the_edge_of_the_terminal(command, ca
     with pytest.raises(SystemExit):
         main([command, "--help"])
     out = capsys.readouterr().out
-    assert all(name in out for name in STRATEGIES), out  # "shard ed_optimizer" once
+    assert all(name in out for name in NAMES), out  # "shard ed_optimizer" once
 
 
 def test_lab_starts_jupyterlab_on_the_first_notebook_and_adds_allow_root_as_root():
@@ -178,7 +183,7 @@ def test_predict_lays_out_hybrid_sharding_on_the_nodes_given(capsys):
     captured = capsys.readouterr()
     assert "left out: hsdp shards inside nodes" in captured.err and "left out: torch_hsdp" in captured.err
     predicted = [line.split()[1] for line in captured.out.splitlines() if line.split()[:1] == ["3"]]
-    assert predicted == [s for s in STRATEGIES if s not in ("hsdp", "torch_hsdp")]
+    assert predicted == [s for s in NAMES if s not in ("hsdp", "torch_hsdp")]
 
 
 def test_predicts_table_keeps_its_columns_and_says_what_the_default_cap_is(capsys):
@@ -193,6 +198,19 @@ def test_predicts_table_keeps_its_columns_and_says_what_the_default_cap_is(capsy
     end = table[0].index("strategy") + len("strategy")
     assert [line[:end].split()[-1] for line in table[1:]] == ["bucketed", "sharded_optimizer", "torch_zero"]
     assert len({len(line) for line in table}) == 1, table  # every column in its place
+
+
+def test_predict_with_a_comm_hook_halves_the_bytes_of_the_strategies_that_take_one(capsys):
+    """--comm-hook bf16_compress: the header says so; bucketed sends half its bytes, naive (no
+    buckets for a hook) as many as without it."""
+    args = ["predict", "--width", "8", "--depth", "2", "--world-sizes", "2", "--strategies", "naive,bucketed"]
+    sent = {}
+    for hook in ([], ["--comm-hook", "bf16_compress"]):
+        assert main([*args, *hook]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert ("comm hook bf16_compress" in out[0]) == bool(hook)
+        sent[bool(hook)] = {line.split()[1]: " ".join(line.split()[-2:]) for line in out if line.split()[:1] == ["2"]}
+    assert sent[True]["naive"] == sent[False]["naive"] and sent[True]["bucketed"] != sent[False]["bucketed"]
 
 
 def test_output_path_that_is_a_directory_or_read_only(tmp_path, capsys, no_cluster):
@@ -273,7 +291,7 @@ def _cli(*args, timeout=300):
 
 
 def test_compare_short_run_writes_sane_records(tmp_path):
-    strategies = list(STRATEGIES)
+    strategies = list(NAMES)
     out = tmp_path / "compare.json"
     res = _cli("compare", "--world-size", "2", "--strategies", ",".join(strategies), "--width", "8",
                "--depth", "2", "--steps", "2", "--rounds", "1", "--global-batch-size", "8",

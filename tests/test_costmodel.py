@@ -7,8 +7,9 @@ import math
 import pytest
 
 from ddpkit import costmodel as cm
-from ddpkit.network import Link, Network, collective_time
-from ddpkit.strategies.table import strategy
+from ddpkit.costmodel.stream import Stream
+from ddpkit.network import Link, LinkClock, Network, collective_time
+from ddpkit.strategies.table import NAMES, strategy
 
 NET = Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
 
@@ -43,7 +44,7 @@ def _mlp_like():
 
 def test_one_rank_costs_exactly_the_compute():
     p = _mlp_like()
-    for s in cm.STRATEGIES:
+    for s in NAMES:
         if not strategy(s).fits(1):  # hybrid sharding: nodes of 2 ranks
             with pytest.raises(ValueError, match="not a multiple"):
                 cm.simulate(s, p, 1, NET)
@@ -366,13 +367,13 @@ def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
         assert sent == 0  # alone: every collective ran over a group of one, no byte crossed to the peer
 
 
-def test_under_the_cards_rule_the_rank_moves_the_bytes_when_it_waits():
-    """The emulated card's rule (``Link.at_wait``): an issue costs the rank nothing, the bytes move
+def test_at_wait_the_rank_moves_the_bytes_when_it_waits():
+    """``Link.at_wait`` (the emulated network card): an issue costs the rank nothing, the bytes move
     when it waits, beside the link's time; torch's DDP (futures) has the link's thread move them
     after the link delivered. Without the rule, a host transport's work is charged at the issue."""
     p = _mlp_like()  # 8 MiB of gradients, 6.4 ms of backward
     shm = Link("shm", alpha=0.0, beta=1 / 4e9, host=True)  # ~0.26 ms a 1 MiB bucket
-    card = dataclasses.replace(shm, at_wait=True)
+    at_wait = dataclasses.replace(shm, at_wait=True)
     moved = 8 * Network("paper").with_floor(shm).transport_time("all_reduce", 1024 * 1024, 2) * 1e3
 
     def step(strategy, network, floor):
@@ -381,12 +382,70 @@ def test_under_the_cards_rule_the_rank_moves_the_bytes_when_it_waits():
     # moved at the wait, the bytes never cost more than moved from the issue; on 10GbE (a bucket's
     # link time near its backward) they hide under the link instead of slowing backward
     for network in ("paper", "10GbE", "30,2", "0,1000"):
-        assert step("overlapped", network, card) <= step("overlapped", network, shm) + 1e-9
-    assert step("overlapped", "10GbE", card) < step("overlapped", "10GbE", shm) - 0.2
+        assert step("overlapped", network, at_wait) <= step("overlapped", network, shm) + 1e-9
+    assert step("overlapped", "10GbE", at_wait) < step("overlapped", "10GbE", shm) - 0.2
     # a link faster than the transport: the rank moves every byte itself, after backward
     compute = (p.forward_s + p.backward_s + p.optimizer_s) * 1e3
-    assert step("overlapped", "0,1000", card) == pytest.approx(compute + moved)
+    assert step("overlapped", "0,1000", at_wait) == pytest.approx(compute + moved)
     # torch's DDP: the link's thread moves each bucket after delivering it, the link busy meanwhile
-    assert step("torch_ddp", "paper", card) == pytest.approx(step("overlapped", "paper", card) + moved)
-    # a network that is not emulated: shared memory moves the bytes from the issue, the rule is off
-    assert step("overlapped", "loopback", card) == step("overlapped", "loopback", shm)
+    assert step("torch_ddp", "paper", at_wait) == pytest.approx(step("overlapped", "paper", at_wait) + moved)
+    # a network that is not emulated: shared memory moves the bytes from the issue, at_wait is off
+    assert step("overlapped", "loopback", at_wait) == step("overlapped", "loopback", shm)
+
+
+def test_one_link_clock_in_issue_order_done_when_link_and_transfer_are():
+    """``LinkClock``, the rule the emulator keeps and the cost model simulates: a collective starts
+    on the link at its issue or when the link frees up, and completes when both the link and the
+    real transfer are done; under at_wait the transfer is not the link's."""
+    clock = LinkClock()
+    assert clock.delivers(0.0, 2.0) == 2.0
+    assert clock.complete(2.0, 1.0) == 2.0   # the transfer ended first: the link decides
+    assert clock.delivers(1.0, 2.0) == 4.0   # issued while the link was busy: starts when it frees
+    assert clock.complete(4.0, 5.0) == 5.0   # the transfer outran the link: busy until it ended
+    assert clock.delivers(6.0, 1.0) == 7.0   # issued on an idle link: from the issue
+    assert clock.complete(7.0) == 7.0        # at_wait: the rank moves the bytes, off the link
+
+
+def test_each_link_keeps_its_own_clock_as_in_the_emulator():
+    """Two tiers: a collective inside a node does not wait behind one across nodes (the emulator
+    runs one thread per link); two on one link run one after the other."""
+    net = cm.Network.of("10GbE", gpus_per_node=2)
+    stream, s = Stream(4, net), 2**20
+    across = stream.issue("all_reduce", s, 0.0, [0, 2])
+    inside = stream.issue("all_reduce", s, 0.0, [0, 1])
+    assert across.end == pytest.approx(net.emulated_time("all_reduce", s, [0, 2]))
+    assert inside.end == pytest.approx(net.emulated_time("all_reduce", s, [0, 1]))
+    assert stream.issue("all_reduce", s, 0.0, [0, 2]).end == pytest.approx(2 * across.end)
+
+
+def test_a_comm_hook_is_priced_by_its_row_on_the_buckets_that_take_one():
+    """bf16_compress (``COMM_HOOKS``: 2 bytes an element, a cast down before the launch, a cast
+    back and a copy into the bucket after the wait) halves the bytes of the buckets' all-reduce
+    where the buckets take a hook; the others are as they were; one that takes none refuses it."""
+    p = dataclasses.replace(_mlp_like(), copy_s_per_byte=1e-10)
+    names = ["naive", "bucketed", "overlapped", "sharded_optimizer", "zero1"]
+    plain = {r.strategy: r for r in cm.predict(p, names, [4], "10GbE")}
+    hooked = {r.strategy: r for r in cm.predict(p, names, [4], "10GbE", comm_hook="bf16_compress")}
+    for s in ("bucketed", "overlapped"):
+        assert hooked[s].comm_bytes_per_step == pytest.approx(plain[s].comm_bytes_per_step / 2)
+        assert hooked[s].ms_per_step < plain[s].ms_per_step
+    # the gradients' all-reduce halved, the parameters' all-gather as it was: 1.5x DDP becomes 1.0x
+    assert hooked["sharded_optimizer"].comm_bytes_per_step == pytest.approx(plain["overlapped"].comm_bytes_per_step)
+    assert hooked["naive"] == plain["naive"] and hooked["zero1"] == plain["zero1"]
+    # on a link that costs nothing, the hook's three passes over the gradients are all it adds
+    free, bf16 = Link("free", 0.0, 0.0), dataclasses.replace(strategy("bucketed").cost, comm_hook="bf16_compress")
+    added = cm.simulate("bucketed", p, 2, free, cost=bf16).ms_per_step - cm.simulate("bucketed", p, 2, free).ms_per_step
+    assert added == pytest.approx(3 * p.copy_s(p.param_bytes) * 1e3)
+    with pytest.raises(ValueError, match="zero1 takes no communication hook.*those that do: bucketed"):
+        cm.simulate("zero1", p, 2, cost=dataclasses.replace(strategy("zero1").cost, comm_hook="bf16_compress"))
+
+
+def test_a_comm_hook_chains_on_futures_as_torchs_ddp():
+    """Under at_wait a hooked bucket's bytes move on the link's thread when the link delivers (the
+    hook's future is handed out, as torch's DDP's): the plain hook is on_futures, nothing more."""
+    p = _mlp_like()
+    at_wait = Network("paper").with_floor(Link("shm", alpha=0.0, beta=1 / 4e9, host=True, at_wait=True))
+    cost = strategy("overlapped").cost
+    hooked = cm.simulate("overlapped", p, 2, at_wait, 1, cost=dataclasses.replace(cost, comm_hook="allreduce"))
+    on_futures = cm.simulate("overlapped", p, 2, at_wait, 1, cost=dataclasses.replace(cost, on_futures=True))
+    assert hooked.ms_per_step == on_futures.ms_per_step != cm.simulate("overlapped", p, 2, at_wait, 1).ms_per_step

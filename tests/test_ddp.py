@@ -26,11 +26,11 @@ from helpers import SMALL_CAP, SMALL_GPT, SMALL_MLP, TOL, CountingRecorder, refe
 STRATEGIES = ("naive", "bucketed", "overlapped")
 
 
-def wrap(strategy, module, bucket_cap_mb=SMALL_CAP, recorder=None):
+def wrap(strategy, module, bucket_cap_mb=SMALL_CAP, recorder=None, **options):
     if strategy == "naive":
-        return ddpkit.NaiveDDP(module, recorder=recorder)
+        return ddpkit.NaiveDDP(module, recorder=recorder, **options)
     cls = ddpkit.BucketedDDP if strategy == "bucketed" else ddpkit.OverlappedDDP
-    return cls(module, bucket_cap_mb=bucket_cap_mb, recorder=recorder)
+    return cls(module, bucket_cap_mb=bucket_cap_mb, recorder=recorder, **options)
 
 
 def _one_bucket_run(bucket_cap_mb):
@@ -788,13 +788,15 @@ def test_join_on_zero_is_a_clear_error(cluster_of, cls_name):
 
 
 # --------------------------------------------------------------------------- communication hooks
-def _hooked(strategy, hook_name, steps):
+def _hooked(strategy, hook_name, steps, by_name=False):
+    """Train with a comm hook: registered as a function of comm_hooks.py (``hook_name``), or, with
+    ``by_name``, given by its name in COMM_HOOKS to the constructor (``comm_hook=``)."""
     from ddpkit.strategies import comm_hooks
 
     module = build_model("mlp", seed=dist.get_rank(), **SMALL_MLP)
     rec = CountingRecorder()
-    model = wrap(strategy, module, recorder=rec)
-    if hook_name:
+    model = wrap(strategy, module, recorder=rec, **({"comm_hook": hook_name} if by_name else {}))
+    if hook_name and not by_name:
         model.register_comm_hook(getattr(comm_hooks, hook_name))
     train_on_rank(model, module, make_optimizer(model.parameters(), "adamw"), steps, BATCH_HOOKS)
     sent = sum(b for name, b, _ in rec.collectives("all_reduce")) / steps
@@ -822,6 +824,40 @@ def test_fp16_and_bf16_compression_halve_the_bytes_and_train_close_to_one_proces
         for (full, sent), (_, sent_fp32) in zip(cluster.run(_hooked, strategy, hook, HOOK_STEPS), plain, strict=True):
             assert sent == sent_fp32 / 2
             assert max_abs_diff(full, reference) < tol, (hook, max_abs_diff(full, reference))
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "overlapped"])
+def test_a_comm_hook_chosen_by_name_is_the_hook_halves_the_bytes_and_trains_close(cluster_of, strategy):
+    """``comm_hook="bf16_compress"`` at construction (the name compare, --comm-hook and the cost
+    model take) runs the very hook ``register_comm_hook(bf16_compress_hook)`` does: half the bytes
+    of the plain all-reduce (``"allreduce"`` by name, exact), within bf16's tolerance of one process."""
+    reference = reference_params("mlp", "adamw", steps=HOOK_STEPS, batch=BATCH_HOOKS, **SMALL_MLP)
+    cluster = cluster_of(2)
+    plain = cluster.run(_hooked, strategy, "allreduce", HOOK_STEPS, True)
+    by_name = cluster.run(_hooked, strategy, "bf16_compress", HOOK_STEPS, True)
+    by_function = cluster.run(_hooked, strategy, "bf16_compress_hook", HOOK_STEPS)
+    for (full, sent), (plain_full, plain_sent), (fn_full, fn_sent) in zip(by_name, plain, by_function, strict=True):
+        assert max_abs_diff(plain_full, reference) < TOL
+        assert sent == plain_sent / 2 == fn_sent
+        assert max_abs_diff(full, fn_full) == 0.0
+        assert max_abs_diff(full, reference) < 2e-3
+
+
+def _hook_by_name_on(cls_name, hook):
+    try:
+        getattr(ddpkit, cls_name)(nn.Linear(2, 2), comm_hook=hook)
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+@pytest.mark.parametrize("cls_name, hook, message", [
+    ("BucketedDDP", "bf16_compress", "accepted"), ("OverlappedDDP", "fp16_compress", "accepted"),
+    ("NaiveDDP", "bf16_compress", "TypeError: NaiveDDP has no buckets"),
+    ("ZeRO2", "bf16_compress", "TypeError: ZeRO2 reduce-scatters"),
+    ("BucketedDDP", "int8", "ValueError: unknown comm hook 'int8'; valid: allreduce, fp16_compress, bf16_compress")])
+def test_a_comm_hook_by_name_at_construction_or_a_clear_error(cluster_of, cls_name, hook, message):
+    assert cluster_of(1).run(_hook_by_name_on, cls_name, hook)[0].startswith(message)
 
 
 def _hook_on(cls):

@@ -184,7 +184,7 @@ def test_clipping_equals_single_process(cluster_of, strategy, n, norm_type):
 
 # On an emulated network the shared-memory transport moves a collective's bytes only when the rank
 # waits for it (or, once its future is handed out, when the link delivers it: torch's wrappers, comm
-# hooks): the NIC's rule (ddpkit.comm.emulator). Results stay exact: every strategy, every size.
+# hooks): at_wait (ddpkit.comm.emulator). Results stay exact: every strategy, every size.
 NIC_CASES = [(s, n) for s in NAMES for n in (2, 4) if STRATEGIES[s].fits(n)]
 
 

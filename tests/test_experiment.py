@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 import ddpkit
-from ddpkit.experiment import (STRATEGIES, run_strategy, summarize_records,
-                               train_single_process)
+from ddpkit.experiment import run_strategy, summarize_records, train_single_process
 from ddpkit.models import build_model
-from ddpkit.strategies.table import STRATEGIES as STRATEGIES_TABLE
+from ddpkit.strategies.table import NAMES, STRATEGIES
 from ddpkit.strategies.table import fsdp_units
 
 TINY = dict(width=16, depth=3)  # Linear(16,16) x3 + head(16->10): 986 parameters, 3944 bytes
@@ -28,7 +27,7 @@ def test_unknown_strategy_is_a_clear_error(cluster_of):
         cluster_of(2).run(run_strategy, "bogus", steps=1, model_kwargs=TINY)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", NAMES)
 def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
     n, warmup, steps = 2, 1, 2
     ref = train_single_process("mlp", "sgd", steps=warmup + steps, global_batch_size=8, **TINY)
@@ -36,14 +35,14 @@ def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
                           record=True, reference=ref, model_kwargs=TINY)
     ddp_bytes = 2 * (n - 1) / n * TINY_BYTES  # all-reduce of every gradient, ring cost
     for r in results:
-        assert r["strategy"] == strategy and r["world_size"] == n
-        assert r["max_param_diff"] < 1e-5
-        assert len(r["step_ms"]) == steps and r["ms_per_step"] > 0
-        assert len(r["losses"]) == warmup + steps
-        assert 0.0 <= r["overlap_fraction"] <= 1.0
-        assert r["model_state_bytes"] > 0 and r["peak_bytes"] >= r["model_state_bytes"]
-        mem = r["memory"]
-        row = STRATEGIES_TABLE[strategy]
+        assert r.strategy == strategy and r.world_size == n
+        assert r.max_param_diff < 1e-5
+        assert len(r.step_ms) == steps and r.ms_per_step > 0
+        assert len(r.losses) == warmup + steps
+        assert 0.0 <= r.overlap_fraction <= 1.0
+        assert r.model_state_bytes > 0 and r.peak_bytes >= r.model_state_bytes
+        mem = r.memory
+        row = STRATEGIES[strategy]
         if row.zero_stage == "ZeRO-3":  # fsdp, hsdp (at 2 ranks one node: FSDP), torch's
             if not row.torch_native:  # ours: half of the parameters each, plus the padding
                 assert mem["parameters"] <= TINY_BYTES / n + 4 * n * len(fsdp_units(build_model("mlp", **TINY)))
@@ -53,9 +52,9 @@ def test_recorded_run_equals_one_process_and_counts_bytes(cluster_of, strategy):
         # the DDP family and ZeRO-1/2 an all-reduce's worth (a reduce-scatter plus an all-gather,
         # with at most N-1 elements of padding per bucket), FSDP and the sharded optimizer 1.5x
         if row.bytes_vs_ddp is not None:
-            assert r["comm_bytes_per_step"] == pytest.approx(row.bytes_vs_ddp * ddp_bytes, rel=0.02), strategy
+            assert r.comm_bytes_per_step == pytest.approx(row.bytes_vs_ddp * ddp_bytes, rel=0.02), strategy
         if strategy == "naive":
-            assert r["collectives_per_step"] == {"all_reduce": 8}  # one per parameter tensor
+            assert r.collectives_per_step == {"all_reduce": 8}  # one per parameter tensor
 
 
 def test_summarize_records_averages_steps_after_warmup():
@@ -72,11 +71,11 @@ def test_summarize_records_averages_steps_after_warmup():
         Record("counter", "memory", "memory", 0, 2, 31 * ms, args={"parameters": 7, "gradients": 5}),
     ]
     out = summarize_records(recs, world_size=4, steps=[1, 2])
-    assert out["comm_bytes_per_step"] == pytest.approx(2 * 3 / 4 * 400)
-    assert out["collectives_per_step"] == {"all_reduce": 1}
-    assert out["comm_ms_per_step"] == pytest.approx(10.0)
-    assert out["overlap_fraction"] == pytest.approx(0.25)
-    assert out["peak_memory_sample"] == 12
+    assert out.comm_bytes_per_step == pytest.approx(2 * 3 / 4 * 400)
+    assert out.collectives_per_step == {"all_reduce": 1}
+    assert out.comm_ms_per_step == pytest.approx(10.0)
+    assert out.overlap_fraction == pytest.approx(0.25)
+    assert out.peak_memory_sample == 12
 
 
 @pytest.mark.parametrize("strategy", ["overlapped", "fsdp", "torch_fsdp"])
@@ -86,9 +85,9 @@ def test_recorded_run_of_tiny_gpt_equals_one_process(cluster_of, strategy):
     # gradient is exactly zero, moves by ~lr on rounding noise (see test_equivalence.py).
     gpt = dict(vocab=16, dim=16, layers=2, heads=2, seq=8)
     ref = train_single_process("gpt", "sgd", steps=3, global_batch_size=4, **gpt)
-    results = cluster_of(2).run(run_strategy, strategy, model="gpt", steps=2, warmup=1, global_batch_size=4,
+    results = cluster_of(2).run(run_strategy, strategy, "gpt", steps=2, warmup=1, global_batch_size=4,
                           optimizer="sgd", record=True, reference=ref, model_kwargs=gpt)
-    assert all(r["max_param_diff"] < 1e-5 for r in results), [r["max_param_diff"] for r in results]
+    assert all(r.max_param_diff < 1e-5 for r in results), [r.max_param_diff for r in results]
 
 
 # ----------------------------------------------------------------------------- the timing loop
@@ -186,6 +185,21 @@ def test_compare_announces_its_series_to_the_cluster_and_a_progress_bar(cluster_
     assert lines[0].startswith("[") and "run 1/2 naive: timing round 1 of 1: step 0/1" in lines[0]
     assert "100% run 2/2 naive: one recorded run" in lines[-1]
     assert bar not in cluster._events.observers  # followed for the comparison only
+
+
+def test_compare_passes_a_comm_hook_to_the_strategies_that_take_one(cluster_of):
+    """compare(..., comm_hook="bf16_compress"): bucketed's buckets go in bf16, half the bytes,
+    close to one process (rounded, not exact); naive, which has no buckets, runs as it is; the
+    table says which rows the hook reduced."""
+    from ddpkit.compare import compare, format_table
+
+    records = compare(cluster_of(2), ["naive", "bucketed"], model_kwargs=TINY, steps=1, rounds=1,
+                      global_batch_size=8, record_steps=1, comm_hook="bf16_compress")
+    by = {r["strategy"]: r for r in records}
+    assert by["naive"]["comm_hook"] is None and by["bucketed"]["comm_hook"] == "bf16_compress"
+    assert by["bucketed"]["comm_bytes_per_step"] == pytest.approx(by["naive"]["comm_bytes_per_step"] / 2)
+    assert by["naive"]["max_param_diff"] < 1e-5 and 0 < by["bucketed"]["max_param_diff"] < 2e-3
+    assert "comm hook: bf16_compress reduced the buckets of bucketed" in format_table(records)
 
 
 def test_progress_bar_shows_what_the_series_counted():

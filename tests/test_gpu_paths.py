@@ -495,7 +495,7 @@ def _peak_after_a_big_allocation(allocate: bool):
         return None
     out = run_strategy("naive", steps=2, warmup=1, model_kwargs=dict(width=64, depth=3), record=True,
                        reference=None)
-    return cuda_allocator_bytes(ddpkit.device())["cuda_max_allocated"], out["peak_bytes"]
+    return cuda_allocator_bytes(ddpkit.device())["cuda_max_allocated"], out.peak_bytes
 
 
 @pytest.mark.gpu

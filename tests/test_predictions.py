@@ -394,7 +394,7 @@ def test_zero_and_hybrid_references_land_exactly(cluster_of):
                       model_kwargs=q9.setting["model_kwargs"])
     finally:
         c4.network = None
-    lands("09.hsdp_inter_node_bytes", max(hsdp, key=lambda r: r["inter_node_bytes_per_step"]))
+    lands("09.hsdp_inter_node_bytes", max(hsdp, key=lambda r: r.inter_node_bytes_per_step))
 
 
 @pytest.mark.slow

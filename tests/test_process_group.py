@@ -265,7 +265,7 @@ def _emulated_share():
     from ddpkit.experiment import run_strategy
 
     out = run_strategy("bucketed", steps=2, model_kwargs=SMALL_MLP)
-    return out["emulated_collectives"], out["outran_link"]
+    return out.emulated_collectives, out.outran_link
 
 
 def test_a_run_counts_the_collectives_whose_real_transfer_outran_the_link(cluster_of):
@@ -485,7 +485,7 @@ def test_collectives_called_without_options_take_their_defaults(cluster_of):
 def test_the_emulated_nic_moves_the_bytes_when_the_rank_waits(cluster_of):
     """On an emulated network the shared-memory transport defers a collective: issuing it moves
     nothing (the peer's bytes are not there before it waits), waiting moves it, the result is
-    exact, and the time spent moving is counted (the NIC's rule, ddpkit.comm.emulator)."""
+    exact, and the time spent moving is counted (at_wait, ddpkit.comm.emulator)."""
     def job():
         import time
 
@@ -505,5 +505,5 @@ def test_the_emulated_nic_moves_the_bytes_when_the_rank_waits(cluster_of):
     c = cluster_of(2)
     with on_network(c, "10GbE"):
         results = c.run(job)
-    for untouched, exact, moved_s in results:
-        assert untouched and exact and moved_s > 0, results
+    for untouched, exact, transport_s in results:
+        assert untouched and exact and transport_s > 0, results

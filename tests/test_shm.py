@@ -311,7 +311,7 @@ def _staged_under_ddpkits_group():
     try:
         z = torch.ones(2**18)  # 1 MiB
         t0 = time.perf_counter()
-        dist.all_reduce(z, group=group, async_op=True).wait()  # bytes moved at the wait (the NIC's rule)
+        dist.all_reduce(z, group=group, async_op=True).wait()  # bytes moved at the wait (at_wait)
         out["emulated"] = (time.perf_counter() - t0, net.collective_time("all_reduce", 2**20, 2), z[0].item())
     finally:
         rankside.comm().set_network(Network("loopback"))

@@ -88,8 +88,8 @@ def _peak_gathered(units):
     out = run_strategy("fsdp", gpt2_tiny(), steps=1, warmup=1, global_batch_size=BATCH, record=True,
                        return_records=True, options={} if units is None else {"units": units},
                        report_progress=False)
-    peak = max(r.args.get("unsharded_parameters", 0) for r in out["records"] if r.kind == "counter")
-    return peak, out["model_state_bytes"]
+    peak = max(r.args.get("unsharded_parameters", 0) for r in out.records if r.kind == "counter")
+    return peak, out.model_state_bytes
 
 
 def test_fsdp_by_blocks_gathers_less_than_one_unit_for_the_whole_model(cluster_of):

@@ -111,8 +111,8 @@ def test_run_strategy_trains_a_notebook_workload_as_one_process(cluster_of, stra
     ref = train_single_process(wl, steps=3, global_batch_size=8)
     results = cluster_of(2).run(run_strategy, strategy, wl, steps=2, warmup=1, global_batch_size=8,
                                 record=True, reference=ref, report_progress=False)
-    assert all(r["model"] == "toy" and r["max_param_diff"] < TOL for r in results)
-    assert results[0]["comm_bytes_per_step"] > 0
+    assert all(r.model == "toy" and r.max_param_diff < TOL for r in results)
+    assert results[0].comm_bytes_per_step > 0
 
 
 def test_dropout_is_found_where_it_drops_out():

@@ -273,7 +273,7 @@ def test_bytes_and_state_per_rank_down_the_ladder(cluster_of):
         results = cluster_of(world).run(run_strategy, s, steps=1, warmup=1, global_batch_size=8,
                                         optimizer="adamw", record=True, bucket_cap_mb=0.01,
                                         model_kwargs=MEDIUM_MLP, report_progress=False)
-        got[s] = (max(r["comm_bytes_per_step"] for r in results), max(r["model_state_bytes"] for r in results))
+        got[s] = (max(r.comm_bytes_per_step for r in results), max(r.model_state_bytes for r in results))
     ddp_bytes, ddp_state = got["overlapped"]
     assert ddp_bytes == pytest.approx(2 * (world - 1) / world * 4 * psi)
     for s in ("zero1", "zero2"):

@@ -6,15 +6,17 @@ emulator makes every collective take as long as it would on a chosen network (``
 
 How: each link (intra-node, inter-node) is one daemon thread with a FIFO queue. The real
 collective runs (the bytes really move) while the link carries it, from its issue or from when the
-link frees up, for ``Network.emulated_time``; it completes when both are done, ``max(real end,
-max(issue, link free) + link time)``, so where the link is slower than this machine's transport,
-its time replaces the transfer's, as on the network itself (``tests/test_process_group.py`` holds
-the rule). Where the transport is slower, the real transfer decides: each link counts how often
-(``Emulator.fidelity``), and ``compare`` and the widget say so beside their figures. Waiting sleeps
-(``time.sleep``, ``Work.wait``), never spins: backward keeps the cores.
+link frees up, for ``Network.emulated_time`` (``ddpkit.network``'s ring formulas); it completes
+when both are done, ``max(real end, max(issue, link free) + link time)``, the rule of
+``network.LinkClock``, which the cost model simulates too. So where the link is slower than this
+machine's transport, its time replaces the transfer's, as on the network itself
+(``tests/test_process_group.py`` holds the rule). Where the transport is slower, the real transfer
+decides: each link counts how often (``Emulator.fidelity``), and ``compare`` and the widget say so
+beside their figures. Waiting sleeps (``time.sleep``, ``Work.wait``), never spins: backward keeps
+the cores.
 
-The network card, emulated: on the cluster being emulated, a network card and NCCL move the bytes,
-not the cores that run backward. So on the shared-memory transport nothing moves at the issue: the
+The network card, emulated (``at_wait``): on the cluster being emulated, a network card and NCCL
+move the bytes, not the cores that run backward. So on the shared-memory transport nothing moves at the issue: the
 rank moves the bytes when it waits (``EmulatedWork.wait``), on a core that would otherwise idle, or
 the link's thread does when the link delivers a collective whose future was handed out (torch's DDP
 and our comm hooks chain work on it). gloo's sockets and NCCL move bytes on threads and a GPU of
@@ -29,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ddpkit.network import LinkClock
 from ddpkit.torch_internals import FutureWork
 
 POLL_S = 100e-6  # the link's thread looks at a CUDA collective this often (sleeping in between)
@@ -45,23 +48,23 @@ class _Transfer:
     on_gpu: bool = False    # a CUDA collective: wait for it by polling (see the module docstring)
     issued_s: float = 0.0   # perf_counter when it was issued: the link starts on it then (or when free)
     real_end: float | None = None  # perf_counter when the real collective completed, where it tells
-    deferred: bool = False  # the NIC's rule: the bytes move when the rank waits (see the docstring)
-    drive: bool = False     # ... unless its future was handed out: then the link's thread moves them
+    at_wait: bool = False   # the bytes move when the rank waits (see the docstring)
+    on_futures: bool = False  # ... unless its future was handed out: then the link's thread moves them
     passed: bool = False    # the link's thread has delivered it (set under ``lock``)
     link_end: float = 0.0   # perf_counter when the link delivered it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class _Link:
-    """One emulated link: its queue, its thread, and when it is next free."""
+    """One emulated link: its queue, its thread, and its clock (when it is next free)."""
 
     def __init__(self, name: str, device=None):
         self.name, self.device = name, device  # device: the rank's GPU, for the thread (or None)
-        self.free_s = 0.0
+        self.clock = LinkClock()
         self.carried = 0         # collectives this link completed
         self.outran = 0          # ... of which the real transfer ended after the link's time
-        self.moved_s = 0.0       # the NIC's rule: time the rank spent moving the bytes when it waited
-        self.lock = threading.Lock()  # carried/outran/moved_s are also counted by waiting threads
+        self.transport_s = 0.0   # at_wait: time the rank spent moving the bytes when it waited
+        self.lock = threading.Lock()  # carried/outran/transport_s are also counted by waiting threads
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name=f"ddpkit-link-{name}", daemon=True)
         self.thread.start()
@@ -82,15 +85,15 @@ class _Link:
             t = self.queue.get()
             # The link's own time first: asleep until it would have delivered, then the real
             # collective, which has usually finished by then (no second wake-up to hear it end).
-            link_end = max(t.issued_s, self.free_s) + t.link_s
+            link_end = self.clock.delivers(t.issued_s, t.link_s)
             delay = link_end - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
             with t.lock:
                 t.passed, t.link_end = True, link_end
-                drive = t.drive or not t.deferred
-            if not drive:  # delivered; the rank moves the bytes when it waits (EmulatedWork.wait)
-                self.free_s = link_end
+                moves_here = t.on_futures or not t.at_wait
+            if not moves_here:  # delivered; the rank moves the bytes when it waits (EmulatedWork.wait)
+                self.clock.complete(link_end)
                 t.future.set_result(t.result)
                 continue
             try:
@@ -107,17 +110,18 @@ class _Link:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            # the link is busy until the real transfer ended where that was later (not for this
-            # thread's own lateness: the next collective's link time still counts from link_end)
-            self.free_s = max(time.perf_counter(), link_end) if moving else link_end
+            # the link is busy until the real transfer ended where that was later; one done when the
+            # link delivered ended then, as far as this thread can tell (its own lateness does not
+            # count: the next collective's link time still counts from link_end)
+            self.clock.complete(link_end, time.perf_counter() if moving else link_end)
             self.count(outran)
             t.future.set_result(result)
 
-    def count(self, outran: bool, moved_s: float = 0.0) -> None:
+    def count(self, outran: bool, transport_s: float = 0.0) -> None:
         with self.lock:
             self.carried += 1
             self.outran += outran
-            self.moved_s += moved_s
+            self.transport_s += transport_s
 
 
 def _note_end(work, transfer: _Transfer) -> None:
@@ -188,8 +192,8 @@ class Emulator:
         future = torch.futures.Future()
         device = _device_of(result)
         on_gpu = device is not None and device.type == "cuda"
-        deferred = not on_gpu and getattr(work, "deferred", False)  # the shared-memory transport's
-        transfer = _Transfer(work, future, link_s, result, on_gpu, issued, deferred=deferred)
+        at_wait = not on_gpu and getattr(work, "at_wait", False)  # the shared-memory transport's
+        transfer = _Transfer(work, future, link_s, result, on_gpu, issued, at_wait=at_wait)
         if not on_gpu:  # when did the real bytes arrive? (a CUDA future completes at launch: no use)
             _note_end(work, transfer)
         link = self._link(kind, device if on_gpu else None)
@@ -197,7 +201,7 @@ class Emulator:
         # a Work of ddpkit's own (the shared-memory transport's) may be waited for twice: whoever
         # waits finishes the real collective first, while the link's time runs, not after it
         ours = work if not on_gpu and isinstance(work, FutureWork) else None
-        return EmulatedWork(future, work if on_gpu else None, ours, transfer if deferred else None, link)
+        return EmulatedWork(future, work if on_gpu else None, ours, transfer if at_wait else None, link)
 
     def fidelity(self) -> dict[str, tuple[int, int]]:
         """``{link: (collectives carried, of which the real transfer outran the link)}`` so far;
@@ -208,13 +212,13 @@ class Emulator:
             links = list(self._links.items())
         return {kind: (link.carried, link.outran) for kind, link in links}
 
-    def moved_s(self) -> float:
-        """Seconds this rank spent moving the bytes of NIC-carried collectives when it waited for
+    def transport_s(self) -> float:
+        """Seconds this rank spent moving the bytes of ``at_wait`` collectives when it waited for
         them (the transport's part of their time; the rest was the link's); subtract two to count
         a window."""
         with self._lock:
             links = list(self._links.values())
-        return sum(link.moved_s for link in links)
+        return sum(link.transport_s for link in links)
 
     def _link(self, kind: str, device=None) -> _Link:
         with self._lock:
@@ -240,7 +244,7 @@ class EmulatedWork(FutureWork):
     then -- a CUDA collective, ``real`` -- does the real ``wait()`` in the caller's own thread, so
     the caller's current stream waits for the collective as torch's own ``Work`` would make it.
     ``first``: a CPU collective whose ``wait()`` may run twice (ddpkit's own), finished by the
-    caller before it waits for the link. ``transfer``: a collective under the NIC's rule, whose
+    caller before it waits for the link. ``transfer``: an ``at_wait`` collective, whose
     bytes move only when somebody waits (``first``'s wait), or, once its future is handed out
     (torch's DDP, a comm hook), on the link's thread when the link delivers it: a future's
     callbacks read the result, so it must be there when the future completes. ``get_future()``
@@ -265,20 +269,20 @@ class EmulatedWork(FutureWork):
         return True
 
     def _move_bytes(self) -> None:
-        """The NIC's rule: this rank moves the bytes now, while it would wait anyway; counted as
-        the transport's time, and as outrunning the link where moving them took longer than it."""
+        """``at_wait``: this rank moves the bytes now, while it would wait anyway; counted as the
+        transport's time, and as outrunning the link where moving them took longer than it."""
         t = self._transfer
         start = time.perf_counter()
         self._first.wait()
         end = time.perf_counter()
         self._transfer = None  # counted once
-        self._link.count(outran=end - max(start, t.issued_s) > t.link_s, moved_s=end - start)
+        self._link.count(outran=end - max(start, t.issued_s) > t.link_s, transport_s=end - start)
 
     def get_future(self):
         t = self._transfer
         if t is not None:
             with t.lock:
-                t.drive = True         # the link's thread moves the bytes (and counts them) before it
+                t.on_futures = True    # the link's thread moves the bytes (and counts them) before it
                 delivered = t.passed   # completes the future, unless it has delivered already: then
             if delivered:              # they move here, now
                 self._move_bytes()

@@ -5,17 +5,17 @@ A Cluster's ranks join ``torch.distributed`` with backend ``"ddpkit"`` (``instal
 on the way, for *every* caller -- our strategies, torch's ``DistributedDataParallel`` (its C++
 reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimizer`` alike:
 
-1. counts it: collectives and the bytes one rank sends by the ring algorithm (ring all-reduce
-   2(N-1)/N S, all-gather and reduce-scatter (N-1)/N S; a broadcast, whose root sends more than
-   the others, the ranks' average, (N-1)/N S: ``network.ring_bytes``), the same figure on every
-   rank, per kind and per link (intra-node or inter-node, see ``ddpkit.Network``), in ``Comm.counts``
-   (``ddpkit.comm.rank_comm``);
+1. counts it: collectives and the bytes one rank sends by the ring algorithm (``network.ring_bytes``,
+   by ``ddpkit.network``'s ring formulas; a broadcast, whose root sends more than the others, as the
+   ranks' average), the same figure on every rank, per kind and per link (intra-node or inter-node,
+   see ``ddpkit.Network``), in ``Comm.counts`` (``ddpkit.comm.rank_comm``);
 2. records it -- the one writer of a collective's record -- as a span from issue to completion,
    with its link and group, in the rank's recorder when recording is on (``trace.seam.recorder()``);
    a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
    and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
-3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``) and returns a
-   ``Work`` that completes when the emulated link would have delivered it;
+3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``: it takes
+   ``Network.emulated_time`` on its link) and returns a ``Work`` that completes when the emulated
+   link would have delivered it; on the shared-memory transport it launches it ``at_wait``;
 4. keeps it in the rank's flight recorder (``ddpkit.comm.flight``), always, *before* launching it: the
    group, its index in the group, op, bytes, dtype, labels and the user's line that issued it.
    When ranks' sequences part, ``ddpkit.comm.desync`` compares these.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.emulator import EmulatedWork
 from ddpkit.comm.rank_comm import Comm
-from ddpkit.network import Network, collective_time, ring_bytes
+from ddpkit.network import Network, ring_bytes
 from ddpkit import rankside
 from ddpkit.trace import seam
 from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, register_real_backend,
@@ -80,7 +80,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         self._group = tuple(global_ranks)  # names the group in records (same_collectives matches on it)
         self._id = comm.flight.new_group(global_ranks)  # groups are made in the same order on every rank
         self._index = itertools.count(1)   # this group's sequence: 1 for its first collective
-        self._links = (None, None)          # (network, its link_for this group): see _link_on
+        self._links = (None, None)          # (network, this group's link on it): see _link_on
         # torch holds the real backend itself (a staging wrapper is Python only: what it wraps);
         # ranks on a GPU over gloo's family register it for CUDA tensors too, as torch does for gloo
         register_real_backend(self, getattr(real, "inner", real), comm.real_backend,
@@ -92,11 +92,13 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     # --- the one path every collective takes ---------------------------------------------
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None, opts=None):
         """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
-        (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input)."""
+        (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input). ``launch()``
+        starts it; ``launch(at_wait=True)`` on the shared-memory transport, whose bytes then move
+        when the rank waits (``ddpkit.comm.emulator``)."""
         comm = self.comm
         n = self.size()
-        link, emulated = self._link_on(comm.network)
-        link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
+        link = self._link_on(comm.network)
+        link_s = comm.network.emulated_time(op, full_bytes, self.global_ranks)
         delayed = comm.emulator.delays(link_s)
         rec, labels = seam.recorder(), seam.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
@@ -108,14 +110,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         # stream, so a start event recorded after launch() would fire after the collective
         marks = [r.launch_mark() for r in recorders]
         issued = time.perf_counter()  # the link starts on it now, as the launch starts moving bytes
-        nic = delayed and comm.real_backend == "shm"  # the emulated NIC moves the bytes (comm.emulator)
-        if nic:
-            self.real.defer = True
-        try:
-            work = launch()
-        finally:
-            if nic:
-                self.real.defer = False
+        at_wait = delayed and comm.real_backend == "shm"  # the emulated network card (comm.emulator)
+        work = launch(at_wait=True) if at_wait else launch()
         comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         if delayed:
             work = comm.emulator.submit(link, work, link_s, result, issued)
@@ -124,10 +120,10 @@ class DdpkitProcessGroup(dist.ProcessGroup):
             self._record(op, work, full_bytes, link, recorders, marks, labels)
         return hold_for_torch(work)  # torch 2.6 let C++ keep only its half of a Python Work
 
-    def _link_on(self, network):
-        """(link name, emulated Link) of this group on ``network``, worked out once per network."""
+    def _link_on(self, network) -> str:
+        """This group's link on ``network`` ("intra-node" or "inter-node"), worked out once per network."""
         if self._links[0] is not network:
-            self._links = (network, network.link_for(self.global_ranks))
+            self._links = (network, network.link_for(self.global_ranks)[0])
         return self._links[1]
 
     def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
@@ -140,52 +136,58 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         for r, mark in zip(recorders, marks, strict=True):
             r.collective(op, watched, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
 
+    def _on_real(self, method: str, *args):
+        """A launch for ``_issue``: the real backend's ``method(*args)``, with ``at_wait=True``
+        where ``_issue`` passes it (the shared-memory transport's keyword). A launch made of several
+        real collectives (``_one_by_one``) waits for each at once: it takes no ``at_wait``."""
+        return lambda **at_wait: getattr(self.real, method)(*args, **at_wait)
+
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._issue("all_reduce", _nbytes(tensors), lambda: self.real.allreduce(tensors, opts), tensors,
+        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce", tensors, opts), tensors,
                            opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         return self._issue("all_reduce", _nbytes(tensors),
-                           lambda: self.real.allreduce_coalesced(tensors, opts), tensors, opts=opts)
+                           self._on_real("allreduce_coalesced", tensors, opts), tensors, opts=opts)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._issue("broadcast", _nbytes(tensors), lambda: self.real.broadcast(tensors, opts), tensors,
+        return self._issue("broadcast", _nbytes(tensors), self._on_real("broadcast", tensors, opts), tensors,
                            opts=opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(inputs) * self.size(),
-                           lambda: self.real.allgather(output_lists, inputs, opts), output_lists, opts=opts)
+                           self._on_real("allgather", output_lists, inputs, opts), output_lists, opts=opts)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes([output]),
-                           lambda: self.real._allgather_base(output, input, opts), [output], opts=opts)
+                           self._on_real("_allgather_base", output, input, opts), [output], opts=opts)
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(outputs),
-                           lambda: self._one_by_one(self.real._allgather_base, outputs, inputs, opts), outputs)
+                           lambda **_: self._one_by_one(self.real._allgather_base, outputs, inputs, opts), outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._issue("reduce_scatter", _nbytes(outputs) * self.size(),
-                           lambda: self.real.reduce_scatter(outputs, input_lists, opts), outputs, opts=opts)
+                           self._on_real("reduce_scatter", outputs, input_lists, opts), outputs, opts=opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if self.comm.real_backend == "gloo":  # see the docstring, and _reduce_scatter_by_all_reduce
             return self._issue("reduce_scatter", _nbytes([input]),
-                               lambda: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
+                               lambda **_: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
                                "all_reduce")
         return self._issue("reduce_scatter", _nbytes([input]),
-                           lambda: self.real._reduce_scatter_base(output, input, opts), [output], opts=opts)
+                           self._on_real("_reduce_scatter_base", output, input, opts), [output], opts=opts)
 
     def _reduce_scatter_by_all_reduce(self, output, input, opts):
         """gloo's reduce-scatter of a flat tensor, done here: all-reduce a copy of the input, then
@@ -216,7 +218,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         gloo = self.comm.real_backend == "gloo"
         one = self._reduce_scatter_by_all_reduce if gloo else self.real._reduce_scatter_base
         return self._issue("reduce_scatter", _nbytes(inputs),
-                           lambda: self._one_by_one(one, outputs, inputs, opts), outputs,
+                           lambda **_: self._one_by_one(one, outputs, inputs, opts), outputs,
                            "all_reduce" if gloo else None)
 
     @staticmethod
@@ -232,7 +234,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.BarrierOptions()
         if self.comm.real_backend == "nccl" and not opts.device_ids:  # else NCCL guesses a GPU, and warns
             opts.device_ids = [rankside.device().index]
-        return self._issue("barrier", 0, lambda: self.real.barrier(opts), [], opts=opts)
+        return self._issue("barrier", 0, self._on_real("barrier", opts), [], opts=opts)
 
 
 def _passed_through(name: str):

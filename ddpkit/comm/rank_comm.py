@@ -80,7 +80,7 @@ class Comm:
     def transport_seconds(self) -> float:
         """Seconds this rank has spent moving the bytes of collectives that an emulated NIC carried
         (``ddpkit.comm.emulator``: the transport's part of their time) so far; 0 off a network."""
-        return self.emulator.moved_s()
+        return self.emulator.transport_s()
 
 
 __all__ = ["Comm", "Count"]

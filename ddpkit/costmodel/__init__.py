@@ -18,12 +18,12 @@ from ddpkit.costmodel.measure import (
     slowest_rank, wrapper_job,
 )
 from ddpkit.costmodel.simulate import (
-    STRATEGIES, Layer, MiB, Prediction, Profile, assign_buckets, format_predictions, predict, simulate,
+    Layer, MiB, Prediction, Profile, assign_buckets, format_predictions, predict, simulate,
     uniform_profile,
 )
 
 __all__ = [
-    "MiB", "STRATEGIES",
+    "MiB",
     "assign_buckets", "Layer", "Profile", "uniform_profile", "Prediction", "simulate", "predict",
     "format_predictions", "profile_model", "profile_job", "profile_for", "slowest_profile",
     "median_profile", "CALIBRATION_SIZES", "calibration_sizes", "model_calibration_sizes",

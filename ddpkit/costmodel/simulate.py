@@ -8,7 +8,8 @@ the layers in reverse, a gradient is ready when its layer's backward ends, a buc
 is launched when its last gradient is ready, buckets go in order on one communication stream,
 and the step ends when both compute and the stream are done. So a bucket too small pays alpha
 too often, a bucket too large waits for the whole backward (the U-shaped curve of the DDP
-paper), and overlap cannot hide more than the backward compute there is.
+paper), and overlap cannot hide more than the backward compute there is. Where each collective
+lands on the rank's timeline (the links' clocks, the transport, the waits) is ``stream.py``'s.
 
 How each strategy communicates is read from the table of strategies (``strategy(name).cost``,
 plain data): nothing here switches on a strategy's name.
@@ -19,9 +20,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ddpkit.network import Network, as_network, ring_bytes
+from ddpkit.costmodel.stream import Stream
+from ddpkit.network import as_network
 from ddpkit.strategies.buckets import assign_buckets, layout  # the same rules the strategies use
-from ddpkit.strategies.table import NAMES as STRATEGIES
+from ddpkit.strategies.comm_hooks import COMM_HOOKS, CommHook
+from ddpkit.strategies.table import NAMES, TAKES_COMM_HOOK
 from ddpkit.strategies.table import unfit
 from ddpkit.strategies.table import strategy as strategy_row
 from ddpkit.topology import Topology
@@ -104,112 +107,9 @@ class Prediction:
     collectives: int
 
 
-@dataclass
-class _Pending:
-    """One collective on the stream: when the link (or the transport) is done with it, and the
-    transport's seconds still to be spent by the rank that waits for it (the card's rule)."""
-
-    end: float
-    moves_s: float = 0.0
-    moved: bool = True
-
-
-class _Stream:
-    """One communication stream: collectives run one at a time, in the order issued.
-
-    On an emulated network it is two stages side by side, as the emulator runs them: the real
-    transport and the emulated link (one at a time), both starting when the collective is
-    issued (or when each frees up); it completes when both are done (``ddpkit.comm.emulator``: the
-    slower of the two decides). A transport that moves the bytes with the ranks' own cores
-    (``Link.host``: gloo, shared memory) does it on the issuing rank's timeline: the step adds
-    ``host_s`` there, where it issued, and the transfer ends with that work. Any other (a GPU's)
-    runs beside the compute, one collective at a time.
-
-    Under the emulated card's rule (``Link.at_wait``: the shared-memory transport on an emulated
-    network) the issue costs the rank nothing: the link's time runs from the issue, and the rank
-    moves the bytes when it waits (``wait``), those of every earlier collective not yet moved
-    first (the transport completes them in order); a wait ends when both that and the link are
-    done. With ``on_futures`` (torch's DDP chains its work on futures) the link's thread moves
-    them when the link delivers, keeping the link busy meanwhile, on the rank's core: the rank is
-    charged for them at the issue, as without the rule (where they land in its timeline depends
-    on when the link delivers; at the issue is the model's choice).
-    """
-
-    def __init__(self, world_size: int, network: Network, on_futures: bool = False):
-        self.n, self.net = world_size, network
-        floor = network.floor
-        self.on_host = floor is not None and floor.host
-        self.at_wait = floor is not None and floor.at_wait and network.emulated
-        self.on_futures = on_futures
-        self.pending: list[_Pending] = []  # at_wait: issued, bytes not moved yet, in issue order
-        self.transport_free = 0.0
-        self.free = 0.0
-        self.busy = 0.0
-        self.bytes = 0.0
-        self.count = 0
-
-    def issue(self, name: str, nbytes: float, at: float, ranks=None) -> _Pending:
-        """Launch at time ``at`` (or when the stream frees up) among ``ranks`` (default: all of
-        them; hybrid sharding's collectives run in a node's group or across nodes)."""
-        ranks = range(self.n) if ranks is None else ranks
-        if len(ranks) == 1:
-            return _Pending(at)
-        real = self.net.transport_time(name, nbytes, len(ranks))
-        link = self.net.emulated_time(name, nbytes, ranks)
-        self.busy += max(real, link)
-        self.bytes += ring_bytes(name, nbytes, len(ranks))
-        self.count += 1
-        # the emulator hands the result over a little after the link frees (its thread wakes,
-        # then the waiter): on this machine's timeline, not on the link's
-        wake = self.net.emulation_s if link > 0 else 0.0
-        if self.at_wait:
-            self.free = max(at, self.free) + link
-            if self.on_futures:  # the link's thread moves the bytes as it delivers, busy meanwhile
-                self.free += real
-                return _Pending(self.free + wake)
-            pending = _Pending(self.free + wake, real, moved=False)
-            self.pending.append(pending)
-            return pending
-        if self.on_host:  # the issuer's own work (host_s), done when it is
-            real_end = at + real
-        else:
-            self.transport_free = max(at, self.transport_free) + real
-            real_end = self.transport_free
-        self.free = max(real_end, max(at, self.free) + link)
-        return _Pending(self.free + wake)
-
-    def host_s(self, name: str, nbytes: float, ranks=None) -> float:
-        """The seconds the issuing rank's cores spend on a collective as it issues it: the
-        transport's time where it runs on them (``Link.host``) from the issue, else nothing."""
-        ranks = range(self.n) if ranks is None else ranks
-        if not self.on_host or (self.at_wait and not self.on_futures) or len(ranks) == 1:
-            return 0.0
-        return self.net.transport_time(name, nbytes, len(ranks))
-
-    def launch(self, name: str, nbytes: float, at: float, ranks=None) -> tuple[float, _Pending]:
-        """``issue`` from the rank's timeline at ``at``: (when the rank goes on, the collective)."""
-        return at + self.host_s(name, nbytes, ranks), self.issue(name, nbytes, at, ranks)
-
-    def wait(self, t: float, done: _Pending) -> float:
-        """The rank, at ``t``, waits for ``done``: when it goes on."""
-        if not done.moved:  # the card's rule: the rank moves the bytes now, earlier ones first
-            while self.pending:
-                p = self.pending.pop(0)
-                t += p.moves_s
-                p.moved = True
-                if p is done:
-                    break
-        return max(t, done.end)
-
-    def finish(self, t: float) -> float:
-        """The rank, at ``t``, waits for every collective issued."""
-        if self.pending:
-            t = self.wait(t, self.pending[-1])
-        return max(t, self.free)
-
-
-def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool,
-              first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True) -> float:
+def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
+              first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True,
+              hook: CommHook | None = None) -> float:
     """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
     copies, one after another) beside the communication stream. Returns when both are done.
 
@@ -221,7 +121,9 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
     backward, and a bucket is launched as soon as its last gradient is in; without, all of it
     starts when backward ends. ``reduce`` is the buckets' collective: DDP's all-reduce, or ZeRO-1/2's
     reduce-scatter (half the bytes; the other half is the parameters' all-gather after the step),
-    whose result is stepped where it landed: no copy back out (``copy_out`` False).
+    whose result is stepped where it landed: no copy back out (``copy_out`` False). ``hook``: a
+    communication hook reduces each bucket instead (``comm_hooks.COMM_HOOKS``): the bytes it sends,
+    and its passes over the bucket before the launch and after the wait (casts, a copy back).
     """
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
     t = profile.forward_s
@@ -232,6 +134,9 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]
+    hook = hook or COMM_HOOKS["allreduce"]
+    before, after = hook.passes
+    sent = [hook.wire_bytes(size, profile.elem_bytes) for size in sizes]
     launched = []
     if overlap:
         missing = [len(b) for b in buckets]
@@ -244,19 +149,20 @@ def _ddp_step(profile: Profile, stream: _Stream, cap_bytes: float, overlap: bool
                 t += profile.copy_s(b)
                 missing[bucket_of[i]] -= 1
                 while len(launched) < len(buckets) and missing[len(launched)] == 0:  # in bucket order
-                    t, done = stream.launch(reduce, sizes[len(launched)], t)
+                    k = len(launched)
+                    t, done = stream.launch(reduce, sent[k], t + profile.copy_s(sizes[k]) * before)
                     launched.append(done)
     else:
         t += profile.backward_s
-        for size in sizes:  # pack bucket k, launch it, pack bucket k+1 while k is sent
-            t, done = stream.launch(reduce, size, t + profile.copy_s(size))
+        for size, wire in zip(sizes, sent, strict=True):  # pack bucket k, launch it, pack k+1 while k is sent
+            t, done = stream.launch(reduce, wire, t + profile.copy_s(size) * (1 + before))
             launched.append(done)
     for size, done in zip(sizes, launched, strict=True):  # wait for each in order, copy it back out
-        t = stream.wait(t, done) + (profile.copy_s(size) if copy_out else 0.0)
+        t = stream.wait(t, done) + profile.copy_s(size) * (copy_out + after)
     return t
 
 
-def _fsdp_step(profile: Profile, stream: _Stream, shards: Topology, reshard: bool = True,
+def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool = True,
                forward_prefetch: bool = False, backward_prefetch: bool = True, limit: int | None = None) -> float:
     """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
     resharded), reduce-scatter its gradient after its backward, the optimizer over 1/N shards.
@@ -330,11 +236,15 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
     ``CostStep`` to simulate instead of the table's, e.g. a switch flipped
     (``dataclasses.replace(strategy(name).cost, forward_prefetch=True)``)."""
     step = strategy_row(strategy).cost if cost is None else cost  # how the strategy communicates
+    if step.comm_hook is not None and not strategy_row(strategy).takes_comm_hook:
+        raise ValueError(f"{strategy} takes no communication hook (its buckets are not all-reduced by "
+                         f"our wrapper); those that do: {', '.join(TAKES_COMM_HOOK)}")
     network = as_network(network)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
-    stream = _Stream(n, network, on_futures=step.on_futures)
+    # a comm hook chains its work on its collective's future (comm_hooks.py), as torch's DDP does
+    stream = Stream(n, network, on_futures=step.on_futures or step.comm_hook is not None)
     # the ranks it shards over: all N, or for hybrid sharding the k of a node (the network's
     # nodes, else the default layout); a ValueError where they do not come in whole nodes
     k = strategy_row(strategy).shard_group_size(n, network)
@@ -349,7 +259,8 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
         cap = cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         first = first_mb * MiB if step.bucketed and first_mb is not None else None
         end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
-                        reduce=step.grad_reduce, copy_out=step.copy_out) + opt
+                        reduce=step.grad_reduce, copy_out=step.copy_out,
+                        hook=COMM_HOOKS[step.comm_hook] if step.comm_hook else None) + opt
         p_bytes = profile.param_bytes
         if step.gather_params and step.gather_in_place:
             # ZeRO-1/2: each bucket's flat parameters are all-gathered in place (the module's
@@ -382,16 +293,20 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
                       max(0.0, end - compute) * 1e3, stream.bytes, stream.count)
 
 
-def predict(profile: Profile, strategies=STRATEGIES, world_sizes=(2, 4, 8), network="loopback",
-            bucket_cap_mb: float | None = None) -> list[Prediction]:
+def predict(profile: Profile, strategies=NAMES, world_sizes=(2, 4, 8), network="loopback",
+            bucket_cap_mb: float | None = None, comm_hook: str | None = None) -> list[Prediction]:
     """Every (strategy, world size) pair, world sizes outermost. A ValueError naming the strategy
     where one cannot run at a world size (hybrid sharding on ranks that are not whole nodes of the
-    network's, or the default layout's: ``ddpkit.Topology``)."""
+    network's, or the default layout's: ``ddpkit.Topology``). ``comm_hook``: a name in
+    ``comm_hooks.COMM_HOOKS``, for the strategies whose buckets take one (the others as they are)."""
     network = as_network(network)
     why = unfit(strategies, world_sizes, network)
     if why:
         raise ValueError("; ".join(why.values()))
-    return [simulate(s, profile, n, network, bucket_cap_mb) for n in world_sizes for s in strategies]
+    rows = {s: strategy_row(s) for s in strategies}
+    costs = {s: dataclasses.replace(row.cost, comm_hook=comm_hook if row.takes_comm_hook else None)
+             for s, row in rows.items()}
+    return [simulate(s, profile, n, network, bucket_cap_mb, cost=costs[s]) for n in world_sizes for s in strategies]
 
 
 def format_predictions(predictions: list[Prediction]) -> str:

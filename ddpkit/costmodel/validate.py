@@ -1,7 +1,7 @@
 """The cost model against measurement on one cluster: calibrate, profile, time, predict; a table.
 
     with ddpkit.Cluster(2) as cluster:
-        records, network, profile = validate(cluster, names)   # names from strategies.table.STRATEGIES
+        records, network, profile = validate(cluster, names)   # names from strategies.table.NAMES
     print(format_validation(records))
 
 ``python -m ddpkit predict --validate`` runs this once per world size; notebook 07 calls it.
@@ -94,7 +94,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     if calibrations:  # per collective and size, the median over rounds
         transport = fit_link(_median_over_rounds(calibrations), n, name=f"fitted on {n} ranks",
                              host=cluster.backend != "nccl")
-        # the emulated card's rule: shared memory moves the bytes when the rank waits (comm.emulator)
+        # at_wait: shared memory moves the bytes when the rank waits (comm.emulator)
         transport = dataclasses.replace(transport, at_wait=cluster.transport == "shm" and cluster.network.emulated)
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly

@@ -23,6 +23,11 @@ MiB = 2**20
 KiB = 2**10
 
 
+def _field(row, name: str):
+    """A field of a run's result: ``run_strategy``'s ``RunResult``, or a ``compare`` record (a dict)."""
+    return row[name] if isinstance(row, dict) else getattr(row, name)
+
+
 def _predicted(setting, *_, predicted=None, **__):
     """A `faster` question's reference from the cost model's ms per step of each option (None
     without them): ``predicted={option: ms}``."""
@@ -159,7 +164,7 @@ def _ref_05_optim(setting, *_, **__):
 def _read_05_optim(setting, results, rank: int = 0):
     """``run_strategy("zero1", optimizer="adamw", record=True)``'s results, one per rank."""
     n = setting["world_size"]
-    mem = results[rank]["memory"]
+    mem = _field(results[rank], "memory")
     psi = sum(formulas.param_sizes(formulas.meta_model())) // 4
     half = 4 * psi / n / MiB
     terms = remainder(mem["optimizer_state"] / MiB, [Term("exp_avg, 4 bytes x Psi / N", half),
@@ -188,15 +193,16 @@ def _ref_06(setting, *_, **__):
 
 
 def _read_06(setting, records, strategy: str = "zero1"):
-    """``compare`` records: ``comm_bytes_per_step`` of ``strategy``, its terms from the ring formulas."""
+    """``compare`` records (or ``run_strategy`` results): ``comm_bytes_per_step`` of ``strategy``, its
+    terms from the ring formulas."""
     n = setting["world_size"]
-    row = next(r for r in records if r["strategy"] == strategy)
+    row = next(r for r in records if _field(r, "strategy") == strategy)
     module = formulas.meta_model(setting["model_kwargs"])
     s = 4 * formulas.padded_elements(formulas.bucket_elements(module, setting["bucket_cap_mb"]), n)
-    count = row["collectives_per_step"]
+    count = _field(row, "collectives_per_step")
     sizes = {"reduce_scatter": (round(count.get("reduce_scatter", 0)), s),
              "all_gather": (round(count.get("all_gather", 0)), s)}
-    sent = row["comm_bytes_per_step"] / MiB
+    sent = _field(row, "comm_bytes_per_step") / MiB
     terms = remainder(sent, ring_terms(sizes, n, MiB), "other collectives")
     ddp = formulas.ddp_bytes(n, setting["model_kwargs"]) / MiB
     readings = [Term("1.5x DDP's: an all-reduce and then an all-gather, as the sharded_optimizer does", 1.5 * ddp),
@@ -270,7 +276,7 @@ def _read_09(setting, result):
     module = formulas.meta_model(setting["model_kwargs"])
     units = formulas.unit_elements(module)
     m = 4 * sum(units)
-    sent = result["inter_node_bytes_per_step"] / MiB
+    sent = _field(result, "inter_node_bytes_per_step") / MiB
     terms = remainder(sent, [Term(f"each unit's shard all-reduced across the {w} nodes: 2(W-1)/W x M/G, "
                                   f"M = {m / MiB:.2f} MiB, G = {k}", 2 * (w - 1) / w * m / k / MiB)],
                       "padding each unit to a multiple of G")
@@ -299,8 +305,8 @@ def _ref_12(setting, *_, **__):
 
 def _read_12(setting, records, strategy: str = "fsdp"):
     """``compare`` records: the model state of the rank holding the most under ``strategy``."""
-    row = next(r for r in records if r["strategy"] == strategy)
-    mem = max(row["memory"], key=lambda m: m["parameters"] + m["gradients"] + m["optimizer_state"])
+    row = next(r for r in records if _field(r, "strategy") == strategy)
+    mem = max(_field(row, "memory"), key=lambda m: m["parameters"] + m["gradients"] + m["optimizer_state"])
     terms = memory_terms(mem, ("parameters", "gradients", "optimizer_state"), MiB)
     total = sum(t.value for t in terms)
     n, module = setting["world_size"], setting["model"]

@@ -43,11 +43,12 @@ class BucketedDDP(DDPModule):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
-                 gradient_as_bucket_view: bool = False, **torch_ddp):
+                 gradient_as_bucket_view: bool = False, comm_hook=None, **torch_ddp):
+        # comm_hook: how each bucket is reduced (a name in comm_hooks.COMM_HOOKS, or a hook function);
         # torch_ddp: torch DDP's other arguments (device_ids, broadcast_buffers, ...; torch_ddp_args.py)
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
                          find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
-                         gradient_as_bucket_view=gradient_as_bucket_view, **torch_ddp)
+                         gradient_as_bucket_view=gradient_as_bucket_view, comm_hook=comm_hook, **torch_ddp)
         # a hook per gradient: records the bucket fill order and queues the reduction at the end
         # of backward (the buckets wait for it: launching them earlier is OverlappedDDP's idea)
         self._sync_at_end_of_backward()

@@ -2,10 +2,11 @@
 
 torch DDP lets you replace the all-reduce of each bucket with your own function (the DDP paper's
 "communication hook"; torch's ``register_comm_hook``, ``docs/papers.md``). Ours has the same
-shape on our buckets::
+shape on our buckets, and a hook of this file can be chosen by its name in ``COMM_HOOKS``::
 
+    model = ddpkit.OverlappedDDP(module, comm_hook="bf16_compress")   # by name, at construction
     model = ddpkit.OverlappedDDP(module)
-    model.register_comm_hook(fp16_compress_hook)
+    model.register_comm_hook(fp16_compress_hook)                       # or torch's way: the function
 
     def hook(bucket, process_group, recorder) -> torch.futures.Future:
         # bucket.flat: the bucket's flat buffer, (sum of numels,), every gradient already x 1/N.
@@ -14,7 +15,17 @@ shape on our buckets::
 
 The wrapper calls the hook where it would launch the bucket's all-reduce (from a gradient hook in
 ``OverlappedDDP``, after backward in ``BucketedDDP``) and waits for its future where it would wait
-for the all-reduce. Every rank must run the same hook (the collectives must match).
+for the all-reduce. Every rank must run the same hook (the collectives must match). By name it
+reaches every strategy whose buckets take one (``Strategy.takes_comm_hook`` in the table:
+bucketed, overlapped, sharded_optimizer): ``compare(..., comm_hook=)``, ``--comm-hook`` on
+``python -m ddpkit compare|trace|predict``, ``run_strategy(..., options={"comm_hook": ...})``
+and the cost model (``CostStep.comm_hook``), which prices its bytes and its passes over the bucket.
+
+Adding a hook touches this file only: write ``my_hook(bucket, process_group, recorder)`` here,
+label its collectives with the bucket (``recorder.labels(bucket=bucket.index)``, as below), and
+give it a row in ``COMM_HOOKS``: its name, and what the cost model needs of it (the bytes per
+element it sends, the passes over the bucket it makes on the rank). Test it beside the built-in
+ones in ``tests/test_ddp.py`` (its bytes, and how close it trains to one process).
 
 Built in: ``allreduce_hook`` (what no hook does), ``fp16_compress_hook`` and
 ``bf16_compress_hook``: the buffer is cast to 16 bits, all-reduced, and cast back: half the bytes
@@ -25,6 +36,9 @@ gradient by its running RMS, moves a parameter by up to ~lr a step where roundin
 gradient). How far each lands from one process: ``docs/papers.md``.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,3 +66,37 @@ fp16_compress_hook = _compress_hook(torch.float16)
 fp16_compress_hook.__doc__ = "All-reduce the bucket in fp16 (half the bytes), then back to its dtype."
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 bf16_compress_hook.__doc__ = "All-reduce the bucket in bf16 (half the bytes), then back to its dtype."
+
+
+@dataclass(frozen=True)
+class CommHook:
+    """A hook by name: the function, and what the cost model (``ddpkit.costmodel``) needs of it."""
+
+    hook: Callable                  # hook(bucket, process_group, recorder) -> Future of the reduced buffer
+    wire_itemsize: int | None = None  # bytes per element it sends (None: the gradient's own)
+    passes: tuple[int, int] = (0, 0)  # passes over the bucket it makes on the rank: before its
+                                      # launch, after its wait (casts, the copy back into the buffer)
+
+    def wire_bytes(self, nbytes: float, itemsize: int) -> float:
+        """Bytes on the wire for a bucket of ``nbytes`` of ``itemsize``-byte gradients."""
+        return nbytes if self.wire_itemsize is None else nbytes * self.wire_itemsize / itemsize
+
+
+# cast down before the launch; after it, cast back up and copy into the bucket's buffer
+_CAST = dict(wire_itemsize=2, passes=(1, 2))
+COMM_HOOKS: dict[str, CommHook] = {
+    "allreduce": CommHook(allreduce_hook),
+    "fp16_compress": CommHook(fp16_compress_hook, **_CAST),
+    "bf16_compress": CommHook(bf16_compress_hook, **_CAST),
+}
+
+
+def comm_hook(name_or_hook) -> Callable:
+    """The hook function for a name in ``COMM_HOOKS``, or a function as it is; a ValueError
+    naming the valid names otherwise."""
+    if callable(name_or_hook):
+        return name_or_hook
+    if name_or_hook not in COMM_HOOKS:
+        raise ValueError(f"unknown comm hook {name_or_hook!r}; valid: {', '.join(COMM_HOOKS)}, or a function "
+                         "hook(bucket, process_group, recorder)")
+    return COMM_HOOKS[name_or_hook].hook

@@ -11,7 +11,8 @@ torch's DDP has (``docs/papers.md``, DDP section), each small:
 - uneven inputs: torch's ``Join`` protocol (``Joinable``), so that
   ``with torch.distributed.algorithms.Join([model]):`` lets a rank run out of batches early:
   it then shadows the others' collectives with zeros instead of leaving them waiting.
-- ``register_comm_hook``: replace how a bucket is reduced (``comm_hooks.py``: fp16, bf16).
+- a communication hook: replace how a bucket is reduced (``comm_hooks.py``: fp16, bf16), given by
+  name at construction (``comm_hook="bf16_compress"``) or registered as torch's (``register_comm_hook``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 from ddpkit.strategies.common import (clip_grad_norm_, forward_timed, no_sync, prepare_module,
                                      unique_named_parameters)
 from ddpkit.strategies.buckets import Bucket, bucket_cap_bytes, layout, make_buckets
+from ddpkit.strategies.comm_hooks import comm_hook as comm_hook_by_name
 from ddpkit.strategies.torch_ddp_args import TorchDDPArgs, group_of
 from ddpkit.torch_internals import queue_at_end_of_backward, tensors_to
 from ddpkit.trace.seam import recorder as rank_recorder
@@ -58,7 +60,7 @@ class DDPModule(nn.Module, Joinable):
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, bucketed: bool = False,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  first_bucket_mb: float | None = None, gradient_as_bucket_view: bool = False,
-                 device_mesh=None, **torch_ddp):
+                 device_mesh=None, comm_hook=None, **torch_ddp):
         strategy = type(self).__name__
         if bucketed:  # a bad cap fails before any communication
             bucket_cap_mb, first_bucket_mb = layout(bucket_cap_mb, first_bucket_mb)
@@ -98,6 +100,8 @@ class DDPModule(nn.Module, Joinable):
             self.gradient_as_bucket_view = gradient_as_bucket_view
             self.buckets = make_buckets(self.named_grads, bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                         bucket=functools.partial(Bucket, grads_as_views=gradient_as_bucket_view))
+        if comm_hook is not None:  # a name in comm_hooks.COMM_HOOKS, or a hook function
+            self.register_comm_hook(comm_hook)
 
     def _sync_at_end_of_backward(self) -> None:
         """For a wrapper that reduces after backward (NaiveDDP, BucketedDDP, ZeRO1): a hook on every
@@ -262,14 +266,17 @@ class DDPModule(nn.Module, Joinable):
     # ------------------------------------------------------------------ communication hooks
     def register_comm_hook(self, hook, *torch_form) -> None:
         """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` instead of
-        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``). Once, before training.
-        torch's two-argument form, ``(state, hook)`` with hook(state, GradBucket), is refused."""
+        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``, or its name in
+        ``COMM_HOOKS``, ``"fp16_compress"``). Once, before training. torch's two-argument form,
+        ``(state, hook)`` with hook(state, GradBucket), is refused."""
         if torch_form:
             raise TypeError(f"{type(self).__name__}.register_comm_hook takes one ddpkit hook, hook(bucket, group, "
                             "recorder) (ddpkit.strategies.comm_hooks: fp16_compress_hook, bf16_compress_hook), not "
                             "torch's (state, hook) pair")
         if not self.buckets:
             raise TypeError(f"{type(self).__name__} has no buckets to hook; use BucketedDDP or OverlappedDDP")
+        if isinstance(hook, str):
+            hook = comm_hook_by_name(hook)
         if not callable(hook):
             raise TypeError(f"a comm hook must be callable, got {type(hook).__name__}")
         if self._comm_hook is not None:

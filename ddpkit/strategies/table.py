@@ -52,9 +52,11 @@ class CostStep:
     forward_prefetch: bool = False    # our FSDP's defaults, as torch's: backward prefetch only
     backward_prefetch: bool = True
     limit_all_gathers: int | None = None
+    comm_hook: str | None = None      # the buckets' all-reduce replaced by this communication hook
+                                      # (a name in comm_hooks.COMM_HOOKS): its bytes and passes
     on_futures: bool = False          # the wrapper chains its work on each collective's future
-                                      # (torch's DDP): the emulated card's rule moves the bytes on
-                                      # the link's thread when the link delivers (comm.emulator)
+                                      # (torch's DDP): under at_wait the bytes move on the
+                                      # link's thread when the link delivers (comm.emulator)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class Strategy:
                                       # across nodes (a ddpkit.Topology says which ranks those are)
     headline: bool = False            # one of the rungs plots show unless told: the best DDP,
                                       # ZeRO-1 and ZeRO-3
+    takes_comm_hook: bool = False     # our wrapper all-reduces its buckets, so a communication hook
+                                      # can replace that (comm_hook=, strategies/comm_hooks.py)
 
     def shard_group_size(self, world_size: int, topology=None) -> int:
         """Over how many of ``world_size`` ranks its state is sharded: all of them, or for hybrid
@@ -213,13 +217,13 @@ _ROWS = [
     Strategy("naive", "all-reduce every gradient after backward", _naive, _local_optimizer, "DDP",
              CostStep("ddp", bucketed=False)),
     Strategy("bucketed", "flat buckets, all-reduced after backward", _bucketed, _local_optimizer, "DDP",
-             CostStep("ddp")),
+             CostStep("ddp"), takes_comm_hook=True),
     Strategy("overlapped", "buckets all-reduced from gradient hooks, during backward", _overlapped,
-             _local_optimizer, "DDP", CostStep("ddp", overlap=True), headline=True),
+             _local_optimizer, "DDP", CostStep("ddp", overlap=True), headline=True, takes_comm_hook=True),
     Strategy("sharded_optimizer", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
              _overlapped, _sharded_optimizer, "ZeRO-1",
              CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True), bytes_vs_ddp=1.5,
-             family="zero"),
+             family="zero", takes_comm_hook=True),
     Strategy("zero1", "ZeRO-1: gradients reduce-scattered after backward, 1/N stepped, parameters all-gathered",
              _zero1, _zero_optimizer, "ZeRO-1",
              CostStep("ddp", grad_reduce="reduce_scatter", gather_params=True, gather_in_place=True,
@@ -251,6 +255,7 @@ _ROWS = [
 STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 HEADLINE: tuple[str, ...] = tuple(row.name for row in _ROWS if row.headline)  # DDP, ZeRO-1, ZeRO-3
+TAKES_COMM_HOOK: tuple[str, ...] = tuple(row.name for row in _ROWS if row.takes_comm_hook)
 DEFAULT = "overlapped"  # what a run trains with unless told (python -m ddpkit.train)
 
 

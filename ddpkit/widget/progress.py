@@ -7,7 +7,7 @@ a ``ddpkit.series.Series``, the one run counter) names each with
 bar shows the whole series (run 9 of 28, 4 of its 10 steps: 30 %, ``progressbar.overall``, as
 the terminal bar computes it), not a bar that restarts with every job.
 
-A job that returns ``run_strategy``'s dicts (a strategy run, compare's too) measured a step
+A job that returns ``run_strategy``'s results (``ddpkit.run_result.RunResult``, one per rank) measured a step
 time: the label ends with it, the slowest rank's, until the next job. On an emulated network
 that this machine's own transport could not keep up with (``emulator.OUTRAN_NOTE`` of the
 collectives or more ended after the link's time), a note below says so, in compare's words
@@ -21,6 +21,7 @@ import ipywidgets as widgets
 
 from ddpkit.comm.emulator import outran_note, outran_share
 from ddpkit.progressbar import overall
+from ddpkit.run_result import RunResult
 
 NOTE_COLOUR = "#e65100"
 
@@ -51,14 +52,13 @@ class RunProgress(widgets.HBox):
         they are ``run_strategy``'s, its step time, and the note where this machine could not
         keep up with ``network`` (the ``ddpkit.Network`` it ran on)."""
         self.step_time, note = "", ""
-        if isinstance(results, list) and results and all(isinstance(r, dict) and "ms_per_step" in r
-                                                         for r in results):
-            strategy = results[0].get("strategy", "this run")
+        if isinstance(results, list) and results and all(isinstance(r, RunResult) for r in results):
+            strategy = results[0].strategy
             # as compare times a run: as slow as the slowest rank (each its median over the steps)
             self.step_time = (f" &middot; {html.escape(str(strategy))}: "
-                              f"{max(r['ms_per_step'] for r in results):.2f} ms/step (the slowest rank's)")
-            share = outran_share([sum(r.get("emulated_collectives", 0) for r in results),
-                                  sum(r.get("outran_link", 0) for r in results)])
+                              f"{max(r.ms_per_step for r in results):.2f} ms/step (the slowest rank's)")
+            share = outran_share([sum(r.emulated_collectives for r in results),
+                                  sum(r.outran_link for r in results)])
             note = outran_note({strategy: share}, getattr(network, "name", None))
         self.note.value = f"<span style='color:{NOTE_COLOUR}'>&#9888; {html.escape(note)}</span>" if note else ""
         self.note.layout.display = None if note else "none"

@@ -62,11 +62,11 @@ class Work(FutureWork):
     bytes were all in the slab (the last rank's deposit, ``time.perf_counter`` seconds): where
     it could have ended, whichever thread then finished it (the emulator asks)."""
 
-    def __init__(self, runner: Runner | None, future, last: Piece | None = None, deferred: bool = False):
+    def __init__(self, runner: Runner | None, future, last: Piece | None = None, at_wait: bool = False):
         super().__init__(future)
         self._runner = runner
         self._last = last
-        self.deferred = deferred  # carried by an emulated NIC: moved only by whoever waits for it
+        self.at_wait = at_wait  # moved only by whoever waits for it (the emulator asks: ddpkit.comm.emulator)
 
     @property
     def ready_s(self) -> float | None:
@@ -109,24 +109,24 @@ class Runner:
         self._failed: ShmError | None = None
 
     # ------------------------------------------------------------------ issuing and waiting
-    def submit(self, pieces: list, result, waited: bool, deferred: bool = False) -> Work:
+    def submit(self, pieces: list, result, waited: bool, at_wait: bool = False) -> Work:
         """Queue a collective's pieces (the last one completes the returned Work's future with
         ``result``); deposit and complete what can be, here, without waiting. ``waited``: the
         caller waits for it next (a synchronous call), so what is left is moved on then, there.
-        ``deferred``: an emulated NIC carries it (``ddpkit.comm.emulator``): nothing moves here,
+        ``at_wait``: an emulated link carries it (``ddpkit.comm.emulator``): nothing moves here,
         nor on the group's thread; whoever waits for it (or for a later one) moves it."""
         future = torch.futures.Future()
         if self._failed is not None:
             future.set_exception(ShmError(f"{pieces[0].what}: this group failed earlier: {self._failed}"))
             return Work(None, future)
         last = pieces[-1]
-        last.future, last.result, last.waited = future, result, waited or deferred
+        last.future, last.result, last.waited = future, result, waited or at_wait
         with self._lock:
             self._pieces.extend(pieces)
             self._issued += len(pieces)
             self._unwaited += not last.waited
-        if deferred:
-            return Work(self, future, last, deferred=True)
+        if at_wait:
+            return Work(self, future, last, at_wait=True)
         if self._running.acquire(blocking=False):
             try:
                 self._move(until=None, block=False)
@@ -168,8 +168,8 @@ class Runner:
             self._bell.get()
             self._running.acquire()  # a waiter holding it moves the queue up to its own collective, then lets go
             try:
-                # up to the last collective nobody will wait for, not beyond: what an emulated NIC
-                # carries behind it waits for its own waiter
+                # up to the last collective nobody will wait for, not beyond: an at_wait one
+                # behind it waits for its own waiter
                 self._move(until=None, block=True, unwaited_only=True)
             finally:
                 self._release()  # queued while we let go (its submitter found us running): again

@@ -112,9 +112,6 @@ class ShmBackend(dist.ProcessGroupGloo):
         self._runner = Runner(self._seg, f"ddpkit-shm-rank{rank}of{size}", timeout.total_seconds(),
                               device=self._device if on_gpu else None)
         self._seq = 0              # collectives carried so far (the same on every rank)
-        # set by ddpkit's process group around a launch that an emulated link carries: the bytes
-        # then move when somebody waits for them, not from the issue (see ddpkit.comm.emulator)
-        self.defer = False
 
     # ------------------------------------------------------------------ issuing
     def _carries(self, tensors) -> bool:
@@ -129,9 +126,11 @@ class ShmBackend(dist.ProcessGroupGloo):
             return None
         return op
 
-    def _issue(self, opts, name: str, code: int, nbytes: int, dtype, cuts, result, finish=None):
+    def _issue(self, opts, name: str, code: int, nbytes: int, dtype, cuts, result, finish=None, at_wait=False):
         """Queue one collective: ``cuts`` its pieces as (deposit, complete) pairs of functions of
-        the slot's (N, R / itemsize) view; ``finish`` runs after the last piece completes."""
+        the slot's (N, R / itemsize) view; ``finish`` runs after the last piece completes.
+        ``at_wait``: an emulated link carries it (ddpkit's process group says so at the launch):
+        its bytes move when somebody waits for it, not from the issue (``ddpkit.comm.emulator``)."""
         if not cuts:  # nothing to move (empty tensors): done, on every rank alike
             if finish is not None:
                 finish()
@@ -142,7 +141,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         inputs = self._seg.data.inputs_ready()  # on a GPU slab: after what produced the inputs (device_slab)
         pieces = [Piece(deposit, complete, dtype, fingerprint, what, inputs=inputs) for deposit, complete in cuts]
         pieces[-1].finish = finish
-        return self._runner.submit(pieces, result, waited=not is_async(opts), deferred=self.defer)
+        return self._runner.submit(pieces, result, waited=not is_async(opts), at_wait=at_wait)
 
     def _alone(self, result, *copies):
         """A group of one rank has nothing to exchange: the result is the input (copied where the
@@ -156,7 +155,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         return self._seg.region // torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ the collectives
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = self._carried_op(opts.reduceOp, tensors)
         if len(tensors) != 1 or op is None:
@@ -165,9 +164,9 @@ class ShmBackend(dist.ProcessGroupGloo):
             return self._alone(tensors)
         x, copy_back = _writable(tensors[0])
         return self._issue(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), x.dtype,
-                           self._all_reduce(x, op), tensors, copy_back)
+                           self._all_reduce(x, op), tensors, copy_back, at_wait=at_wait)
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(self, tensors, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         op = self._carried_op(opts.reduceOp, tensors)
         if op is None:
@@ -180,9 +179,9 @@ class ShmBackend(dist.ProcessGroupGloo):
             for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 t.copy_(part.view(t.shape))
         return self._issue(opts, "all_reduce", ALL_REDUCE + 16 * op[2], _nbytes(tensors), flat.dtype,
-                           self._all_reduce(flat, op), tensors, copy_back)
+                           self._all_reduce(flat, op), tensors, copy_back, at_wait=at_wait)
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else dist.BroadcastOptions()
         if len(tensors) != 1 or opts.rootTensor != 0 or not self._carries(tensors):
             return super().broadcast(tensors, opts)
@@ -191,9 +190,10 @@ class ShmBackend(dist.ProcessGroupGloo):
         x, copy_back = _writable(tensors[0])
         root = opts.rootRank
         return self._issue(opts, "broadcast", BROADCAST + 16 * root, _nbytes(tensors), x.dtype,
-                           self._broadcast(x, root), tensors, copy_back if self._rank != root else None)
+                           self._broadcast(x, root), tensors, copy_back if self._rank != root else None,
+                           at_wait=at_wait)
 
-    def allgather(self, output_lists, inputs, opts=None):
+    def allgather(self, output_lists, inputs, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else AllgatherOptions()
         if (len(inputs) != 1 or len(output_lists) != 1 or len(output_lists[0]) != self._size
                 or not self._carries(inputs + output_lists[0])
@@ -203,18 +203,19 @@ class ShmBackend(dist.ProcessGroupGloo):
             return self._alone(output_lists, (output_lists[0][0], inputs[0]))
         cuts, finish = self._all_gather(inputs[0], output_lists[0])
         return self._issue(opts, "all_gather", ALL_GATHER, _nbytes(output_lists[0]), inputs[0].dtype, cuts,
-                           output_lists, finish)
+                           output_lists, finish, at_wait=at_wait)
 
-    def _allgather_base(self, output, input, opts=None):
+    def _allgather_base(self, output, input, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else AllgatherOptions()
         if not self._carries([output, input]) or output.numel() != self._size * input.numel():
             return super()._allgather_base(output, input, opts)
         if self._size == 1:
             return self._alone([output], (output, input))
         cuts, finish = self._all_gather(input, [output])
-        return self._issue(opts, "all_gather", ALL_GATHER, _nbytes([output]), input.dtype, cuts, [output], finish)
+        return self._issue(opts, "all_gather", ALL_GATHER, _nbytes([output]), input.dtype, cuts, [output], finish,
+                           at_wait=at_wait)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None, *, at_wait: bool = False):
         if not all(self._carries([o, i]) and o.numel() == self._size * i.numel()
                    for o, i in zip(outputs, inputs, strict=True)) or len({i.dtype for i in inputs}) > 1:
             return self._on_gloo(dist.ProcessGroupGloo._allgather_base, outputs, inputs, opts)
@@ -226,9 +227,9 @@ class ShmBackend(dist.ProcessGroupGloo):
             cuts += c
             finishes.append(f)
         return self._issue(opts, "all_gather", ALL_GATHER, _nbytes(outputs), inputs[0].dtype, cuts, outputs,
-                           lambda: [f() for f in finishes if f is not None])
+                           lambda: [f() for f in finishes if f is not None], at_wait=at_wait)
 
-    def reduce_scatter(self, outputs, input_lists, opts=None):
+    def reduce_scatter(self, outputs, input_lists, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = self._carried_op(opts.reduceOp, outputs + [t for ins in input_lists for t in ins])
         if (op is None or len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != self._size
@@ -238,9 +239,9 @@ class ShmBackend(dist.ProcessGroupGloo):
             return self._alone(outputs, (outputs[0], input_lists[0][0]))
         cuts, finish = self._reduce_scatter(input_lists[0], outputs[0], op)
         return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(input_lists[0]),
-                           outputs[0].dtype, cuts, outputs, finish)
+                           outputs[0].dtype, cuts, outputs, finish, at_wait=at_wait)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def _reduce_scatter_base(self, output, input, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = self._carried_op(opts.reduceOp, [output, input])
         if op is None or input.numel() != self._size * output.numel():
@@ -249,9 +250,9 @@ class ShmBackend(dist.ProcessGroupGloo):
             return self._alone([output], (output, input))
         cuts, finish = self._reduce_scatter([input], output, op)
         return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes([input]), output.dtype,
-                           cuts, [output], finish)
+                           cuts, [output], finish, at_wait=at_wait)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None, *, at_wait: bool = False):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = self._carried_op(opts.reduceOp, outputs + inputs)
         if op is None or not all(i.numel() == self._size * o.numel() for o, i in zip(outputs, inputs, strict=True)):
@@ -264,7 +265,7 @@ class ShmBackend(dist.ProcessGroupGloo):
             cuts += c
             finishes.append(f)
         return self._issue(opts, "reduce_scatter", REDUCE_SCATTER + 16 * op[2], _nbytes(inputs), outputs[0].dtype,
-                           cuts, outputs, lambda: [f() for f in finishes if f is not None])
+                           cuts, outputs, lambda: [f() for f in finishes if f is not None], at_wait=at_wait)
 
     def _on_gloo(self, method, outputs, inputs, opts):
         """A coalesced collective that gloo's binding lacks, pair by pair on gloo (finished)."""
@@ -272,11 +273,11 @@ class ShmBackend(dist.ProcessGroupGloo):
             method(self, o, i, opts).wait()
         return finished(outputs)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts=None, *, at_wait: bool = False):
         if self._size == 1:
             return self._alone([])
         nothing = [(_nothing, _nothing)]  # one empty piece: it completes once every rank deposited it
-        return self._issue(opts, "barrier", BARRIER, 0, torch.uint8, nothing, [])
+        return self._issue(opts, "barrier", BARRIER, 0, torch.uint8, nothing, [], at_wait=at_wait)
 
     # ------------------------------------------------------------------ cutting them into pieces
     # Each returns the (deposit, complete) pair of every piece; ``v`` is the slot, (N, R / itemsize):

@@ -53,11 +53,11 @@ class StagedWork(FutureWork):
     def __init__(self, inner, finish, value):
         self._inner, self._finish, self._value = inner, finish, value
         self._lock = threading.Lock()
-        self.deferred = getattr(inner, "deferred", False)  # the emulator asks (the NIC's rule)
+        self.at_wait = getattr(inner, "at_wait", False)  # the emulator asks (ddpkit.comm.emulator)
         try:
-            future, self._at_wait = inner.get_future().then(self._done), False
-        except RuntimeError:  # "Work::getFuture not implemented"
-            future, self._at_wait = torch.futures.Future(), True
+            future, self._no_future = inner.get_future().then(self._done), False
+        except RuntimeError:  # "Work::getFuture not implemented": the first wait() copies back
+            future, self._no_future = torch.futures.Future(), True
         super().__init__(future)
 
     def _done(self, inner_future):
@@ -71,7 +71,7 @@ class StagedWork(FutureWork):
 
     def wait(self, timeout=None):
         self._inner.wait()
-        if self._at_wait:
+        if self._no_future:
             with self._lock:
                 if not self._future.done():
                     self._finish()
@@ -79,7 +79,7 @@ class StagedWork(FutureWork):
         return super().wait(timeout)
 
     def is_completed(self):
-        return self._inner.is_completed() and (self._at_wait or self._future.done())
+        return self._inner.is_completed() and (self._no_future or self._future.done())
 
 
 class HostStaged:
@@ -90,15 +90,6 @@ class HostStaged:
         self.inner = inner
         self.devices = tuple(devices)
         self.methods = frozenset(methods)
-
-    # the emulated NIC's switch (ddpkit.comm.process_group sets it around a launch): the inner transport's
-    @property
-    def defer(self) -> bool:
-        return self.inner.defer
-
-    @defer.setter
-    def defer(self, on: bool) -> None:
-        self.inner.defer = on
 
     def __getattr__(self, name):  # barrier, gather, ...: the inner transport's own, unstaged
         return getattr(self.inner, name)
@@ -113,12 +104,14 @@ class HostStaged:
             host.copy_(t)  # on the current stream, waited for: the bytes the producer left there
         return host
 
-    def _staged(self, name: str, first, *rest):
+    def _staged(self, name: str, first, *rest, **at_wait):
+        """``at_wait``: handed to the inner transport (ddpkit's process group passes it, see
+        ``ddpkit.comm.emulator``)."""
         if name not in self.methods or not any(t.device.type in self.devices for t in tensors([first, *rest])):
-            return getattr(self.inner, name)(first, *rest)
+            return getattr(self.inner, name)(first, *rest, **at_wait)
         host_first = map_leaves(lambda t: self._host(t, read=name in IN_PLACE or name == "send"), first)
         host_rest = [map_leaves(lambda t: self._host(t, read=True), a) for a in rest]
-        work = getattr(self.inner, name)(host_first, *host_rest)
+        work = getattr(self.inner, name)(host_first, *host_rest, **at_wait)
         back = [] if name == "send" else [(t, h) for t, h in zip(tensors(first), tensors(host_first), strict=True)
                                            if t is not h]
 
@@ -130,8 +123,8 @@ class HostStaged:
 
 
 def _method(name: str):
-    def method(self, first, *rest):
-        return self._staged(name, first, *rest)
+    def method(self, first, *rest, **at_wait):
+        return self._staged(name, first, *rest, **at_wait)
     method.__name__ = method.__qualname__ = name
     return method
 
