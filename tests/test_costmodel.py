@@ -409,7 +409,7 @@ def test_one_link_clock_in_issue_order_done_when_link_and_transfer_are():
 def test_each_link_keeps_its_own_clock_as_in_the_emulator():
     """Two tiers: a collective inside a node does not wait behind one across nodes (the emulator
     runs one thread per link); two on one link run one after the other."""
-    net = cm.Network.of("10GbE", gpus_per_node=2)
+    net = Network.of("10GbE", gpus_per_node=2)
     stream, s = Stream(4, net), 2**20
     across = stream.issue("all_reduce", s, 0.0, [0, 2])
     inside = stream.issue("all_reduce", s, 0.0, [0, 1])

@@ -209,8 +209,8 @@ def test_a_hand_written_loop_under_recording_gives_numbered_steps_and_live_frame
     widget = ClusterWidget(cluster, log_lines=10, cell_output=None)
     frames, running = {"fill": [], "timeline": [], "summary": []}, {"on": False}
     for name in frames:
-        getattr(widget.live, name).observe(lambda ch, name=name: frames[name].append((running["on"], ch["new"])),
-                                           names="value")
+        pane = widget.live.summary if name == "summary" else widget.live.panes[name]
+        pane.observe(lambda ch, name=name: frames[name].append((running["on"], ch["new"])), names="value")
     try:
         with cluster.recording():
             running["on"] = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 
+from ddpkit.network import Link, collective_time
 from ddpkit.predictions import formulas
 from ddpkit.predictions.question import Question, faster_by
 from ddpkit.predictions.reading import Measured, Term, bytes_sent, memory_terms, parts_terms, remainder, ring_terms
@@ -55,8 +56,14 @@ def _faster(first: str, second: str, times: dict, terms: list[Term], world_size:
 ONE, MANY = "one of 4 MiB", "64 of 64 KiB"
 
 
-def _ref_01(setting, *_, link: str = "loopback", **__):
+def _ref_01(setting, sizes=None, measured=None, alpha=None, beta=None, *_, link: str = "loopback", **__):
+    """The alpha-beta line notebook 01 fitted to this machine's all-reduces (``alpha``, ``beta``), or,
+    before a fit, the ``link`` preset's."""
     n = setting["world_size"]
+    if alpha is not None and beta is not None:
+        fitted = Link("fitted", alpha, beta)
+        one, each = (1e3 * collective_time("all_reduce", size, n, fitted) for size in (4 * MiB, 64 * KiB))
+        return faster_by(one, 64 * each)
     return faster_by(formulas.all_reduce_ms(4 * MiB, n, link), 64 * formulas.all_reduce_ms(64 * KiB, n, link))
 
 
@@ -331,7 +338,7 @@ QUESTIONS: dict[str, Question] = {q.key: q for q in [
        "One all-reduce of 4 MiB, or 64 all-reduces of 64 KiB (the same 4 MiB), on these {world_size} ranks: "
        "which takes less time, and by how much?", "%", "time", _read_01, _ref_01, "faster", (ONE, MANY),
        hint="Each message pays the latency alpha; every byte pays beta.",
-       reference_from="the loopback preset's alpha-beta line", world_size=2),
+       reference_from="the alpha-beta line fitted to this machine above", world_size=2),
     _q("02.naive_bytes",
        "How many bytes does each rank send per step with NaiveDDP on {world_size} ranks? (the MLP: 8.04 MiB of "
        "fp32 gradients in 66 tensors)", "MiB", "bytes", _read_trace_bytes, _ref_ddp_bytes,
