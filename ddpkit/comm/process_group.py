@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.emulator import EmulatedWork
 from ddpkit.comm.rank_comm import Comm
-from ddpkit.network import Network, ring_bytes
+from ddpkit.network import Network, collective_time, ring_bytes
 from ddpkit import rankside
 from ddpkit.trace import seam
 from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, register_real_backend,
@@ -97,8 +97,9 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         when the rank waits (``ddpkit.comm.emulator``)."""
         comm = self.comm
         n = self.size()
-        link = self._link_on(comm.network)
-        link_s = comm.network.emulated_time(op, full_bytes, self.global_ranks)
+        link, emulated = self._link_on(comm.network)
+        # Network.emulated_time's own rule, with this group's link looked up once
+        link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
         delayed = comm.emulator.delays(link_s)
         rec, labels = seam.recorder(), seam.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
@@ -120,10 +121,11 @@ class DdpkitProcessGroup(dist.ProcessGroup):
             self._record(op, work, full_bytes, link, recorders, marks, labels)
         return hold_for_torch(work)  # torch 2.6 let C++ keep only its half of a Python Work
 
-    def _link_on(self, network) -> str:
-        """This group's link on ``network`` ("intra-node" or "inter-node"), worked out once per network."""
+    def _link_on(self, network) -> tuple[str, object]:
+        """This group's link on ``network``: ("intra-node" or "inter-node", the emulated ``Link`` or
+        None), worked out once per network (``Network.link_for``), not once per collective."""
         if self._links[0] is not network:
-            self._links = (network, network.link_for(self.global_ranks)[0])
+            self._links = (network, network.link_for(self.global_ranks))
         return self._links[1]
 
     def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:

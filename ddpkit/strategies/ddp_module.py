@@ -115,14 +115,16 @@ class DDPModule(nn.Module, Joinable):
         self._hook_every_gradient(self._after_backward_hook)
 
     def _after_backward_hook(self, i: int, j: int | None = None) -> None:
-        bucket = self.buckets[i] if self.buckets else None
-        name = bucket.names[j] if bucket is not None else self.named_grads[i][0]
         if self.recorder.enabled:
-            self.recorder.grad_ready(name, bucket=i)  # naive: its "bucket" is the parameter
+            self.recorder.grad_ready(self._grad_name(i, j), bucket=i)  # naive: its "bucket" is the parameter
         if self._synced:
-            self._refuse_late_gradient(name)
+            self._refuse_late_gradient(self._grad_name(i, j))
         if self._sync_pending and not self._end_queued:
             self._end_queued = queue_at_end_of_backward(self.finish_gradient_synchronization)
+
+    def _grad_name(self, i: int, j: int | None) -> str:
+        """The name of gradient j of bucket i (gradient i of ``named_grads`` without buckets)."""
+        return self.buckets[i].names[j] if self.buckets else self.named_grads[i][0]
 
     def _refuse_late_gradient(self, name: str) -> None:
         """A gradient arriving after this step's sync (``_synced``) would stay local on this rank: a
@@ -158,8 +160,10 @@ class DDPModule(nn.Module, Joinable):
             if self._join_config.enable:
                 self._tell_finished_ranks()
             self._start_step(sync=self._require_sync)
+        # rank 0's buffers (BatchNorm's running statistics), as torch's DDP; under Join only in a
+        # training forward, the one the ranks that ran out of batches shadow (_ShadowSteps)
         if self._sync_buffers_next and self._forward_buffers and (training or not self._join_config.enable):
-            self._broadcast_buffers()  # rank 0's running statistics (BatchNorm), as torch's DDP
+            self._broadcast_buffers()
         self._sync_buffers_next = training and self._require_sync
         if self.torch_args.device is not None:  # device_ids: the inputs go to the module's GPU
             args, kwargs = tensors_to((args, kwargs), self.torch_args.device)
