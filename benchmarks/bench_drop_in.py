@@ -11,9 +11,10 @@ then times them in rounds that alternate them (a small machine's speed drifts fr
     few    an MLP of 4 Linear layers 1024 wide: 8 tensors, 4 of them 4 MiB (4.2 M parameters)
 
 Printed per model: ms per step (the median over rounds of the slowest rank's median step) and the
-ratio to torch's DDP, and for ddpkit's wrappers the Python they add per step, measured inside the
-steps: the gradient hooks (per hook and per step) and the all-reduce launches (per launch). The
-goal (issue 45): overlapped <= 1.05x torch's DDP, bucketed <= 1.10x.
+ratio to torch's DDP, and for ddpkit's wrappers their gradient hooks, timed inside the steps: how
+many a step, µs per hook, and of it the hook's own Python (less the gradient's copy into its bucket
+and the all-reduce launches it makes, which torch's C++ reducer makes too). The goal (issue 45):
+overlapped <= 1.05x torch's DDP, bucketed <= 1.10x.
 """
 from __future__ import annotations
 
@@ -39,29 +40,43 @@ def build(name: str, module):
 
 
 class PythonCost:
-    """Time spent in ddpkit's gradient hooks and in the all-reduce launches, counted per call
-    (the hooks: the wrapper method every hook calls; the launches: ``Bucket.all_reduce``)."""
+    """Time spent in ddpkit's gradient hooks (the wrapper method every hook calls), and inside them
+    in copying gradients into buckets (``Bucket.copy_in``) and launching all-reduces
+    (``Bucket.all_reduce``): what is left of a hook is its own Python, the wrapper's bookkeeping."""
 
     def __init__(self):
         from ddpkit.strategies import buckets, ddp_module
 
-        self.ns = {"hook": 0, "launch": 0}
-        self.calls = {"hook": 0, "launch": 0}
+        self.ns = {"hook": 0, "copy": 0, "launch": 0}
+        self.calls = {"hook": 0, "copy": 0, "launch": 0}
+        self.in_hook = False
         self._patch(ddp_module, "_call_owner", "hook")
+        self._patch(buckets.Bucket, "copy_in", "copy")
         self._patch(buckets.Bucket, "all_reduce", "launch")
 
     def _patch(self, owner, name: str, what: str) -> None:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            outer = what == "hook"
+            if not (outer or self.in_hook):  # a copy or launch after backward: not a hook's
+                return original(*args, **kwargs)
+            self.in_hook = True
             t0 = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.ns[what] += time.perf_counter_ns() - t0
                 self.calls[what] += 1
+                self.in_hook = not outer
 
         setattr(owner, name, timed)
+
+    def per_step(self, steps: int) -> dict:
+        """Hooks a step, and µs per hook: all of it, and its own Python (less copies and launches)."""
+        hooks = max(self.calls["hook"], 1)
+        own = self.ns["hook"] - self.ns["copy"] - self.ns["launch"]
+        return {"hooks": self.calls["hook"] / steps, "hook": self.ns["hook"] / hooks / 1e3, "python": own / hooks / 1e3}
 
     def reset(self) -> None:
         for d in (self.ns, self.calls):
@@ -98,7 +113,7 @@ def time_model(spec: dict, args, cost) -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(BATCH, spec["width"], generator=g), torch.randn(BATCH, spec["width"], generator=g)
     times = {name: [] for name in WRAPPERS}
-    python = {name: {"hook": [], "launch": [], "hooks": 0, "launches": 0} for name in WRAPPERS}
+    python = {name: [] for name in WRAPPERS}  # each round's PythonCost.per_step
     for _ in range(args.rounds):
         for name in WRAPPERS:  # alternated, round after round
             model, opt = runs[name]
@@ -114,10 +129,7 @@ def time_model(spec: dict, args, cost) -> tuple[dict, dict]:
                 per_step.append((time.perf_counter_ns() - t0) / 1e6)
             times[name].append(statistics.median(per_step))
             if cost and name != "torch_ddp":
-                for what in ("hook", "launch"):
-                    python[name][what].append(cost.ns[what] / max(cost.calls[what], 1) / 1e3)  # us per call
-                python[name]["hooks"] = cost.calls["hook"] / args.steps
-                python[name]["launches"] = cost.calls["launch"] / args.steps
+                python[name].append(cost.per_step(args.steps))
     return times, python
 
 
@@ -149,15 +161,14 @@ def report(results: dict, args) -> None:
               "slowest rank)")
         ref = statistics.median(slowest["torch_ddp"])
         print(f"{'wrapper':>11} {'ms/step':>8} {'vs torch':>9} {'rounds (ratio)':>24}   hooks/step  us/hook  "
-              "launches/step  us/launch")
+              "of it Python")
         for name in WRAPPERS:
             med = statistics.median(slowest[name])
             per_round = " ".join(f"{a / b:.2f}" for a, b in zip(slowest[name], slowest["torch_ddp"], strict=True))
             line = f"{name:>11} {med:8.2f} {med / ref:8.2f}x {per_round:>24}"
-            p = python[name]
-            if p["hook"]:
-                line += (f"   {p['hooks']:10.0f} {statistics.median(p['hook']):8.1f}  {p['launches']:13.0f} "
-                         f"{statistics.median(p['launch']):10.1f}")
+            if python[name]:  # medians over the rounds
+                hooks, whole, own = (statistics.median(r[k] for r in python[name]) for k in ("hooks", "hook", "python"))
+                line += f"   {hooks:10.0f} {whole:8.1f} {own:13.1f}"
             print(line)
 
 
