@@ -5,6 +5,7 @@ ValueError becomes that error."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
@@ -193,3 +194,15 @@ def add_network_args(p) -> None:
                         "e.g. 20,10 (default loopback: no emulated delay)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="two tiers: this many ranks share a node (nvlink inside a node, --network between)")
+
+
+def describe_workload(workload) -> str:
+    """"mlp {'width': 64}": a workload's name, and a built-in's size when given."""
+    return f"{workload.name} {workload.config}" if workload.config else workload.name
+
+
+def write_json(path: str, records: list[dict]) -> None:
+    """``records`` into ``path`` (``--json``), and a line saying so."""
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    print(f"wrote {path}")

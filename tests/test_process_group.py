@@ -431,7 +431,7 @@ def test_network_times_follow_the_ring_formulas_and_the_tiers():
 def test_a_link_matched_to_backward_carries_a_steps_buckets_in_backwards_time():
     """04 and 08's network: the bandwidth solved so that k all-reduces of S bytes in all take the
     measured backward, latency included; its arithmetic prints the numbers it was solved from."""
-    from ddpkit.network import match_backward
+    from ddpkit.matched_link import match_backward
 
     S, backward = 8 * 2**20, 0.025
     for n, k in ((2, 8), (4, 3)):

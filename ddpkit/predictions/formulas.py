@@ -9,7 +9,7 @@ it is built on the meta device (shapes only).
 """
 from __future__ import annotations
 
-from ddpkit.network import LINKS, collective_time, ring_bytes
+from ddpkit.network import LINKS, Link, collective_time, ring_bytes
 from ddpkit.strategies.buckets import assign_buckets, layout
 from ddpkit.strategies.flat_layout import FlatLayout
 
@@ -112,6 +112,7 @@ def fsdp_model_state(world_size: int, module, bytes_per_element: int = 12) -> in
 
 
 # --------------------------------------------------------------------------- times (alpha-beta)
-def all_reduce_ms(nbytes: float, world_size: int, link: str = "loopback") -> float:
-    """One ring all-reduce on a preset link: 2(N-1) alpha + 2(N-1)/N S beta, in ms."""
-    return 1e3 * collective_time("all_reduce", nbytes, world_size, LINKS[link])
+def all_reduce_ms(nbytes: float, world_size: int, link: str | Link = "loopback") -> float:
+    """One ring all-reduce on a link (a preset's name, or a ``Link``, e.g. one fitted to this
+    machine): 2(N-1) alpha + 2(N-1)/N S beta, in ms."""
+    return 1e3 * collective_time("all_reduce", nbytes, world_size, LINKS[link] if isinstance(link, str) else link)
