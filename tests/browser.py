@@ -134,6 +134,25 @@ def chromium():
             browser.close()
 
 
+@contextlib.contextmanager
+def scratch_lab(tmp_path_factory, name: str, cells: list[str], link_repo: bool = False):
+    """``(server, browser, root)``: JupyterLab in headless Chromium serving a temporary folder whose
+    ``scratch/<name>`` notebook holds ``cells`` (nothing is written into the checkout; ``link_repo``
+    adds the checkout as ``repo/``, read through a link); skipped where Chromium or JupyterLab is missing."""
+    reason = missing()
+    if reason:
+        import pytest
+
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("lab")
+    if link_repo:
+        (root / "repo").symlink_to(REPO)
+    (root / "scratch").mkdir()
+    (root / "scratch" / name).write_text(json.dumps(notebook(cells)))
+    with JupyterLab(root, tmp_path_factory.mktemp("state")) as server, chromium() as browser:
+        yield server, browser, root
+
+
 def open_notebook(browser, lab: JupyterLab, path: str, width: int = 1300, height: int = 1000):
     """A page with ``path`` (relative to the server's root) open and its kernel idle."""
     page = browser.new_page(viewport={"width": width, "height": height})

@@ -16,7 +16,6 @@ README's pictures are made by ``python docs/refresh_images.py``, never by a test
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -25,8 +24,8 @@ import uuid
 import pytest
 
 from browser import (
-    NOTEBOOK_STATE, REPO, STATUSES, JupyterLab, add_and_run_cell, chromium, kernel_busy, missing, notebook,
-    open_notebook, svg_text, wait_notebook_idle, wait_until,
+    NOTEBOOK_STATE, REPO, STATUSES, JupyterLab, add_and_run_cell, kernel_busy, open_notebook, scratch_lab, svg_text,
+    wait_notebook_idle, wait_until,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -97,14 +96,7 @@ def train(steps, sleep=0.0):
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    reason = missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("lab")
-    (root / "repo").symlink_to(REPO)  # the checkout, read through a link: nothing is written there
-    (root / "scratch").mkdir()
-    (root / "scratch" / "live.ipynb").write_text(json.dumps(notebook(SCRATCH)))
-    with JupyterLab(root, tmp_path_factory.mktemp("state")) as server, chromium() as browser:
+    with scratch_lab(tmp_path_factory, "live.ipynb", SCRATCH, link_repo=True) as (server, browser, _):
         yield server, browser
 
 

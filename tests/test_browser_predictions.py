@@ -16,8 +16,7 @@ import os
 
 import pytest
 
-from browser import JupyterLab, add_and_run_cell, chromium, missing, notebook, open_notebook, wait_notebook_idle, \
-    wait_until
+from browser import add_and_run_cell, open_notebook, scratch_lab, wait_notebook_idle, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -39,17 +38,11 @@ fit = costmodel.fit_link(timed, 2)'''
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    reason = missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("lab")
-    (root / "scratch").mkdir()
-    (root / "scratch" / "predict.ipynb").write_text(json.dumps(notebook([SETUP])))
     # the learner types the answers: none taken from the environment, kept in the notebook's folder
     saved = {k: os.environ.pop(k, None) for k in ("DDPKIT_ANSWERS", "DDPKIT_LEDGER")}
     try:
-        with JupyterLab(root, tmp_path_factory.mktemp("state")) as server, chromium() as browser:
-            yield server, browser, root
+        with scratch_lab(tmp_path_factory, "predict.ipynb", [SETUP]) as lab:
+            yield lab
     finally:
         os.environ.update({k: v for k, v in saved.items() if v is not None})
 
