@@ -72,7 +72,7 @@ QUESTIONS: dict[str, Question] = {q.key: q for q in [
        "{world_size} ranks on the emulated \"{network}\": OverlappedDDP or FSDP, which step is faster, "
        "and by how much?", "%", "time", times.read_07, times.ref_07, "faster", (times.OVERLAPPED, times.FSDP),
        hint="FSDP sends 1.5x DDP's bytes, in three collectives per unit.", reference_from="the cost model",
-       world_size=4, network="10GbE"),
+       world_size=4, network="1GbE"),
     _q("08.every8_vs_every1",
        "On the \"{network}\" network: synchronising every 8th iteration (no_sync for the 7 before it) or every "
        "iteration, which is faster per iteration, and by how much?", "%", "time", times.read_08, times.ref_08, "faster",
