@@ -20,31 +20,56 @@ What an experiment trains, on any of them: ``ddpkit.Workload(model=, batch=, los
 Before a measurement, the course asks for a prediction: ``q = ddpkit.ask("02.naive_bytes")``, then
 ``q.reveal(trace)`` after the measuring cell (``ddpkit.predictions``).
 
-Plots (``ddpkit.viz``) and the widget (``ddpkit.widget``) are imported on first use, so a
-rank never pays for matplotlib or ipywidgets.
+Every name here, and every submodule (``ddpkit.viz``, ``ddpkit.widget``, ...), is imported on
+first use, so a rank never pays for the cluster, the course, matplotlib or ipywidgets.
 """
+import importlib
+import importlib.util
 import sys
 
-from ddpkit.cluster import Cluster, RankError
-from ddpkit.cluster.errors import DesyncError, GpuOutOfMemoryError
-from ddpkit.network import Network
-from ddpkit.predictions import ask
-from ddpkit.topology import Topology
-from ddpkit.torch_internals import check_torch
-from ddpkit.workload import Workload
-from ddpkit.cluster.worker import progress
-from ddpkit.rankside import device, rank, world_size
-from ddpkit.strategies import (FSDP, HSDP, BucketedDDP, NaiveDDP, OverlappedDDP, ShardedOptimizer, ZeRO1,
-                               ZeRO2)
-from ddpkit.torchrun import init_process_group, record
+
+def lazy_names(namespace: dict, homes: dict, submodules: bool = False):
+    """PEP 562 for a package (``namespace``: its globals) that hands on each name of ``homes`` from
+    its home module (absolute, or relative to the package: ".naive"), imported on first use; with
+    ``submodules`` an unknown name may be a submodule, imported too. Its (``__getattr__``, ``__dir__``)."""
+    package = namespace["__name__"]
+
+    def __getattr__(name: str):
+        if name in homes:
+            namespace[name] = getattr(importlib.import_module(homes[name], package), name)  # looked up once
+            return namespace[name]
+        if submodules and not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            return importlib.import_module(f"{package}.{name}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__, lambda: sorted(set(namespace) | set(homes))
+
+
+from ddpkit import strategies  # noqa: E402 - a face of names only: no strategy is imported before it is asked for
+from ddpkit.torch_internals import check_torch  # noqa: E402
 
 __version__ = "0.1.0"
+
+# Where each public name lives: its one home, imported on first use of the name, so ``import ddpkit``
+# or one strategy loads no cluster, course, plots or widget (a rank needs none); a submodule
+# (``ddpkit.rankside``) is imported on first use too. tests/test_package_face.py checks the names.
+_HOMES = {
+    "Cluster": "ddpkit.cluster", "RankError": "ddpkit.cluster.errors", "DesyncError": "ddpkit.cluster.errors",
+    "GpuOutOfMemoryError": "ddpkit.cluster.errors", "Network": "ddpkit.network", "Topology": "ddpkit.topology",
+    "Workload": "ddpkit.workload", "rank": "ddpkit.rankside", "world_size": "ddpkit.rankside",
+    "device": "ddpkit.rankside", "progress": "ddpkit.cluster.worker", "ask": "ddpkit.predictions",
+    **dict.fromkeys(strategies.__all__, "ddpkit.strategies"),  # each from its file, by that package's face
+    "init_process_group": "ddpkit.torchrun", "record": "ddpkit.torchrun",
+}
+__all__ = list(_HOMES)
+__getattr__, __dir__ = lazy_names(globals(), _HOMES, submodules=True)
 
 
 def _show_clusters_as_widgets() -> None:
     """In IPython (a notebook), display a Cluster as its widget. The cluster knows nothing of
-    widgets (they are a later layer): the formatter imports ``ddpkit.widget`` on first display,
-    so a rank, which has no IPython, never loads ipywidgets."""
+    widgets (they are a later layer): the formatter, registered by the class's name (so nothing is
+    imported now), imports ``ddpkit.widget`` on first display; a rank, which has no IPython, never
+    loads ipywidgets."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is not None:
@@ -53,19 +78,12 @@ def _show_clusters_as_widgets() -> None:
 
             show(cluster)
 
-        shell.display_formatter.ipython_display_formatter.for_type(Cluster, display_cluster)
+        shell.display_formatter.ipython_display_formatter.for_type_by_name("ddpkit.cluster", "Cluster",
+                                                                           display_cluster)
 
 
 _show_clusters_as_widgets()
 check_torch()  # outside the tested torch range: one warning naming it, before any rank starts
-
-__all__ = [
-    "Cluster", "RankError", "DesyncError", "GpuOutOfMemoryError", "Network", "Topology", "Workload", "rank",
-    "world_size", "device",
-    "progress", "ask",
-    "NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP",
-    "init_process_group", "record",
-]
 
 
 def load_ipython_extension(ipython):

@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its spread, how many named the right winner), and one picture of everyone's misses.")
     p.add_argument("ledgers", nargs="*", metavar="FILE", help="JSONL ledgers, one per learner")
     p.add_argument("--plot", metavar="PATH", default=None,
-                   help="where to draw the picture (PNG; default: predictions.png, or class_predictions.png for "
-                        "several files, in the current folder)")
+                   help="where to draw the picture (PNG; default: beside the ledger, predictions.png for "
+                        "predictions.jsonl, or class_predictions.png beside the first of several)")
     p.set_defaults(func=cmd_ledger)
 
     p = add("lab", help="JupyterLab on the course's first notebook (adds --allow-root as root)",
@@ -229,14 +229,14 @@ def cmd_doctor(args, parser) -> int:
 
 # --------------------------------------------------------------------------- ledger
 def cmd_ledger(args, parser) -> int:
-    from ddpkit.predictions.report import report
+    from ddpkit.predictions.report import picture_path, report
 
-    plot = args.plot or ("class_predictions.png" if len(args.ledgers) > 1 else "predictions.png")
-    check_writable(parser, "--plot", plot)
     missing = [p for p in args.ledgers if not os.path.isfile(p)]
     if missing:
         parser.error(f"no ledger at {', '.join(missing)}")
     try:
+        plot = args.plot or str(picture_path(args.ledgers))
+        check_writable(parser, "--plot", plot)
         text, fig = report(args.ledgers)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))

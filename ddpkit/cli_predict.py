@@ -105,7 +105,7 @@ def cmd_predict(args, parser) -> int:
         fitted = costmodel.fit_link(samples, args.fit_ranks, name="fitted here", host=cluster.backend != "nccl")
         print(costmodel.format_fit(fitted))
         # the alpha-beta lines, for every world size alike, between every pair of ranks (the nodes kept)
-        network = as_network(fitted.line(), gpus_per_node=network.gpus_per_node)
+        network = as_network(fitted, gpus_per_node=network.gpus_per_node)
 
     if args.threads:
         import torch

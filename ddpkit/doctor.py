@@ -25,6 +25,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 
+from ddpkit.strategies.table import DEFAULT, NAMES, STRATEGIES, unfit
 from ddpkit.torch_internals import supported_range, torch_problem
 from ddpkit.units import human_bytes
 
@@ -92,22 +93,22 @@ def _cluster(ctx: Context) -> str:
 def _recording(ctx: Context) -> str:
     c = ctx.cluster
     with c.recording():
-        results = ctx.run_strategy("overlapped")
+        results = ctx.run_strategy(DEFAULT)
     ctx.equal_to_one_process(results)
     records = c.last_trace.records
     ranks = {r.rank for r in records}
     if ranks != set(range(c.world_size)):
         raise AssertionError(f"records streamed from ranks {sorted(ranks)} of {c.world_size}")
-    comm = [r for r in records if r.cat == "comm"]
-    if not comm or any(r.end_ns is None or r.end_ns < r.start_ns for r in comm):
-        raise AssertionError(f"{len(comm)} collectives recorded, some without a completion time")
+    collectives = [r for r in records if r.cat == "comm"]
+    if not collectives or any(r.end_ns is None or r.end_ns < r.start_ns for r in collectives):
+        raise AssertionError(f"{len(collectives)} collectives recorded, some without a completion time")
     kinds = {r.cat for r in records}
     missing = {"comm", "compute", "loss", "memory", "grad_ready"} - kinds
     if missing:
         raise AssertionError(f"no {', '.join(sorted(missing))} records streamed")
-    clocks = sorted({r.clock for r in comm})
+    clocks = sorted({r.clock for r in collectives})
     if _on_gpu(c) and clocks != ["cuda"]:
-        raise AssertionError(f"collectives timed by the {clocks} clock, not CUDA events: {_host_timed(comm)}")
+        raise AssertionError(f"collectives timed by the {clocks} clock, not CUDA events: {_host_timed(collectives)}")
     return f"{len(records)} records from {len(ranks)} ranks, collectives on the {'/'.join(clocks)} clock"
 
 
@@ -139,7 +140,7 @@ def _network(ctx: Context) -> str:
     c.network = net
     try:
         took = max(c.run(_timed_all_reduce, nbytes))
-        results = ctx.run_strategy("overlapped")  # backward's hooks, on the emulated link
+        results = ctx.run_strategy(DEFAULT)  # backward's hooks, on the emulated link
     finally:
         c.network = None
     ctx.equal_to_one_process(results)
@@ -150,7 +151,9 @@ def _network(ctx: Context) -> str:
 
 
 def _memory(ctx: Context) -> str:
-    results = ctx.run_strategy("zero2", record=True)
+    # the table's ZeRO-2 row: gradients and optimizer state sharded, parameters whole
+    name = next(name for name, row in STRATEGIES.items() if row.zero_stage == "ZeRO-2")
+    results = ctx.run_strategy(name, record=True)
     sample = results[0].memory
     empty = [k for k in ("parameters", "gradients", "optimizer_state") if not sample.get(k)]
     if empty:
@@ -164,13 +167,14 @@ def _memory(ctx: Context) -> str:
     if "cuda_context" in sample:  # what each rank's process holds outside the allocator: its CUDA context
         cuda += f"; {human_bytes(sample['cuda_context'], 0)} outside it (the CUDA context) per rank"
     state = sample["parameters"] + sample["gradients"] + sample["optimizer_state"]
-    return f"zero2 rank 0: {human_bytes(state, 1)} of model state, peak {human_bytes(peak, 1)}{cuda}"
+    return f"{name} rank 0: {human_bytes(state, 1)} of model state, peak {human_bytes(peak, 1)}{cuda}"
 
 
 def _compare(ctx: Context) -> str:
-    from ddpkit.compare import compare, format_table
+    from ddpkit.compare import compare, format_table, torch_reference
 
-    records = compare(ctx.cluster, ["naive", "torch_ddp"], model_kwargs=TINY, steps=STEPS, rounds=1,
+    pair = [NAMES[0], torch_reference(NAMES[0])]  # the simplest strategy and torch's wrapper of its family
+    records = compare(ctx.cluster, pair, model_kwargs=TINY, steps=STEPS, rounds=1,
                       global_batch_size=ctx.batch, bucket_cap_mb=BUCKET_CAP_MB, record_steps=STEPS)
     errors = [r["error"] for r in records if "error" in r]
     if errors:
@@ -180,12 +184,12 @@ def _compare(ctx: Context) -> str:
     if not diff <= ctx.tolerance:
         raise AssertionError(f"a compared strategy differs from one process by {diff:.3g}")
     ratio = records[0].get("vs_torch")
-    return "naive vs torch_ddp" + (f": {ratio:.2f}x" if ratio is not None else "")
+    return " vs ".join(pair) + (f": {ratio:.2f}x" if ratio is not None else "")
 
 
-def _host_timed(comm) -> str:
+def _host_timed(collectives) -> str:
     """Which collectives a CUDA run timed on the host clock: name, size, step (None: setup)."""
-    seen = Counter((r.name, r.nbytes, r.step, r.end_ns == r.start_ns) for r in comm if r.clock != "cuda")
+    seen = Counter((r.name, r.nbytes, r.step, r.end_ns == r.start_ns) for r in collectives if r.clock != "cuda")
     return "; ".join(f"{name} {nbytes} B step {step}{' (0 ns)' if zero else ''} x{k}"
                      for (name, nbytes, step, zero), k in seen.most_common(4))
 
@@ -197,17 +201,16 @@ def _nccl_one_rank(ctx: Context) -> str:
     with ddpkit.Cluster(1, backend="nccl") as one:
         alone = Context(one, ctx.batch, ctx.reference, 1e-4)  # one rank: the whole batch
         with one.recording():
-            alone.equal_to_one_process(alone.run_strategy("overlapped"))
-        comm = [r for r in one.last_trace.records if r.cat == "comm"]
-    if not comm or any(r.clock != "cuda" for r in comm):
-        raise AssertionError(f"{len(comm)} collectives recorded, not all on CUDA events: {_host_timed(comm)}")
-    return f"recorded overlapped run, {len(comm)} collectives on CUDA events"
+            alone.equal_to_one_process(alone.run_strategy(DEFAULT))
+        collectives = [r for r in one.last_trace.records if r.cat == "comm"]
+    if not collectives or any(r.clock != "cuda" for r in collectives):
+        raise AssertionError(f"{len(collectives)} collectives recorded, not all on CUDA events: "
+                             f"{_host_timed(collectives)}")
+    return f"recorded {DEFAULT} run, {len(collectives)} collectives on CUDA events"
 
 
 def default_checks(world_size: int, one_gpu_only: bool = False) -> list[tuple[str, object]]:
     """(name, check) in the order they run: each check takes the Context and returns a detail."""
-    from ddpkit.strategies.table import NAMES, unfit
-
     skip = unfit(NAMES, [world_size])
     checks = [("cluster", _cluster)]
     checks += [(f"strategy {name}", _strategy(name)) for name in NAMES if name not in skip]

@@ -1,88 +1,24 @@
-"""The one training step every notebook, test and benchmark shares, and its single-process twin.
+"""The harness: build a strategy by name, run it, time it, and read back what it recorded.
 
-``train_step`` never asks which strategy it runs: every wrapper has the same small interface
-(``finish_gradient_synchronization()``), and the optimizer is whatever the caller built over
-``model.parameters()`` (for FSDP: the local shards).
-
-Equality with one process: rank r trains on its slice of the global batch with a *mean* loss.
-Averaging the N ranks' gradients gives (1/N) sum_r mean_r = the mean over the whole batch,
-which is exactly what one process computes on the whole batch.
-
-``train_batch`` is the same step for any workload (``ddpkit.Workload``: a model, a batch, a
-loss); ``train_step`` is it for the course's (inputs, targets) batches. Below those: ``wrap`` (a
-name -> wrapper + optimizer, from ``ddpkit.strategies.table``) and ``run_strategy``, the Cluster
-job behind ``compare`` and ``python -m ddpkit compare`` and ``trace``: build the workload's model,
-train, time each step (perf_counter on CPU, CUDA events on GPU), and optionally record, reading
-bytes, overlap and memory back from ``ddpkit.trace``'s records; what it measured is a
-``ddpkit.run_result.RunResult``.
+``wrap`` (a name -> wrapper + optimizer, from ``ddpkit.strategies.table``), the single-process
+twin every strategy must equal (``train_single_process``, ``max_abs_diff``), and ``run_strategy``,
+the Cluster job behind ``compare`` and ``python -m ddpkit compare`` and ``trace``: build the
+workload's model, train with the one training step (``ddpkit.step.train_batch``, also importable
+from here), time each step (perf_counter on CPU, CUDA events on GPU), and optionally record,
+reading bytes, overlap and memory back from ``ddpkit.trace``'s records; what it measured is a
+``ddpkit.run_result.RunResult``. Where a model drops out (``active_dropout``), it differs from one
+process by design.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ddpkit.models import make_batch, supervised_loss
-from ddpkit.trace.seam import recorder as rank_recorder
+from ddpkit.models import make_batch
 from ddpkit.run_result import RecordSummary, RunResult
+from ddpkit.step import train_batch, train_step  # noqa: F401 - the step lives in step.py; notebooks import it here
 from ddpkit.strategies.table import strategy as strategy_row
+from ddpkit.trace.seam import recorder as rank_recorder
 from ddpkit.workload import resolve, shard_batch
-
-
-def train_step(model, optimizer, inputs, targets, recorder=None, max_norm: float | None = None):
-    """Forward, backward, finish gradient sync, optimizer step on the course's ``(inputs,
-    targets)`` batches (mean cross-entropy); returns the local loss. ``train_batch`` below."""
-    return train_batch(model, optimizer, (inputs, targets), supervised_loss, recorder, max_norm)
-
-
-def train_batch(model, optimizer, batch, loss, recorder=None, max_norm: float | None = None):
-    """Forward (``loss(model, batch)``, a scalar), backward, finish gradient sync, clip (when
-    ``max_norm`` is given: ``model.clip_grad_norm_``, the norm of the *whole* gradient, sharded or
-    not), optimizer step; returns the local loss.
-
-    ``recorder``: where the step is recorded (default: the rank's, off unless recording). A
-    recorder gets the four spans and this rank's loss; when it says a memory sample is due
-    (``memory_due``: about four times a second), two samples too: at the end of forward
-    (activations alive, no gradients) and after the optimizer step (gradients and optimizer
-    state alive). With recording off each of those calls does nothing."""
-    if recorder is None:
-        recorder = rank_recorder()
-    recorder.begin_step()  # a new step index, unless the caller just started one
-    sample = recorder.memory_due()
-    with recorder.span("forward", cat="compute"), _activations(sample, model) as saved:
-        value = loss(model, batch)
-    if sample:
-        _memory_sample(recorder, model, optimizer, saved.peak_bytes)
-    with recorder.span("backward", cat="compute"):
-        value.backward()
-    with recorder.span("sync", cat="compute"):
-        model.finish_gradient_synchronization()  # a no-op where backward already finished it
-    with recorder.span("step", cat="compute"):
-        if max_norm is not None:
-            model.clip_grad_norm_(max_norm)
-        optimizer.step()
-    if sample:
-        _memory_sample(recorder, model, optimizer, 0)  # backward freed the activations
-    optimizer.zero_grad(set_to_none=True)
-    value = value.detach()
-    recorder.loss(value)
-    return value
-
-
-def _activations(sample: bool, model):
-    """Count the bytes autograd saves in forward (``ActivationMeter``), when sampling memory."""
-    if not sample:
-        return contextlib.nullcontext()
-    from ddpkit.memory import ActivationMeter
-
-    return ActivationMeter(model)
-
-
-def _memory_sample(recorder, model, optimizer, activations: int) -> None:
-    """What this rank holds now, by category (``ddpkit.memory``), to the recorder."""
-    from ddpkit.memory import memory_by_category
-
-    recorder.memory(**memory_by_category(model, optimizer, activations))
 
 
 def optimizer_class(name: str):
@@ -270,6 +206,10 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     from ddpkit.rankside import device
     from ddpkit.trace.seam import recording
 
+    for name, value, least, what in (("steps", steps, 1, "the timed steps, after the warmup"),
+                                     ("warmup", warmup, 0, "untimed steps first")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"run_strategy: {name} must be a whole number >= {least} ({what}), got {value!r}")
     wl = resolve(workload, model_kwargs=model_kwargs, seed=seed)
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     module = wl.build(seed)
@@ -284,7 +224,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
             # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
             # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the
             # memory pass) is put in a step of its own so it is not counted.
-            summary = summarize_records(recorder.records, world, list(range(warmup, warmup + steps)) or [0])
+            summary = summarize_records(recorder.records, world, list(range(warmup, warmup + steps)))
             _take_summary(result, summary)
             recorder.next_step()
         if reference is not None:
@@ -342,15 +282,15 @@ def _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup,
         if report_progress:
             progress(step + 1, total)
     times = timer.result()
-    emulated = [b - a for a, b in zip(emulated_before, comm.emulation_counts(), strict=True)] if steps else [0, 0]
+    emulated = [b - a for a, b in zip(emulated_before, comm.emulation_counts(), strict=True)]
     # the allocator's peak over the timed steps: read now, before what follows (gathering the
     # full model for the comparison, the memory pass) allocates more than a step does
     gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
     result = RunResult(
         strategy, rank, world, wl.name, steps, step_ms=times,
-        ms_per_step=float(torch.tensor(times).median()) if times else 0.0,
+        ms_per_step=float(torch.tensor(times).median()),
         losses=[float(loss) for loss in losses], emulated_collectives=emulated[0], outran_link=emulated[1],
-        transport_ms_per_step=1e3 * (comm.transport_seconds() - transport_before) / steps if steps else 0.0)
+        transport_ms_per_step=1e3 * (comm.transport_seconds() - transport_before) / steps)
     return result, gpu_peak
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpkit.network import RING_STEPS, Link, Network, ring_bytes
+from ddpkit.network import Link, Network, ring_bytes, ring_terms
 
 MATCH_ALPHA_US = 100.0  # the latency of a matched link: the "paper" preset's
 
@@ -47,7 +47,7 @@ class MatchedLink:
 
     @property
     def messages(self) -> int:
-        return self.buckets * RING_STEPS["all_reduce"](self.world_size)
+        return self.buckets * int(ring_terms("all_reduce", self.grad_bytes, self.world_size)[0])
 
     @property
     def latency_s(self) -> float:
@@ -59,7 +59,9 @@ class MatchedLink:
 
     @property
     def link(self) -> Link:
-        return Link("matched", self.alpha, (self.backward_s - self.latency_s) / self.sent_bytes)
+        # collective_time's bytes term solved for beta: an all-reduce's busiest link carries what a rank sends
+        carried = ring_terms("all_reduce", self.grad_bytes, self.world_size)[1]
+        return Link("matched", self.alpha, (self.backward_s - self.latency_s) / carried)
 
     @property
     def network(self) -> Network:

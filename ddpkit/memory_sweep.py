@@ -1,6 +1,6 @@
 """Memory per rank against the number of ranks: what the ZeRO rungs save, and what they cannot.
 
-    sweep = {n: memory_against_n(cluster_of_n, ["overlapped", "zero1", "zero2", "fsdp"]) for n in (1, 2, 4)}
+    sweep = {n: memory_against_n(cluster_of_n, strategies) for n in (1, 2, 4)}   # names from strategies.table
     ddpkit.viz.plot_memory_against_n(sweep)       # stacked by category, the ZeRO formula beside
 
 The ZeRO formulas (``ddpkit.memory_formulas.zero_predictions``) count model states only: parameters,

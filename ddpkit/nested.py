@@ -1,35 +1,21 @@
-"""Nested batches and outputs: the leaves of tuples, lists and dicts, walked one way everywhere.
+"""Nested batches and outputs: the leaves of tuples, lists, dicts, named tuples and dataclasses,
+walked one way everywhere (torch's pytree, through ``ddpkit.torch_internals``).
 
 A workload's batch (``ddpkit.Workload``), a forward's arguments (FSDP's mixed precision casts
-them) and a module's output (FSDP hooks the tensors in it) nest tuples, lists and dicts as deep as
-they like; anything else is a leaf.
+them) and a module's output (FSDP hooks the tensors in it) nest as deep as they like; anything
+else is a leaf.
 """
 from __future__ import annotations
 
 import torch
 
-
-def leaves(obj, where: str = ""):
-    """``(where, leaf)`` for every leaf of ``obj``, in order, e.g. ``("['input_ids']", t)``."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{where}[{k!r}]")
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from leaves(v, f"{where}[{i}]")
-    else:
-        yield where, obj
-
-
-def map_leaves(fn, obj):
-    """``obj`` with ``fn`` applied to each leaf, its structure (tuple, list, dict) kept."""
-    if isinstance(obj, dict):
-        return type(obj)((k, map_leaves(fn, v)) for k, v in obj.items())
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_leaves(fn, v) for v in obj)
-    return fn(obj)
+from ddpkit.torch_internals import tree_leaves_with_path as leaves  # (where, leaf), e.g. ("['input_ids']", t)
+from ddpkit.torch_internals import tree_map as map_leaves  # map_leaves(fn, obj): fn on each leaf, structure kept
 
 
 def tensors(obj):
     """The tensors among the leaves of ``obj``."""
     return (t for _, t in leaves(obj) if torch.is_tensor(t))
+
+
+__all__ = ["leaves", "map_leaves", "tensors"]

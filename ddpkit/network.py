@@ -9,15 +9,19 @@ collective on it costs (docs/papers.md, "cost of collectives"; the kit's one sta
     all-gather / reduce-scatter (full S)    (N-1) alpha +  (N-1)/N S beta
     broadcast                               (N-1) alpha +           S beta
 
-The multiple of beta is what the busiest link carries one after another (``link_bytes``). The
-bytes one rank sends (``ring_bytes``, what the process group counts) are the same for the
-symmetric collectives; a broadcast's root sends more than the rest, and it counts the average.
+The multiples of alpha and beta are ``ring_terms``: the messages in a row, and what the busiest
+link carries one after another (``link_bytes``). The bytes one rank sends (``ring_bytes``, what the
+process group counts) are the same for the symmetric collectives; a broadcast's root sends more than
+the rest, and it counts the average. ``collective_time`` is the one formula of a collective's time:
+the process group, the emulator, the cost model, its fit and the course's formulas all call it.
 
 A ``Network`` is what a cluster's ranks are connected by: one link between every pair of ranks,
 or two tiers (``gpus_per_node=k``: ranks r // k share a node, joined by a fast ``intra`` link;
 nodes are joined by the slow ``inter`` link). A collective whose group spans nodes runs at the
-pace of the inter-node link, one inside a node at the intra-node link's. Two consumers read it,
-and both time a collective on an emulated link by ``Network.emulated_time`` and ``LinkClock``:
+pace of the inter-node link, one inside a node at the intra-node link's. ``Network.route`` says, for
+one group's collectives, which link carries them, how long each takes on it and whether its bytes
+move at the wait (the timing policy, in one place); ``LinkClock`` says when each completes. Two
+consumers ask them:
 
 - the emulator (``ddpkit.comm.emulator``), which makes a collective on this laptop last as long as it
   would on that network; ``"loopback"`` adds no delay;
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from itertools import pairwise
 
 from ddpkit.topology import check_ranks_per_node
 
@@ -67,6 +70,16 @@ def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
                      "broadcast, barrier")
 
 
+def ring_terms(name: str, nbytes: float, world_size: int) -> tuple[float, float]:
+    """(messages, bytes) of a ring collective of full size S: its time on a link is messages x
+    alpha + bytes x beta (``collective_time``), its messages in a row (``RING_STEPS``) and the bytes
+    its busiest link carries (``link_bytes``). A fit of alpha and beta to timings regresses on them
+    (``costmodel.fit_link``); a link made to a given time solves them (``matched_link``)."""
+    if world_size <= 1:
+        return 0.0, 0.0
+    return float(RING_STEPS[name](world_size)), link_bytes(name, nbytes, world_size)
+
+
 def link_bytes(name: str, nbytes: int, world_size: int) -> float:
     """Bytes the busiest link of a collective of full size S carries one after another: the
     multiple of beta in its time. ``ring_bytes`` for the symmetric collectives, where every
@@ -88,16 +101,12 @@ class Link:
     ``host``: this link is a transport that moves the bytes with the ranks' own CPU cores (gloo's
     threads, the shared-memory transport's copies and sums), so its time is taken from their
     compute: the cost model puts it on the rank's timeline, not beside it (as a GPU's NCCL or a
-    network card would be). ``at_wait``: it moves a collective's bytes only when the rank waits
-    for it, not from the issue (the shared-memory transport under an emulated network: the
-    emulated network card, ``LinkClock``).
+    network card would be). ``transport``: the real transport this line was fitted to (a Cluster's
+    ``transport``: "shm", "gloo", ...; "" for a network's link): under an emulated link the
+    shared-memory transport moves a collective's bytes when the rank waits (``Network.route``).
 
-    ``measured`` optionally holds the timings themselves, ``{op: ((bytes, seconds), ...)}`` on
-    ``measured_world_size`` ranks: at that size ``collective_time`` interpolates between them
-    instead of using the straight line. A machine's curve is not quite a line (a line through six
-    sizes can miss one of them by more than the noise), but one timing is noisier than a line
-    through six: ``predict --validate`` shows both. Every other world size
-    uses the lines. ``line()`` is the same link without the timings.
+    ``measured`` optionally holds the timings a line was fitted to, ``{op: ((bytes, seconds), ...)}``
+    on ``measured_world_size`` ranks (``costmodel.format_fit`` prints them beside the line).
     """
 
     name: str
@@ -107,7 +116,7 @@ class Link:
     measured: dict = field(default_factory=dict, compare=False)
     measured_world_size: int = 0
     host: bool = field(default=False, compare=False)
-    at_wait: bool = field(default=False, compare=False)
+    transport: str = field(default="", compare=False)
 
     def __post_init__(self):
         for a, b in [(self.alpha, self.beta), *self.per_op.values()]:
@@ -122,10 +131,6 @@ class Link:
     def alpha_beta(self, op: str) -> tuple[float, float]:
         return self.per_op.get(op, (self.alpha, self.beta))
 
-    def line(self) -> Link:
-        """This link's straight lines only, without the measured timings."""
-        return replace(self, measured={}, measured_world_size=0)
-
     @property
     def gbytes_per_s(self) -> float:
         return 1e-9 / self.beta if self.beta else math.inf
@@ -135,31 +140,11 @@ class Link:
 
 
 def collective_time(name: str, nbytes: float, world_size: int, link: Link) -> float:
-    """Seconds for one ring collective of full size S on ``link``: steps x alpha + bytes sent x
-    beta, or, where ``link`` holds timings of this collective at this world size, interpolated."""
-    n = world_size
-    if n == 1:
-        return 0.0
-    steps = RING_STEPS[name](n)
+    """Seconds for one ring collective of full size S on ``link``: messages x alpha + bytes on its
+    busiest link x beta (``ring_terms``; each collective's own alpha and beta where the link has them)."""
     alpha, beta = link.alpha_beta(name)
-    table = link.measured.get(name) if n == link.measured_world_size else None
-    if table:
-        return _interpolate(table, nbytes, link_bytes(name, 1.0, n) * beta)
-    return steps * alpha + link_bytes(name, nbytes, n) * beta
-
-
-def _interpolate(table, nbytes: float, slope: float) -> float:
-    """Straight between the two measured sizes around ``nbytes``; below the smallest, its time
-    (latency dominates there); above the largest, on from it with the fitted ``slope``."""
-    (s0, t0), (s_last, t_last) = table[0], table[-1]
-    if nbytes <= s0:
-        return t0
-    if nbytes >= s_last:
-        return t_last + (nbytes - s_last) * slope
-    for (a, ta), (b, tb) in pairwise(table):
-        if a <= nbytes <= b:
-            return ta if b == a else ta + (tb - ta) * (nbytes - a) / (b - a)
-    raise AssertionError("unreachable: table sizes are sorted")
+    messages, carried = ring_terms(name, nbytes, world_size)
+    return messages * alpha + carried * beta
 
 
 class LinkClock:
@@ -171,7 +156,7 @@ class LinkClock:
     busy with an earlier one (collectives on one link run one after another, in issue order), for
     the link's time (``Network.emulated_time``: the ring formulas above): ``delivers``. The real
     transfer underneath runs side by side, and the collective completes when both are done; the
-    link is busy until then: ``complete``. Under ``at_wait`` (``Link.at_wait``: the shared-memory
+    link is busy until then: ``complete``. Under ``at_wait`` (``Route.at_wait``: the shared-memory
     transport on an emulated network, the emulated network card) the real transfer is not the
     link's: the collective's bytes move when the rank waits for it, and the link is done with it
     when it delivers (``complete`` without ``real_end``), unless a future of it was handed out
@@ -194,6 +179,30 @@ class LinkClock:
         return self.free_s
 
 
+# Real transports that, under an emulated link, move a collective's bytes when the rank waits for it,
+# not from its issue: the emulated network card (``ddpkit.comm.emulator``). gloo's sockets and NCCL
+# move bytes on threads or a GPU of their own, from the issue.
+MOVES_AT_WAIT = frozenset({"shm"})
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one group's collectives run on a network (``Network.route``), the one timing policy the
+    process group, the emulator and the cost model ask: ``kind`` names the link ("intra-node" or
+    "inter-node"), ``link`` is the emulated one (None: nothing emulated), ``time`` a collective's
+    time on it, ``at_wait`` whether its bytes move at the wait (an emulated link over a transport in
+    ``MOVES_AT_WAIT``). When it completes is ``LinkClock``'s rule, one clock per ``kind``."""
+
+    kind: str
+    link: Link | None
+    size: int
+    at_wait: bool = False
+
+    def time(self, op: str, nbytes: float) -> float:
+        """Seconds the emulated link takes for one collective of full size ``nbytes`` (0: none)."""
+        return 0.0 if self.link is None else collective_time(op, nbytes, self.size, self.link)
+
+
 # Presets. "loopback" is the all-reduce line fitted on the development machine (2 CPU cores,
 # the shared-memory transport, collectives timed back to back) by `python -m ddpkit predict --fit
 # --fit-ranks 2`, a round figure inside what three runs printed (`--transport gloo` fits gloo's
@@ -204,7 +213,7 @@ class LinkClock:
 # tens of microseconds per message over TCP; NVLink (A100/H100 class) moves a few hundred GB/s
 # per GPU, a few microseconds per hop.
 LINKS = {
-    "loopback": Link("loopback", alpha=70e-6, beta=1 / 4.5e9, host=True),
+    "loopback": Link("loopback", alpha=70e-6, beta=1 / 4.5e9, host=True, transport="shm"),
     "nvlink": Link("nvlink", alpha=5e-6, beta=1 / 200e9),
     "100GbE": Link("100GbE", alpha=20e-6, beta=1 / 10e9),
     "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),
@@ -291,10 +300,15 @@ class Network:
             return "inter-node", self.inter
         return "intra-node", self.intra if self.gpus_per_node is not None else self.inter
 
+    def route(self, ranks, transport: str = "") -> Route:
+        """How the collectives of a group of global ``ranks`` run here over the real ``transport``
+        (a Cluster's: "shm", "gloo", "cuda-ipc", "nccl"): see ``Route``."""
+        kind, link = self.link_for(ranks)
+        return Route(kind, link, len(ranks), at_wait=link is not None and transport in MOVES_AT_WAIT)
+
     def emulated_time(self, op: str, nbytes: float, ranks) -> float:
         """Seconds the emulated link takes for this collective (0 on loopback): the emulator's."""
-        _, link = self.link_for(ranks)
-        return 0.0 if link is None else collective_time(op, nbytes, len(ranks), link)
+        return self.route(ranks).time(op, nbytes)
 
     def transport_time(self, op: str, nbytes: float, world_size: int) -> float:
         """Seconds the real transport under an emulated network takes (0 without a ``floor``)."""

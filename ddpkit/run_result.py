@@ -34,7 +34,7 @@ class RunResult:
     model: str                        # the workload's name
     steps: int                        # timed steps (after the warmup)
     step_ms: list[float]              # each timed step (perf_counter on CPU, CUDA events on GPU)
-    ms_per_step: float                # their median (0.0 without timed steps)
+    ms_per_step: float                # their median (run_strategy times at least one step)
     losses: list[float]               # every step's loss, the warmup's included
     # on an emulated network, over the timed steps (ddpkit.comm.emulator)
     emulated_collectives: int = 0     # collectives an emulated link carried

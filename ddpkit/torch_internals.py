@@ -32,9 +32,10 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
   needs nothing private: ``dist.Work`` subclassed, as torch's tests of Python groups do);
 - ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
 - ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``;
-- ``tensors_to``: every tensor inside nested arguments moved to a device (``torch.utils._pytree``),
-  what torch's DDP does to a forward's inputs when given ``device_ids``; ``first_tensor``, the first
-  tensor of a forward's output (where a wrapper times a backward that it did not start);
+- ``tree_map``, ``tree_leaves_with_path``: torch's pytree (``torch.utils._pytree``), the one walker
+  of nested batches, arguments and outputs (tuples, lists, dicts, named tuples, dataclasses);
+  ``tensors_to`` (what torch's DDP does to a forward's inputs given ``device_ids``) and
+  ``first_tensor`` (where a wrapper times a backward that it did not start) are walks of it;
 - ``share_cuda_tensor``, ``open_cuda_tensor``: a CUDA tensor handed to another process through CUDA IPC
   (``torch.multiprocessing.reductions``, what ``torch.multiprocessing`` pickles a CUDA tensor with);
   the CUDA IPC transport's slab (``ddpkit.comm.transport.device_slab``);
@@ -47,6 +48,7 @@ and arguments are torch's, and the compatibility job is what proves them on each
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -54,6 +56,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 # the options a Python group's ``allgather`` passes on to the real backend's (every release in
 # the range keeps it in the C extension only)
 from torch._C._distributed_c10d import AllgatherOptions  # noqa: F401
@@ -173,21 +176,52 @@ def copy_all(destinations: list, sources: list) -> None:
         d.copy_(s)
 
 
-def tensors_to(tree, device: torch.device):
-    """``tree`` (a forward's args or kwargs: tensors inside tuples, lists, dicts, named tuples) with
-    every tensor moved to ``device`` and the rest as it was. torch's pytree (underscored, public in
-    spirit: torch's own ``_to_kwargs`` walks inputs the same way) has been there through the range."""
-    from torch.utils._pytree import tree_map_only
+# torch's pytree (underscored; torch's DDP and FSDP walk their inputs with it, Hugging Face registers
+# its ModelOutput with it). A dataclass is a leaf there unless registered (``register_dataclass``,
+# global): walked here through its fields, registering nothing. Used: tree_map, tree_leaves and
+# tree_flatten_with_path with ``is_leaf``, keystr, SUPPORTED_NODES (key paths came in 2.2); run on
+# 2.13 here, and on 2.8 and 2.15 by .ci/compat's test_equivalence, which slices every batch with them.
+def _dataclass(x) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
 
-    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), tree)
+
+def tree_map(fn, tree):
+    """``tree`` with ``fn`` applied to every leaf, its structure kept (tuples, lists, dicts, named
+    tuples, what torch's pytree knows; dataclasses rebuilt with ``dataclasses.replace``)."""
+    def leaf(x):
+        if not _dataclass(x):
+            return fn(x)
+        return dataclasses.replace(x, **{f.name: tree_map(fn, getattr(x, f.name)) for f in dataclasses.fields(x)
+                                         if f.init})
+
+    return pytree.tree_map(leaf, tree, is_leaf=_dataclass)
+
+
+def tree_leaves_with_path(tree, where: str = ""):
+    """``(where, leaf)`` for every leaf of ``tree`` in order, ``where`` as torch prints a key path,
+    e.g. ``"['input_ids']"``, ``"[0]"``, ``".labels"`` (a named tuple's or a dataclass's field)."""
+    try:
+        flat = pytree.tree_flatten_with_path(tree, is_leaf=_dataclass)[0]
+    except ValueError:  # a node registered without key paths (e.g. an older library's): unnamed
+        flat = [((), leaf) for leaf in pytree.tree_leaves(tree, is_leaf=_dataclass)]
+    for path, leaf in flat:
+        here = where + pytree.keystr(path)
+        if _dataclass(leaf):
+            for f in dataclasses.fields(leaf):
+                yield from tree_leaves_with_path(getattr(leaf, f.name), f"{here}.{f.name}")
+        else:
+            yield here, leaf
+
+
+def tensors_to(tree, device: torch.device):
+    """``tree`` (a forward's args or kwargs) with every tensor moved to ``device``, the rest as it was."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def first_tensor(tree):
     """The first tensor inside a forward's output (a tensor, a tuple, a dict, a Hugging Face
-    ``ModelOutput``, which transformers registers with the same pytree), or None."""
-    from torch.utils._pytree import tree_leaves
-
-    return next((t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)), None)
+    ``ModelOutput``, a dataclass), or None."""
+    return next((t for _, t in tree_leaves_with_path(tree) if isinstance(t, torch.Tensor)), None)
 
 
 def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:

@@ -37,10 +37,11 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.comm import process_group
 from ddpkit.cluster import BACKENDS, resolve_backend
-from ddpkit.experiment import train_batch, wrap
+from ddpkit.experiment import wrap
 from ddpkit.models import MODELS
 from ddpkit import rankside
 from ddpkit.rankside import set_device, set_topology
+from ddpkit.step import train_batch
 from ddpkit.strategies.table import DEFAULT, NAMES
 from ddpkit.topology import Topology
 from ddpkit.units import human_bytes

@@ -15,9 +15,10 @@ The callables travel to the ranks by value (cloudpickle, like any Cluster job), 
 closures from a notebook cell work. Each rank builds the model under the same seed (``build``),
 so rank 0's model is the one a single process builds (every wrapper broadcasts rank 0's anyway);
 each rank asks for the whole global batch and keeps its own contiguous slice of dim 0
-(``local_batch``): a tensor, or a tuple/list/dict of tensors, nested as deep as you like. With a
-loss that is a *mean* over the samples, the ranks' averaged gradients are then the gradient of
-the whole batch (``experiment``'s docstring says why), so every strategy equals one process.
+(``local_batch``): a tensor, or tuples, lists, dicts, named tuples or dataclasses of tensors,
+nested as deep as you like (``ddpkit.nested``: torch's pytree). With a loss that is a *mean* over
+the samples, the ranks' averaged gradients are then the gradient of the whole batch
+(``ddpkit.step``'s docstring says why), so every strategy equals one process.
 """
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ class Workload:
         batch = self.batch(step, size)
         for where, t in leaves(batch):
             if not torch.is_tensor(t):
-                raise TypeError(f"workload {self.name!r}: batch{where} is a {type(t).__name__}, not a tensor "
-                                "(a batch is a tensor or a tuple/list/dict of tensors)")
+                raise TypeError(f"workload {self.name!r}: batch{where} is a {type(t).__name__}, not a tensor (a "
+                                "batch is a tensor, or tuples, lists, dicts, named tuples or dataclasses of tensors)")
             if t.dim() == 0 or t.shape[0] != size:
                 got = "a 0-d tensor" if t.dim() == 0 else f"{t.shape[0]} samples"
                 raise ValueError(f"workload {self.name!r}: batch({step}, {size}){where} has {got} on "
@@ -139,9 +140,7 @@ def shard_batch(batch, rank: int, world_size: int):
 
 def to_device(batch, device):
     """Every tensor of ``batch`` on ``device`` (None: left where it is)."""
-    if device is None:
-        return batch
-    return map_leaves(lambda t: t.to(device) if torch.is_tensor(t) else t, batch)
+    return batch if device is None else map_leaves(lambda t: t.to(device) if torch.is_tensor(t) else t, batch)
 
 
 # ----------------------------------------------------------------------------- by name

@@ -1,6 +1,9 @@
-"""Refresh the README's pictures: the live cluster widget mid-run, and a recorded step's timeline.
+"""Refresh the README's pictures: the live cluster widget mid-run, and a recorded step's timeline; and
+docs/own_script.md's recorded Lightning step.
 
-    python docs/refresh_images.py          # writes docs/img/cluster_widget.png, docs/img/plot_timeline.png
+    python docs/refresh_images.py          # writes docs/img/cluster_widget.png, docs/img/plot_timeline.png,
+                                           # docs/img/lightning_timeline.png
+    python docs/refresh_images.py lightning   # only the last (no browser): the page's own two commands
 
 Starts JupyterLab (headless Chromium, as the browser tests do: ``tests/browser.py``) on a
 scratch notebook in a temporary folder, starts a 2-rank cluster, and trains the default MLP
@@ -13,6 +16,11 @@ the checkout is written; the tests never write these files.
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +66,42 @@ cluster.shutdown()
 
 
 def main() -> int:
+    only = sys.argv[1:] or ["widget", "lightning"]
+    if "lightning" in only and lightning_picture():
+        return 1
+    return widget_pictures() if "widget" in only else 0
+
+
+def lightning_picture() -> int:
+    """docs/own_script.md's picture of a recorded Lightning run: the ```bash block of its section "Seeing a
+    framework's run", run as written (torchrun, then ``python -m ddpkit draw``) in a scratch folder."""
+    page = (REPO / "docs" / "own_script.md").read_text()
+    section = page.split("### Seeing a framework's run", 1)[1]
+    commands = [shlex.split(line) for line in section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
+    with tempfile.TemporaryDirectory() as tmp:
+        for words in commands:
+            if words[0] == "torchrun":  # torchrun is torch's launcher module; a free port, not 29500
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = str(s.getsockname()[1])
+                words = [sys.executable, "-m", "torch.distributed.run", "--master-port", port, *words[1:]]
+            elif words[0] == "python":
+                words = [sys.executable, *words[1:]]
+            words = [str(REPO / w) if w.startswith("docs/") else w for w in words]
+            env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            done = subprocess.run(words, cwd=tmp, env=env, capture_output=True, text=True)
+            if done.returncode:
+                print(f"{shlex.join(words)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}", file=sys.stderr)
+                return 1
+        IMG.mkdir(parents=True, exist_ok=True)
+        draw = commands[-1]
+        drawn = Path(tmp) / draw[draw.index("draw") + 1] / "timeline.png"
+        shutil.copy(drawn, IMG / "lightning_timeline.png")
+    print(f"wrote {IMG / 'lightning_timeline.png'}")
+    return 0
+
+
+def widget_pictures() -> int:
     reason = missing()
     if reason:
         print(f"cannot refresh the pictures: {reason}", file=sys.stderr)

@@ -12,6 +12,9 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY = {
     "bench_cluster.py": (["--repeats", "1", "--round-trips", "5"], "first 8 calls"),
+    "bench_costmodel.py": (["--world-sizes", "2", "--runs", "1", "--rounds", "1", "--steps", "1", "--strategies",
+                            "bucketed,fsdp", "--width", "16", "--depth", "2", "--phases"],
+                           "error = model / measured - 1"),
     "bench_contention.py": (["--world-sizes", "2", "--chunks-ms", "0.5", "--iters", "10", "--repeats", "1"],
                             "sync cost per iteration"),
     "bench_desync.py": (["--rounds", "2", "--steps", "1", "--strategies", "overlapped"], "detection costs"),

@@ -279,7 +279,6 @@ def test_predict_validate_puts_predictions_beside_measurements(tmp_path):
     assert [(r["world_size"], r["strategy"]) for r in records] == [(2, "naive"), (2, "bucketed"), (2, "fsdp")]
     for r in records:
         assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and len(r["measured_ms_rounds"]) == 1
-        assert r["predicted_from_timings_ms"] > 0
         assert r["rel_error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
         assert f"{r['rel_error']:+.0%}" in res.stdout
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddpkit import costmodel as cm
 from ddpkit.costmodel.stream import Stream
-from ddpkit.network import Link, LinkClock, Network, collective_time
+from ddpkit.network import Link, LinkClock, Network, collective_time, ring_terms
 from ddpkit.strategies.table import NAMES, strategy
 
 NET = Link("test", alpha=20e-6, beta=1 / 10e9)  # 20 us per message, 10 GB/s
@@ -25,6 +25,34 @@ def test_collective_times_follow_the_ring_formulas():
     assert collective_time("all_reduce", s, 1, NET) == 0.0
     with pytest.raises(KeyError):
         collective_time("all_to_all", s, 2, NET)
+    # its two terms, which a fit regresses on and a matched link solves: messages x alpha + bytes x beta
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"):
+        for n in (2, 3, 8):
+            messages, carried = ring_terms(op, s, n)
+            assert collective_time(op, s, n, NET) == pytest.approx(messages * NET.alpha + carried * NET.beta)
+    assert ring_terms("all_reduce", s, 4) == (6, 1.5 * s) and ring_terms("all_gather", s, 1) == (0, 0)
+
+
+def test_one_route_says_which_link_how_long_and_when_the_bytes_move():
+    """``Network.route``, the timing policy the process group, the emulator and the cost model all
+    ask: the link a group's collectives take, their time on it, and whether their bytes move at the
+    wait (only an emulated link over the shared-memory transport: the emulated network card)."""
+    s = 1e6
+    net = Network("10GbE", gpus_per_node=2)
+    across, inside = net.route([0, 2], "shm"), net.route([0, 1], "shm")
+    assert (across.kind, across.link, inside.kind, inside.link) == ("inter-node", net.inter, "intra-node", net.intra)
+    assert across.time("all_reduce", s) == collective_time("all_reduce", s, 2, net.inter)
+    assert across.time("all_reduce", s) == net.emulated_time("all_reduce", s, [0, 2])
+    assert across.at_wait and inside.at_wait
+    assert not any(net.route([0, 2], t).at_wait for t in ("gloo", "nccl", "cuda-ipc", ""))
+    plain = Network("loopback").route([0, 1], "shm")  # nothing emulated: the transport's own time, from the issue
+    assert plain.link is None and plain.time("all_reduce", s) == 0.0 and not plain.at_wait
+    # the cost model's stream asks the same route, by the transport its floor was fitted on
+    floor = Link("fitted", 1e-6, 1e-10, host=True, transport="shm")
+    stream = Stream(2, net.with_floor(floor))
+    assert stream.issue("all_reduce", s, 0.0, [0, 2]).waiting
+    assert not Stream(2, net.with_floor(dataclasses.replace(floor, transport="gloo"))).issue(
+        "all_reduce", s, 0.0, [0, 2]).waiting
 
 
 def test_buckets_follow_torch_ddp_rules():
@@ -53,6 +81,18 @@ def test_one_rank_costs_exactly_the_compute():
         assert pred.comm_bytes_per_step == 0 and pred.collectives == 0
         assert pred.ms_per_step == pytest.approx(pred.compute_ms)
         assert pred.compute_ms == pytest.approx((p.forward_s + p.backward_s + p.optimizer_s) * 1e3)
+
+
+def test_a_group_of_one_ranks_all_gathers_and_reduce_scatters_copy_their_bytes():
+    """Alone, a rank moves nothing, but an all-gather or a reduce-scatter copies its input to its
+    output (one pass over S; an all-reduce is in place): what a wrapper timed alone pays, which
+    validate must not count as its host work (at N ranks the transport's line holds it)."""
+    p = dataclasses.replace(_mlp_like(), copy_s_per_byte=1e-9)  # 1 GB/s
+    passes = {s: (cm.simulate(s, p, 1, NET).ms_per_step - cm.simulate(s, _mlp_like(), 1, NET).ms_per_step)
+              / (p.param_bytes * 1e-6) for s in ("bucketed", "overlapped", "zero1", "zero2", "fsdp")}
+    # bucketed DDP's own two passes (into its buckets and out), ZeRO's into its buckets only, plus
+    # one pass each for the reduce-scatter and the all-gather; FSDP's three collectives per unit
+    assert passes == pytest.approx({"bucketed": 2, "overlapped": 2, "zero1": 3, "zero2": 3, "fsdp": 3}, rel=0.01)
 
 
 def test_bucket_size_has_an_optimum_inside_the_range():
@@ -174,23 +214,17 @@ def test_fit_gives_each_collective_its_own_line():
         Link("bad", 1e-6, 1e-9, per_op={"gossip": (1e-6, 1e-9)})
 
 
-def test_measured_timings_are_interpolated_at_their_world_size_only():
+def test_a_fitted_link_keeps_its_timings_to_print_beside_its_lines_and_prices_by_the_lines():
     samples = {"all_reduce": [(1024, 1e-3), (1 << 20, 2e-3), (1 << 22, 8e-3)],
                "all_gather": [(1024, 0.5e-3), (1 << 22, 4e-3)]}
-    net = cm.fit_link(samples, 2)
-    assert net.measured_world_size == 2
-    t = lambda op, s, n=2, network=net: collective_time(op, s, n, network)  # noqa: E731
-    assert t("all_reduce", 1 << 20) == pytest.approx(2e-3)                     # a measured point
-    mid = (1 << 20) + ((1 << 22) - (1 << 20)) / 2
-    assert t("all_reduce", mid) == pytest.approx(5e-3)                         # halfway between
-    assert t("all_reduce", 100) == pytest.approx(1e-3)                         # below: the smallest
+    net = cm.fit_link(samples, 2, transport="shm")
+    assert net.measured_world_size == 2 and net.transport == "shm"
     alpha, beta = net.alpha_beta("all_reduce")
-    assert t("all_reduce", 1 << 23) == pytest.approx(8e-3 + (1 << 22) * beta)  # above: the fitted slope
-    assert t("reduce_scatter", 1 << 20) == pytest.approx(alpha + (1 << 19) * beta)  # not measured: a line
-    line = net.line()
-    assert not line.measured and line.alpha_beta("all_gather") == net.alpha_beta("all_gather")
-    assert t("all_reduce", 1 << 20, 4) == pytest.approx(6 * alpha + 1.5 * (1 << 20) * beta)  # other N: line
-    assert t("all_reduce", 1 << 20, network=line) == pytest.approx(2 * alpha + (1 << 20) * beta)
+    for n in (2, 4):  # one formula at every world size, the measured one included
+        assert collective_time("all_reduce", 1 << 20, n, net) == pytest.approx(
+            2 * (n - 1) * alpha + 2 * (n - 1) / n * (1 << 20) * beta)
+    text = cm.format_fit(net)
+    assert "1024 2.00/" in text and "(KiB measured/fitted ms)" in text  # each timing beside its line
     with pytest.raises(ValueError, match="world size"):
         Link("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
 
@@ -273,13 +307,42 @@ def test_the_validation_table_says_which_rows_outran_the_link_and_what_that_mean
     from ddpkit.costmodel.validate import format_validation
 
     rec = dict(world_size=4, predicted_ms=10.0, measured_ms=11.0, rel_error=10 / 11 - 1, measured_ms_rounds=[11.0],
-               predicted_from_timings_ms=10.0, host_ms=0.5)
+               host_ms=0.5)
     few = dict(rec, strategy="bucketed", outran_link=0.1)
     assert "outran" not in format_validation([few])
     assert "outran" not in format_validation([dict(rec, strategy="fsdp", outran_link=None)])  # no emulated link
     text = format_validation([few, dict(rec, strategy="fsdp", outran_link=0.6)])
     assert "(fsdp (4 ranks) 60%;" in text and "bucketed (4 ranks)" not in text
     assert "that row checks the fitted transport" in " ".join(text.split())
+
+
+def test_the_validation_table_says_what_each_column_is_and_how_near_the_model_came():
+    """One model column and one error (model / measured - 1), the rounds' range and spread beside
+    the median, and under each world size the mean and worst error and the two orders."""
+    from ddpkit.costmodel.validate import format_validation, summary
+
+    def rec(name, predicted, rounds, n=2):
+        measured = sorted(rounds)[len(rounds) // 2]
+        return dict(strategy=name, world_size=n, predicted_ms=predicted, measured_ms=measured,
+                    rel_error=predicted / measured - 1, measured_ms_rounds=rounds, host_ms=1.0)
+
+    records = [rec("bucketed", 10.5, [10.0, 10.0, 10.2]), rec("fsdp", 19.0, [18.0, 20.0, 24.0]),
+               rec("zero1", 9.0, [9.5, 9.6, 9.55])]
+    text = format_validation(records)
+    head = text.splitlines()[0].split()
+    assert head == ["ranks", "strategy", "measured", "rounds", "(min-max)", "spread", "model", "error", "host", "work"]
+    assert "from timings" not in text and text.count("error") >= 2
+    row = next(line for line in text.splitlines() if " fsdp " in line).split()
+    assert row[2:7] == ["20.00", "18.0-24.0", "30%", "19.00", "-5%"]
+    flat = " ".join(text.split())
+    for words in ("error: model / measured - 1", "spread: (slowest - fastest) / measured", "the median of 3 rounds"):
+        assert words in flat
+    lines = summary(records)
+    assert lines[0].startswith("mean |error| 5.3%, worst -5.8% (zero1)")  # (5% + 5% + 5.8%) / 3, the worst
+    assert "measured order zero1 < bucketed < fsdp, the model's the same" in lines[0]
+    assert lines[1] == "rounds spread wider than 5%: fsdp; the model inside their range: fsdp"
+    swapped = summary([rec("bucketed", 12.0, [10.0]), rec("zero1", 11.0, [11.0])])
+    assert swapped[0].endswith("measured order bucketed < zero1, the model's zero1 < bucketed") and len(swapped) == 1
 
 
 def test_fsdp_switches_are_what_the_simulation_runs():
@@ -368,12 +431,13 @@ def test_each_rank_times_the_wrappers_alone_without_its_peers(cluster_of):
 
 
 def test_at_wait_the_rank_moves_the_bytes_when_it_waits():
-    """``Link.at_wait`` (the emulated network card): an issue costs the rank nothing, the bytes move
+    """``Route.at_wait`` (the emulated network card: an emulated link over the shared-memory
+    transport, ``Link.transport``): an issue costs the rank nothing, the bytes move
     when it waits, beside the link's time; torch's DDP (futures) has the link's thread move them
     after the link delivered. Without the rule, a host transport's work is charged at the issue."""
     p = _mlp_like()  # 8 MiB of gradients, 6.4 ms of backward
     shm = Link("shm", alpha=0.0, beta=1 / 4e9, host=True)  # ~0.26 ms a 1 MiB bucket
-    at_wait = dataclasses.replace(shm, at_wait=True)
+    at_wait = dataclasses.replace(shm, transport="shm")
     moved = 8 * Network("paper").with_floor(shm).transport_time("all_reduce", 1024 * 1024, 2) * 1e3
 
     def step(strategy, network, floor):
@@ -444,8 +508,34 @@ def test_a_comm_hook_chains_on_futures_as_torchs_ddp():
     """Under at_wait a hooked bucket's bytes move on the link's thread when the link delivers (the
     hook's future is handed out, as torch's DDP's): the plain hook is on_futures, nothing more."""
     p = _mlp_like()
-    at_wait = Network("paper").with_floor(Link("shm", alpha=0.0, beta=1 / 4e9, host=True, at_wait=True))
+    at_wait = Network("paper").with_floor(Link("shm", alpha=0.0, beta=1 / 4e9, host=True, transport="shm"))
     cost = strategy("overlapped").cost
     hooked = cm.simulate("overlapped", p, 2, at_wait, 1, cost=dataclasses.replace(cost, comm_hook="allreduce"))
     on_futures = cm.simulate("overlapped", p, 2, at_wait, 1, cost=dataclasses.replace(cost, on_futures=True))
     assert hooked.ms_per_step == on_futures.ms_per_step != cm.simulate("overlapped", p, 2, at_wait, 1).ms_per_step
+
+
+def test_a_hybrid_wrapper_is_timed_alone_as_the_rows_one_node_form():
+    """A rank alone has no nodes: ``alone_as`` reads the table for the row that runs the same step
+    on one node (same CostStep, same implementation), and leaves every other row as it is."""
+    from ddpkit.costmodel.validate import _alone_as as alone_as
+
+    for name in NAMES:
+        row, alone = strategy(name), strategy(alone_as(name))
+        assert not alone.hybrid and alone.cost == row.cost and alone.torch_native == row.torch_native
+        assert (alone_as(name) == name) == (not row.hybrid)
+
+
+def test_the_emulations_overhead_is_added_beyond_the_slower_of_link_and_transport():
+    """``emulation_overhead`` measures what a collective waited for takes beyond the slower of the
+    transport and the link; the stream adds it there, whichever of the two is slower (a fast link
+    over a slow transport included), once per wait that moves the bytes."""
+    s, wake = 1 << 20, 0.4e-3
+    floor = Link("shm", 50e-6, 1 / 2e9, host=True, transport="shm")
+    for net in ("10GbE", "0,1000"):  # a slow link, then one faster than the transport
+        network = Network(net).with_floor(floor, wake)
+        stream = Stream(2, network)
+        done = stream.issue("all_reduce", s, 1.0)
+        slower = max(network.transport_time("all_reduce", s, 2), network.emulated_time("all_reduce", s, [0, 1]))
+        assert stream.wait(1.0, done) == pytest.approx(1.0 + slower + wake)
+        assert stream.wait(5.0, done) == 5.0  # moved and delivered long ago: nothing more to wait for

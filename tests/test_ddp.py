@@ -565,9 +565,9 @@ def _bucket_data():
                 assign_buckets([p.numel() * 4 for _, p in named], bucket_cap_bytes(SMALL_CAP))]
     views = all(s.data_ptr() == b.flat[off:].data_ptr() and s.shape == p.shape
                 for b in model.buckets
-                for s, p, off in zip(b.slots, b.params, [sum(b.numels[:j]) for j in range(len(b.params))],
+                for s, p, off in zip(b.slots, b.params, [sum(b.layout.numels[:j]) for j in range(len(b.params))],
                                      strict=True))
-    return ([(b.index, b.names, b.numels, b.nbytes, b.flat.dtype) for b in model.buckets], expected,
+    return ([(b.index, b.names, b.layout.numels, b.nbytes, b.flat.dtype) for b in model.buckets], expected,
             views, model.comm_buffer_bytes())
 
 
@@ -858,6 +858,25 @@ def _hook_by_name_on(cls_name, hook):
     ("BucketedDDP", "int8", "ValueError: unknown comm hook 'int8'; valid: allreduce, fp16_compress, bf16_compress")])
 def test_a_comm_hook_by_name_at_construction_or_a_clear_error(cluster_of, cls_name, hook, message):
     assert cluster_of(1).run(_hook_by_name_on, cls_name, hook)[0].startswith(message)
+
+
+def _a_hook_returning_none(cls_name):
+    def forgot_to_return(bucket, process_group, recorder):
+        bucket.flat.add_(0)  # reduces nothing, returns nothing
+
+    model = getattr(ddpkit, cls_name)(nn.Linear(2, 2), comm_hook=forgot_to_return)
+    try:
+        model(torch.ones(3, 2)).sum().backward()
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("cls_name", ["BucketedDDP", "OverlappedDDP"])
+def test_a_comm_hook_that_returns_no_future_is_named_where_it_is_called(cluster_of, cls_name):
+    message = cluster_of(1).run(_a_hook_returning_none, cls_name)[0]
+    assert message.startswith("comm hook _a_hook_returning_none.<locals>.forgot_to_return returned NoneType for "
+                              "bucket 0: a hook must return a torch.futures.Future of the reduced buffer"), message
 
 
 def _hook_on(cls):

@@ -161,6 +161,15 @@ def test_torch_ddps_arguments_that_cannot_be_honoured_are_refused_by_name(cluste
     assert "not torch's (state, hook) pair" in errors["torch hook"][1]
 
 
+@pytest.mark.parametrize("wrapper", ["NaiveDDP", "BucketedDDP", "OverlappedDDP", "ZeRO1", "ZeRO2"])
+def test_device_ids_as_an_int_is_refused_as_torch_refuses_it(wrapper):
+    # torch's DDP takes a list (``device_ids=[rank]``); an int was read as "no device" before, and
+    # failed later (here: no process group), or trained on the CPU in a GPU script
+    with pytest.raises(TypeError, match=rf"{wrapper}: device_ids must be None or a list of one device, as "
+                                        r"torch's DDP takes it \(device_ids=\[0\]\), got int 0"):
+        getattr(ddpkit, wrapper)(nn.Linear(3, 3), device_ids=0)
+
+
 def _init_sync_off():
     torch.manual_seed(dist.get_rank())
     module = nn.Linear(3, 3)

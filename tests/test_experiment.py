@@ -3,6 +3,8 @@ overlap and memory it reports agree with theory. (Every strategy equals one proc
 off, at 1, 2 and 4 ranks, on both models and both optimizers: ``test_equivalence.py``.)"""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import ddpkit
@@ -25,6 +27,17 @@ def test_fsdp_units_one_per_linear_or_block():
 def test_unknown_strategy_is_a_clear_error(cluster_of):
     with pytest.raises(ddpkit.RankError, match="unknown strategy 'bogus'; valid: naive, bucketed"):
         cluster_of(2).run(run_strategy, "bogus", steps=1, model_kwargs=TINY)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(steps=0), "steps must be a whole number >= 1 (the timed steps, after the warmup), got 0"),
+    (dict(steps=-1), "steps must be a whole number >= 1 (the timed steps, after the warmup), got -1"),
+    (dict(steps=2.5), "steps must be a whole number >= 1 (the timed steps, after the warmup), got 2.5"),
+    (dict(warmup=-1), "warmup must be a whole number >= 0 (untimed steps first), got -1")])
+def test_steps_and_warmup_out_of_range_are_named_before_anything_runs(kwargs, message):
+    # steps=0 used to report 0.0 ms/step, steps=-1 an UnboundLocalError after building the model
+    with pytest.raises(ValueError, match=re.escape(f"run_strategy: {message}")):
+        run_strategy("naive", **kwargs)
 
 
 @pytest.mark.parametrize("strategy", NAMES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -520,6 +521,15 @@ def _bad_limit(limit):
         ddpkit.FSDP(build_model("mlp", **SMALL_MLP), limit_all_gathers=limit)
     except ValueError as e:
         return str(e)
+
+
+@pytest.mark.parametrize("argument", ["param_dtype", "reduce_dtype"])
+@pytest.mark.parametrize("dtype", ["bf16", torch.int8])
+def test_a_mixed_precision_dtype_that_is_not_a_floating_torch_dtype_is_named(argument, dtype):
+    # before any collective (no process group here): "bf16" used to fail inside torch, mid-construction
+    with pytest.raises(ValueError, match=rf"FSDP: {argument} takes a floating torch.dtype \(e.g. torch.bfloat16\) "
+                                         rf"or None \(the parameters' own\), got {re.escape(repr(dtype))}"):
+        ddpkit.FSDP(nn.Linear(2, 2), **{argument: dtype})
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5])

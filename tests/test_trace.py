@@ -519,15 +519,16 @@ def _traced_run(strategy: str, steps: int = 2):
         rec = Recorder()
         rec.align_clocks()
         module = build_model("mlp", width=64, depth=6)
-        cls = {"overlapped": ddpkit.OverlappedDDP, "bucketed": ddpkit.BucketedDDP}[strategy]
-        # 64*64*4 B = 16 KiB per weight: a 0.03 MB cap gives a few buckets
-        model = cls(module, bucket_cap_mb=0.03, recorder=rec)
+        # 64*64*4 B = 16 KiB per weight: a 0.03 MB cap gives a few buckets (naive: one per gradient)
+        model = (ddpkit.NaiveDDP(module, recorder=rec) if strategy == "naive" else
+                 {"overlapped": ddpkit.OverlappedDDP, "bucketed": ddpkit.BucketedDDP}[strategy](
+                     module, bucket_cap_mb=0.03, recorder=rec))
         opt = make_optimizer(model.parameters(), "sgd")
         for step in range(steps):
             rec.next_step()
             x, y = local_batch(module, 16, step, rank, ws)
             train_step(model, opt, x, y, rec)
-        return rec.trace(), len(model.buckets), sum(p.numel() * 4 for p in module.parameters())
+        return rec.trace(), len(model.buckets or model.named_grads), sum(p.numel() * 4 for p in module.parameters())
 
     return job
 
@@ -554,18 +555,52 @@ def test_overlapped_ddp_communicates_during_backward_in_bucket_order(cluster_of)
     assert overlap_fraction(trace) > 0
 
 
-def test_bucketed_ddp_communicates_only_after_backward(cluster_of):
-    results = cluster_of(2).run(_traced_run("bucketed"))
+def _own_loop_bucketed():
+    """A loop of its own (no train_step): the wrapper times forward and backward itself."""
+    import torch.distributed as dist
+
+    import ddpkit
+    from ddpkit.experiment import local_batch
+    from ddpkit.models import build_model, loss_fn
+    from ddpkit.trace import Recorder
+
+    rec = Recorder()
+    module = build_model("mlp", width=64, depth=6)
+    model = ddpkit.BucketedDDP(module, bucket_cap_mb=0.03, recorder=rec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = local_batch(module, 16, step, dist.get_rank(), dist.get_world_size())
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return rec.trace()
+
+
+def test_a_loop_of_its_own_records_backward_up_to_the_last_gradient_not_the_sync(cluster_of):
+    trace = Trace.merge(cluster_of(2).run(_own_loop_bucketed))
+    for rank in trace.ranks:
+        for step in trace.steps:
+            (backward,) = trace.select(rank=rank, step=step, name="backward")
+            launches = launch_order(trace, rank, step)
+            assert launches and all(backward.end_ns <= r.start_ns for r in launches)
+
+
+@pytest.mark.parametrize("strategy", ["bucketed", "naive"])
+def test_bucketed_and_naive_communicate_only_after_backward_in_the_sync_span(cluster_of, strategy):
+    """They sync inside loss.backward() (a callback queued at the end of backward), yet the recorded
+    "backward" span is autograd's work only: it ends at the last gradient, and every all-reduce lies
+    in the "sync" span after it, so the timeline does not draw them as overlapping backward."""
+    results = cluster_of(2).run(_traced_run(strategy))
     trace = Trace.merge([t for t, _, _ in results])
     buckets, model_bytes = results[0][1], results[0][2]
     for rank in trace.ranks:
         for step in trace.steps:
             (backward,) = trace.select(rank=rank, step=step, name="backward")
+            (sync,) = trace.select(rank=rank, step=step, name="sync")
             launches = launch_order(trace, rank, step)
             assert len(launches) == buckets
-            # at the end of backward (its queued callback): after autograd's last gradient, before
-            # loss.backward() returns
             last_ready = max(t for _, _, t in bucket_fill_order(trace, rank, step))
-            assert all(last_ready <= r.start_ns and r.end_ns <= backward.end_ns for r in launches)
+            assert backward.start_ns <= last_ready <= backward.end_ns <= sync.start_ns
+            assert all(sync.start_ns <= r.start_ns and r.end_ns <= sync.end_ns for r in launches)
     assert overlap_fraction(trace) == 0.0
     assert comm_bytes_per_step(trace)[0] == {0: float(model_bytes), 1: float(model_bytes)}

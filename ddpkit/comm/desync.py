@@ -237,8 +237,8 @@ def short_entry(e: Entry) -> str:
 
 
 # the files of ddpkit's DDP wrappers (``Entry.via`` names the strategy file a collective came through)
-DDP_FILES = ("naive.py", "bucketed.py", "overlapped.py", "ddp_module.py", "buckets.py", "comm_hooks.py",
-             "zero1.py", "zero2.py", "zero_buckets.py")
+DDP_FILES = ("naive.py", "bucketed.py", "overlapped.py", "ddp_module.py", "ddp_compat.py", "buckets.py",
+             "comm_hooks.py", "zero1.py", "zero2.py", "zero_buckets.py")
 
 
 def _by_ddp(e: Entry) -> bool:

@@ -6,7 +6,7 @@ emulator makes every collective take as long as it would on a chosen network (``
 
 How: each link (intra-node, inter-node) is one daemon thread with a FIFO queue. The real
 collective runs (the bytes really move) while the link carries it, from its issue or from when the
-link frees up, for ``Network.emulated_time`` (``ddpkit.network``'s ring formulas); it completes
+link frees up, for the group's ``Network.route`` time (``ddpkit.network``'s ring formulas); it completes
 when both are done, ``max(real end, max(issue, link free) + link time)``, the rule of
 ``network.LinkClock``, which the cost model simulates too. So where the link is slower than this
 machine's transport, its time replaces the transfer's, as on the network itself
@@ -15,11 +15,12 @@ decides: each link counts how often (``Emulator.fidelity``), and ``compare`` and
 beside their figures. Waiting sleeps (``time.sleep``, ``Work.wait``), never spins: backward keeps
 the cores.
 
-The network card, emulated (``at_wait``): on the cluster being emulated, a network card and NCCL
-move the bytes, not the cores that run backward. So on the shared-memory transport nothing moves at the issue: the
-rank moves the bytes when it waits (``EmulatedWork.wait``), on a core that would otherwise idle, or
-the link's thread does when the link delivers a collective whose future was handed out (torch's DDP
-and our comm hooks chain work on it). gloo's sockets and NCCL move bytes on threads and a GPU of
+The network card, emulated (``at_wait``, where the collective's ``Network.route`` says so): on the
+cluster being emulated, a network card and NCCL move the bytes, not the cores that run backward. So
+on the shared-memory transport nothing moves at the issue: the rank moves the bytes when it waits
+(``EmulatedWork.wait``), on a core that would otherwise idle, or the link's thread does when the
+link delivers a collective whose future was handed out (torch's DDP and our comm hooks chain work
+on it). gloo's sockets and NCCL move bytes on threads and a GPU of
 their own. On a GPU the link's thread polls the collective's end event (a wait would hold back the
 caller's stream) and the ``Work`` handed back does the real ``wait()`` in the caller's thread.
 ``docs/laptop_cluster.md`` says what this changed, and how it was measured.
@@ -182,17 +183,18 @@ class Emulator:
         """Does a collective that takes ``link_s`` on its link need to wait on the emulator?"""
         return self.enabled and link_s > 0
 
-    def submit(self, kind: str, work, link_s: float, result, issued_s: float | None = None):
+    def submit(self, kind: str, work, link_s: float, result, issued_s: float | None = None, at_wait: bool = False):
         """Queue a collective already launched on the real backend (``result``: its output
         tensors; ``issued_s``: ``time.perf_counter()`` when it was issued, before its launch, else
-        now); returns a ``Work`` that completes at its emulated completion time."""
+        now; ``at_wait``: launched to move its bytes at the wait, as its ``Route`` says); returns
+        a ``Work`` that completes at its emulated completion time."""
         import torch
 
         issued = time.perf_counter() if issued_s is None else issued_s
         future = torch.futures.Future()
         device = _device_of(result)
         on_gpu = device is not None and device.type == "cuda"
-        at_wait = not on_gpu and getattr(work, "at_wait", False)  # the shared-memory transport's
+        at_wait = at_wait and not on_gpu  # a CUDA collective's end is polled (see the docstring)
         transfer = _Transfer(work, future, link_s, result, on_gpu, issued, at_wait=at_wait)
         if not on_gpu:  # when did the real bytes arrive? (a CUDA future completes at launch: no use)
             _note_end(work, transfer)

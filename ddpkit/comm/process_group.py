@@ -13,9 +13,9 @@ reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimi
    with its link and group, in the rank's recorder when recording is on (``trace.seam.recorder()``);
    a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
    and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
-3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``: it takes
-   ``Network.emulated_time`` on its link) and returns a ``Work`` that completes when the emulated
-   link would have delivered it; on the shared-memory transport it launches it ``at_wait``;
+3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``) and returns a
+   ``Work`` that completes when the emulated link would have delivered it: the group's
+   ``Network.route`` says which link, how long on it, and whether to launch it ``at_wait``;
 4. keeps it in the rank's flight recorder (``ddpkit.comm.flight``), always, *before* launching it: the
    group, its index in the group, op, bytes, dtype, labels and the user's line that issued it.
    When ranks' sequences part, ``ddpkit.comm.desync`` compares these.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.emulator import EmulatedWork
 from ddpkit.comm.rank_comm import Comm
-from ddpkit.network import Network, collective_time, ring_bytes
+from ddpkit.network import Network, Route, ring_bytes
 from ddpkit import rankside
 from ddpkit.trace import seam
 from ddpkit.torch_internals import (AllgatherOptions, backend_registered, hold_for_torch, register_real_backend,
@@ -80,7 +80,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         self._group = tuple(global_ranks)  # names the group in records (same_collectives matches on it)
         self._id = comm.flight.new_group(global_ranks)  # groups are made in the same order on every rank
         self._index = itertools.count(1)   # this group's sequence: 1 for its first collective
-        self._links = (None, None)          # (network, this group's link on it): see _link_on
+        self._route = (None, None)          # (network, this group's Route on it): see _route_on
         # torch holds the real backend itself (a staging wrapper is Python only: what it wraps);
         # ranks on a GPU over gloo's family register it for CUDA tensors too, as torch does for gloo
         register_real_backend(self, getattr(real, "inner", real), comm.real_backend,
@@ -97,9 +97,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         when the rank waits (``ddpkit.comm.emulator``)."""
         comm = self.comm
         n = self.size()
-        link, emulated = self._link_on(comm.network)
-        # Network.emulated_time's own rule, with this group's link looked up once
-        link_s = collective_time(op, full_bytes, n, emulated) if emulated is not None else 0.0
+        route = self._route_on(comm.network)
+        link_s = route.time(op, full_bytes)
         delayed = comm.emulator.delays(link_s)
         rec, labels = seam.recorder(), seam.labelled()
         recorders = [r for r in (rec if rec.enabled else None,
@@ -111,22 +110,22 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         # stream, so a start event recorded after launch() would fire after the collective
         marks = [r.launch_mark() for r in recorders]
         issued = time.perf_counter()  # the link starts on it now, as the launch starts moving bytes
-        at_wait = delayed and comm.real_backend == "shm"  # the emulated network card (comm.emulator)
+        at_wait = delayed and route.at_wait  # the emulated network card (comm.emulator)
         work = launch(at_wait=True) if at_wait else launch()
-        comm.count(op, link, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
+        comm.count(op, route.kind, ring_bytes(op, full_bytes, n), ring_bytes(moved_as or op, full_bytes, n))
         if delayed:
-            work = comm.emulator.submit(link, work, link_s, result, issued)
+            work = comm.emulator.submit(route.kind, work, link_s, result, issued, at_wait)
         comm.flight.launched(pending, work)  # the watchdog watches the Work the caller waits on
         if recorders:
-            self._record(op, work, full_bytes, link, recorders, marks, labels)
+            self._record(op, work, full_bytes, route.kind, recorders, marks, labels)
         return hold_for_torch(work)  # torch 2.6 let C++ keep only its half of a Python Work
 
-    def _link_on(self, network) -> tuple[str, object]:
-        """This group's link on ``network``: ("intra-node" or "inter-node", the emulated ``Link`` or
-        None), worked out once per network (``Network.link_for``), not once per collective."""
-        if self._links[0] is not network:
-            self._links = (network, network.link_for(self.global_ranks))
-        return self._links[1]
+    def _route_on(self, network) -> Route:
+        """This group's ``Route`` on ``network`` over this rank's transport, worked out once per
+        network (``Network.route``), not once per collective."""
+        if self._route[0] is not network:
+            self._route = (network, network.route(self.global_ranks, self.comm.real_backend))
+        return self._route[1]
 
     def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
         """The collective's one record (this group is its one writer): in the rank's recorder,

@@ -13,7 +13,7 @@ import time
 from functools import partial
 
 from ddpkit.costmodel.simulate import Layer, MiB, Profile
-from ddpkit.network import RING_STEPS, Link, collective_time, link_bytes
+from ddpkit.network import RING_STEPS, Link, collective_time, ring_terms
 
 
 # --------------------------------------------------------------------------- compute profile
@@ -26,7 +26,8 @@ def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats:
 
     Backward is not timed per layer (module backward hooks are fragile): each layer gets the
     measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
-    forward times are scaled so they add up to the whole forward (activations, loss included).
+    forward times, from forwards of their own with a timing hook around every layer, are scaled to
+    the whole forward (activations, loss included) timed without hooks, as a training step runs.
     ``units`` are the FSDP units, modules or classes (default: ``strategies.table.fsdp_units``: the
     blocks of a model's largest ModuleList, for one it does not know). The optimizer steps, so
     pass a model you do not need afterwards. Also timed, right after backward: scaling every
@@ -57,45 +58,49 @@ def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats:
         for m in unit.modules():
             unit_of[id(m)] = uname
 
-    starts, fwd = {}, {name: [] for name, _, _ in owners}
-    handles = []
-    for name, m, _ in owners:
-        handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: starts.__setitem__(n, time.perf_counter())))
-        handles.append(m.register_forward_hook(
-            lambda mod, a, o, n=name: fwd[n].append(time.perf_counter() - starts[n])))
     opt = make_optimizer(module.parameters(), optimizer)
     params = [p for p in module.parameters() if p.requires_grad]
     flat = torch.empty(sum(p.numel() for p in params), device=dev)
     slots = flat.split([p.numel() for p in params])
     totals = {"forward": [], "backward": [], "step": [], "copy": []}
+    for _ in range(repeats + 1):  # the first is a warmup
+        sync()
+        t0 = time.perf_counter()
+        value = loss(module, batch)
+        sync()
+        t1 = time.perf_counter()
+        value.backward()
+        sync()
+        t2 = time.perf_counter()
+        for p, slot in zip(params, slots, strict=True):  # what a bucketed DDP does with each gradient:
+            if p.grad is not None:              # scale it into its bucket slot ...
+                torch.mul(p.grad.reshape(-1), 0.5, out=slot)
+        for p, slot in zip(params, slots, strict=True):  # ... and copy the slot back out
+            if p.grad is not None:
+                p.grad.view(-1).copy_(slot)
+        sync()
+        t3 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        t4 = time.perf_counter()
+        for k, v in zip(totals, (t1 - t0, t2 - t1, t4 - t3, t3 - t2), strict=True):
+            totals[k].append(v)
+    med = {k: statistics.median(v[1:]) for k, v in totals.items()}
+
+    starts, fwd = {}, {name: [] for name, _, _ in owners}  # each layer's share of the forward
+    handles = []
+    for name, m, _ in owners:
+        handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: starts.__setitem__(n, time.perf_counter())))
+        handles.append(m.register_forward_hook(
+            lambda mod, a, o, n=name: fwd[n].append(time.perf_counter() - starts[n])))
     try:
-        for _ in range(repeats + 1):  # the first is a warmup
+        for _ in range(repeats + 1):
+            loss(module, batch)
             sync()
-            t0 = time.perf_counter()
-            value = loss(module, batch)
-            sync()
-            t1 = time.perf_counter()
-            value.backward()
-            sync()
-            t2 = time.perf_counter()
-            for p, slot in zip(params, slots, strict=True):  # what a bucketed DDP does with each gradient:
-                if p.grad is not None:              # scale it into its bucket slot ...
-                    torch.mul(p.grad.reshape(-1), 0.5, out=slot)
-            for p, slot in zip(params, slots, strict=True):  # ... and copy the slot back out
-                if p.grad is not None:
-                    p.grad.view(-1).copy_(slot)
-            sync()
-            t3 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-            t4 = time.perf_counter()
-            for k, v in zip(totals, (t1 - t0, t2 - t1, t4 - t3, t3 - t2), strict=True):
-                totals[k].append(v)
     finally:
         for h in handles:
             h.remove()
-    med = {k: statistics.median(v[1:]) for k, v in totals.items()}
     layer_fwd = {n: statistics.median(v[1:]) if len(v) > 1 else 0.0 for n, v in fwd.items()}
     total = sum(layer_fwd.values()) or 1.0
     layers = [Layer(name, pb, med["forward"] * layer_fwd[name] / total,
@@ -144,10 +149,6 @@ def median_profile(profiles: list[Profile]) -> Profile:
 
 
 # --------------------------------------------------------------------------- the wrappers' own work
-# Hybrid sharding needs nodes; alone, each is timed as its one-node form (``wrapper_job``).
-ALONE_AS = {"hsdp": "fsdp", "torch_hsdp": "torch_fsdp"}
-
-
 def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
                 bucket_cap_mb: float | None = None, model_kwargs: dict | None = None, steps: int = 5) -> dict:
     """A Cluster job: every rank trains each of ``runs`` (``{label: (strategy, wrapper options)}``)
@@ -156,7 +157,7 @@ def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer:
     the median of ``steps`` after a warmup. Beyond the compute ``profile_job`` measures and the
     copies the model counts, that is the wrapper's own work on the rank's cores: Python in every
     gradient hook, flattening and unflattening, launching collectives (``validate`` adds it to
-    the model). Hybrid sharding cannot run alone: time its one-node form (``ALONE_AS``)."""
+    the model). Hybrid sharding cannot run alone: ``validate`` times its one-node form."""
     import torch
     import torch.distributed as dist
 
@@ -331,10 +332,11 @@ def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), 
 
 
 def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
-    """alpha, beta for one collective: t = steps x alpha + bytes on its busiest link x beta
-    (``link_bytes``), a straight line in S fitted for *relative* error (weights 1/t^2), both
-    kept >= 0."""
-    xs = [link_bytes(op, s, world_size) for s, _ in samples]
+    """alpha, beta for one collective: t = messages x alpha + bytes on its busiest link x beta
+    (``network.ring_terms``, ``collective_time``'s), a straight line in S fitted for *relative*
+    error (weights 1/t^2), both kept >= 0."""
+    messages = ring_terms(op, 0, world_size)[0]
+    xs = [ring_terms(op, s, world_size)[1] for s, _ in samples]
     ys = [t for _, t in samples]
     ws = [1 / (t * t) if t > 0 else 0.0 for t in ys]
     sw = sum(ws)
@@ -345,20 +347,21 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
     sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
     slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx if sxx else 0.0
     beta = max(slope, 0.0)
-    alpha = max(my - beta * mx, 0.0) / RING_STEPS[op](world_size)
+    alpha = max(my - beta * mx, 0.0) / messages
     return alpha, beta
 
 
-def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False) -> Link:
+def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False, transport: str = "") -> Link:
     """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
     or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
     rank's per size), which fits each collective its own line (``Link.per_op``). The timings
-    are kept too (``Link.measured``): at N ranks predictions interpolate them.
+    are kept too (``Link.measured``), for ``format_fit``.
 
     Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
     fitted for *relative* error; a plain least-squares fit would let the largest size decide
     alone and leave alpha at zero. The link's own alpha and beta are the all-reduce's. ``host``:
-    the transport timed moves the bytes with the ranks' own cores (``Link.host``).
+    the transport timed moves the bytes with the ranks' own cores (``Link.host``); ``transport``:
+    its name (``Link.transport``).
     """
     if world_size < 2:
         raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
@@ -372,7 +375,7 @@ def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False)
     alpha, beta = per_op.get("all_reduce", next(iter(per_op.values())))
     measured = {op: tuple(sorted((float(s), float(t)) for s, t in rows)) for op, rows in by_op.items()}
     return Link(name, alpha=alpha, beta=beta, per_op=per_op if len(per_op) > 1 else {},
-                measured=measured, measured_world_size=world_size, host=host)
+                measured=measured, measured_world_size=world_size, host=host, transport=transport)
 
 
 def slowest_rank(per_rank: list[dict]) -> dict:
@@ -383,12 +386,12 @@ def slowest_rank(per_rank: list[dict]) -> dict:
 
 def format_fit(network: Link) -> str:
     """Each collective's fitted line, and the timings it was fitted to (``network.measured``)."""
-    n, line = network.measured_world_size, network.line()
+    n = network.measured_world_size
     lines = [f"fitted on {n} ranks (collectives timed in a row, slowest rank):"]
     for op, rows in network.measured.items():
         alpha, beta = network.alpha_beta(op)
         lines.append(
             f"  {op:<14} alpha {alpha * 1e6:7.1f} us, {1e-9 / beta if beta else float('inf'):6.2f} GB/s;  "
-            + "  ".join(f"{size / 1024:.0f} {sec * 1e3:.2f}/{collective_time(op, size, n, line) * 1e3:.2f}"
+            + "  ".join(f"{size / 1024:.0f} {sec * 1e3:.2f}/{collective_time(op, size, n, network) * 1e3:.2f}"
                         for size, sec in rows) + "  (KiB measured/fitted ms)")
     return "\n".join(lines)

@@ -105,6 +105,8 @@ class Prediction:
     exposed_comm_ms: float          # ms_per_step - compute_ms: what overlap failed to hide
     comm_bytes_per_step: float
     collectives: int
+    phases_ms: dict = dataclasses.field(default_factory=dict)  # {"forward", "backward" (its sync
+                                    # included), "step" (the optimizer's, its all-gathers included)}: ms
 
 
 def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
@@ -163,9 +165,11 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
 
 
 def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool = True,
-               forward_prefetch: bool = False, backward_prefetch: bool = True, limit: int | None = None) -> float:
+               forward_prefetch: bool = False, backward_prefetch: bool = True,
+               limit: int | None = None) -> tuple[float, float]:
     """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
-    resharded), reduce-scatter its gradient after its backward, the optimizer over 1/N shards.
+    resharded), reduce-scatter its gradient after its backward; returns (when forward ends, when
+    backward's communication does). The optimizer over 1/N shards is the caller's.
 
     Prefetch as our FSDP does it: with ``forward_prefetch`` / ``backward_prefetch`` the next unit's
     all-gather is issued when the current unit's compute starts; without, only when its compute
@@ -205,6 +209,7 @@ def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool
             start, gathered[nxt] = stream.launch("all_gather", size[nxt], start, node)
         t = start + fwd[u]
     t += fwd.get("", 0.0)  # root-level compute (embeddings, head) in forward
+    forward_end = t
     t += bwd.get("", 0.0)  # ... and its backward, first
     back = list(reversed(order))
     regathered: dict = {}
@@ -226,7 +231,7 @@ def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool
         for u, done in reduced:
             t = stream.wait(t, done)
             t, _ = stream.launch("all_reduce", size[u] / k, t, replicas)
-    return stream.finish(t)
+    return forward_end, stream.finish(t)
 
 
 def simulate(strategy: str, profile: Profile, world_size: int, network="loopback",
@@ -244,23 +249,27 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
     # a comm hook chains its work on its collective's future (comm_hooks.py), as torch's DDP does
-    stream = Stream(n, network, on_futures=step.on_futures or step.comm_hook is not None)
+    stream = Stream(n, network, on_futures=step.on_futures or step.comm_hook is not None,
+                    copy_s_per_byte=profile.copy_s_per_byte)
     # the ranks it shards over: all N, or for hybrid sharding the k of a node (the network's
     # nodes, else the default layout); a ValueError where they do not come in whole nodes
     k = strategy_row(strategy).shard_group_size(n, network)
     opt = profile.optimizer_s / k if step.sharded_optimizer else profile.optimizer_s  # it steps 1/k
     if step.algorithm != "ddp":  # ZeRO-3: flat parameters sharded k ways
-        end = _fsdp_step(profile, stream, Topology(n, k), reshard=step.reshard,
-                         forward_prefetch=step.forward_prefetch, backward_prefetch=step.backward_prefetch,
-                         limit=step.limit_all_gathers) + opt
+        forward_end, synced = _fsdp_step(profile, stream, Topology(n, k), reshard=step.reshard,
+                                         forward_prefetch=step.forward_prefetch,
+                                         backward_prefetch=step.backward_prefetch, limit=step.limit_all_gathers)
+        end = synced + opt
     else:
         # the wrappers' bucket layout (torch DDP's rule: a cap left at None is 25 MiB, the first 1 MiB)
         cap_mb, first_mb = layout(bucket_cap_mb)
         cap = cap_mb * MiB if step.bucketed else 0  # cap 0: naive, one all-reduce per gradient
         first = first_mb * MiB if step.bucketed and first_mb is not None else None
-        end = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
-                        reduce=step.grad_reduce, copy_out=step.copy_out,
-                        hook=COMM_HOOKS[step.comm_hook] if step.comm_hook else None) + opt
+        forward_end = profile.forward_s
+        synced = _ddp_step(profile, stream, cap, overlap=step.overlap, first_cap_bytes=first,
+                           reduce=step.grad_reduce, copy_out=step.copy_out,
+                           hook=COMM_HOOKS[step.comm_hook] if step.comm_hook else None)
+        end = synced + opt
         p_bytes = profile.param_bytes
         if step.gather_params and step.gather_in_place:
             # ZeRO-1/2: each bucket's flat parameters are all-gathered in place (the module's
@@ -289,8 +298,10 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
             end = stream.wait(*stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)))
             end += profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
+    phases = {"forward": forward_end, "backward": synced - forward_end, "step": end - synced}
     return Prediction(strategy, n, network.name, end * 1e3, compute * 1e3, stream.busy * 1e3,
-                      max(0.0, end - compute) * 1e3, stream.bytes, stream.count)
+                      max(0.0, end - compute) * 1e3, stream.bytes, stream.count,
+                      {k: v * 1e3 for k, v in phases.items()})
 
 
 def predict(profile: Profile, strategies=NAMES, world_sizes=(2, 4, 8), network="loopback",
@@ -312,9 +323,9 @@ def predict(profile: Profile, strategies=NAMES, world_sizes=(2, 4, 8), network="
 def format_predictions(predictions: list[Prediction]) -> str:
     """``python -m ddpkit predict``'s table: one line per prediction (bytes: sent by one rank)."""
     w = max([8] + [len(p.strategy) for p in predictions])  # the longest name ("sharded_optimizer") fits
-    lines = [f"{'ranks':>5}  {'strategy':>{w}}  {'ms/step':>9}  {'compute':>8}  {'exposed comm':>12}  "
+    lines = [f"{'ranks':>5}  {'strategy':>{w}}  {'ms/step':>9}  {'compute':>8}  {'exposed communication':>21}  "
              f"{'sent/step':>12}"]
     for p in predictions:
         lines.append(f"{p.world_size:>5}  {p.strategy:>{w}}  {p.ms_per_step:9.2f}  {p.compute_ms:8.2f}  "
-                     f"{p.exposed_comm_ms:12.2f}  {human_bytes(p.comm_bytes_per_step):>12}")
+                     f"{p.exposed_comm_ms:21.2f}  {human_bytes(p.comm_bytes_per_step):>12}")
     return "\n".join(lines)

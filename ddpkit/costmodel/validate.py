@@ -13,14 +13,14 @@ import statistics
 import textwrap
 
 from ddpkit.costmodel.measure import (
-    ALONE_AS, emulation_overhead, fit_link, measure_collectives, measure_emulated, median_profile,
+    emulation_overhead, fit_link, measure_collectives, measure_emulated, median_profile,
     model_calibration_sizes, profile_job, slowest_profile, slowest_rank, wrapper_job,
 )
 from ddpkit.comm.emulator import OUTRAN_NOTE, outran_note, outran_share
 from ddpkit.costmodel.simulate import Profile, simulate
 from ddpkit.network import LINKS
 from ddpkit.series import Series, timed_rounds
-from ddpkit.strategies.table import CostStep, strategy
+from ddpkit.strategies.table import STRATEGIES, CostStep, strategy
 from ddpkit.workload import resolve
 
 
@@ -50,13 +50,12 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     underneath, and the model runs the emulated links beside it, whose parameters it knows. Returns
     ``(records, transport, profile)``: one record per strategy with ``predicted_ms`` (each
     collective the longer of the transport's fitted line and the emulated link's time, as the
-    emulator runs them),
+    emulator runs them) and ``predicted_phases_ms`` (its forward, backward and optimizer step),
     ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
-    ``measured_ms_rounds`` and ``predicted_from_timings_ms`` (collectives interpolated between
-    the calibration's timings instead, ``Link.measured``, which holds them) and, on an emulated
-    network, ``outran_link``: the share of its timed collectives whose real transfer ended after
-    the link's time (``comm.emulator``), where the model is held to the transport's line fitted
-    here, not to the link's parameters. A strategy that fails has ``error`` instead."""
+    ``measured_ms_rounds`` and, on an emulated network, ``outran_link``: the share of its timed
+    collectives whose real transfer ended after the link's time (``comm.emulator``), where the
+    model is held to the transport's line fitted here, not to the link's parameters. A strategy
+    that fails has ``error`` instead."""
     n = cluster.world_size
     sizes = model_calibration_sizes(wl)
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
@@ -73,15 +72,16 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
         ranks = cluster.run(profile_job, wl, global_batch_size // n, optimizer)
         profiles.append(slowest_profile(ranks))
         series.next(f"timing each wrapper alone (round {r + 1} of {rounds})")
-        ranks = cluster.run(wrapper_job, alone_runs, wl, global_batch_size // n, optimizer, bucket_cap_mb)
-        alone.append({key: statistics.median(rank[key] for rank in ranks) for key in alone_runs})
+        # each rank's lone steps beside its own profile of the same round (see _host_s)
+        alone.extend(zip(ranks, cluster.run(wrapper_job, alone_runs, wl, global_batch_size // n, optimizer,
+                                            bucket_cap_mb), strict=True))
 
     # One wrapper timed alone per strategy and options, the knobs the model simulates itself left
     # out (prefetch: variants differ by less than the noise of timing them apart)
     knobs = {f.name for f in dataclasses.fields(CostStep)}
     alone_runs, alone_of = {}, {}
     for label, (name, options) in runs.items():
-        plain = (ALONE_AS.get(name, name), {k: v for k, v in options.items() if k not in knobs})
+        plain = (_alone_as(name), {k: v for k, v in options.items() if k not in knobs})
         alone_of[label] = next((key for key, run in alone_runs.items() if run == plain), label)
         alone_runs.setdefault(alone_of[label], plain)
 
@@ -93,13 +93,11 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     transport = LINKS["loopback"]  # the real transport under any emulated link: fitted when we can
     if calibrations:  # per collective and size, the median over rounds
         transport = fit_link(_median_over_rounds(calibrations), n, name=f"fitted on {n} ranks",
-                             host=cluster.backend != "nccl")
-        # at_wait: shared memory moves the bytes when the rank waits (comm.emulator)
-        transport = dataclasses.replace(transport, at_wait=cluster.transport == "shm" and cluster.network.emulated)
+                             host=cluster.backend != "nccl", transport=cluster.transport)
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     if emulations:
-        overhead = emulation_overhead(_median_over_rounds(emulations), emulated.with_floor(transport.line()), n)
+        overhead = emulation_overhead(_median_over_rounds(emulations), emulated.with_floor(transport), n)
         emulated = emulated.with_floor(None, overhead)
     records = []
     for label, (name, options) in runs.items():
@@ -107,20 +105,39 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
             records.append(dict(strategy=label, world_size=n, error=errors[label]))
             continue
         cost = dataclasses.replace(strategy(name).cost, **{k: v for k, v in options.items() if k in knobs})
-        # the wrapper's own work: what a step took alone beyond what the model gives one rank
-        one = simulate(alone_runs[alone_of[label]][0], profile, 1, bucket_cap_mb=bucket_cap_mb, cost=cost)
-        host_s = max(0.0, statistics.median(a[alone_of[label]] for a in alone) - one.ms_per_step / 1e3)
+        host_s = _host_s(alone, alone_of[label], alone_runs[alone_of[label]][0], bucket_cap_mb, cost)
         with_host = profile.with_host(host_s)
-        pred = simulate(name, with_host, n, emulated.with_floor(transport.line()), bucket_cap_mb, cost=cost)
-        interpolated = simulate(name, with_host, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
+        pred = simulate(name, with_host, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
         measured = statistics.median(per_round[label])
         records.append(dict(strategy=label, world_size=n, model=wl.name, predicted_ms=pred.ms_per_step,
-                            predicted_from_timings_ms=interpolated.ms_per_step,
+                            predicted_phases_ms=pred.phases_ms,
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms, host_ms=host_s * 1e3,
                             exposed_comm_ms=pred.exposed_comm_ms, emulation_ms=emulated.emulation_s * 1e3,
                             outran_link=outran_share(timings.emulated.get(label))))
     return records, transport, profile
+
+
+def _alone_as(name: str) -> str:
+    """The strategy ``wrapper_job`` times for ``name``: itself, or for hybrid sharding (a rank alone
+    has no nodes) the table's row with the same step on one node (same CostStep, ours or torch's)."""
+    row = strategy(name)
+    if not row.hybrid:
+        return name
+    return next(other.name for other in STRATEGIES.values()
+                if not other.hybrid and other.cost == row.cost and other.torch_native == row.torch_native)
+
+
+def _host_s(alone: list, key: str, name: str, bucket_cap_mb, cost) -> float:
+    """A wrapper's own work per step (``host_ms``): what its step took alone on a rank beyond what the
+    model gives one rank with that rank's own profile of the same round, the median over ranks and
+    rounds (at least 0). Paired rank by rank: the profile the model runs on is the slowest rank's,
+    and a lone step set against another rank's compute would count the ranks' difference as host
+    work (or hide it: with more ranks than cores, the slowest rank's compute can outlast a typical
+    rank's whole lone step)."""
+    extra = [steps[key] - simulate(name, profile, 1, bucket_cap_mb=bucket_cap_mb, cost=cost).ms_per_step / 1e3
+             for profile, steps in alone]
+    return max(0.0, statistics.median(extra))
 
 
 def _median_over_rounds(rounds: list[dict]) -> dict:
@@ -131,22 +148,34 @@ def _median_over_rounds(rounds: list[dict]) -> dict:
 
 
 def format_validation(records: list[dict]) -> str:
-    """predict --validate's table: predicted (alpha-beta lines) and measured ms/step, the error,
-    the rounds' spread; then the prediction from the calibration's timings, interpolated; and
-    the wrapper's own host work per step, timed alone, which both predictions include."""
+    """predict --validate's table: per strategy the measured ms per step (the median of the rounds),
+    the rounds' range and spread, the model's ms per step and its error, and the wrapper's own host
+    work the model was given; under each world size's rows how near the model came (``summary``),
+    and under the table what each column is."""
     w = max([10] + [len(r["strategy"]) for r in records])  # long labels ("fsdp (backward prefetch)") fit
-    heads = (f"{'ranks':>5}  {'strategy':>{w}}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
-             f"{'rounds (min-max)':>16}  {'from timings':>12}  {'error':>6}  {'wrapper alone':>13}")
-    lines = [heads]
+    lines = [f"{'ranks':>5}  {'strategy':>{w}}  {'measured':>8}  {'rounds (min-max)':>16}  {'spread':>6}  "
+             f"{'model':>8}  {'error':>6}  {'host work':>9}"]
+    by_size: dict = {}
     for r in records:
-        if "error" in r:
-            lines.append(f"{r['world_size']:>5}  {r['strategy']:>{w}}  {r['error']}")
-            continue
-        spread = f"{min(r['measured_ms_rounds']):.1f}-{max(r['measured_ms_rounds']):.1f}"
-        lines.append(f"{r['world_size']:>5}  {r['strategy']:>{w}}  {r['predicted_ms']:9.2f}  {r['measured_ms']:8.2f}  "
-                     f"{r['rel_error']:+6.0%}  {spread:>16}  {r['predicted_from_timings_ms']:12.2f}  "
-                     f"{r['predicted_from_timings_ms'] / r['measured_ms'] - 1:+6.0%}  "
-                     f"{'+' + format(r['host_ms'], '.1f') + ' ms':>13}")
+        by_size.setdefault(r["world_size"], []).append(r)
+    for n, rows in by_size.items():
+        for r in rows:
+            if "error" in r:
+                lines.append(f"{n:>5}  {r['strategy']:>{w}}  {r['error']}")
+                continue
+            low, high = min(r["measured_ms_rounds"]), max(r["measured_ms_rounds"])
+            lines.append(f"{n:>5}  {r['strategy']:>{w}}  {r['measured_ms']:8.2f}  {f'{low:.1f}-{high:.1f}':>16}  "
+                         f"{spread(r):6.0%}  {r['predicted_ms']:8.2f}  {r['rel_error']:+6.0%}  "
+                         f"{'+' + format(r['host_ms'], '.1f') + ' ms':>9}")
+        lines += [textwrap.fill(line, 120, initial_indent=" " * 7, subsequent_indent=" " * 9) for line in summary(rows)]
+    lines.append(textwrap.fill(
+        f"measured: ms per step, the median of {max(len(r.get('measured_ms_rounds', ())) for r in records)} rounds "
+        "(a round's figure: each rank's median step, the "
+        "slowest rank's); rounds: the fastest and the slowest round; spread: (slowest - fastest) / measured, how "
+        "far this machine moved the same run; model: the cost model's ms per step, from the calibration, the "
+        "profile and the host work (it never sees these timings); error: model / measured - 1 (below 0: the "
+        "model predicted less time); host work: the wrapper's own work per step (hooks, copies, launches), timed "
+        "with the wrapper alone on every rank, which the model adds to the compute.", 120))
     outran = {f"{r['strategy']} ({r['world_size']} ranks)": r.get("outran_link") for r in records}
     note = outran_note(outran)
     if note:  # the table holds the model to this machine's transport there, not to the link
@@ -155,6 +184,38 @@ def format_validation(records: list[dict]) -> str:
                  "fitted transport (and how the ranks met) more than the link.")
         lines.append(textwrap.fill(note, 120, subsequent_indent="  "))
     return "\n".join(lines)
+
+
+WIDE_SPREAD = 0.05  # rounds further apart than the error asked of the model cannot tell it
+
+
+def spread(record: dict) -> float:
+    """How far a record's rounds lie apart: (slowest - fastest) / their median."""
+    rounds = record["measured_ms_rounds"]
+    return (max(rounds) - min(rounds)) / record["measured_ms"]
+
+
+def summary(records: list[dict]) -> list[str]:
+    """How near the model came on one world size's records: the mean and the worst |error|, the
+    strategies in the measured order and in the model's, and, where the rounds spread wider than
+    ``WIDE_SPREAD``, whether the model fell inside their range."""
+    ok = [r for r in records if "error" not in r]
+    if not ok:
+        return []
+    worst = max(ok, key=lambda r: abs(r["rel_error"]))
+    mean = statistics.mean(abs(r["rel_error"]) for r in ok)
+    measured = [r["strategy"] for r in sorted(ok, key=lambda r: r["measured_ms"])]
+    modelled = [r["strategy"] for r in sorted(ok, key=lambda r: r["predicted_ms"])]
+    order = "the model's the same" if measured == modelled else f"the model's {' < '.join(modelled)}"
+    out = [f"mean |error| {mean:.1%}, worst {worst['rel_error']:+.1%} ({worst['strategy']}); measured order "
+           f"{' < '.join(measured)}, {order}"]
+    wide = [r for r in ok if spread(r) > WIDE_SPREAD]
+    if wide:
+        inside = [r["strategy"] for r in wide
+                  if min(r["measured_ms_rounds"]) <= r["predicted_ms"] <= max(r["measured_ms_rounds"])]
+        out.append(f"rounds spread wider than {WIDE_SPREAD:.0%}: {', '.join(r['strategy'] for r in wide)}; the "
+                   f"model inside their range: {', '.join(inside) or 'none'}")
+    return out
 
 
 def format_profile(profile: Profile) -> str:

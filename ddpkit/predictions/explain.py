@@ -10,6 +10,7 @@ into the step's parts, naming the one that decided it.
 from __future__ import annotations
 
 import itertools
+import math
 
 from ddpkit.predictions.question import Question
 from ddpkit.predictions.reading import Measured, Term
@@ -19,25 +20,32 @@ RIGHT = {"bytes": 0.005, "memory": 0.005, "count": 0.0, "time": 0.10}  # "right"
 
 
 def miss(question: Question, prediction: float | None, measured: Measured) -> float | None:
-    """Prediction minus measurement, in the question's unit (``faster``: in percentage points)."""
-    return None if prediction is None else prediction - measured.value
+    """Prediction minus measurement, in the question's unit; "which is faster": prediction over
+    measurement, the factor the predicted speed-up was off by (1: right)."""
+    if prediction is None:
+        return None
+    return prediction / measured.value if question.kind == "faster" else prediction - measured.value
 
 
 def is_right(question: Question, prediction: float | None, measured: Measured) -> bool:
-    """Within the quantity's margin (``RIGHT``) of the measurement; ``faster``: the same winner,
-    and the percentage within 10 points."""
+    """Within the quantity's margin (``RIGHT``) of the measurement; "which is faster": the same
+    winner, and the speed-up within 10 %."""
     if prediction is None:
         return False
     if question.kind == "faster":
-        return direction_right(prediction, measured.value) and abs(prediction - measured.value) <= 10
+        return bool(direction_right(prediction, measured.value)) and \
+            abs(math.log(prediction / measured.value)) <= math.log(1 + RIGHT["time"])
     return abs(prediction - measured.value) <= RIGHT[question.quantity] * abs(measured.value) + 1e-12
 
 
 def direction_right(prediction: float | None, measured: float) -> bool | None:
-    """For "which is faster": whether the prediction named the winner (None without a prediction)."""
+    """For "which is faster": whether the prediction named the winner (None without a prediction);
+    "no difference" names it where the two are within 0.5 %."""
     if prediction is None:
         return None
-    return (prediction > 0) == (measured > 0) or (prediction == 0 and abs(measured) < 0.5)
+    if abs(math.log(measured)) < 0.005:
+        return abs(math.log(prediction)) < 0.05
+    return (prediction > 1) == (measured > 1)
 
 
 def explain(question: Question, prediction: float | None, measured: Measured) -> str:
@@ -47,56 +55,53 @@ def explain(question: Question, prediction: float | None, measured: Measured) ->
     return _explain_number(question, prediction, measured)
 
 
-def _fmt(question: Question, value: float) -> str:
-    return question.format(value)
-
-
 def _terms(question: Question, terms: list[Term]) -> str:
-    return " + ".join(f"{_fmt(question, t.value)} ({t.label})" for t in terms)
+    return " + ".join(f"{question.format(t.value)} ({t.label})" for t in terms)
 
 
 def _explain_number(q: Question, p: float | None, m: Measured) -> str:
-    whole = f"{_fmt(q, m.value)} = {_terms(q, m.terms)}" if len(m.terms) > 1 else \
-        f"{_fmt(q, m.value)} ({m.terms[0].label})"
+    whole = f"{q.format(m.value)} = {_terms(q, m.terms)}" if len(m.terms) > 1 else \
+        f"{q.format(m.value)} ({m.terms[0].label})"
     if p is None:
         return f"No prediction; the run measured {whole}."
     if is_right(q, p, m):
-        return f"Right: your {_fmt(q, p)} is what the run measured, {whole}."
+        return f"Right: your {q.format(p)} is what the run measured, {whole}."
     d = p - m.value
     reading = _closest(p, [r for r in m.readings if abs(r.value - m.value) > CLOSE * abs(m.value)])
     if reading is not None:
-        return f"Your {_fmt(q, p)} matches {reading.label}, {_fmt(q, reading.value)}; the run measured {whole}."
+        return f"Your {q.format(p)} matches {reading.label}, {q.format(reading.value)}; the run measured {whole}."
     subset = _subset_like(abs(d), m.terms)
     if subset:
         names = " and ".join(t.label for t in subset)
         if d < 0:
-            return f"You are {_fmt(q, -d)} short, the size of {names}: the run measured {whole}."
-        return f"You are {_fmt(q, d)} over, as if {names} counted twice: the run measured {whole}."
+            return f"You are {q.format(-d)} short, the size of {names}: the run measured {whole}."
+        return f"You are {q.format(d)} over, as if {names} counted twice: the run measured {whole}."
     factor = _factor(p, m.value, m.world_size)
     if factor:
-        return f"Your {_fmt(q, p)} is {factor}: the run measured {whole}."
+        return f"Your {q.format(p)} is {factor}: the run measured {whole}."
+    off = f"You are {q.format_change(d, m.value)} off; the run measured {whole}"
+    if len(m.terms) == 1:
+        return off + "."
     biggest = max(m.terms, key=lambda t: abs(t.value))
     share = abs(biggest.value) / abs(m.value) if m.value else 0.0
-    return (f"You are {_fmt(q, abs(d))} {'short' if d < 0 else 'over'} ({d / m.value:+.0%}); the run measured "
-            f"{whole}, {share:.0%} of it {biggest.label}: check that term first.")
+    return f"{off}, {share:.0%} of it {biggest.label}: check that term first."
 
 
 def _explain_faster(q: Question, p: float | None, m: Measured) -> str:
     first, second = q.options
     t1, t2 = m.times[first], m.times[second]
-    winner = first if m.value > 0 else second
-    result = f"Measured: {winner} was faster by {abs(m.value):.0f}% ({t1:.1f} ms for {first}, {t2:.1f} ms for {second})"
+    result = f"Measured: {q.format(m.value)} ({t1:.1f} ms for {first}, {t2:.1f} ms for {second})"
     if p is None:
         said = "no prediction was made"
     elif direction_right(p, m.value):
-        said = f"you said {q.format(p)}: the right one{', and close' if abs(p - m.value) <= 10 else ''}"
+        said = f"you said {q.format(p)}: the right one{', and close' if is_right(q, p, m) else ''}"
     else:
         said = f"you said {q.format(p)}: the other way round"
-    diff = t2 - t1
+    diff, slower = t2 - t1, max(t1, t2)
     parts = ", ".join(f"{t.label} {t.value:+.1f} ms" for t in m.terms)
     decided = max(m.terms, key=lambda t: abs(t.value)).label.split(", ")[0].split(" (")[0].split(":")[0]
-    return (f"{result}; {said}. Of the {abs(diff):.1f} ms between them ({second} minus {first}: {diff:+.1f} ms), "
-            f"{parts}; the largest part: {decided}.")
+    return (f"{result}; {said}. Of the {abs(diff):.1f} ms between them ({second}'s time minus {first}'s: "
+            f"{diff:+.1f} ms, {abs(diff) / slower:.0%} of the slower one's), {parts}; the largest part: {decided}.")
 
 
 def _closest(p: float, readings: list[Term]) -> Term | None:

@@ -1,8 +1,10 @@
-"""The question as a form in JupyterLab (ipywidgets): a box to type the answer in, Submit, Skip, and
-a status line that follows the ``Ask`` (answered, locked when the measuring cell runs, revealed).
+"""The question as a form in JupyterLab (ipywidgets): a box to type the answer in, Submit, Skip, a
+status line that follows the ``Ask`` (never the measurement), and, when the answer is what the
+measurement waited for (Run All), the reveal itself, below the form.
 
 The form only calls ``Ask.answer`` and ``Ask.skip`` and redraws from the ``Ask``'s state; CSS classes
-(``ddpkit-ask``, ``-value``, ``-by``, ``-submit``, ``-skip``, ``-status``) let a browser test find it.
+(``ddpkit-ask``, ``-value``, ``-which``, ``-submit``, ``-skip``, ``-status``, ``-reveal``) let a browser
+test find it.
 """
 from __future__ import annotations
 
@@ -11,17 +13,29 @@ import html
 MUTED = "color:#555"
 
 
+def parse_number(text: str) -> float:
+    """A typed answer: "8", "8.04", "1,024", "1.5x", "1.5 x"; a ValueError for anything else."""
+    text = text.strip().rstrip("x×").strip().replace(",", "")
+    if not text:
+        raise ValueError("type a number first")
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+
+
 def form(asked):
     """An ipywidgets box for ``asked`` (a ``ddpkit.predictions.asking.Ask``)."""
     import ipywidgets as w
 
     q = asked.question
     title = w.HTML(f"<b>Predict first.</b> {html.escape(q.words(asked.setting))} "
-                   f"<i>({'which, and by how many %' if q.kind == 'faster' else q.unit})</i>")
-    why = w.HTML(f"<span style='{MUTED}'>{html.escape(q.hint + ' ' if q.hint else '')}"
-                 "Write down why before you run the next cell.</span>")
-    value = w.Text(placeholder=f"your answer, {q.unit}" if q.kind == "number" else "by how many %",
-                   layout=w.Layout(width="14em"))
+                   f"<i>({'which one, and how many times faster' if q.kind == 'faster' else q.unit})</i>")
+    why = w.HTML(f"<span style='{MUTED}'>{html.escape(q.hint + ' ' if q.hint else '')}Write down why, then "
+                 "answer: until you do, the cells below keep their output back, and your answer is kept in "
+                 "predictions.jsonl beside the notebook.</span>")
+    value = w.Text(placeholder=f"your answer, {q.unit}" if q.kind == "number" and q.unit != "x" else
+                   "times, e.g. 1.5", layout=w.Layout(width="14em"))
     value.add_class("ddpkit-ask-by" if q.kind == "faster" else "ddpkit-ask-value")
     which = None
     if q.kind == "faster":
@@ -34,6 +48,8 @@ def form(asked):
     skip.add_class("ddpkit-ask-skip")
     status = w.HTML()
     status.add_class("ddpkit-ask-status")
+    shown = w.HTML()
+    shown.add_class("ddpkit-ask-reveal")
 
     def say(text, error=False):
         colour = "#c44e52" if error else "#2c7a2c" if asked.state == "answered" else "#555"
@@ -41,10 +57,7 @@ def form(asked):
 
     def on_submit(_):
         try:
-            text = value.value.strip().rstrip("%").strip()
-            if not text:
-                raise ValueError("type a number first")
-            number = float(text.replace(",", ""))
+            number = parse_number(value.value)
             if q.kind == "faster":
                 if which.value is None:
                     raise ValueError("pick which one is faster first")
@@ -60,17 +73,21 @@ def form(asked):
         except RuntimeError as exc:
             say(str(exc), error=True)
 
-    def follow(a):
-        for widget in (value, submit, skip, which):
-            if widget is not None:
-                widget.disabled = a.locked
-        say(a.status())
+    class Follow:
+        def update(self, a):
+            for widget in (value, submit, skip, which):
+                if widget is not None:
+                    widget.disabled = a.locked
+            say(a.status(), error=a.keep_error is not None)
+            if a.revealed is not None and a.revealed_on_answer and not shown.value:
+                shown.value = a.reveal_html()
 
     submit.on_click(on_submit)
     skip.on_click(on_skip)
-    asked.on_change(follow)
-    follow(asked)
-    row = [which] if which is not None else []
-    box = w.VBox([title, why, w.HBox(row + [value, submit, skip]), status])
+    follow = Follow()
+    asked.follow(follow)
+    follow.update(asked)
+    rows = ([which] if which is not None else []) + [w.HBox([value, submit, skip])]
+    box = w.VBox([title, why, *rows, status, shown])
     box.add_class("ddpkit-ask")
     return box

@@ -9,9 +9,10 @@ it is built on the meta device (shapes only).
 """
 from __future__ import annotations
 
-from ddpkit.network import LINKS, Link, collective_time, ring_bytes
+from ddpkit.network import ring_bytes
 from ddpkit.strategies.buckets import assign_buckets, layout
 from ddpkit.strategies.flat_layout import FlatLayout
+from ddpkit.units import human_bytes
 
 MiB = 2**20
 
@@ -76,17 +77,19 @@ def ddp_bytes(world_size: int, model_kwargs: dict | None = None) -> float:
     return ring_bytes("all_reduce", sum(param_sizes(meta_model(model_kwargs))), world_size)
 
 
-def zero1_bytes(world_size: int, model_kwargs: dict | None = None, bucket_cap_mb: float | None = None) -> float:
-    """ZeRO-1/2: reduce-scatter each padded bucket, all-gather it back: 2 x (N-1)/N x S."""
-    s = 4 * padded_elements(bucket_elements(meta_model(model_kwargs), bucket_cap_mb), world_size)
-    return ring_bytes("reduce_scatter", s, world_size) + ring_bytes("all_gather", s, world_size)
-
-
-def fsdp_bytes(world_size: int, model_kwargs: dict | None = None, module=None) -> float:
-    """FSDP (reshard after forward): per unit, all-gather twice and reduce-scatter once its padded
-    flat parameter: 3 x (N-1)/N x S."""
+def fsdp_bytes(world_size: int, model_kwargs: dict | None = None, module=None, reshard: bool = True) -> float:
+    """FSDP: per unit, all-gather its padded flat parameter before forward and (``reshard``: it
+    was freed after forward) again before backward, reduce-scatter its gradient once:
+    3 x (N-1)/N x S, or 2 x (N-1)/N x S without resharding."""
     s = 4 * padded_elements(unit_elements(meta_model(model_kwargs, module)), world_size)
-    return 2 * ring_bytes("all_gather", s, world_size) + ring_bytes("reduce_scatter", s, world_size)
+    return (1 + reshard) * ring_bytes("all_gather", s, world_size) + ring_bytes("reduce_scatter", s, world_size)
+
+
+def torch_zero_bytes(world_size: int, model_kwargs: dict | None = None) -> float:
+    """torch's ZeroRedundancyOptimizer over its DDP: DDP's all-reduce of every gradient, then each
+    parameter broadcast from the rank that stepped it: 2(N-1)/N x S + (N-1)/N x S."""
+    sizes = param_sizes(meta_model(model_kwargs))
+    return ddp_bytes(world_size, model_kwargs) + sum(ring_bytes("broadcast", s, world_size) for s in sizes)
 
 
 def hsdp_inter_node_bytes(world_size: int, ranks_per_node: int, model_kwargs: dict | None = None) -> float:
@@ -98,6 +101,18 @@ def hsdp_inter_node_bytes(world_size: int, ranks_per_node: int, model_kwargs: di
 
 
 # --------------------------------------------------------------------------- memory per rank
+def ddp_model_state(model_kwargs: dict | None = None, state_bytes: int = 8) -> int:
+    """DDP with AdamW: every parameter, its gradient and its two moments on every rank (16 Psi)."""
+    return (8 + state_bytes) * sum(param_sizes(meta_model(model_kwargs))) // 4
+
+
+def zero1_model_state(world_size: int, model_kwargs: dict | None = None, state_bytes: int = 8,
+                      bucket_cap_mb: float | None = None) -> int:
+    """ZeRO-1 with AdamW: every parameter and gradient, and this rank's share of the moments."""
+    psi = sum(param_sizes(meta_model(model_kwargs))) // 4
+    return 8 * psi + zero1_optimizer_state(world_size, model_kwargs, state_bytes, bucket_cap_mb)
+
+
 def zero1_optimizer_state(world_size: int, model_kwargs: dict | None = None, state_bytes: int = 8,
                           bucket_cap_mb: float | None = None) -> int:
     """ZeRO-1 with AdamW (two fp32 moments, 8 bytes per element): K x (rank 0's shard of each
@@ -111,8 +126,26 @@ def fsdp_model_state(world_size: int, module, bytes_per_element: int = 12) -> in
     return bytes_per_element * shard_elements(unit_elements(module), world_size)
 
 
-# --------------------------------------------------------------------------- times (alpha-beta)
-def all_reduce_ms(nbytes: float, world_size: int, link: str | Link = "loopback") -> float:
-    """One ring all-reduce on a link (a preset's name, or a ``Link``, e.g. one fitted to this
-    machine): 2(N-1) alpha + 2(N-1)/N S beta, in ms."""
-    return 1e3 * collective_time("all_reduce", nbytes, world_size, LINKS[link] if isinstance(link, str) else link)
+# --------------------------------------------------------------------------- the words of a question
+def mlp_facts(model_kwargs: dict | None = None) -> dict[str, str]:
+    """What a question may say of the course's MLP, derived, never typed in: its gradients' bytes
+    (``gradients``: "8.04 MiB"), tensors, parameters ("2.1 M"), and 1 MiB buckets (``buckets``)."""
+    module = meta_model(model_kwargs)
+    sizes = param_sizes(module)
+    return {"gradients": human_bytes(sum(sizes)), "tensors": str(len(sizes)),
+            "parameters": f"{sum(sizes) / 4 / 1e6:.2g} M", "buckets": str(len(bucket_elements(module, 1.0)))}
+
+
+def ours(zero_stage: str, *, overlap: bool | None = None, hybrid: bool = False, torch: bool = False) -> str:
+    """The name of the table's strategy following ``zero_stage``'s formula, with (or without) overlap,
+    hybrid or not, ours or torch's: a question names what it compares by what it is, and the table
+    (``strategies.table``, the one place the names are spelled) says which strategy that is."""
+    from ddpkit.strategies.table import STRATEGIES
+
+    names = [s.name for s in STRATEGIES.values()
+             if s.zero_stage == zero_stage and s.hybrid == hybrid and s.torch_native == torch and s.cost.bucketed
+             and (overlap is None or s.cost.overlap == overlap)]
+    if len(names) != 1:
+        raise LookupError(f"the table has {len(names)} strategies for {zero_stage} overlap={overlap} "
+                          f"hybrid={hybrid} torch={torch}: {names}")
+    return names[0]

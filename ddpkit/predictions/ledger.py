@@ -2,37 +2,40 @@
 
     append(path, entry)               # what a reveal does (``Ask.reveal``)
     entries = read(path)              # one learner's file, oldest first
-    print(learner_table(entries))     # ``python -m ddpkit ledger``
-    rows = class_rows({"ana": read("ana.jsonl"), "ben": read("ben.jsonl")})
-    print(class_table(rows))          # ``python -m ddpkit ledger ana.jsonl ben.jsonl ...``
+    ledgers = read_class(paths)       # {learner: entries}, one learner per file
 
-``ddpkit.viz.plot_ledger`` and ``plot_class`` draw them. A line is an ``Entry``'s fields; a
-line that is not one (a hand edit, a cut-off write) is a ValueError naming the file and line.
+The tables of them are ``tables.py``; the pictures ``ddpkit.viz.plot_ledger`` and ``plot_class``.
+A line that is not an entry (a hand edit, a cut-off write, a field of the wrong type, NaN) is a
+ValueError naming the file and the line. Appends from several processes at once keep every line:
+each is one ``write`` of a whole line to a file opened for appending.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
-import statistics
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-RIGHT_SHARE = 0.10   # the class table's "close": within 10% (numbers) or 10 points (which is faster)
+from ddpkit.predictions.question import QUANTITIES, UNITS
+
+RIGHT_SHARE = 0.10   # "close": within 10% (numbers), the right winner within 10% ("which is faster")
 
 
 @dataclass(frozen=True)
 class Entry:
     """One answer, scored: the question, the prediction (None: skipped), the measurement of the
-    learner's own run, the miss (prediction - measurement, in ``unit``; "which is faster": in
-    percentage points of the signed answer), and where it was measured."""
+    learner's own run, the miss, and where it was measured. "Which is faster" keeps the first of its
+    ``options``' speed-up over the second (> 1: the first faster), and its miss as prediction over
+    measurement (1: right); a number keeps prediction minus measurement, in ``unit``."""
 
     question: str
     text: str
     unit: str
-    kind: str
+    kind: str                         # "number" or "faster"
     quantity: str
     state: str                        # "answered" or "skipped"
     prediction: float | None
@@ -45,6 +48,7 @@ class Entry:
     machine: str
     source: str                       # "typed" (the form), "code" (Ask.answer), "unattended"
     time: str
+    options: tuple[str, ...] = ()     # "which is faster": the first is the one a speed-up > 1 favours
 
     @property
     def relative_miss(self) -> float | None:
@@ -58,7 +62,7 @@ class Entry:
         if self.miss is None:
             return False
         if self.kind == "faster":
-            return bool(self.direction_right) and abs(self.miss) <= 100 * RIGHT_SHARE
+            return bool(self.direction_right) and abs(math.log(self.miss)) <= math.log(1 + RIGHT_SHARE)
         return abs(self.relative_miss or 0.0) <= RIGHT_SHARE
 
 
@@ -80,33 +84,88 @@ def now() -> str:
 
 
 def append(path, entry: Entry) -> None:
-    """Add ``entry`` as one line at the end of ``path`` (made with its folder if missing)."""
+    """Add ``entry`` as one line at the end of ``path`` (made with its folder if missing). After a
+    cut-off last line (a write that died midway) it starts a fresh line, so the answer is kept whole.
+    An OSError naming the path where it cannot be written (a folder, no permission)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(dataclasses.asdict(entry)) + "\n")
+    line = (json.dumps(dataclasses.asdict(entry)) + "\n").encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OSError(f"cannot keep the answer in {path}: {exc.strerror or exc}") from None
+    try:
+        if _ends_cut_off(path):
+            line = b"\n" + line   # at worst (another process mid-write) an empty line, which read skips
+        os.write(fd, line)        # one write of the whole line: appends from other processes never split it
+    finally:
+        os.close(fd)
 
 
-FIELDS = {f.name for f in dataclasses.fields(Entry)}
+def _ends_cut_off(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Entry)}
 
 
 def read(path) -> list[Entry]:
-    """The entries of one ledger file, oldest first."""
+    """The entries of one ledger file, oldest first; a ValueError naming the file and line of the
+    first line that is not one."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no ledger at {path}")
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    for i, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
             continue
         try:
-            d = json.loads(line)
-            if not isinstance(d, dict) or set(d) != FIELDS:
-                raise ValueError(f"fields {sorted(set(d) ^ FIELDS) if isinstance(d, dict) else d!r}")
-            out.append(Entry(**d))
-        except (json.JSONDecodeError, ValueError, TypeError) as exc:
+            out.append(entry_of(json.loads(raw.decode("utf-8"), parse_constant=_no_constant)))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}, line {i}: not a ledger entry (not UTF-8 text: a binary file?)") from None
+        except (json.JSONDecodeError, ValueError) as exc:
             raise ValueError(f"{path}, line {i}: not a ledger entry ({exc})") from None
     return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a ledger keeps")
+
+
+TYPES = {"str": (str, "text"), "float": ((int, float), "a finite number"), "int": (int, "a whole number"),
+         "bool": (bool, "true or false")}
+CHOICES = {"kind": ("number", "faster"), "state": ("answered", "skipped"), "quantity": QUANTITIES, "unit": tuple(UNITS)}
+
+
+def entry_of(d) -> Entry:
+    """A parsed line as an ``Entry``, each field checked against its annotation (and its choices);
+    a ValueError naming the field that is not."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON object of {len(FIELDS)} fields, got {type(d).__name__}")
+    missing, unknown = set(FIELDS) - set(d) - {"options"}, set(d) - set(FIELDS)
+    if missing or unknown:
+        raise ValueError("; ".join(f"{what} {', '.join(sorted(names))}" for what, names in
+                                   (("missing", missing), ("unknown", unknown)) if names))
+    if d.get("unit") == "%":
+        raise ValueError("a percentage for which is faster: a ledger of an earlier ddpkit, which kept those as +x %")
+    for name, f in FIELDS.items():
+        value, (kind, what) = d.get(name, f.default), TYPES.get(f.type.split(" | ")[0], (None, ""))
+        if kind is None or (value is None and f.type.endswith("None")):
+            continue
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind) or \
+                (kind is not str and not math.isfinite(value)):
+            raise ValueError(f"{name} must be {what}{' or null' if f.type.endswith('None') else ''}, got {value!r}")
+        if value not in CHOICES.get(name, (value,)) or (name == "world_size" and value < 1):
+            raise ValueError(f"{name} must be {' or '.join(CHOICES.get(name, ['>= 1']))}, got {value!r}")
+    options = d.get("options", [])
+    if not (isinstance(options, list) and len(options) in (0, 2) and all(isinstance(o, str) for o in options)):
+        raise ValueError(f"options must be a list of two names (or none), got {options!r}")
+    return Entry(**{**d, "options": tuple(options)})
 
 
 def latest(entries: list[Entry]) -> dict[str, Entry]:
@@ -114,134 +173,22 @@ def latest(entries: list[Entry]) -> dict[str, Entry]:
     return {e.question: e for e in entries}
 
 
-WHOLE = ("B", "collectives")  # units counted in whole numbers
-
-
-def format_value(value: float | None, unit: str, kind: str) -> str:
-    if value is None:
-        return "skipped"
-    if kind == "faster":
-        return f"{value:+.0f}%"
-    if unit in WHOLE:
-        return f"{value:,.0f} {unit[:-1] if unit.endswith('s') and value == 1 else unit}"
-    return f"{value:,.2f} {unit}"
-
-
-def _share(v: float) -> str:
-    return "0%" if abs(v) < 0.005 else f"{v:+.0%}"
-
-
-def course_order(keys) -> list[str]:
-    """The course's order (``course.QUESTIONS``), then any other question by name."""
-    from ddpkit.predictions.course import QUESTIONS
-
-    known = [k for k in QUESTIONS if k in keys]
-    return known + sorted(k for k in keys if k not in QUESTIONS)
-
-
-def _table(heads: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)]
-
-    def line(cells):  # the first column to the left, the numbers to the right
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
-
-    return [line(heads)] + [line(r) for r in rows]
-
-
-def learner_table(entries: list[Entry]) -> str:
-    """One learner's answers, the last per question, in the course's order: predicted, measured,
-    the miss, whether it was close (within 10%, or the right winner within 10 points)."""
-    last = latest(entries)
-    rows = []
-    for key in course_order(last):
-        e = last[key]
-        digits = 0 if e.unit in WHOLE else 2
-        miss = "" if e.miss is None else (f"{e.miss:+.0f} pts" if e.kind == "faster" else
-                                          "0" if abs(e.relative_miss or 0.0) < 0.005 else
-                                          f"{e.miss:+,.{digits}f} ({_share(e.relative_miss)})")
-        rows.append([key, format_value(e.prediction, e.unit, e.kind), format_value(e.measurement, e.unit, e.kind), miss,
-                     "" if e.prediction is None else ("yes" if e.close else "no"), str(e.world_size or "")])
-    lines = _table(["question", "predicted", "measured", "miss", "close", "ranks"], rows)
-    answered = [e for e in last.values() if e.prediction is not None]
-    lines += ["", f"{len(answered)} of {len(last)} questions answered, {sum(e.close for e in answered)} close "
-              f"(numbers within {RIGHT_SHARE:.0%}; which is faster: the right one, within {100 * RIGHT_SHARE:.0f} "
-              "points). Signed answers: +x = the first option faster by x %."]
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class ClassRow:
-    """One question over a class: the learners who answered it and how their misses fell."""
-
-    question: str
-    kind: str
-    unit: str
-    learners: int                     # who have an entry for it (answered or skipped)
-    answered: int
-    median_miss: float | None         # numbers: relative (a share); "which is faster": points
-    spread: tuple[float, float] | None  # the misses' lower and upper quartile (the same units)
-    direction_right: int | None       # "which is faster": how many named the winner
-    close: int
-    misses: tuple[float, ...]         # every answer's miss, for the picture
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) == 1:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def class_rows(ledgers: dict[str, list[Entry]]) -> list[ClassRow]:
-    """One row per question over ``{learner: entries}``, each learner's last answer."""
-    per_question: dict[str, list[Entry]] = {}
-    for entries in ledgers.values():
-        for key, e in latest(entries).items():
-            per_question.setdefault(key, []).append(e)
-    rows = []
-    for key in course_order(per_question):
-        es = per_question[key]
-        kind, unit = es[0].kind, es[0].unit
-        answered = [e for e in es if e.prediction is not None]
-        misses = [e.miss if kind == "faster" else e.relative_miss for e in answered]
-        misses = [m for m in misses if m is not None]
-        rows.append(ClassRow(key, kind, unit, len(es), len(answered),
-                             statistics.median(misses) if misses else None,
-                             _quartiles(misses) if misses else None,
-                             sum(bool(e.direction_right) for e in answered) if kind == "faster" else None,
-                             sum(e.close for e in answered), tuple(misses)))
-    return rows
-
-
-def class_table(rows: list[ClassRow]) -> str:
-    """The class's view: per question, how many answered, the median miss and its spread (the middle
-    half of the misses), how many named the right winner (which is faster), how many were close."""
-    def miss(v, kind):
-        return f"{v:+.0f} pts" if kind == "faster" else _share(v)
-
-    table = []
-    for r in rows:
-        table.append([r.question, f"{r.answered}/{r.learners}",
-                      "" if r.median_miss is None else miss(r.median_miss, r.kind),
-                      "" if r.spread is None else f"{miss(r.spread[0], r.kind)} .. {miss(r.spread[1], r.kind)}",
-                      "-" if r.direction_right is None else f"{r.direction_right}/{r.answered}",
-                      f"{r.close}/{r.answered}"])
-    lines = _table(["question", "answered", "median miss", "spread (middle half)", "right winner", "close"], table)
-    lines += ["", "miss: prediction - measurement, each against the learner's own run; numbers as a share of the "
-              "measurement, which is faster in points of the signed answer (+x: the first option faster by x %).",
-              f"close: within {RIGHT_SHARE:.0%} (numbers), the right winner within {100 * RIGHT_SHARE:.0f} points "
-              "(which is faster)."]
-    return "\n".join(lines)
-
-
 def read_class(paths) -> dict[str, list[Entry]]:
     """``{learner: entries}`` from ledger files, each learner named by its file's name (without
-    .jsonl); two files of one name are told apart by their folder."""
+    .jsonl); files of one name are told apart by as many of their folders as it takes. A file named
+    twice is a ValueError."""
     paths = [Path(p) for p in paths]
-    names = [p.stem for p in paths]
-    out = {}
-    for p, name in zip(paths, names, strict=True):
-        key = name if names.count(name) == 1 else f"{p.parent.name}/{name}"
-        out[key] = read(p)
-    return out
+    seen = {}
+    for p in paths:
+        same = seen.setdefault(p.resolve(), p)
+        if same is not p:
+            raise ValueError(f"{p} is named twice (as {same}): one learner per file")
+    names = {}
+    for p in paths:
+        parts = p.resolve().with_suffix("").parts
+        for depth in range(1, len(parts) + 1):
+            name = "/".join(parts[-depth:])
+            if sum("/".join(q.resolve().with_suffix("").parts[-depth:]) == name for q in paths) == 1:
+                break
+        names[name] = read(p)
+    return names

@@ -1,157 +1,222 @@
-"""A question the course asks before a measurement: its words, its unit, and what an answer means.
+"""A question the course asks before a measurement: its words, its unit, its setting, what an answer means.
 
 Two kinds:
 
-- ``number``: a quantity in ``unit`` (bytes in B/KiB/MiB, memory in MiB, time in ms, a count);
-- ``faster``: which of two ``options`` is faster, and by how much. The answer is one signed number,
-  ``+x``: the first option is faster by x %, ``-x``: the second is. "Faster by x %" means the slower
-  one's step takes x % longer than the faster one's, so the two directions read alike (both
-  options' times within a few % of each other: a small x either way).
+- a number in ``unit``: bytes (B/KiB/MiB), memory (MiB), a count, or a ratio (``x``: "1.50x DDP's");
+- "which is faster" (``options``: two): the answer is which option, and how many times faster,
+  kept as one number, the speed-up of the first option over the second (the second's time over
+  the first's): ``3.0`` reads "<first> 3.00x faster", ``0.5`` reads "<second> 2.00x faster".
 
-``quantity`` says how a reference answer is held to a measurement (``lands``): bytes, memory and
-counts exactly, times within the cost model's tolerance (``TIME_TOLERANCE``).
+``quantity`` says how a reference answer is held to a measurement (``lands``): bytes, memory,
+counts and their ratios exactly, times within the cost model's tolerance (``TIME_TOLERANCE``).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "ms": 1, "collectives": 1, "%": 1}
+from ddpkit.units import human_bytes
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "collectives": 1, "x": 1}
 QUANTITIES = ("bytes", "memory", "count", "time")
 
 # How far a time the cost model predicts may sit from the measured one and still "land": the model's
 # own documented accuracy on a small shared machine (notebook 07: the DDP family mostly within ten
-# percent over several rounds, now and then twenty, one loaded round further). A `faster` reference
-# lands when the ratio of the two times it predicts is within that of the measured ratio for each
-# time: a factor (1 + TIME_TOLERANCE) ** 2 either way (so where the two are close, either winner).
-# On a machine other programs share, one timing round can move by more than that; ``lands`` then
-# counts the tolerance from the ends of the measurement's own rounds (``spread``).
+# percent over several rounds, now and then twenty, one loaded round further). A "which is faster"
+# reference lands when the speed-up it predicts is within that of the measured one for each of the
+# two times: a factor (1 + TIME_TOLERANCE) ** 2 either way. On a machine other programs share, one
+# timing round can move by more than that; ``lands`` then counts the tolerance from the ends of the
+# measurement's own rounds (``Measured.spread``).
 TIME_TOLERANCE = 0.25
 
 
-@dataclass(frozen=True)
-class Question:
-    """One question, as the course asks it. ``text`` may name settings in braces (``{world_size}``),
-    filled from ``setting`` and what ``ask`` is given. ``reference(setting, **extra)``: the answer the
-    formulas or the cost model give (a time question's takes the cost model's predicted times as
-    ``extra``; without them, None). ``read(setting, *what_the_cell_left)``: the measurement, as a
-    ``reading.Measured``."""
+def _whole(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+    return value
 
-    key: str                      # "02.naive_bytes": the notebook, then a name
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """What a question is asked about: checked once, read by name everywhere after."""
+
+    world_size: int
+    network: str | None = None          # a preset's name, or "matched" (notebook 04's link)
+    ranks_per_node: int | None = None
+    model_kwargs: dict | None = None     # the course's MLP, sized (None: its default)
+    model: object = None                 # the learner's own model (notebook 12)
+
+    def __post_init__(self):
+        _whole("world_size", self.world_size)
+        if self.network is not None and not (isinstance(self.network, str) and self.network):
+            raise ValueError(f"network must be a preset's name, got {self.network!r}")
+        if self.ranks_per_node is not None:
+            _whole("ranks_per_node", self.ranks_per_node)
+            if self.world_size % self.ranks_per_node:
+                raise ValueError(f"{self.world_size} ranks do not fill nodes of {self.ranks_per_node}")
+        if self.model_kwargs is not None and not isinstance(self.model_kwargs, dict):
+            raise ValueError(f"model_kwargs must be a dict, got {self.model_kwargs!r}")
+
+    def given(self) -> tuple[str, ...]:
+        """The names this setting gives a value (the ones a question can be asked with)."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Question:
+    """One question, as the course asks it. ``text`` may name the setting's fields and ``facts``
+    in braces; ``facts(setting)``: figures derived from the course's model and formulas
+    ("8.04 MiB"), never typed in. ``read(setting, *what the measuring cell left)`` -> a
+    ``reading.Measured`` (a time question's reference with it, from the same run);
+    ``reference(setting)``: the formulas' answer from the setting alone, None where it needs a run.
+    ``needs``: settings the notebook must give (no default, e.g. the learner's own model)."""
+
+    key: str                                   # "02.naive_bytes": the notebook, then a name
     text: str
     unit: str
     quantity: str
-    kind: str = "number"
-    options: tuple[str, ...] = ()
-    setting: dict = field(default_factory=dict)
-    reference: Callable | None = field(default=None, compare=False)
-    read: Callable | None = field(default=None, compare=False)   # (what the measuring cell left) -> Measured
-    hint: str = ""                # what to think about, shown under the question
-    reference_from: str = "the formulas"   # whose answer the reference is, in the reveal's words
+    setting: Setting
+    read: Callable = field(compare=False)
+    reference: Callable = field(compare=False)
+    reference_from: str                        # whose answer the reference is, in the reveal's words
+    options: tuple[str, ...] = ()              # "which is faster": the two, the first is "+"
+    facts: Callable | None = field(default=None, compare=False)
+    needs: tuple[str, ...] = ()
+    hint: str = ""                             # what to think about, shown under the question
 
     def __post_init__(self):
-        if self.kind not in ("number", "faster"):
-            raise ValueError(f"{self.key}: kind must be 'number' or 'faster', got {self.kind!r}")
         if self.unit not in UNITS:
             raise ValueError(f"{self.key}: unknown unit {self.unit!r}; valid: {', '.join(UNITS)}")
         if self.quantity not in QUANTITIES:
             raise ValueError(f"{self.key}: quantity must be one of {', '.join(QUANTITIES)}, got {self.quantity!r}")
-        if (self.kind == "faster") != (len(self.options) == 2):
-            raise ValueError(f"{self.key}: a 'faster' question has two options, a number none")
+        if len(self.options) not in (0, 2) or (self.options and (self.unit, self.quantity) != ("x", "time")):
+            raise ValueError(f"{self.key}: 'which is faster' has two options, in x, of time; a number none")
+
+    @property
+    def kind(self) -> str:
+        return "faster" if self.options else "number"
 
     @property
     def scale(self) -> float:
-        """Base units (bytes, ms, collectives, %) per unit of the answer."""
+        """Base units (bytes, collectives) per unit of the answer."""
         return UNITS[self.unit]
 
-    def settings(self, **given) -> dict:
-        """The question's setting with ``given`` on top; a ValueError for a name it does not have."""
-        unknown = set(given) - set(self.setting)
+    def settings(self, **given) -> Setting:
+        """The question's setting with ``given`` on top; a ValueError for a name it is not asked
+        with, a value that is not one, or a setting it needs and was not given."""
+        takes = (*self.setting.given(), *self.needs)
+        unknown = sorted(set(given) - set(takes))
         if unknown:
-            raise ValueError(f"question {self.key!r} has no setting {', '.join(sorted(unknown))}; "
-                             f"it has: {', '.join(self.setting) or 'none'}")
-        return {**self.setting, **given}
+            raise ValueError(f"question {self.key!r} has no setting {', '.join(unknown)}; it has: {', '.join(takes)}")
+        setting = replace(self.setting, **given)
+        missing = [n for n in self.needs if getattr(setting, n) is None]
+        if missing:
+            raise ValueError(f"question {self.key!r} needs {', '.join(f'{n}=' for n in missing)} (none given)")
+        return setting
 
-    def words(self, setting: dict | None = None) -> str:
-        """The question's text with its setting filled in."""
-        return self.text.format(**(setting if setting is not None else self.setting))
-
-    def reference_answer(self, setting: dict | None = None, *measured_by, **extra) -> float | None:
-        """The formulas' (or the cost model's) answer, in the question's unit; None where unknown.
-        ``measured_by``: what the measuring cell left, where the reference is in it (the cost model's
-        predictions beside a measurement); ``extra``: the cost model's predicted times."""
-        if self.reference is None:
-            return None
-        return self.reference(setting if setting is not None else self.setting, *measured_by, **extra)
+    def words(self, setting: Setting | None = None) -> str:
+        """The question's text with its setting and facts filled in."""
+        s = self.setting if setting is None else setting
+        names = {f.name: getattr(s, f.name) for f in fields(s)}
+        if self.facts is not None and all(getattr(s, n) is not None for n in self.needs):
+            names.update(self.facts(s))
+        return self.text.format(**names)
 
     def check(self, value) -> float:
         """``value`` as an answer to this question, or a ValueError saying what one looks like."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{self.key}: an answer is a finite number ({self.describe_answer()}), got {value!r}")
-        if self.kind == "number" and value < 0:
-            raise ValueError(f"{self.key}: {self.unit} cannot be negative, got {value}")
+        if value < 0 or (self.unit == "x" and value == 0):
+            raise ValueError(f"{self.key}: {self.unit} must be {'> 0' if self.unit == 'x' else '>= 0'}, got {value}")
         return float(value)
 
-    def faster_answer(self, option: str, by_percent: float) -> float:
-        """The signed answer for "``option`` is faster by ``by_percent`` %"."""
+    def faster_answer(self, option: str, times: float) -> float:
+        """The answer "``option`` is ``times`` x faster" as the first option's speed-up."""
         if option not in self.options:
             raise ValueError(f"{self.key}: the options are {' and '.join(map(repr, self.options))}, got {option!r}")
-        by = self.check(by_percent)
-        if by < 0:
-            raise ValueError(f"{self.key}: say which one is faster, and by a percentage >= 0, got {by_percent}")
-        return by if option == self.options[0] else -by
+        by = self.check(times)
+        if by < 1:
+            raise ValueError(f"{self.key}: say which one is faster and how many times (1 or more: 1.5 = it takes "
+                             f"two thirds of the other's time), got {times}")
+        return by if option == self.options[0] else 1 / by
 
     def describe_answer(self) -> str:
         if self.kind == "faster":
-            return (f"+x: {self.options[0]} is faster by x %, -x: {self.options[1]} is; "
-                    "or answer(option, x)")
-        return f"in {self.unit}"
+            return f"which one, and how many times faster: answer({self.options[0]!r}, 1.5)"
+        return f"in {self.unit}" if self.unit != "x" else "as a ratio (1.5 = one and a half times)"
 
     def format(self, value: float | None) -> str:
-        """An answer or a measurement in the question's words: "8.04 MiB", "overlapped faster by 12%"."""
+        """An answer or a measurement in the question's words: "8.04 MiB", "overlapped 1.39x faster"."""
         if value is None:
             return "-"
         if self.kind == "faster":
-            if abs(value) < 0.5:
-                return "no difference"
-            return f"{self.options[0] if value > 0 else self.options[1]} faster by {abs(value):.0f}%"
+            return speedup_words(value, self.options)
         if self.unit == "collectives":
             return f"{value:.0f} collectives" if value != 1 else "1 collective"
-        digits = 0 if self.unit == "B" else 2
-        return f"{value:,.{digits}f} {self.unit}"
+        if self.unit == "x":
+            return f"{value:.3g}x"
+        return f"{value:,.{0 if self.unit == 'B' else 2}f} {self.unit}"
+
+    def format_change(self, d: float, of: float | None = None) -> str:
+        """A difference in the question's unit, signed, bytes in the unit that shows them ("-42.04
+        KiB", never "-0.04 MiB"), and as a share of ``of`` where given ("(-0.5% of the measured)")."""
+        if self.unit in ("KiB", "MiB", "GiB"):
+            amount = ("+" if d >= 0 else "-") + human_bytes(abs(d) * self.scale)
+        else:
+            digits = 0 if self.unit in ("B", "collectives") else 3
+            amount = f"{d:+,.{digits}f}{'' if self.unit == 'x' else ' ' + self.unit}"
+        if not of:
+            return amount
+        rel = d / abs(of)
+        return f"{amount} ({rel:+.1%} of the measured)" if abs(rel) >= 0.0005 else f"{amount} (under 0.05%)"
 
     def lands(self, reference: float, measured: float, spread: tuple[float, float] | None = None) -> bool:
         """Whether a reference answer lands where the measurement is: exactly for bytes, memory
-        and counts (to the byte); for a time, within ``TIME_TOLERANCE`` of each time (a "which is
-        faster": the ratio of the two, within that for each). ``spread``: the lowest and highest
-        value the measurement's own rounds give (``faster_spread``): on a shared machine a time is
-        known only that well, and the tolerance is counted from its ends."""
+        and counts (to the byte; a ratio of them to 0.1 %, where a library's own small messages,
+        e.g. torch DDP's broadcast of its rebuilt bucket order, are one more term); a time within
+        ``TIME_TOLERANCE`` of each time, counted from the ends of the measurement's ``spread`` (its
+        rounds' lowest and highest speed-up): on a shared machine a time is known only that well."""
         if self.quantity != "time":
+            if self.unit == "x":
+                return math.isclose(reference, measured, rel_tol=1e-3)
             return round(reference * self.scale) == round(measured * self.scale)
         low, high = spread if spread is not None else (measured, measured)
-        if self.kind == "faster":
-            k = (1 + TIME_TOLERANCE) ** 2
-            return time_ratio(low) / k <= time_ratio(reference) <= time_ratio(high) * k
-        return low * (1 - TIME_TOLERANCE) <= reference <= high * (1 + TIME_TOLERANCE)
+        k = (1 + TIME_TOLERANCE) ** 2
+        return low / k <= reference <= high * k
 
 
-def faster_by(time_first: float, time_second: float) -> float:
-    """The signed answer two measured times give: +x when the first is faster by x % (the second
-    takes x % longer), -x when the second is."""
+def from_the_run(setting: Setting) -> None:
+    """A reference that needs the run (a fitted link, a measured time, the cost model's profile):
+    none from the setting alone; the question's reader gives it with the measurement."""
+    return None
+
+
+def speedup(time_first: float, time_second: float) -> float:
+    """The first option's speed-up over the second: the second's time over the first's (> 1: the
+    first is faster)."""
     if not (time_first > 0 and time_second > 0):
         raise ValueError(f"step times must be > 0, got {time_first} and {time_second}")
-    if time_first <= time_second:
-        return 100 * (time_second / time_first - 1)
-    return -100 * (time_first / time_second - 1)
+    return time_second / time_first
 
 
-def faster_spread(first_rounds, second_rounds) -> tuple[float, float]:
-    """The lowest and highest signed answer two options' rounds of timings give (ms each): the
+def speedup_spread(first_rounds, second_rounds) -> tuple[float, float]:
+    """The lowest and highest speed-up two options' rounds give (each a list of times): the
     first's slowest round against the second's fastest, and the other way round."""
-    return (faster_by(max(first_rounds), min(second_rounds)), faster_by(min(first_rounds), max(second_rounds)))
+    return speedup(max(first_rounds), min(second_rounds)), speedup(min(first_rounds), max(second_rounds))
 
 
-def time_ratio(signed: float) -> float:
-    """The second option's time over the first's, from a signed answer (``faster_by``'s inverse)."""
-    return 1 + signed / 100 if signed >= 0 else 1 / (1 - signed / 100)
+def spread_words(low: float, high: float, options: tuple[str, ...]) -> str:
+    """"overlapped 1.09x to 1.13x faster", or across the line: "bucketed 1.02x faster to overlapped 1.13x"."""
+    if (low > 1) == (high > 1) and min(abs(math.log(low)), abs(math.log(high))) >= 0.005:
+        winner, a, b = (options[0], low, high) if low > 1 else (options[1], 1 / high, 1 / low)
+        return f"{winner} {a:.3g}x to {b:.3g}x faster"
+    return f"{speedup_words(low, options)} to {speedup_words(high, options)}"
+
+
+def speedup_words(value: float, options: tuple[str, ...]) -> str:
+    """"overlapped 1.39x faster" from the first option's speed-up (the winner named, a ratio >= 1)."""
+    if abs(math.log(value)) < 0.005:
+        return "no difference"
+    winner, by = (options[0], value) if value > 1 else (options[1], 1 / value)
+    return f"{winner} {by:.3g}x faster"

@@ -25,15 +25,19 @@ class Term:
 @dataclass
 class Measured:
     """What the run gave for a question. ``value`` in the question's unit (``faster``: the signed
-    answer, see ``question.py``); ``terms`` add up to it in ``terms_unit`` (``faster``: to how many ms
-    shorter the first option's step was than the second's); ``readings``: answers a common line of
-    thought gives, named by what it counts or leaves out; ``times``: each option's ms per step."""
+    answer: the first option's speed-up, see ``question.py``); ``terms`` add up to it in ``terms_unit``
+    (``faster``: to how many ms shorter the first option's step was than the second's); ``readings``:
+    answers a common line of thought gives, named by what it counts or leaves out; ``times``: each
+    option's ms per step, ``spread`` the lowest and highest speed-up its rounds give; ``reference``:
+    where the reference answer needs this run (the cost model's, or a formula over a measured time)."""
 
     value: float
     terms: list[Term]
     terms_unit: str
     readings: list[Term] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
+    spread: tuple[float, float] | None = None
+    reference: float | None = None
     world_size: int | None = None
     network: str | None = None
     note: str = ""
@@ -51,15 +55,21 @@ def ring_factor(op: str, world_size: int) -> str:
     """The ring formula's factor as the course writes it: "2(N-1)/N" at N = 2 is "2(2-1)/2"."""
     n = world_size
     return {"all_reduce": f"2({n}-1)/{n}", "all_gather": f"({n}-1)/{n}", "reduce_scatter": f"({n}-1)/{n}",
-            "broadcast": "1", "barrier": "0"}[op]
+            "broadcast": f"({n}-1)/{n}", "barrier": "0"}[op]
 
 
 def ring_terms(sizes: dict[str, tuple[int, float]], world_size: int, scale: float) -> list[Term]:
     """One term per collective kind: ``sizes`` maps an op to (how many, their full size S in
     bytes); each term is what one rank sends for them, ``ring_bytes`` of S, in units of ``scale``."""
-    return [Term(f"{count} {OP_WORDS[op]}{'s' if count != 1 else ''} of {human_bytes(s)} in all: "
-                 f"{ring_factor(op, world_size)} x {human_bytes(s)}", ring_bytes(op, s, world_size) / scale)
-            for op, (count, s) in sizes.items() if count]
+    return [Term(f"{_size_words(count, op, s)}: {ring_factor(op, world_size)} x S",
+                 ring_bytes(op, s, world_size) / scale) for op, (count, s) in sizes.items() if count]
+
+
+def _size_words(count: int, op: str, s: float) -> str:
+    """"66 all-reduces, together S = 8.04 MiB" (never "of 8.04 MiB", which reads as each)."""
+    if count == 1:
+        return f"1 {OP_WORDS[op]} of S = {human_bytes(s)}"
+    return f"{count} {OP_WORDS[op]}s, together S = {human_bytes(s)}"
 
 
 def trace_sizes(trace, rank: int = 0, step: int = -1) -> tuple[dict[str, tuple[int, float]], int, int]:

@@ -2,6 +2,7 @@
 
     text, fig = report(["predictions.jsonl"])               # the learner's table, predicted vs measured
     text, fig = report(["ana.jsonl", "ben.jsonl", ...])      # one row per question, the class's misses
+    fig.savefig(picture_path(paths))                         # beside the (first) ledger
 
 A notebook can call it too: ``print(text)``, and ``fig`` shows itself.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpkit.predictions.ledger import class_rows, class_table, learner_table, read, read_class
+from ddpkit.predictions.ledger import read, read_class
+from ddpkit.predictions.tables import class_rows, class_table, learner_table, points
 from ddpkit.predictions.unattended import DEFAULT_LEDGER
 
 
@@ -24,19 +26,25 @@ def default_ledger(here=None) -> Path:
                             "e.g. python -m ddpkit ledger notebooks/predictions.jsonl")
 
 
+def picture_path(paths) -> Path:
+    """Where the picture goes unless told: beside the (first) ledger, named after it
+    (``predictions.png`` beside ``predictions.jsonl``; ``class_predictions.png`` for several)."""
+    paths = [Path(p) for p in paths] or [default_ledger()]
+    first = paths[0]
+    return first.with_name("class_predictions.png" if len(paths) > 1 else f"{first.stem}.png")
+
+
 def report(paths) -> tuple[str, object]:
     """(the table, the picture) for one ledger (a learner's) or several (a class: one learner per
     file, named by the file). ValueError for a file that is not a ledger, or one with no answers."""
+    from ddpkit.viz.predictions import plot_class, plot_ledger   # matplotlib: only to draw
+
     paths = [Path(p) for p in paths] or [default_ledger()]
     if len(paths) == 1:
-        from ddpkit.viz.predictions import plot_ledger
-
         entries = read(paths[0])
         if not entries:
             raise ValueError(f"{paths[0]} holds no answers yet")
-        return f"{paths[0]}:\n{learner_table(entries)}", plot_ledger(entries)
-    from ddpkit.viz.predictions import plot_class
-
+        return f"{paths[0]}:\n{learner_table(entries)}", plot_ledger(points(entries))
     ledgers = read_class(paths)
     rows = class_rows(ledgers)
     if not rows:

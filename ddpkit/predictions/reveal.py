@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 from ddpkit.predictions import explain
 from ddpkit.predictions.ledger import Entry, machine, now
-from ddpkit.predictions.question import Question
+from ddpkit.predictions.question import Question, Setting, spread_words
 from ddpkit.predictions.reading import Measured
 
 
 @dataclass
 class Reveal:
-    """``state``: "answered", "skipped", or "late" (the measurement ran before an answer)."""
+    """``state``: "answered", "skipped", or "late" (the measurement was shown before an answer)."""
 
     question: Question
-    setting: dict
+    setting: Setting
     state: str
     prediction: float | None
     measured: Measured
@@ -42,28 +42,48 @@ class Reveal:
     def sentence(self) -> str:
         return explain.explain(self.question, self.prediction, self.measured)
 
-    def lines(self) -> list[str]:
-        q, fmt = self.question, self.question.format
+    def rows(self) -> list[tuple[str, str]]:
+        """(what, value) for each line of the reveal: the prediction, the measurement (and its rounds'
+        spread), the miss, the reference (and whether it lands within that spread)."""
+        q, fmt, m = self.question, self.question.format, self.measured
         said = {"answered": fmt(self.prediction), "skipped": "skipped",
-                "late": "none: the measurement ran before an answer"}[self.state]
-        note = f"  ({self.measured.note})" if self.measured.note else ""
-        out = [f"Q ({q.key}): {q.words(self.setting)}",
-               f"  your prediction: {said}",
-               f"  measured:        {fmt(self.measured.value)}{note}"]
+                "late": "none: the measurement was shown before an answer"}[self.state]
+        rows = [("your prediction", said), ("measured", fmt(m.value))]
+        if m.spread is not None:
+            low, high = m.spread
+            rows.append(("its rounds", spread_words(low, high, q.options)))
         if self.miss is not None:
-            out.append(f"  miss:            {self._miss_words()}")
+            rows.append(("miss", self._miss_words()))
         if self.reference is not None:
-            out.append(f"  reference ({q.reference_from}): {fmt(self.reference)}")
-        out.append(f"  {self.sentence}")
-        return out
+            rows.append((f"reference ({q.reference_from})", fmt(self.reference) + self._trust()))
+        return rows
+
+    def _trust(self) -> str:
+        """Whether the reference lands on this run: for a time, within the model's tolerance of the
+        ends of the rounds' spread (else, how to read the gap); bytes, memory, counts: exactly."""
+        q, m = self.question, self.measured
+        if q.lands(self.reference, m.value, m.spread):
+            return ": lands on this run" + (" (within its rounds, give or take the model's tolerance)"
+                                            if q.quantity == "time" else ", exactly")
+        if q.quantity == "time":
+            return (": outside this run's rounds by more than the model's tolerance: the machine was busier "
+                    "than the model's inputs, or the model leaves a part of the step out (the terms below)")
+        return ": does not land on this run: the difference is a term of the accounting below"
 
     def _miss_words(self) -> str:
-        """"-4.02 MiB (-50%)", or for "which is faster" "-599 points" (of the signed %)."""
-        q, m = self.question, self.miss
+        """"-4.02 MiB (-50.0%)", "-1.00 KiB (-0.01%)" (never "-0.00 MiB (-0%)"), "exact";
+        "which is faster": your speed-up over the measured one ("x0.80")."""
+        q, d = self.question, self.miss
         if q.kind == "faster":
-            return f"{m:+.0f} points"
-        rel = f" ({m / abs(self.measured.value):+.0%})" if self.measured.value else ""
-        return f"{m:+,.{0 if q.unit in ('B', 'collectives') else 2}f} {q.unit}{rel}"
+            return f"x{d:.2f} (your speed-up over the measured one; x1.00 is right)"
+        if round(d * q.scale, 6) == 0:
+            return "none: exact"
+        return q.format_change(d, self.measured.value)
+
+    def lines(self) -> list[str]:
+        q, note = self.question, f"  ({self.measured.note})" if self.measured.note else ""
+        rows = [f"  {what}: {value}" + (note if what == "measured" else "") for what, value in self.rows()]
+        return [f"Q ({q.key}): {q.words(self.setting)}", *rows, f"  {self.sentence}"]
 
     def text(self) -> str:
         return "\n".join(self.lines())
@@ -75,35 +95,28 @@ class Reveal:
         p.text(self.text())
 
     def figure(self):
-        from ddpkit.viz.predictions import plot_reveal
+        from ddpkit.viz.predictions import plot_reveal   # matplotlib loads only when a picture is drawn
 
         return plot_reveal(self)
 
     def _repr_html_(self) -> str:
-        q, fmt = self.question, self.question.format
-        said = {"answered": fmt(self.prediction), "skipped": "skipped",
-                "late": "none (the measurement ran first)"}[self.state]
-        rows = [("your prediction", said), ("measured", fmt(self.measured.value))]
-        if self.miss is not None:
-            rows.append(("miss", self._miss_words()))
-        if self.reference is not None:
-            rows.append((f"reference ({q.reference_from})", fmt(self.reference)))
-        cells = "".join(f"<tr><td style='padding-right:1em'>{html.escape(a)}</td>"
-                        f"<td><b>{html.escape(b)}</b></td></tr>" for a, b in rows)
+        note = f" <span style='font-weight:normal;color:#555'>({html.escape(self.measured.note)})</span>"
+        cells = "".join(f"<tr><td style='padding-right:1em'>{html.escape(a)}</td><td><b>{html.escape(b)}</b>"
+                        f"{note if a == 'measured' and self.measured.note else ''}</td></tr>" for a, b in self.rows())
         buf = io.BytesIO()
         self.figure().savefig(buf, format="png", dpi=90, bbox_inches="tight")
         img = base64.b64encode(buf.getvalue()).decode()
         return (f"<div class='ddpkit-reveal' style='border-left:4px solid #4c72b0;padding-left:8px'>"
-                f"<div><b>Reveal.</b> {html.escape(q.words(self.setting))}</div><table>{cells}</table>"
+                f"<div><b>Reveal.</b> {html.escape(self.question.words(self.setting))}</div><table>{cells}</table>"
                 f"<p class='ddpkit-reveal-sentence'>{html.escape(self.sentence)}</p>"
                 f"<img src='data:image/png;base64,{img}'/></div>")
 
     def entry(self) -> Entry:
         """This reveal as a ledger entry."""
-        return Entry(question=self.question.key, text=self.question.words(self.setting), unit=self.question.unit,
-                     kind=self.question.kind, quantity=self.question.quantity,
+        q, m = self.question, self.measured
+        return Entry(question=q.key, text=q.words(self.setting), unit=q.unit, kind=q.kind, quantity=q.quantity,
                      state="skipped" if self.prediction is None else "answered", prediction=self.prediction,
-                     measurement=self.measured.value, miss=self.miss, direction_right=self.direction_right,
-                     reference=self.reference, world_size=self.measured.world_size or self.setting.get("world_size"),
-                     network=self.measured.network or self.setting.get("network") or "loopback",
-                     machine=machine(), source=self.source, time=now())
+                     measurement=m.value, miss=self.miss, direction_right=self.direction_right,
+                     reference=self.reference, world_size=m.world_size or self.setting.world_size,
+                     network=m.network or self.setting.network or "loopback", machine=machine(),
+                     source=self.source, time=now(), options=q.options)

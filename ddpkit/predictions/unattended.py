@@ -9,11 +9,11 @@ and ``ledger_path`` as a question is asked; a notebook's own code never needs th
                     one (bytes, memory, counts, a collective's time), skipped where it needs the cost
                     model's profile of a run;
     a JSON object, or the path of a file holding one: ``{"02.naive_bytes": 8.0,
-                    "04.overlapped_vs_bucketed": ["overlapped", 15], "05.fsdp_bytes": "skip"}``: a
-                    number in the question's unit, for "which is faster" [option, percent] (or the
-                    signed number), or "skip". A question it does not name is left unanswered, as
-                    in a notebook run with no one at it: the measuring cell says so, and the reveal
-                    shows the measurement without a prediction.
+                    "04.overlapped_vs_bucketed": ["overlapped", 1.5], "10.parted_bytes": "skip"}``: a
+                    number in the question's unit, for "which is faster" [option, how many times
+                    faster], or "skip". A key that is not a question is an error naming the nearest
+                    one (a key starting with "_" is a comment); a question it does not name is
+                    left unanswered, as in a notebook run with no one at it.
     ``tests/conftest.py`` points it at ``notebooks/answers.json`` (one made-up learner's answers),
     so ``python -m pytest --nbval-lax notebooks/...`` runs every prediction cell headless.
 
@@ -43,13 +43,22 @@ def _table(spec: str) -> dict | str:
         path = Path(spec).expanduser()
         if not path.is_file():
             raise ValueError(f"${ANSWERS}={spec!r}: not 'skip', 'reference', a JSON object, nor a file")
-        text, where = path.read_text(), str(path)
+        try:
+            text, where = path.read_bytes().decode("utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise ValueError(f"${ANSWERS}={spec!r}: not a JSON text file (not UTF-8: a binary file?)") from None
     try:
         table = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a JSON object {{question key: answer}}, got a {type(table).__name__}")
+    from ddpkit.predictions.course import QUESTIONS, nearest
+
+    unknown = [k for k in table if k not in QUESTIONS and not k.startswith("_")]   # "_about": a comment
+    if unknown:
+        raise ValueError(f"{where}: no question {unknown[0]!r}{nearest(unknown[0])}; the course asks: "
+                         f"{', '.join(QUESTIONS)}")
     return table
 
 
@@ -68,16 +77,16 @@ def answer_for(question, setting: dict, environ=None):
     if table == "skip":
         return "skip", None
     if table == "reference":
-        value = question.reference_answer(setting)
+        value = question.reference(setting)
         return ("answer", value) if value is not None else ("skip", None)
     if question.key not in table:
         return None
     value = table[question.key]
     if value == "skip":
         return "skip", None
-    if question.kind == "faster" and isinstance(value, list):
-        if len(value) != 2:
-            raise ValueError(f"${ANSWERS}: {question.key} takes [option, percent], got {value!r}")
+    if question.kind == "faster":
+        if not (isinstance(value, list) and len(value) == 2):
+            raise ValueError(f"${ANSWERS}: {question.key} takes [option, how many times faster], got {value!r}")
         return "answer", question.faster_answer(*value)
     return "answer", question.check(value)
 

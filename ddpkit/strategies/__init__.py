@@ -13,9 +13,11 @@ hsdp.py               HSDP              hybrid sharding: FSDP inside a node, rep
 reference.py          torch's own DistributedDataParallel, ZeroRedundancyOptimizer and fully_shard
                       (1-D, and 2-D for hybrid sharding)
 
-What they share: ``common.py`` (construction checks, FSDP's units, clipping), ``ddp_module.py``
-(``DDPModule``, the base of the three DDP wrappers),
-``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed and overlapped DDP),
+What they share: ``ddp_module.py`` (``DDPModule``, the core of the DDP wrappers: construction,
+forward, the sync flag, the gradient hooks, the sync at the end of backward), ``ddp_compat.py``
+(``TorchDDPCompat``: torch DDP's arguments, buffers, unused parameters, comm hooks and Join,
+composed onto the core), ``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed
+and overlapped DDP), ``common.py`` (construction checks, FSDP's units, clipping, timing),
 ``zero_buckets.py`` (ZeRO-1/2's buckets padded to N shards, and which optimizers can be sharded),
 ``flat_layout.py`` (``FlatLayout``: where each tensor sits in a flat buffer, padding to a multiple
 of N, a rank's shard; every flat buffer above follows it),
@@ -24,14 +26,13 @@ of N, a rank's shard; every flat buffer above follows it),
 ``comm_hooks.py`` (how a DDP bucket is reduced: all-reduce, fp16 or bf16 compression).
 ``table.py`` is the table of strategies by name that experiments, the cost model and the
 command line read; the strategy files themselves know nothing of it.
-"""
-from ddpkit.strategies.bucketed import BucketedDDP
-from ddpkit.strategies.fsdp import FSDP
-from ddpkit.strategies.hsdp import HSDP
-from ddpkit.strategies.naive import NaiveDDP
-from ddpkit.strategies.overlapped import OverlappedDDP
-from ddpkit.strategies.sharded_optimizer import ShardedOptimizer
-from ddpkit.strategies.zero1 import ZeRO1
-from ddpkit.strategies.zero2 import ZeRO2
 
-__all__ = ["NaiveDDP", "BucketedDDP", "OverlappedDDP", "ShardedOptimizer", "ZeRO1", "ZeRO2", "FSDP", "HSDP"]
+The names below are imported on first use: importing one strategy loads only what it needs.
+"""
+from ddpkit import lazy_names
+
+_HOMES = {"NaiveDDP": ".naive", "BucketedDDP": ".bucketed", "OverlappedDDP": ".overlapped",
+          "ShardedOptimizer": ".sharded_optimizer", "ZeRO1": ".zero1", "ZeRO2": ".zero2", "FSDP": ".fsdp",
+          "HSDP": ".hsdp"}
+__all__ = list(_HOMES)
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)

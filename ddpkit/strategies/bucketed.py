@@ -35,23 +35,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddpkit.strategies.ddp_compat import TorchDDPCompat
 from ddpkit.strategies.ddp_module import DDPModule
 
 
-class BucketedDDP(DDPModule):
+class BucketedDDP(TorchDDPCompat, DDPModule):
     """Copy gradients into flat buckets after backward and all-reduce each bucket once."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
                  recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
                  gradient_as_bucket_view: bool = False, comm_hook=None, **torch_ddp):
-        # comm_hook: how each bucket is reduced (a name in comm_hooks.COMM_HOOKS, or a hook function);
-        # torch_ddp: torch DDP's other arguments (device_ids, broadcast_buffers, ...; torch_ddp_args.py)
+        # comm_hook: how each bucket is reduced (a name in comm_hooks.COMM_HOOKS, or a function);
+        # find_unused_parameters and torch_ddp (device_ids, broadcast_buffers, ...): torch DDP's
         super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
-                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
-                         gradient_as_bucket_view=gradient_as_bucket_view, comm_hook=comm_hook, **torch_ddp)
-        # a hook per gradient: records the bucket fill order and queues the reduction at the end
-        # of backward (the buckets wait for it: launching them earlier is OverlappedDDP's idea)
-        self._sync_at_end_of_backward()
+                         first_bucket_mb=first_bucket_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+                         find_unused_parameters=find_unused_parameters, comm_hook=comm_hook, torch_ddp=torch_ddp)
+        # a hook per gradient (_grad_ready_hook): records the bucket fill order and queues the reduction
+        # at the end of backward (the buckets wait for it: launching them earlier is OverlappedDDP's idea)
+        self._hook_every_gradient()
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:

@@ -1,20 +1,13 @@
 """Buckets: gradients packed into one flat buffer, so that one collective carries many of them.
 
-    assign_buckets(sizes, cap_bytes)   which tensors share a bucket (torch DDP's rule)
-    layout(bucket_cap_mb)              the caps in MiB: None is torch DDP's default (25, first 1)
-    Bucket(index, named_params)        one bucket: its flat buffer, a slot in it per gradient,
-                                       how many gradients are still missing in this step, and
-                                       the handle of its all-reduce once launched
-    InOrder(buckets, recorder, finish) buckets launched from gradient hooks, strictly in order
-
-``BucketedDDP`` fills every bucket after backward; ``OverlappedDDP`` fills them from gradient
-hooks during backward and launches each as soon as it is full (``InOrder``, which ZeRO-2 shares
-for its reduce-scatters). Both talk to a bucket through the same four calls: ``copy_in``,
-``all_reduce``, ``wait``, ``copy_out``. A communication hook
-(``comm_hooks.py``, registered with the wrapper's ``register_comm_hook``) replaces how
-``all_reduce`` reduces the flat buffer, e.g. in fp16 to halve the bytes. The cost model
-(``ddpkit.costmodel``) assigns buckets with the same ``assign_buckets``. Where each gradient sits in
-the flat buffer is a ``FlatLayout`` (``flat_layout.py``), the rule every flat buffer here follows.
+``assign_buckets`` says which tensors share a bucket (torch DDP's rule, the cost model's too),
+``layout`` the caps (None: torch DDP's default, 25 MiB with a first bucket of 1); a ``Bucket`` is
+its flat buffer (a ``FlatLayout``), a slot per gradient, how many are still missing this step,
+and its all-reduce once launched. ``BucketedDDP`` fills every bucket after backward;
+``OverlappedDDP`` fills them from gradient hooks and launches each as soon as it is full, strictly
+in order (``InOrder``, which ZeRO-2 shares). Both use four calls: ``copy_in``, ``all_reduce``,
+``wait``, ``copy_out``; a communication hook (``comm_hooks.py``) replaces how ``all_reduce``
+reduces the flat buffer, e.g. in fp16 to halve the bytes.
 """
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ import torch.distributed as dist
 
 from ddpkit.strategies.common import nbytes
 from ddpkit.strategies.flat_layout import FlatLayout
-from ddpkit.torch_internals import copy_all, queue_at_end_of_backward
+from ddpkit.torch_internals import copy_all
 
 
 DEFAULT_CAP_MB = 25.0   # torch DDP's bucket_cap_mb
@@ -36,9 +29,13 @@ def layout(bucket_cap_mb: float | None, first_bucket_mb: float | None = None) ->
     """(every bucket's cap, the first bucket's cap or None: the same) in MiB, by torch DDP's rule:
     a cap left at its default (None) is 25 MiB with the first bucket capped at 1 MiB, so the first
     gradients start travelling early in backward; a cap given applies to every bucket (a cap sweep
-    sees both ends of the trade-off). ``first_bucket_mb`` sets the first bucket's cap either way."""
+    sees both ends of the trade-off). ``first_bucket_mb`` sets the first bucket's cap either way.
+    Each is checked (``bucket_cap_bytes``): a wrapper asks before any communication."""
     if bucket_cap_mb is None:
-        return DEFAULT_CAP_MB, FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+        bucket_cap_mb, first_bucket_mb = DEFAULT_CAP_MB, FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+    bucket_cap_bytes(bucket_cap_mb)
+    if first_bucket_mb is not None:
+        bucket_cap_bytes(first_bucket_mb)
     return bucket_cap_mb, first_bucket_mb
 
 
@@ -101,10 +98,6 @@ class Bucket:
         self.reset()
 
     @property
-    def numels(self) -> list[int]:
-        return self.layout.numels
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the flat buffer = bytes this bucket's all-reduce reduces."""
         return nbytes(self.flat)
@@ -150,6 +143,10 @@ class Bucket:
         of the reduced buffer; ``wait()`` finishes either."""
         if hook is not None:
             self.future = hook(self, group, recorder)
+            if not callable(getattr(self.future, "wait", None)):
+                name = getattr(hook, "__qualname__", repr(hook))
+                raise TypeError(f"comm hook {name} returned {type(self.future).__name__} for bucket {self.index}: a "
+                                "hook must return a torch.futures.Future of the reduced buffer (comm_hooks.py)")
             return
         with recorder.labels(bucket=self.index):
             self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -179,42 +176,23 @@ class Bucket:
 
 
 class InOrder:
-    """Buckets launched from the gradient hooks, strictly in bucket order (OverlappedDDP, ZeRO2).
+    """Buckets launched from the gradient hooks, strictly in bucket order (OverlappedDDP, ZeRO2), one
+    step's worth (a new one each step). A bucket complete before an earlier one waits for it, so every
+    rank issues the same collectives in the same order whichever gradient arrives first. A bucket
+    keeps its own progress (``ready``, ``missing``: its ``copy_in``); this keeps which one is next."""
 
-    A bucket complete before an earlier one waits for it, so every rank issues the same collectives
-    in the same order whichever gradient arrives first. The first gradient of a step queues
-    ``finish`` (the wrapper's sync) at the end of backward, which completes what never arrived
-    (``complete_the_rest``) and launches what is still ``due``. A bucket keeps its own progress
-    (``ready``, ``missing``, by its ``copy_in``); this keeps which bucket is next."""
+    def __init__(self, buckets: list):
+        self.buckets = buckets
+        for bucket in buckets:
+            bucket.reset()  # every gradient missing, nothing launched
+        self.launched = 0   # buckets[:launched] are launched
 
-    def __init__(self, buckets: list, recorder, finish, owner: str):
-        self.buckets, self.recorder, self.finish, self.owner = buckets, recorder, finish, owner
-        self.new_step()
-
-    def new_step(self) -> None:
-        """Each training forward: every bucket empty, none launched, the end of backward not queued."""
-        for bucket in self.buckets:
-            bucket.reset()
-        self.launched = 0          # buckets[:launched] are launched
-        self.end_queued = False
-
-    def arrive(self, bucket, j: int, scale: float, sync: bool) -> bool:
-        """Gradient j of ``bucket`` is ready (recorded: the bucket fill order). In a backward that
-        syncs, it goes into its bucket times ``scale`` (``bucket.copy_in``), once per step, and the
-        first of the step queues ``finish``: True, launch what is ``due``. Inside ``no_sync()``
-        (``sync`` False) nothing more: it accumulates in ``.grad``."""
-        if self.recorder.enabled:
-            self.recorder.grad_ready(bucket.names[j], bucket=bucket.index)
-        if not sync:
-            return False
+    def copy_in(self, bucket, j: int, scale: float) -> None:
+        """Gradient j of ``bucket`` into its slot, times ``scale``, once per step."""
         if bucket.ready[j]:
-            raise RuntimeError(f"{self.owner}: the gradient of {bucket.names[j]!r} became ready twice in one "
-                               "step; each gradient must arrive once per backward")
-        if not self.end_queued:
-            queue_at_end_of_backward(self.finish)
-            self.end_queued = True
+            raise RuntimeError(f"the gradient of {bucket.names[j]!r} became ready twice in one step; each "
+                               "gradient must arrive once per backward")
         bucket.copy_in(j, scale)  # of .grad detached: no autograd graph, even under create_graph=True
-        return True
 
     def due(self):
         """The complete buckets next in order, each yielded once (launch it: it counts as launched)."""

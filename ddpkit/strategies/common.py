@@ -1,9 +1,10 @@
-"""What every strategy shares: construction checks, rank-0 broadcast, FSDP's units, clipping, timing.
+"""What every strategy shares: construction checks, rank-0 broadcast, FSDP's units, clipping, timing
+(a forward, and a backward as its "backward" and "sync" spans: ``BackwardSpans``).
 
 Strategies report what happens through the recorder seam (``ddpkit.trace.seam``: ``span``,
 ``labels``, ``grad_ready``, ``memory``; ``NullRecorder`` when recording is off) and never store or
-draw it. What the DDP wrappers share besides (construction, forward, when a sync is pending) is
-``DDPModule`` in ``ddp_module.py``.
+draw it. What the DDP wrappers share besides is their core, ``DDPModule`` in ``ddp_module.py``, and
+torch DDP's compatibility layer composed onto it, ``TorchDDPCompat`` in ``ddp_compat.py``.
 
 This module sits in the strategy layer and imports nothing from later layers (trace's records,
 memory, viz, widget): data flows cluster -> strategy -> recorder -> plots.
@@ -177,8 +178,8 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, sharded: bo
 
 def forward_timed(recorder, module: nn.Module, args, kwargs):
     """``module(*args, **kwargs)``; in a training loop that does not time its own steps (a script of
-    its own, not ``train_step``) also recorded as a "forward" span and, from the moment its output's
-    gradient arrives to the end of autograd's work, a "backward" span: the compute lanes of the
+    its own, not ``train_step``) also recorded as a "forward" span, and its backward as
+    ``BackwardSpans`` (from the moment the output's gradient arrives): the compute lane of the
     timeline, whatever loop drives the wrapper. Recording off: just the call."""
     if recorder.loop_spans:
         return module(*args, **kwargs)
@@ -186,21 +187,50 @@ def forward_timed(recorder, module: nn.Module, args, kwargs):
         out = module(*args, **kwargs)
     first = first_tensor(out)
     if first is not None and first.requires_grad:
-        first.register_hook(_BackwardSpan(recorder))
+        BackwardSpans(recorder, first, opened=False)
     return out
 
 
-class _BackwardSpan:
-    """A gradient hook on a forward's output: opens the "backward" span when backward reaches it,
-    and closes it at the end of autograd's work (queued before any wrapper's sync, which runs after)."""
+class BackwardSpans:
+    """One backward on the compute lane: "backward", autograd's work up to its last gradient, then
+    (``train_batch``'s, ``opened``) "sync", the end-of-backward work the wrappers queue (bucketed's
+    and naive's all-reduces, overlapped's wait for its last buckets, FSDP's last reduce-scatters)
+    until ``close()``. "backward" opens now, or when the gradient reaches ``tensor`` (a wrapper's
+    output in a loop of its own); ``tensor``'s hook, the backward's first, queues its end on the
+    autograd engine ahead of the wrappers' work."""
 
-    def __init__(self, recorder):
-        self.recorder, self.span = recorder, None
+    def __init__(self, recorder, tensor: torch.Tensor, opened: bool = True):
+        self.recorder, self.sync_follows = recorder, opened
+        self.span = self.phase = None  # the span open now, and which: "backward", "sync" ("done" after)
+        self.queued = False
+        if opened:
+            self._enter("backward")
+        tensor.register_hook(self._reached)
 
-    def __call__(self, grad) -> None:
-        if self.span is None:
-            self.span = self.recorder.span("backward", cat="compute").__enter__()
-            queue_at_end_of_backward(lambda: self.span.__exit__(None, None, None))
+    def _enter(self, phase: str) -> None:
+        self.span, self.phase = self.recorder.span(phase, cat="compute").__enter__(), phase
+
+    def _reached(self, grad) -> None:
+        if self.phase is None:
+            self._enter("backward")
+        if not self.queued:
+            self.queued = queue_at_end_of_backward(self.autograd_done)
+
+    def autograd_done(self) -> None:
+        """Autograd has computed every gradient: "backward" ends, "sync" begins (once)."""
+        if self.phase != "backward":
+            return
+        self.span.__exit__(None, None, None)
+        self.phase = "done"
+        if self.sync_follows:
+            self._enter("sync")
+
+    def close(self) -> None:
+        """The sync is over: "sync" ends (once)."""
+        self.autograd_done()  # where torch could queue no callback, backward() has returned by now
+        if self.phase == "sync":
+            self.span.__exit__(None, None, None)
+            self.phase = "done"
 
 
 @contextlib.contextmanager

@@ -76,6 +76,10 @@ class FSDP(nn.Module):
                  recorder=None):
         super().__init__()
         self.limit_all_gathers = _check_limit(limit_all_gathers)  # before any communication
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{type(self).__name__}: {name} takes a floating torch.dtype (e.g. torch.bfloat16) "
+                                 f"or None (the parameters' own), got {dtype!r}")
         # checks, then rank 0's values everywhere (meta tensors: once materialized, below)
         prepare_module(type(self).__name__, module, None if replicate_group is not None else process_group)
         self.module = module

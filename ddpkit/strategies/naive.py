@@ -17,7 +17,8 @@ is computed, so ``loss.backward()`` returns with the gradients averaged, as with
 Nothing is communicated while backward computes: that is ``OverlappedDDP``'s idea, two files on.
 
 What every wrapper shares (construction broadcasts rank 0's parameters and buffers, the
-forward, ``no_sync()``, when a sync is pending) lives in ``ddp_module.DDPModule``.
+forward, ``no_sync()``, the hook on every gradient) is the core, ``ddp_module.DDPModule``;
+``TorchDDPCompat`` (``ddp_compat.py``) adds what torch's DDP has besides, not needed here.
 """
 from __future__ import annotations
 
@@ -25,24 +26,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.strategies.ddp_compat import TorchDDPCompat
 from ddpkit.strategies.ddp_module import DDPModule
 
 
-class NaiveDDP(DDPModule):
+class NaiveDDP(TorchDDPCompat, DDPModule):
     """All-reduce each gradient separately, after backward (in finish_gradient_synchronization)."""
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, find_unused_parameters: bool = False,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False, **torch_ddp):
-        """``torch_ddp``: torch DDP's other arguments (``device_ids``, ``broadcast_buffers``, ...),
-        with torch's meaning (``torch_ddp_args.py``). ``gradient_as_bucket_view`` is accepted: each
-        ``.grad`` is reduced in place, there is no bucket to copy it to."""
+        """``find_unused_parameters`` and ``torch_ddp`` (``device_ids``, ``broadcast_buffers``, ...):
+        torch DDP's, with torch's meaning. ``gradient_as_bucket_view`` is accepted: each ``.grad`` is
+        reduced in place, there is no bucket to copy it to."""
         if bucket_cap_mb is not None:
             raise ValueError("NaiveDDP all-reduces every gradient on its own: it has no buckets, so "
                              f"bucket_cap_mb={bucket_cap_mb!r} does not apply (BucketedDDP has buckets)")
-        super().__init__(module, process_group, recorder, find_unused_parameters=find_unused_parameters, **torch_ddp)
-        # a hook per gradient: records when it became ready (the fill-order plot, one "bucket" per
-        # parameter) and queues the sync at the end of backward, so backward returns averaged
-        self._sync_at_end_of_backward()
+        super().__init__(module, process_group, recorder, find_unused_parameters=find_unused_parameters,
+                         torch_ddp=torch_ddp)
+        # a hook per gradient (DDPModule._grad_ready_hook): records when it became ready (the fill-order
+        # plot, one "bucket" per parameter) and queues the sync at the end of backward
+        self._hook_every_gradient()
 
     @torch.no_grad()
     def _sync_gradients(self) -> None:

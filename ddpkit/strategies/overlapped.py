@@ -39,40 +39,27 @@ instead (see ``BucketedDDP``).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from ddpkit.strategies.ddp_module import DDPModule
+from ddpkit.strategies.bucketed import BucketedDDP
 from ddpkit.strategies.buckets import InOrder
 
 
-class OverlappedDDP(DDPModule):
-    """Bucketed all-reduce launched from per-parameter gradient hooks, overlapping backward."""
-
-    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None,
-                 recorder=None, find_unused_parameters: bool = False, first_bucket_mb: float | None = None,
-                 gradient_as_bucket_view: bool = False, comm_hook=None, **torch_ddp):
-        # comm_hook: how each bucket is reduced (a name in comm_hooks.COMM_HOOKS, or a hook function);
-        # torch_ddp: torch DDP's other arguments (device_ids, broadcast_buffers, ...; torch_ddp_args.py)
-        super().__init__(module, process_group, recorder, bucketed=True, bucket_cap_mb=bucket_cap_mb,
-                         find_unused_parameters=find_unused_parameters, first_bucket_mb=first_bucket_mb,
-                         gradient_as_bucket_view=gradient_as_bucket_view, comm_hook=comm_hook, **torch_ddp)
-        # which bucket is launched next, in bucket order (the rules above; buckets.InOrder)
-        self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
-                                 type(self).__name__)
-        self._hook_every_gradient(self._grad_ready_hook)
+class OverlappedDDP(BucketedDDP):
+    """Bucketed all-reduce launched from gradient hooks, overlapping backward (built as BucketedDDP)."""
 
     def _start_step(self, sync: bool) -> None:
-        # Each training forward resets the per-step state the hooks update.
         super()._start_step(sync)
-        self._in_order.new_step()
+        # which bucket is launched next this step, in bucket order (the rules above; buckets.InOrder)
+        self._in_order = InOrder(self.buckets)
 
     def _grad_ready_hook(self, i: int, j: int) -> None:
         """Gradient j of bucket i is in ``.grad``: copy it in; launch the buckets now complete."""
+        super()._grad_ready_hook(i, j)  # recorded; in a backward that syncs, the end of backward queued
+        if not self._sync_pending:  # inside no_sync(): the gradient accumulates in .grad
+            return
         bucket = self.buckets[i]
-        if self._synced:  # a second backward after the sync: an error
-            self._refuse_late_gradient(bucket.names[j])
-        # recorded; in a backward that syncs (not inside no_sync()) .grad / N into its bucket slot
-        if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending) and bucket.missing == 0:
+        self._in_order.copy_in(bucket, j, 1.0 / self.world_size)  # .grad / N into its bucket slot
+        if bucket.missing == 0:
             # Launch every complete bucket in bucket order, starting from the next one due (only a
             # bucket just completed can make one due): async, so autograd goes on computing earlier
             # layers while the bytes travel.

@@ -13,8 +13,9 @@ module of the package that spells the strategies' names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ddpkit.models import MLP, TinyGPT
 from ddpkit.strategies.common import default_units, resolve_units
@@ -118,42 +119,6 @@ def fsdp_units(module, units=None) -> list:
     return default_units(module)
 
 
-def _naive(module, bucket_cap_mb, **common):
-    from ddpkit.strategies.naive import NaiveDDP
-
-    return NaiveDDP(module, **common)
-
-
-def _bucketed(module, bucket_cap_mb, **common):
-    from ddpkit.strategies.bucketed import BucketedDDP
-
-    return BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
-
-
-def _overlapped(module, bucket_cap_mb, **common):
-    from ddpkit.strategies.overlapped import OverlappedDDP
-
-    return OverlappedDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
-
-
-def _zero1(module, bucket_cap_mb, **common):
-    from ddpkit.strategies.zero1 import ZeRO1
-
-    return ZeRO1(module, bucket_cap_mb=bucket_cap_mb, **common)
-
-
-def _zero2(module, bucket_cap_mb, **common):
-    from ddpkit.strategies.zero2 import ZeRO2
-
-    return ZeRO2(module, bucket_cap_mb=bucket_cap_mb, **common)
-
-
-def _fsdp(module, bucket_cap_mb, units=None, **common):
-    from ddpkit.strategies.fsdp import FSDP
-
-    return FSDP(module, units=fsdp_units(module, units), **common)
-
-
 def _node_size() -> int:
     """The ranks per node hybrid sharding shards over when built by name: this rank's layout
     (``ddpkit.rankside.topology()``: torchrun's nodes, a Cluster network's, or nodes of 2)."""
@@ -162,28 +127,21 @@ def _node_size() -> int:
     return topology().ranks_per_node
 
 
-def _hsdp(module, bucket_cap_mb, units=None, **common):
-    from ddpkit.strategies.hsdp import HSDP
+def _build(home: str, cls: str, cap: bool = True, units: bool = False, hybrid: bool = False) -> Callable:
+    """How a row wraps a module: class ``cls`` of ``ddpkit.strategies.<home>``, imported when first
+    built (the table loads no strategy), given the bucket cap (``cap``), FSDP's units (``units``: as
+    ``fsdp_units`` resolves them) and, for hybrid sharding, this rank's node size."""
+    def wrap(module, bucket_cap_mb, **options):
+        wrapper = getattr(importlib.import_module(f"ddpkit.strategies.{home}"), cls)
+        if cap:
+            options["bucket_cap_mb"] = bucket_cap_mb
+        if units:
+            options["units"] = fsdp_units(module, options.get("units"))
+        if hybrid:
+            options["gpus_per_node"] = _node_size()
+        return wrapper(module, **options)
 
-    return HSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module, units), **common)
-
-
-def _torch_hsdp(module, bucket_cap_mb, units=None, **common):
-    from ddpkit.strategies.reference import TorchHSDP
-
-    return TorchHSDP(module, gpus_per_node=_node_size(), units=fsdp_units(module, units), **common)
-
-
-def _torch_ddp(module, bucket_cap_mb, **common):
-    from ddpkit.strategies.reference import TorchDDP
-
-    return TorchDDP(module, bucket_cap_mb=bucket_cap_mb, **common)
-
-
-def _torch_fsdp(module, bucket_cap_mb, units=None, **common):
-    from ddpkit.strategies.reference import TorchFSDP
-
-    return TorchFSDP(module, units=fsdp_units(module, units), **common)
+    return wrap
 
 
 def _local_optimizer(model, cls, defaults, recorder=None, process_group=None):
@@ -214,43 +172,45 @@ def _torch_zero_optimizer(model, cls, defaults, recorder=None, process_group=Non
 
 # ----------------------------------------------------------------------------- the table
 _ROWS = [
-    Strategy("naive", "all-reduce every gradient after backward", _naive, _local_optimizer, "DDP",
-             CostStep("ddp", bucketed=False)),
-    Strategy("bucketed", "flat buckets, all-reduced after backward", _bucketed, _local_optimizer, "DDP",
-             CostStep("ddp"), takes_comm_hook=True),
-    Strategy("overlapped", "buckets all-reduced from gradient hooks, during backward", _overlapped,
-             _local_optimizer, "DDP", CostStep("ddp", overlap=True), headline=True, takes_comm_hook=True),
+    Strategy("naive", "all-reduce every gradient after backward", _build("naive", "NaiveDDP", cap=False),
+             _local_optimizer, "DDP", CostStep("ddp", bucketed=False)),
+    Strategy("bucketed", "flat buckets, all-reduced after backward", _build("bucketed", "BucketedDDP"),
+             _local_optimizer, "DDP", CostStep("ddp"), takes_comm_hook=True),
+    Strategy("overlapped", "buckets all-reduced from gradient hooks, during backward",
+             _build("overlapped", "OverlappedDDP"), _local_optimizer, "DDP", CostStep("ddp", overlap=True),
+             headline=True, takes_comm_hook=True),
     Strategy("sharded_optimizer", "overlapped DDP + optimizer state sharded 1/N, parameters all-gathered",
-             _overlapped, _sharded_optimizer, "ZeRO-1",
+             _build("overlapped", "OverlappedDDP"), _sharded_optimizer, "ZeRO-1",
              CostStep("ddp", overlap=True, gather_params=True, sharded_optimizer=True), bytes_vs_ddp=1.5,
              family="zero", takes_comm_hook=True),
     Strategy("zero1", "ZeRO-1: gradients reduce-scattered after backward, 1/N stepped, parameters all-gathered",
-             _zero1, _zero_optimizer, "ZeRO-1",
+             _build("zero1", "ZeRO1"), _zero_optimizer, "ZeRO-1",
              CostStep("ddp", grad_reduce="reduce_scatter", gather_params=True, gather_in_place=True,
                       copy_out=False, sharded_optimizer=True), family="zero", headline=True),
     Strategy("zero2", "ZeRO-2: gradients reduce-scattered in buckets during backward and freed",
-             _zero2, _zero_optimizer, "ZeRO-2",
+             _build("zero2", "ZeRO2"), _zero_optimizer, "ZeRO-2",
              CostStep("ddp", overlap=True, grad_reduce="reduce_scatter", gather_params=True,
                       gather_in_place=True, copy_out=False, sharded_optimizer=True), family="zero"),
-    Strategy("fsdp", "ZeRO-3: flat parameters sharded 1/N, gathered just in time", _fsdp,
-             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, family="fsdp",
-             headline=True),
-    Strategy("hsdp", "hybrid: FULL_SHARD inside a node, gradient shards all-reduced across nodes", _hsdp,
-             _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=None,
-             family="hsdp", hybrid=True),
-    Strategy("torch_ddp", "torch's DistributedDataParallel", _torch_ddp, _local_optimizer, "DDP",
-             CostStep("ddp", overlap=True, on_futures=True), torch_native=True),
-    Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel", _torch_ddp,
-             _torch_zero_optimizer, "ZeRO-1",
+    Strategy("fsdp", "ZeRO-3: flat parameters sharded 1/N, gathered just in time",
+             _build("fsdp", "FSDP", cap=False, units=True), _local_optimizer, "ZeRO-3",
+             CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=1.5, family="fsdp", headline=True),
+    Strategy("hsdp", "hybrid: FULL_SHARD inside a node, gradient shards all-reduced across nodes",
+             _build("hsdp", "HSDP", cap=False, units=True, hybrid=True), _local_optimizer, "ZeRO-3",
+             CostStep("fsdp", sharded_optimizer=True), bytes_vs_ddp=None, family="hsdp", hybrid=True),
+    Strategy("torch_ddp", "torch's DistributedDataParallel", _build("reference", "TorchDDP"), _local_optimizer,
+             "DDP", CostStep("ddp", overlap=True, on_futures=True), torch_native=True),
+    Strategy("torch_zero", "torch's ZeroRedundancyOptimizer over its DistributedDataParallel",
+             _build("reference", "TorchDDP"), _torch_zero_optimizer, "ZeRO-1",
              CostStep("ddp", overlap=True, gather_params=True, gather_by_broadcast=True, sharded_optimizer=True,
                       on_futures=True),
              bytes_vs_ddp=1.5, torch_native=True, family="zero", predictable=False),
-    Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _torch_fsdp, _local_optimizer, "ZeRO-3",
-             CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), bytes_vs_ddp=1.5, torch_native=True,
-             family="fsdp", predictable=False),
-    Strategy("torch_hsdp", "torch's fully_shard on a 2-D (replicate, shard) DeviceMesh", _torch_hsdp,
+    Strategy("torch_fsdp", "torch's fully_shard (FSDP2)", _build("reference", "TorchFSDP", cap=False, units=True),
              _local_optimizer, "ZeRO-3", CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True),
-             bytes_vs_ddp=None, torch_native=True, family="hsdp", predictable=False, hybrid=True),
+             bytes_vs_ddp=1.5, torch_native=True, family="fsdp", predictable=False),
+    Strategy("torch_hsdp", "torch's fully_shard on a 2-D (replicate, shard) DeviceMesh",
+             _build("reference", "TorchHSDP", cap=False, units=True, hybrid=True), _local_optimizer, "ZeRO-3",
+             CostStep("fsdp", sharded_optimizer=True, forward_prefetch=True), bytes_vs_ddp=None, torch_native=True,
+             family="hsdp", predictable=False, hybrid=True),
 ]
 STRATEGIES: dict[str, Strategy] = {row.name: row for row in _ROWS}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)

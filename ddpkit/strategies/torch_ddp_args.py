@@ -2,10 +2,10 @@
 
 A script written for torch's DDP builds it as ``DistributedDataParallel(model, device_ids=[rank],
 broadcast_buffers=..., static_graph=...)``. Every ddpkit DDP wrapper takes the same keywords and
-gives them torch's meaning (STYLE 17), so the wrapper drops into such a script unchanged:
+gives them torch's meaning, so the wrapper drops into such a script unchanged:
 
-    device_ids          None (CPU, or a module already on its device) or [the module's one GPU];
-                        a forward then moves its tensor inputs there, as torch's does
+    device_ids          None (CPU, or a module already on its device) or [the module's one GPU], a
+                        list as torch's takes; a forward then moves its tensor inputs there
     output_device       stored (torch only logs it for a single-device module)
     dim                 0 only (torch's multi-device scatter dimension; a single device has none)
     broadcast_buffers   rank 0's buffers at construction and before each forward that follows a
@@ -66,6 +66,9 @@ class TorchDDPArgs:
         if dim != 0:
             raise ValueError(f"{strategy}: dim={dim!r}: only 0 (torch uses it to scatter inputs over several "
                              "GPUs of one process, which neither torch's DDP nor ddpkit does any more)")
+        if device_ids is not None and not isinstance(device_ids, (list, tuple)):
+            raise TypeError(f"{strategy}: device_ids must be None or a list of one device, as torch's DDP takes "
+                            f"it (device_ids=[{device_ids!r}]), got {type(device_ids).__name__} {device_ids!r}")
         devices = {p.device for p in module.parameters()}
         device = None
         if device_ids:  # torch: None or [] for a CPU module or one spread over devices

@@ -45,7 +45,7 @@ class ZeRO1(ZeroDDPModule):
                  **torch_ddp):
         super().__init__(module, bucket_cap_mb, process_group, recorder, **torch_ddp)  # the sharded buckets
         self._reduced = False  # a synchronised backward has used the gradients
-        self._sync_at_end_of_backward()  # as BucketedDDP: fill order recorded, reduced at the end of backward
+        self._hook_every_gradient()  # as BucketedDDP: fill order recorded, reduced at the end of backward
 
     def _start_step(self, sync: bool) -> None:
         super()._start_step(sync)

@@ -39,34 +39,30 @@ class ZeRO2(ZeroDDPModule):
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None,
                  **torch_ddp):
         super().__init__(module, bucket_cap_mb, process_group, recorder, **torch_ddp)  # the sharded buckets
-        # which bucket is launched next, in bucket order (as OverlappedDDP's: buckets.InOrder)
-        self._in_order = InOrder(self.buckets, self.recorder, self.finish_gradient_synchronization,
-                                 type(self).__name__)
-        self._next_done = 0  # the next launched bucket whose reduce-scatter we collect
         for bucket in self.buckets:
             bucket.free_gradient()  # allocated when the bucket's first gradient arrives
-        self._hook_every_gradient(self._grad_ready_hook)
+        self._hook_every_gradient()  # _grad_ready_hook below
 
     def _start_step(self, sync: bool) -> None:
         super()._start_step(sync)
-        self._in_order.new_step()
-        self._next_done = 0
+        # which bucket is launched next this step, in bucket order (as OverlappedDDP's: buckets.InOrder)
+        self._in_order = InOrder(self.buckets)
+        self._next_done = 0  # the next launched bucket whose reduce-scatter we collect
 
     # ------------------------------------------------------------------ backward: reduce-scatter
     def _grad_ready_hook(self, i: int, j: int) -> None:
         """Gradient j of bucket i is in ``.grad``: copy it in, free it, launch complete buckets."""
-        bucket = self.buckets[i]
-        if self._synced:  # a second backward after the sync: an error
-            self._refuse_late_gradient(bucket.names[j])
-        # recorded; in a backward that syncs (not inside no_sync(), where it accumulates in .grad)
+        super()._grad_ready_hook(i, j)  # recorded; in a backward that syncs, the end of backward queued
+        if not self._sync_pending:  # inside no_sync(): the gradient accumulates in .grad
+            return
         # .grad / N into the bucket's flat gradient, and .grad freed (ZeroBucket.copy_in)
-        if self._in_order.arrive(bucket, j, 1.0 / self.world_size, self._sync_pending):
-            with torch.no_grad():
-                # every complete bucket, in bucket order from the next one due: async, so
-                # autograd goes on computing earlier layers' gradients while this one travels
-                for due in self._in_order.due():
-                    due.reduce_scatter(self.process_group, self.recorder)
-                self._collect_finished(block=False)  # free what is already reduced
+        self._in_order.copy_in(self.buckets[i], j, 1.0 / self.world_size)
+        with torch.no_grad():
+            # every complete bucket, in bucket order from the next one due: async, so
+            # autograd goes on computing earlier layers' gradients while this one travels
+            for due in self._in_order.due():
+                due.reduce_scatter(self.process_group, self.recorder)
+            self._collect_finished(block=False)  # free what is already reduced
 
     def _collect_finished(self, block: bool) -> None:
         """Launched buckets, in order, whose reduce-scatter is done (all of them if ``block``):

@@ -30,6 +30,7 @@ from torch import nn
 
 from ddpkit.strategies.common import clip_grad_norm_
 from ddpkit.strategies.buckets import layout, make_buckets
+from ddpkit.strategies.ddp_compat import TorchDDPCompat
 from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
 from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat
@@ -119,7 +120,7 @@ class ZeroBucket:
             return all_gather_flat(self.flat_param, self.shard.detach(), group=group, async_op=True)
 
 
-class ZeroDDPModule(DDPModule):
+class ZeroDDPModule(TorchDDPCompat, DDPModule):
     """What ZeRO-1 and ZeRO-2 share: the sharded buckets, the optimizer over this rank's shards,
     and the all-gather of the updated parameters after each step. They differ in when the
     gradients are reduce-scattered (after backward / from the gradient hooks)."""
@@ -131,7 +132,7 @@ class ZeroDDPModule(DDPModule):
             if torch_ddp.pop(name, False):
                 raise ValueError(f"{type(self).__name__}: {name}=True is not an option here: the gradients always "
                                  "live in the flat buckets, and an unused parameter's elements are reduced as zeros")
-        super().__init__(module, process_group, recorder, **torch_ddp)  # checks, rank 0's values everywhere
+        super().__init__(module, process_group, recorder, torch_ddp=torch_ddp)  # checks, rank 0's values everywhere
         self.rank = dist.get_rank(process_group)
         self.bucket_cap_mb, self.first_bucket_mb = layout(bucket_cap_mb)
         # DDP's buckets (the same rule), each a ZeroBucket: padded to N shards, ours is shard r
@@ -144,7 +145,7 @@ class ZeroDDPModule(DDPModule):
         raise ValueError(f"{type(self).__name__} does not support Join (uneven inputs): give every rank "
                          "the same number of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
 
-    def register_comm_hook(self, hook) -> None:
+    def _register_hook(self, hook) -> None:
         """Not here: the buckets are reduce-scattered, and a hook reduces a bucket (all-reduce)."""
         raise TypeError(f"{type(self).__name__} reduce-scatters its buckets; a comm hook replaces an all-reduce: "
                         "use BucketedDDP or OverlappedDDP")

@@ -14,30 +14,20 @@ Nothing here draws: plots (``ddpkit.viz``) and the widget read these records. Wh
 ddpkit's process group record through is the seam, ``ddpkit.trace.seam`` (``NullRecorder``, the rank's
 recorder): importing it loads none of the modules below, which load on first use of their names.
 """
-import importlib
+from ddpkit import lazy_names
 
 # Where each name lives (its one public home is that module; this package hands it on, loaded on
-# first use).
+# first use). Every public function and class of these modules is here (tests/test_package_face.py).
 _HOMES = {
-    **dict.fromkeys(["LANES", "to_chrome_trace"], "chrome"),
-    **dict.fromkeys(["BucketFill", "Timeline", "bucket_fill", "bucket_fill_order", "fill_rows", "launch_order",
-                     "layer_of", "loss_per_step", "memory_peak", "memory_series", "timeline"], "figures"),
+    **dict.fromkeys(["LANES", "same_collectives", "to_chrome_trace"], ".chrome"),
+    **dict.fromkeys(["BucketFill", "RankLanes", "Timeline", "bucket_fill", "bucket_fill_order", "comm_rows",
+                     "fill_rows", "launch_order", "layer_of", "loss_per_step", "memory_peak", "memory_series",
+                     "pack_rows", "packed_label", "peak_of", "timeline"], ".figures"),
     **dict.fromkeys(["backward_phases", "collective_bytes", "collective_counts", "comm_after_backward_ms",
-                     "comm_bytes_per_step", "overlap_fraction", "overlap_intervals"], "measures"),
-    **dict.fromkeys(["Recorder"], "recorder"),
-    **dict.fromkeys(["Record", "Trace", "as_trace"], "records"),
-    **dict.fromkeys(["Gap", "StepBreakdown", "decompose", "format_gaps", "step_breakdown"], "gap"),
+                     "comm_bytes_per_step", "overlap_fraction", "overlap_intervals"], ".measures"),
+    **dict.fromkeys(["Recorder"], ".recorder"),
+    **dict.fromkeys(["Record", "Trace", "as_trace"], ".records"),
+    **dict.fromkeys(["Gap", "StepBreakdown", "decompose", "format_gaps", "step_breakdown", "step_ends"], ".gap"),
 }
 __all__ = list(_HOMES)
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'ddpkit.trace' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"ddpkit.trace.{_HOMES[name]}"), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)

@@ -92,7 +92,7 @@ class NullRecorder:
     def memory(self, **bytes_by_category: int) -> None:
         pass
 
-    # what the training step (``experiment.train_step``) tells a recorder besides
+    # what the training step (``ddpkit.step.train_batch``) tells a recorder besides
     def begin_step(self) -> None:
         pass
 

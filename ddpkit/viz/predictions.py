@@ -1,31 +1,41 @@
-"""Predictions against measurements: one reveal, one learner's ledger, a class's ledgers."""
+"""Predictions against measurements: one reveal, one learner's answers, a class's.
+
+Plain records in, a Figure out; nothing here imports ``ddpkit.predictions`` (which calls these):
+a reveal's attributes (``question``, ``measured``, ``prediction``, ``reference``), and the rows its
+tables make (``predictions.tables.points`` and ``class_rows``). Every answer is drawn as predicted
+over measured on one log axis: 1 is right, 2 twice too much; "which is faster" as the predicted
+speed-up over the measured one."""
 from __future__ import annotations
+
+import math
 
 from ddpkit.viz._common import new_figure
 
 TERM_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52", "#937860", "#da8bc3", "#8c8c8c")
 PREDICTED, REFERENCE = "#c44e52", "#2c2c2c"
+RIGHT, WRONG = "#55a868", "#c44e52"
+LIMIT = 16.0   # factors beyond 1/16 and 16 are drawn at the edge, as an arrow
 
 
 def plot_reveal(reveal):
-    """One reveal (``ddpkit.predictions.Reveal``): the measurement stacked in its terms, with the
-    prediction (red) and the formulas' answer (black) marked. "Which is faster": each option's ms
-    per step, the second's split into the first's time and the parts of the difference, and
-    where the prediction put the second option, given the first's measured time."""
+    """One reveal: the measurement stacked in its terms, with the prediction (red) and the
+    reference (black) marked. "Which is faster": each option's ms per step, the second's split into
+    the first's time and the parts of the difference, and where the prediction put the second."""
     q, m = reveal.question, reveal.measured
     fig = new_figure(1.9 + 0.22 * len(m.terms), 7.5)
     ax = fig.subplots()
-    if q.kind == "faster":
+    if q.options:
         first, second = q.options
         t1 = m.times[first]
         ax.barh(1, t1, color="#c9d6e8", edgecolor="black", lw=0.4)
         ax.barh(0, t1, color="#c9d6e8", edgecolor="black", lw=0.4)
         _stack(ax, 0, t1, m.terms)
-        if reveal.prediction is not None:
-            from ddpkit.predictions.question import time_ratio
-
-            guess = t1 * time_ratio(reveal.prediction)
+        if reveal.prediction is not None:   # the speed-up of the first: the second's time over its own
+            guess = t1 * reveal.prediction
             ax.plot([guess, guess], [-0.4, 0.4], color=PREDICTED, lw=2.5, label="your prediction")
+        if reveal.reference is not None:
+            ax.plot([t1 * reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
+                    label=f"reference: {q.reference_from}")
         ax.set_yticks([1, 0], [first, second])
         ax.set_xlabel("ms (the second bar: the first's time, then the parts of the difference)")
     else:
@@ -34,7 +44,7 @@ def plot_reveal(reveal):
             ax.plot([reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
         if reveal.reference is not None:
             ax.plot([reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                    label=f"reference: {reveal.question.reference_from}")
+                    label=f"reference: {q.reference_from}")
         ax.set_yticks([0], ["measured"])
         ax.set_xlabel(q.unit)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -56,68 +66,65 @@ def _stack(ax, y: float, start: float, terms) -> None:
         at += t.value
 
 
-def plot_ledger(entries):
-    """One learner's answers (``ledger.read``), the last per question, one row each: predicted
-    against measured. Numbers: predicted / measured on a log axis (the green line, 1: right), the
-    two values beside the label; which is faster: the measured signed % (black) and the predicted
-    (orange) joined, +x the first option faster by x %."""
-    from ddpkit.predictions.ledger import course_order, format_value, latest
+def factor(predicted: float, measured: float) -> float:
+    """Predicted over measured, 1 where they are equal (0 = 0 too), kept within the axis."""
+    if predicted == measured:
+        return 1.0
+    if predicted <= 0 or measured <= 0:
+        return 1 / LIMIT if predicted < measured else LIMIT
+    return min(max(predicted / measured, 1 / LIMIT), LIMIT)
 
-    last = latest(entries)
-    answered = [last[k] for k in course_order(last) if last[k].prediction is not None]
-    numbers = [e for e in answered if e.kind == "number" and e.prediction > 0 and e.measurement > 0]
-    faster = [e for e in answered if e.kind == "faster"]
-    fig = new_figure(1.2 + 0.34 * max(len(numbers), len(faster), 1))
-    a, b = fig.subplots(1, 2)
-    for i, e in enumerate(numbers):
-        a.scatter(e.prediction / e.measurement, i, color="#4c72b0", zorder=3)
-    a.axvline(1, color="#55a868", lw=1)
-    a.set_xscale("log")
-    a.set_yticks(range(len(numbers)), [f"{e.question}: {format_value(e.prediction, e.unit, e.kind)} vs "
-                                       f"{format_value(e.measurement, e.unit, e.kind)}" for e in numbers], fontsize=7)
-    a.set_xlabel("predicted / measured (1 = right)")
-    a.set_title("numbers: predicted vs measured", fontsize=10)
-    for i, e in enumerate(faster):
-        b.plot([e.measurement, e.prediction], [i, i], color="grey", lw=1)
-        b.scatter(e.measurement, i, color="black", zorder=3, label="measured" if i == 0 else None)
-        b.scatter(e.prediction, i, color="#dd8452", zorder=3, label="predicted" if i == 0 else None)
-    b.axvline(0, color="grey", lw=0.8)
-    b.set_yticks(range(len(faster)), [e.question for e in faster], fontsize=7)
-    b.set_xlabel("% faster (+: the first option)")
-    b.set_title("which is faster", fontsize=10)
-    if faster:
-        b.legend(fontsize=7, loc="best")
-    for ax in (a, b):
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
+
+def _factor_axis(ax, factors) -> None:
+    """A log axis of factors, labelled 1/4x .. 4x (whole powers of two only: no smeared minor labels)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    reach = max([2.0] + [max(f, 1 / f) for f in factors])
+    top = 2 ** math.ceil(math.log2(reach))
+    ticks = [2.0 ** k for k in range(-int(math.log2(top)), int(math.log2(top)) + 1)]
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(1 / top / 1.25, top * 1.25)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks, [f"{t:g}x" if t >= 1 else f"1/{1 / t:g}x" for t in ticks], fontsize=8)
+    ax.axvline(1, color=RIGHT, lw=1)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_ledger(points):
+    """One learner's answers (``tables.points``): one row each, predicted over measured (green:
+    close, red: not), labelled with both in words."""
+    fig = new_figure(1.3 + 0.32 * max(len(points), 1))
+    ax = fig.subplots()
+    factors = [factor(p.predicted, p.measured) for p in points]
+    for i, (p, f) in enumerate(zip(points, factors, strict=True)):
+        edge = ">" if f >= LIMIT else "<" if f <= 1 / LIMIT else "o"   # beyond the axis: an arrow at its edge
+        ax.scatter(f, i, color=RIGHT if p.close else WRONG, marker=edge, zorder=3, s=36)
+    _factor_axis(ax, factors)
+    ax.set_yticks(range(len(points)), [p.label for p in points], fontsize=8)
+    ax.set_ylim(len(points) - 0.5, -0.5)
+    ax.set_xlabel("predicted / measured (1x: right)\nwhich is faster: your speed-up over the measured one")
+    ax.set_title("your predictions against your runs (green: close)", fontsize=10, loc="left")
     return fig
 
 
 def plot_class(rows):
-    """A class's ledgers (``ledger.class_rows``): one line per question, each learner's miss a dot,
-    the median a bar. Numbers: predicted / measured on a log axis (1 = right); which is faster:
-    the miss in points."""
-    numbers = [r for r in rows if r.kind == "number" and r.misses]
-    faster = [r for r in rows if r.kind == "faster" and r.misses]
-    fig = new_figure(1.2 + 0.32 * max(len(numbers), len(faster), 1))
-    a, b = fig.subplots(1, 2)
-    for i, r in enumerate(numbers):
-        ratios = [max(1 + m, 1e-3) for m in r.misses]
-        a.scatter(ratios, [i] * len(ratios), color="#4c72b0", alpha=0.7, zorder=3)
-        a.plot([max(1 + r.median_miss, 1e-3)] * 2, [i - 0.35, i + 0.35], color="black", lw=2)
-    a.axvline(1, color="#55a868", lw=1)
-    a.set_xscale("log")
-    a.set_yticks(range(len(numbers)), [r.question for r in numbers], fontsize=8)
-    a.set_xlabel("predicted / measured (1 = right)")
-    a.set_title("numbers", fontsize=10)
-    for i, r in enumerate(faster):
-        b.scatter(r.misses, [i] * len(r.misses), color="#dd8452", alpha=0.7, zorder=3)
-        b.plot([r.median_miss] * 2, [i - 0.35, i + 0.35], color="black", lw=2)
-    b.axvline(0, color="#55a868", lw=1)
-    b.set_yticks(range(len(faster)), [r.question for r in faster], fontsize=8)
-    b.set_xlabel("miss, points (predicted - measured %)")
-    b.set_title("which is faster", fontsize=10)
-    for ax in (a, b):
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
+    """A class's ledgers (``tables.class_rows``): one row per question, each learner's answer a dot
+    at predicted over measured, the median a bar."""
+    rows = [r for r in rows if r.misses]
+    fig = new_figure(1.3 + 0.32 * max(len(rows), 1))
+    ax = fig.subplots()
+    every = []
+    for i, r in enumerate(rows):
+        dots = [m if r.kind == "faster" else 1 + m for m in r.misses]
+        middle = r.median_miss if r.kind == "faster" else 1 + r.median_miss
+        dots = [factor(d, 1.0) for d in dots]
+        every += dots
+        ax.scatter(dots, [i] * len(dots), color="#4c72b0", alpha=0.7, zorder=3)
+        ax.plot([factor(middle, 1.0)] * 2, [i - 0.35, i + 0.35], color="black", lw=2)
+    _factor_axis(ax, every)
+    ax.set_yticks(range(len(rows)), [r.question for r in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("predicted / measured, each learner against their own run (bar: the median)")
+    ax.set_title("the class's predictions", fontsize=10, loc="left")
     return fig

@@ -1,0 +1,76 @@
+"""The one training step every notebook, test, benchmark and ``python -m ddpkit.train`` shares.
+
+``train_batch`` never asks which strategy it runs: every wrapper has the same small interface
+(``finish_gradient_synchronization()``, ``clip_grad_norm_``), and the optimizer is whatever the
+caller built over ``model.parameters()`` (for FSDP: the local shards); ``train_step`` is it for the
+course's ``(inputs, targets)``. What runs, times and reads back steps is ``ddpkit.experiment``.
+Equality with one process: rank r trains on its slice of the global batch with a *mean* loss, and
+the average of the N ranks' gradients, (1/N) sum_r mean_r, is the mean over the whole batch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ddpkit.models import supervised_loss
+from ddpkit.strategies.common import BackwardSpans
+from ddpkit.trace.seam import recorder as rank_recorder
+
+
+def train_step(model, optimizer, inputs, targets, recorder=None, max_norm: float | None = None):
+    """Forward, backward, finish gradient sync, optimizer step on the course's ``(inputs,
+    targets)`` batches (mean cross-entropy); returns the local loss. ``train_batch`` below."""
+    return train_batch(model, optimizer, (inputs, targets), supervised_loss, recorder, max_norm)
+
+
+def train_batch(model, optimizer, batch, loss, recorder=None, max_norm: float | None = None):
+    """Forward (``loss(model, batch)``, a scalar), backward, finish gradient sync, clip (when
+    ``max_norm`` is given: ``model.clip_grad_norm_``, the norm of the *whole* gradient, sharded or
+    not), optimizer step; returns the local loss.
+
+    ``recorder``: where the step is recorded (default: the rank's, off unless recording): the spans
+    "forward", "backward" (autograd's work, up to the last gradient), "sync" (from there until every
+    gradient is averaged: most wrappers sync at the end of backward, inside ``loss.backward()``) and
+    "step", and this rank's loss. When it says a memory sample is due (``memory_due``), two samples
+    too: at the end of forward (activations alive, no gradients) and after the optimizer step
+    (gradients and optimizer state alive). With recording off each of those calls does nothing."""
+    if recorder is None:
+        recorder = rank_recorder()
+    recorder.begin_step()  # a new step index, unless the caller just started one
+    sample = recorder.memory_due()
+    with recorder.span("forward", cat="compute"), _activations(sample, model) as saved:
+        value = loss(model, batch)
+    if sample:
+        _memory_sample(recorder, model, optimizer, saved.peak_bytes)
+    spans = BackwardSpans(recorder, value) if recorder.enabled and value.requires_grad else None
+    value.backward()
+    if spans is not None:
+        spans.autograd_done()  # where the autograd engine has not already said so
+    model.finish_gradient_synchronization()  # a no-op where backward already finished it
+    if spans is not None:
+        spans.close()
+    with recorder.span("step", cat="compute"):
+        if max_norm is not None:
+            model.clip_grad_norm_(max_norm)
+        optimizer.step()
+    if sample:
+        _memory_sample(recorder, model, optimizer, 0)  # backward freed the activations
+    optimizer.zero_grad(set_to_none=True)
+    value = value.detach()
+    recorder.loss(value)
+    return value
+
+
+def _activations(sample: bool, model):
+    """Count the bytes autograd saves in forward (``ActivationMeter``), when sampling memory."""
+    if not sample:
+        return contextlib.nullcontext()
+    from ddpkit.memory import ActivationMeter
+
+    return ActivationMeter(model)
+
+
+def _memory_sample(recorder, model, optimizer, activations: int) -> None:
+    """What this rank holds now, by category (``ddpkit.memory``), to the recorder."""
+    from ddpkit.memory import memory_by_category
+
+    recorder.memory(**memory_by_category(model, optimizer, activations))

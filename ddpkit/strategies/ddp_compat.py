@@ -1,0 +1,207 @@
+"""TorchDDPCompat: what torch's DistributedDataParallel has besides the core, composed onto it.
+
+Every public DDP wrapper is ``class NaiveDDP(TorchDDPCompat, DDPModule)``: the core
+(``ddp_module.DDPModule``) averages the gradients; this layer, a subclass of it that leaves the
+step as the core has it, lets the wrapper drop into a script written for torch's DDP:
+torch's arguments (``torch_ddp_args.py``: ``device_ids``, ``broadcast_buffers``, ``device_mesh``,
+...) with torch's meaning; rank 0's buffers before each forward that follows a synchronising one;
+``require_backward_grad_sync``; ``find_unused_parameters`` (the DDP paper, section 3.2.3);
+communication hooks (``comm_hooks.py``); and uneven inputs through torch's ``Join`` protocol, where
+a rank that ran out of batches shadows the others' collectives with zeros instead of leaving them
+waiting. A torch attribute a framework reads of a DDP wrapper belongs here, with torch's meaning.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms import Join, Joinable, JoinHook
+
+from ddpkit.strategies.comm_hooks import comm_hook as comm_hook_by_name
+from ddpkit.strategies.ddp_module import DDPModule
+from ddpkit.strategies.torch_ddp_args import TorchDDPArgs, group_of
+from ddpkit.strategies.torch_ddp_surface import TorchDDPSurface
+from ddpkit.torch_internals import tensors_to
+
+
+class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
+    """torch DDP's arguments, buffers, unused parameters, comm hooks and Join, on the core; what the
+    frameworks read besides (``TorchDDPSurface``: its flags, logging data, reducer, torch's hook form)."""
+
+    def __init__(self, module: nn.Module, process_group=None, recorder=None, *, find_unused_parameters: bool = False,
+                 comm_hook=None, torch_ddp: dict | None = None, **core):
+        """``torch_ddp``: torch DDP's other keywords, as the user gave them (``device_ids``,
+        ``broadcast_buffers``, ``device_mesh``, ...); ``core``: the core's own (``DDPModule``)."""
+        strategy = type(self).__name__
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
+        torch_ddp = dict(torch_ddp or {})
+        comm_hook = torch_ddp.pop("comm_hook", comm_hook)  # a wrapper without the argument: refused below
+        group = group_of(strategy, process_group, torch_ddp.pop("device_mesh", None))
+        args = TorchDDPArgs.parse(strategy, module, **torch_ddp)  # every refusal before any communication
+        super().__init__(module, group, recorder, broadcast=(args.init_sync, args.init_sync and args.init_sync_buffers),
+                         **core)
+        Joinable.__init__(self)
+        self.torch_args = args
+        self.find_unused_parameters = find_unused_parameters
+        self._warned_unused = False
+        # broadcast before a forward that follows a synchronising one (torch's forward_sync_buffers)
+        self._forward_buffers = list(module.buffers()) if args.forward_sync_buffers else []
+        self._sync_buffers_next = True
+        self._comm_hook = None  # how a bucket is reduced (register_comm_hook); None: an all-reduce
+        if comm_hook is not None:  # a name in comm_hooks.COMM_HOOKS, or a hook function
+            self._register_hook(comm_hook)
+
+    def _before_forward(self, training: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Join's notice to the ranks that finished, rank 0's buffers, the inputs to ``device_ids[0]``."""
+        if training and self._join_config.enable:
+            self._tell_finished_ranks()
+        # buffers: under Join only in a training forward, the one the finished ranks shadow (_ShadowSteps)
+        if self._sync_buffers_next and self._forward_buffers and (training or not self._join_config.enable):
+            self._broadcast_buffers()
+        self._sync_buffers_next = training and self._require_sync
+        if self.torch_args.device is not None:  # device_ids: the inputs go to the module's GPU
+            args, kwargs = tensors_to((args, kwargs), self.torch_args.device)
+        return args, kwargs
+
+    @torch.no_grad()
+    def _broadcast_buffers(self, joined: bool = False) -> None:
+        """Every buffer from rank 0, or under Join from the highest rank still training (agreed with
+        one all-reduce MAX, as torch's DDP: rank 0 may have stopped with stale statistics)."""
+        src = 0
+        if self._join_config.enable:
+            mine = torch.tensor([-1 if joined else dist.get_rank(self.process_group)], device=self.join_device)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group)
+            src = int(mine.item())
+        if self.process_group is not None:
+            src = dist.get_global_rank(self.process_group, src)
+        with self.recorder.labels():
+            for b in self._forward_buffers:
+                dist.broadcast(b, src=src, group=self.process_group)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, read by the next forward: False lets that step's gradients accumulate
+        locally (what ``no_sync()`` sets; nanoGPT sets it by hand on all but the last micro-batch)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._require_sync = bool(value)
+
+    # ------------------------------------------------------------------ unused parameters
+    def _has_grad(self) -> list[bool]:
+        """Which gradients this rank has now (before a sync fills the missing ones with zeros)."""
+        return [p.grad is not None for _, p in self.named_grads]
+
+    @torch.no_grad()
+    def _settle_unused(self, has_grad: list[bool]) -> None:
+        """After the gradients were reduced. With ``find_unused_parameters``: one all-reduce of the
+        bitmap ``has_grad`` (int32, one per gradient), and a parameter no rank had a gradient for
+        gets ``.grad`` None back, as one process leaves it. Without: warn once if some is missing."""
+        if not self.find_unused_parameters:
+            if not all(has_grad) and not self._warned_unused:
+                self._warned_unused = True
+                missing = [name for (name, _), has in zip(self.named_grads, has_grad, strict=True) if not has]
+                warnings.warn(f"{type(self).__name__}: {', '.join(missing[:5])} got no gradient on rank "
+                              f"{dist.get_rank()}; reduced as zeros. If no rank uses it, its .grad becomes "
+                              "zeros (one process leaves it None): pass find_unused_parameters=True", stacklevel=3)
+            return
+        device = self.named_grads[0][1].device if self.named_grads else None
+        used = torch.tensor(has_grad, dtype=torch.int32, device=device)
+        with self.recorder.labels():  # no bucket: recorded into this wrapper's recorder, unlabelled
+            dist.all_reduce(used, group=self.process_group)
+        for (_, p), count in zip(self.named_grads, used.tolist(), strict=True):
+            if count == 0:
+                p.grad = None
+
+    # ------------------------------------------------------------------ communication hooks
+    def _register_hook(self, hook) -> None:
+        """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` instead of
+        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``, or its name in
+        ``COMM_HOOKS``, ``"fp16_compress"``). Once, before training. The public
+        ``register_comm_hook`` (``TorchDDPSurface``) takes this form and torch's ``(state, hook)``."""
+        if not self.buckets:
+            raise TypeError(f"{type(self).__name__} has no buckets to hook; use BucketedDDP or OverlappedDDP")
+        if isinstance(hook, str):
+            hook = comm_hook_by_name(hook)
+        if not callable(hook):
+            raise TypeError(f"a comm hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once (as torch's)")
+        self._comm_hook = hook
+
+    # ------------------------------------------------------------------ uneven inputs: Join
+    # torch's protocol (torch.distributed.algorithms.Join): every step, a rank still training
+    # all-reduces a 1 (``notify_join_context``), which the finished ranks' Join loop matches with
+    # a 0 and so learns that a step is coming; then ``main_hook`` below repeats that step's
+    # collectives with zeros on the finished ranks. The gradients are therefore summed over the
+    # ranks still training and divided by the *initial* world size, as torch's DDP does by default.
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """torch DDP's ``model.join()``: ``with model.join(): ...`` lets ranks run out of batches at
+        different steps. Gradients are summed over the ranks still training and divided by the
+        initial world size, as torch's default; the other division is not here."""
+        if not divide_by_initial_world_size:
+            raise ValueError(f"{type(self).__name__}.join: only divide_by_initial_world_size=True (torch's "
+                             "default): the gradients are pre-divided by the initial world size")
+        return Join([self], enable=enable, throw_on_early_termination=throw_on_early_termination)
+
+    def _tell_finished_ranks(self) -> None:
+        work = Join.notify_join_context(self)
+        if work is not None:
+            work.wait()
+        # ... and whether this step synchronises (inside no_sync() it does not): finished ranks add 0
+        flag = torch.tensor([1 if self._require_sync else 0], device=self.join_device)
+        dist.all_reduce(flag, group=self.process_group)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.named_grads[0][1].device if self.named_grads else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+
+class _ShadowSteps(JoinHook):
+    """What a rank that ran out of inputs does while the others still train (torch's Join)."""
+
+    def __init__(self, ddp: TorchDDPCompat):
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        """One step of the others: learn whether it syncs, then the same collectives, with zeros."""
+        ddp = self.ddp
+        flag = torch.zeros(1, dtype=torch.int64, device=ddp.join_device)
+        dist.all_reduce(flag, group=ddp.process_group)
+        if ddp._sync_buffers_next and ddp._forward_buffers:
+            ddp._broadcast_buffers(joined=True)  # the others' forward broadcasts their buffers
+        ddp._sync_buffers_next = bool(flag.item())  # ... again next step, if this one synchronises
+        if flag.item() == 0:  # the others are inside no_sync(): no gradient collectives
+            return
+        for _, p in ddp.named_grads:
+            p.grad = None     # no gradient here: the sync contributes zeros (and "unused" bits)
+        ddp._warned_unused = True  # ... which is expected here, not worth a warning
+        ddp._start_step(sync=True)
+        ddp.finish_gradient_synchronization()
+        for _, p in ddp.named_grads:
+            p.grad = None
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has finished. The ones that finished early stopped stepping: copy the
+        parameters and buffers of the last rank to finish (agreed with one all-reduce MAX)."""
+        ddp = self.ddp
+        rank = dist.get_rank(ddp.process_group)
+        last = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        src = int(last.item())
+        src = dist.get_global_rank(ddp.process_group, src) if ddp.process_group is not None else src
+        with torch.no_grad():
+            for t in list(ddp.module.parameters()) + list(ddp.module.buffers()):
+                dist.broadcast(t.data, src=src, group=ddp.process_group)
