@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -151,12 +152,14 @@ def cmd_compare(args, parser) -> int:
 
     progress = ProgressBar()  # compare's series subscribes it and announces each run, counted
     t0 = time.perf_counter()
-    with _start_cluster(args) as cluster:
-        records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
-                          rounds=args.rounds, global_batch_size=args.global_batch_size,
-                          optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress,
-                          comm_hook=args.comm_hook)
-    progress.close()
+    try:
+        with _start_cluster(args) as cluster:
+            records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
+                              rounds=args.rounds, global_batch_size=args.global_batch_size,
+                              optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress,
+                              comm_hook=args.comm_hook)
+    finally:
+        progress.close()
     print(f"{args.world_size} ranks ({cluster.carried_by}) on {args.network.describe()}, "
           f"model {describe_workload(args.workload)}, {args.steps} steps x {args.rounds} rounds, "
           f"global batch {args.global_batch_size}, {args.optimizer}, "
@@ -264,7 +267,29 @@ def main(argv=None) -> int:
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra
-    return args.func(args, parser)
+    if args.command == "lab":  # jupyter handles its own Ctrl-C
+        return args.func(args, parser)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return args.func(args, parser)
+    except Interrupted as exc:  # one line, what was measured until then, and no restart of the ranks
+        print("interrupted", file=sys.stderr)
+        if getattr(exc, "records", None):
+            from ddpkit.compare import format_table
+
+            print(format_table(exc.records))
+        return 130
+
+
+class Interrupted(BaseException):
+    """Ctrl-C on the command line. Not a KeyboardInterrupt: a notebook's stop button leaves the
+    cluster ready for its next run (``cluster.jobs``), a command line has none; the ranks are shut
+    down as the command's ``with`` block ends."""
+
+
+def _interrupt(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+    raise Interrupted
 
 
 if __name__ == "__main__":

@@ -23,11 +23,13 @@ from an older generation's pipes is dropped.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +77,54 @@ class Settings:
     memory_fraction: float | None = None  # each GPU rank's cap on its GPU's memory (Cluster(memory_fraction=))
 
 
+RANK_BYTES = 200 << 20   # what an idle rank holds of its own (an interpreter with torch: ~150 MiB measured)
+RANK_TASKS = 16          # processes and threads a rank counts against RLIMIT_NPROC (torch's, gloo's, ours)
+RANK_FILES = 8           # the parent's files per rank: three pipes, the job socket, the store's connection
+START_S = 3.0            # a rank's start-up on one core (importing torch, joining the group), generously
+
+
+def check_room(world_size: int, transport: str) -> None:
+    """Can this machine start ``world_size`` ranks? A ValueError with the numbers where it cannot:
+    the processes and files this user may have, the memory available, the room in /dev/shm."""
+    import resource
+
+    from ddpkit.comm.transport.segment import SHM_DIR
+    from ddpkit.comm.transport.shm import SLAB_BYTES
+
+    def available() -> int | None:  # MemAvailable (Linux), in bytes
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+
+    limits = [(RANK_TASKS * world_size, resource.getrlimit(resource.RLIMIT_NPROC)[0],
+               "processes and threads (ulimit -u)", RANK_TASKS),
+              (RANK_FILES * world_size + 64, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+               "open files in this process (ulimit -n)", RANK_FILES)]
+    mem = available()
+    if mem is not None:
+        limits.append((RANK_BYTES * world_size >> 20, mem >> 20, "MiB of memory available", RANK_BYTES >> 20))
+    if transport == "shm" and os.path.isdir(SHM_DIR):
+        limits.append((SLAB_BYTES >> 20, shutil.disk_usage(SHM_DIR).free >> 20, f"MiB free in {SHM_DIR}", None))
+    for need, have, what, each in limits:
+        if have != resource.RLIM_INFINITY and need > have:
+            per = f" ({each} a rank)" if each else " (the shared-memory transport's buffers; transport='gloo' needs none)"
+            raise ValueError(f"this machine cannot start {world_size} ranks: they need about {need} {what}{per}, "
+                             f"it has {have}; ask for fewer ranks")
+
+
+LIVE: weakref.WeakSet = weakref.WeakSet()  # the Workers with ranks running, killed at interpreter exit
+
+
+@atexit.register
+def _kill_at_exit() -> None:
+    """A script that ends with a Cluster still up: kill its ranks and join their pipe readers now,
+    while Python still runs threads (at finalisation a reader blocked on its pipe aborts Python)."""
+    for workers in list(LIVE):
+        workers.kill()
+
+
 class Workers:
     """The cluster's rank processes and their channels, one generation (start) at a time."""
 
@@ -111,6 +161,7 @@ class Workers:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath,
                    **rank_environment(settings.gpus, settings.transport))  # NCCL's multi-rank switch, if asked
         self._readers, self.stderr_tail = [], []
+        LIVE.add(self)
         try:
             for r in range(settings.world_size):
                 self._spawn(r, env)
@@ -156,7 +207,8 @@ class Workers:
 
     def _wait_ready(self) -> None:
         """Take each rank's admitted connection, then wait until every rank has joined the group."""
-        limit = max(self.settings.timeout, 60.0)
+        n = self.settings.world_size  # ranks beyond the cores start one after another
+        limit = max(self.settings.timeout, 60.0, START_S * n / (os.cpu_count() or 1))
         deadline = time.monotonic() + limit
         while len(self.conns) < self.settings.world_size:
             self._check_startup_alive()
@@ -164,7 +216,9 @@ class Workers:
                 rank, pid, conn = self.admission.hellos.get(timeout=0.05)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not connect within {limit:.0f} s") from None
+                    raise TimeoutError(f"{len(self.conns)} of {n} ranks connected within {limit:.0f} s (each imports "
+                                       f"torch; {os.cpu_count()} cores): a machine this busy needs fewer "
+                                       "ranks, or a longer timeout=") from None
                 continue
             if pid != self.procs[rank].pid or rank in self.conns.values():
                 log.warning("refused a hello claiming rank %d from pid %d (rank %d is pid %d)",
@@ -269,6 +323,7 @@ class Workers:
 
     def kill(self) -> None:
         """Kill every rank now and close every channel, the job socket and the store."""
+        LIVE.discard(self)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
