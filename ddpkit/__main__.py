@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -212,7 +213,7 @@ def cmd_draw(args, parser) -> int:
 
     try:
         paths = draw(args.folder, args.step)
-    except (FileNotFoundError, ValueError) as exc:  # no recording there, a rank's file missing, no such step
+    except (OSError, ValueError) as exc:  # no recording there, a rank's file missing or damaged, no such step
         parser.error(str(exc))
     for what, path in paths.items():
         print(f"wrote {path}: {what}")
@@ -262,6 +263,11 @@ def cmd_lab(args, parser) -> int:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    # a value that starts with "-" but is no option (--network -1,5): argparse would take it for one
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1, 0, -1):
+        if argv[i - 1].startswith("--") and "=" not in argv[i - 1] and re.match(r"-[\d.]", argv[i]):
+            argv[i - 1:i + 1] = [f"{argv[i - 1]}={argv[i]}"]
     # lab passes what it does not know to jupyter lab; every other command refuses it
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":

@@ -45,7 +45,9 @@ from ddpkit.cluster.placement import (BACKENDS, TRANSPORTS, carried_by, check_gp
                                       resolve_backend)
 from ddpkit.cluster.processes import Settings, Workers, check_room
 
-__all__ = ["BACKENDS", "TRANSPORTS", "Cluster", "RankError", "RankState", "check_arguments", "check_gpus",
+TIMEOUT_S = 60.0  # a collective's default timeout: a Cluster's, and ddpkit.init_process_group's
+
+__all__ = ["BACKENDS", "TRANSPORTS", "Cluster", "RankError", "RankState", "TIMEOUT_S", "check_arguments", "check_gpus",
            "check_network", "resolve_backend"]
 
 
@@ -80,7 +82,7 @@ class Cluster:
     move off a core that something else on the machine keeps busy (a browser, a second job):
     pin on a quiet machine, for steady timings."""
 
-    def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
+    def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = TIMEOUT_S,
                  threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto",
                  pin_cores: bool = False, memory_fraction: float | None = None):
         settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport,
@@ -262,7 +264,7 @@ def _set_network(network: dict) -> None:
     rankside.comm().set_network(network)
 
 
-def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
+def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = TIMEOUT_S,
                     threads_per_rank: int | None = None, network=None, gpus=None,
                     transport: str = "auto", pin_cores: bool = False, memory_fraction: float | None = None) -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
