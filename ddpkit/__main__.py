@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, strategy_list, check_writable,
@@ -273,9 +274,9 @@ def main(argv=None) -> int:
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra
-    if args.command == "lab":  # jupyter handles its own Ctrl-C
-        return args.func(args, parser)
-    signal.signal(signal.SIGINT, _interrupt)
+    # Ctrl-C: Interrupted (jupyter lab handles its own; a caller's thread cannot take signals)
+    own = args.command != "lab" and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _interrupt) if own else None
     try:
         return args.func(args, parser)
     except Interrupted as exc:  # one line, what was measured until then, and no restart of the ranks
@@ -285,6 +286,9 @@ def main(argv=None) -> int:
 
             print(format_table(exc.records))
         return 130
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
 
 
 class Interrupted(BaseException):

@@ -81,9 +81,9 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
             return _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
                             bucket_cap_mb, record_steps, max_norm, series)
         except BaseException as exc:  # Ctrl-C on the command line: the table of what was timed until then
-            timed = getattr(series, "timings", None)
+            timed = getattr(getattr(series, "timings", None), "per_round", {})
             exc.records = [dict(strategy=s, name=runs[s][0], world_size=cluster.world_size, rounds=len(t),
-                                ms_per_step=statistics.median(t)) for s, t in (timed.per_round if timed else {}).items() if t]
+                                ms_per_step=statistics.median(t)) for s, t in timed.items() if t]
             _add_ratios(exc.records)
             raise
 

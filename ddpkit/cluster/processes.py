@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -77,41 +78,31 @@ class Settings:
     memory_fraction: float | None = None  # each GPU rank's cap on its GPU's memory (Cluster(memory_fraction=))
 
 
-RANK_BYTES = 200 << 20   # what an idle rank holds of its own (an interpreter with torch: ~150 MiB measured)
-RANK_TASKS = 16          # processes and threads a rank counts against RLIMIT_NPROC (torch's, gloo's, ours)
-RANK_FILES = 8           # the parent's files per rank: three pipes, the job socket, the store's connection
-START_S = 3.0            # a rank's start-up on one core (importing torch, joining the group), generously
+RANK_BYTES, RANK_TASKS = 200 << 20, 16  # an idle rank's own memory (~150 MiB measured), processes and threads
+START_S = 3.0  # a rank's start-up on one core (importing torch, joining the group), generously
 
 
 def check_room(world_size: int, transport: str) -> None:
-    """Can this machine start ``world_size`` ranks? A ValueError with the numbers where it cannot:
-    the processes and files this user may have, the memory available, the room in /dev/shm."""
+    """Can this machine start ``world_size`` ranks? A ValueError with the numbers where it cannot: the
+    processes this user may run, the memory available, the room the shared-memory transport needs."""
     import resource
 
     from ddpkit.comm.transport.segment import SHM_DIR
     from ddpkit.comm.transport.shm import SLAB_BYTES
 
-    def available() -> int | None:  # MemAvailable (Linux), in bytes
-        try:
-            with open("/proc/meminfo") as f:
-                return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration, ValueError):
-            return None
-
-    limits = [(RANK_TASKS * world_size, resource.getrlimit(resource.RLIMIT_NPROC)[0],
-               "processes and threads (ulimit -u)", RANK_TASKS),
-              (RANK_FILES * world_size + 64, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-               "open files in this process (ulimit -n)", RANK_FILES)]
-    mem = available()
-    if mem is not None:
-        limits.append((RANK_BYTES * world_size >> 20, mem >> 20, "MiB of memory available", RANK_BYTES >> 20))
-    if transport == "shm" and os.path.isdir(SHM_DIR):
-        limits.append((SLAB_BYTES >> 20, shutil.disk_usage(SHM_DIR).free >> 20, f"MiB free in {SHM_DIR}", None))
-    for need, have, what, each in limits:
-        if have != resource.RLIM_INFINITY and need > have:
-            per = f" ({each} a rank)" if each else " (the shared-memory transport's buffers; transport='gloo' needs none)"
-            raise ValueError(f"this machine cannot start {world_size} ranks: they need about {need} {what}{per}, "
-                             f"it has {have}; ask for fewer ranks")
+    memory = None
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:  # Linux: MemAvailable
+        memory = next((int(line.split()[1]) >> 10 for line in f if line.startswith("MemAvailable:")), None)
+    checks = [(RANK_TASKS * world_size, resource.getrlimit(resource.RLIMIT_NPROC)[0],
+               f"processes and threads (ulimit -u; {RANK_TASKS} a rank)"),
+              (world_size * RANK_BYTES >> 20, memory, f"MiB of memory ({RANK_BYTES >> 20} a rank)")]
+    if transport == "shm":
+        checks.append((SLAB_BYTES >> 20, shutil.disk_usage(SHM_DIR).free >> 20,
+                       f"MiB free in {SHM_DIR} (the shared-memory transport's buffers; transport='gloo' needs none)"))
+    for need, have, what in checks:
+        if have not in (None, resource.RLIM_INFINITY) and need > have:
+            raise ValueError(f"this machine cannot start {world_size} ranks: they need about {need} {what}, it has "
+                             f"{have}; ask for fewer ranks")
 
 
 LIVE: weakref.WeakSet = weakref.WeakSet()  # the Workers with ranks running, killed at interpreter exit
