@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import sys
+import threading
 import time
 
 from ddpkit.cli_args import (HelpFormatter, positive_int, bucket_cap, int_list, strategy_list, check_writable,
@@ -151,12 +154,14 @@ def cmd_compare(args, parser) -> int:
 
     progress = ProgressBar()  # compare's series subscribes it and announces each run, counted
     t0 = time.perf_counter()
-    with _start_cluster(args) as cluster:
-        records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
-                          rounds=args.rounds, global_batch_size=args.global_batch_size,
-                          optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress,
-                          comm_hook=args.comm_hook)
-    progress.close()
+    try:
+        with _start_cluster(args) as cluster:
+            records = compare(cluster, args.strategies, workload=args.workload, steps=args.steps,
+                              rounds=args.rounds, global_batch_size=args.global_batch_size,
+                              optimizer=args.optimizer, bucket_cap_mb=args.bucket_cap_mb, progress=progress,
+                              comm_hook=args.comm_hook)
+    finally:
+        progress.close()
     print(f"{args.world_size} ranks ({cluster.carried_by}) on {args.network.describe()}, "
           f"model {describe_workload(args.workload)}, {args.steps} steps x {args.rounds} rounds, "
           f"global batch {args.global_batch_size}, {args.optimizer}, "
@@ -209,7 +214,7 @@ def cmd_draw(args, parser) -> int:
 
     try:
         paths = draw(args.folder, args.step)
-    except (FileNotFoundError, ValueError) as exc:  # no recording there, a rank's file missing, no such step
+    except (OSError, ValueError) as exc:  # no recording there, a rank's file missing or damaged, no such step
         parser.error(str(exc))
     for what, path in paths.items():
         print(f"wrote {path}: {what}")
@@ -259,12 +264,42 @@ def cmd_lab(args, parser) -> int:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    # a value that starts with "-" but is no option (--network -1,5): argparse would take it for one
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1, 0, -1):
+        if argv[i - 1].startswith("--") and "=" not in argv[i - 1] and re.match(r"-[\d.]", argv[i]):
+            argv[i - 1:i + 1] = [f"{argv[i - 1]}={argv[i]}"]
     # lab passes what it does not know to jupyter lab; every other command refuses it
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.jupyter_args = extra
-    return args.func(args, parser)
+    # Ctrl-C: Interrupted (jupyter lab handles its own; a caller's thread cannot take signals)
+    own = args.command != "lab" and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _interrupt) if own else None
+    try:
+        return args.func(args, parser)
+    except Interrupted as exc:  # one line, what was measured until then, and no restart of the ranks
+        print("interrupted", file=sys.stderr)
+        if getattr(exc, "records", None):
+            from ddpkit.compare import format_table
+
+            print(format_table(exc.records))
+        return 130
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
+
+
+class Interrupted(BaseException):
+    """Ctrl-C on the command line. Not a KeyboardInterrupt: a notebook's stop button leaves the
+    cluster ready for its next run (``cluster.jobs``), a command line has none; the ranks are shut
+    down as the command's ``with`` block ends."""
+
+
+def _interrupt(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+    raise Interrupted
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ bucket_cap = number_type(float, 0, "a number of MiB >= 0")
 
 
 def int_list(text: str) -> list[int]:
-    return [positive_int(t) for t in text.split(",") if t.strip()]
+    numbers = [positive_int(t) for t in text.split(",") if t.strip()]
+    if not numbers:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 (e.g. 2,4,8), got {text!r}")
+    return numbers
 
 
 def strategy_list(text: str) -> list[str]:

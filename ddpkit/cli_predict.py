@@ -83,6 +83,9 @@ def cmd_predict(args, parser) -> int:
         parser.error("--validate fits the network and profiles compute on the ranks itself, with the "
                      "global batch split as compare does: leave out --fit, --batch-per-rank, --plot, "
                      "--threads and --profile-on-ranks")
+    if args.json and not args.validate:
+        parser.error("--json writes the records --validate measures; add --validate (predict alone prints its table, "
+                     "--plot draws it)")
     if args.fit and args.fit_ranks < 2:
         parser.error(f"--fit-ranks must be >= 2 (one rank does not communicate), got {args.fit_ranks}")
     check_writable(parser, "--plot", args.plot)

@@ -59,17 +59,33 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
     cluster (``cluster.announce``: the widget labels its progress with the strategy, the round and
     the run's place in the whole comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar``
     to follow the comparison on a terminal, or None."""
+    from ddpkit.strategies.table import NAMES
     from ddpkit.strategies.table import strategy as strategy_row
     from ddpkit.workload import resolve
 
-    wl = resolve(workload, model, model_kwargs)
+    if not strategies or not isinstance(strategies, (list, tuple, dict)):
+        raise ValueError(f"compare needs a list of strategy names (or {{label: (name, options)}}), got {strategies!r}; "
+                         f"the names: {', '.join(NAMES)}")
+    for what, n in (("steps", steps), ("rounds", rounds), ("record_steps", record_steps)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"compare: {what} must be a whole number >= 1, got {n!r}")
     runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
+    for name, _ in runs.values():
+        strategy_row(name)  # an unknown name: a ValueError listing the valid ones, before any run
+    wl = resolve(workload, model, model_kwargs)
     if comm_hook is not None:  # on every strategy whose buckets take one
         runs = {label: (name, {**options, "comm_hook": comm_hook} if strategy_row(name).takes_comm_hook else options)
                 for label, (name, options) in runs.items()}
     with Series(cluster, len(runs) * (rounds + 1), follow=progress) as series:
-        return _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
-                        bucket_cap_mb, record_steps, max_norm, series)
+        try:
+            return _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,
+                            bucket_cap_mb, record_steps, max_norm, series)
+        except BaseException as exc:  # Ctrl-C on the command line: the table of what was timed until then
+            timed = getattr(getattr(series, "timings", None), "per_round", {})
+            exc.records = [dict(strategy=s, name=runs[s][0], world_size=cluster.world_size, rounds=len(t),
+                                ms_per_step=statistics.median(t)) for s, t in timed.items() if t]
+            _add_ratios(exc.records)
+            raise
 
 
 def _compare(cluster, runs, wl, steps, rounds, global_batch_size, optimizer,

@@ -81,7 +81,7 @@ def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: in
     first in every round (the cost model calibrates there, in the same slow spells)."""
     from ddpkit.experiment import run_strategy
 
-    timings = Timings({label: [] for label in runs})
+    timings = series.timings = Timings({label: [] for label in runs})  # also what was timed if interrupted
     labels = list(runs)
     for r in range(rounds):
         if each_round is not None:

@@ -22,13 +22,17 @@ counts iterations). The ranks' clocks are put on rank 0's first, so the merged t
 from __future__ import annotations
 
 import contextlib
+import datetime
 import glob
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 
 from ddpkit import rankside
+from ddpkit.cluster import TIMEOUT_S
+from ddpkit.trace.records import Record, _values
 from ddpkit.trace.seam import recording
 
 SUFFIX = ".records"
@@ -36,6 +40,8 @@ SUFFIX = ".records"
 
 def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> None:
     """``torch.distributed.init_process_group(backend, **kwargs)`` through ddpkit's process group.
+    Its ``timeout`` defaults to a Cluster's (``cluster.TIMEOUT_S``, 60 s), not torch's 30 minutes: a
+    rank that failed but lives on does not keep the others waiting silently for half an hour.
 
     ``backend``: the real one underneath, "gloo" or "nccl" (torchrun's environment gives the rest, as
     for torch's own call). ``network``: an emulated link (a preset's name or a ``ddpkit.Network``);
@@ -47,39 +53,67 @@ def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> N
     if backend == "nccl":
         rankside.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     process_group.install(network, backend)
+    kwargs.setdefault("timeout", datetime.timedelta(seconds=TIMEOUT_S))
     dist.init_process_group(process_group.BACKEND_NAME, **kwargs)
 
 
 @contextlib.contextmanager
 def record(folder: str):
-    """Record this rank inside the block; at its end write ``folder/rank<r>.records``. Every rank
-    enters it (aligning the clocks is a collective) and every rank leaves it."""
+    """Record this rank inside the block; at its end write ``folder/rank<r>.records`` (whole or not
+    at all: a temporary file renamed). Every rank enters it (aligning the clocks is a collective) and
+    every rank leaves it. The folder is checked before the block runs (writable, room for a step's
+    records): a read-only or full disk is an OSError naming it before any training, not after."""
     from ddpkit.trace import Recorder
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ddpkit.record needs the process group: call ddpkit.init_process_group() first")
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as f:  # room for a step's records, 1 MiB at most
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OSError(f"ddpkit.record cannot write its records in {folder!r}: {exc.strerror or exc}") from None
     rec = Recorder()
     rec.align_clocks()
     with recording(rec):
         yield rec
-    torch.save({"world_size": rec.world_size, "backend": rec.backend, "records": rec.records},
-               os.path.join(folder, f"rank{rec.rank}{SUFFIX}"))
+    path = os.path.join(folder, f"rank{rec.rank}{SUFFIX}")
+    try:  # plain data only (a Record's values), so that load can refuse anything else
+        torch.save({"world_size": rec.world_size, "backend": rec.backend,
+                    "records": [list(_values(r)) for r in rec.records]}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as exc:  # torch's writer raises RuntimeError ("enforce fail")
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise OSError(f"ddpkit.record could not write {path}: {str(exc).splitlines()[0]}") from None
 
 
 def load(folder: str):
-    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace``."""
+    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace``. A file that is not
+    one ``record`` wrote (damaged, empty, text, any other pickle) is a ValueError naming it: files
+    are read with ``weights_only=True``, so nothing in them can run code."""
     from ddpkit.trace import Trace
 
     paths = sorted(glob.glob(os.path.join(folder, f"rank*{SUFFIX}")))
     if not paths:
         raise FileNotFoundError(f"no rank*{SUFFIX} files in {folder!r}: record with `with ddpkit.record({folder!r}):`")
-    parts = [torch.load(p, weights_only=False) for p in paths]
-    world = parts[0]["world_size"]
+    parts = []
+    for p in paths:
+        try:
+            part = torch.load(p, weights_only=True)
+            parts.append((int(part["world_size"]), str(part["backend"]), [Record(*r) for r in part["records"]]))
+        except Exception as exc:  # noqa: BLE001 - whatever the file holds, the answer is one line naming it
+            msg = str(exc).split(". ")[0][:120]
+            why = ("it holds more than plain data and tensors, so it was not opened" if "Weights only" in msg
+                   else f"{type(exc).__name__}: {msg}" if msg else "empty or cut short")
+            raise ValueError(f"{p}: not a recording that ddpkit.record wrote, or a damaged one ({why})") from None
+    world = parts[0][0]
     if len(parts) != world:
         raise ValueError(f"{folder!r} holds {len(parts)} ranks' records of a {world}-rank run: "
                          "a rank's file is missing")
-    return Trace.merge([p["records"] for p in parts], world_size=world, backend=parts[0]["backend"])
+    return Trace.merge([p[2] for p in parts], world_size=world, backend=parts[0][1])
 
 
 def draw(folder: str, step: int = -1) -> dict[str, str]:
@@ -91,9 +125,10 @@ def draw(folder: str, step: int = -1) -> dict[str, str]:
 
     trace = load(folder)
     if not trace.steps:
-        raise ValueError(f"the recording in {folder!r} has no training step: steps are marked by the forwards of "
-                         "ddpkit's wrappers (torch's own DistributedDataParallel and fully_shard, built by a script, "
-                         "are recorded by their collectives only)")
+        raise ValueError(f"the recording in {folder!r} has no training step ({len(trace.records)} records): a step "
+                         "begins at each training forward of a ddpkit wrapper built inside `with ddpkit.record(...)`; "
+                         "one built before the block records nothing, and torch's own DistributedDataParallel and "
+                         "fully_shard only their collectives")
     try:
         step = trace.resolve_step(step)
     except IndexError as exc:

@@ -43,9 +43,11 @@ from ddpkit.cluster.jobs import Job
 from ddpkit.cluster.pickling import JobPickler
 from ddpkit.cluster.placement import (BACKENDS, TRANSPORTS, carried_by, check_gpus, check_memory_fraction, place,
                                       resolve_backend)
-from ddpkit.cluster.processes import Settings, Workers
+from ddpkit.cluster.processes import Settings, Workers, check_room
 
-__all__ = ["BACKENDS", "TRANSPORTS", "Cluster", "RankError", "RankState", "check_arguments", "check_gpus",
+TIMEOUT_S = 60.0  # a collective's default timeout: a Cluster's, and ddpkit.init_process_group's
+
+__all__ = ["BACKENDS", "TRANSPORTS", "Cluster", "RankError", "RankState", "TIMEOUT_S", "check_arguments", "check_gpus",
            "check_network", "resolve_backend"]
 
 
@@ -80,7 +82,7 @@ class Cluster:
     move off a core that something else on the machine keeps busy (a browser, a second job):
     pin on a quiet machine, for steady timings."""
 
-    def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
+    def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = TIMEOUT_S,
                  threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto",
                  pin_cores: bool = False, memory_fraction: float | None = None):
         settings = check_arguments(world_size, backend, timeout, threads_per_rank, network, gpus, transport,
@@ -262,7 +264,7 @@ def _set_network(network: dict) -> None:
     rankside.comm().set_network(network)
 
 
-def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
+def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = TIMEOUT_S,
                     threads_per_rank: int | None = None, network=None, gpus=None,
                     transport: str = "auto", pin_cores: bool = False, memory_fraction: float | None = None) -> Settings:
     """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
@@ -273,10 +275,11 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
                                          not isinstance(threads_per_rank, int) or threads_per_rank < 0):
         raise ValueError(f"threads_per_rank must be None (cores / ranks), 0 (torch's default) "
                          f"or a positive integer, got {threads_per_rank!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+        raise ValueError(f"timeout must be a positive, finite number of seconds (below 1e6), got {timeout!r}")
     network = check_network(network, world_size)
     backend, gpus, transport = place(world_size, backend, gpus, transport)  # where the ranks run, what carries bytes
+    check_room(world_size, transport)  # processes, memory, /dev/shm: what this machine can start
     memory_fraction = check_memory_fraction(memory_fraction, gpus)
     # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
     # on C cores would run N*C threads and fight over the cores (a step many times slower:

@@ -23,11 +23,14 @@ from an older generation's pipes is dropped.
 """
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +78,44 @@ class Settings:
     memory_fraction: float | None = None  # each GPU rank's cap on its GPU's memory (Cluster(memory_fraction=))
 
 
+RANK_BYTES, RANK_TASKS = 200 << 20, 16  # an idle rank's own memory (~150 MiB measured), processes and threads
+START_S = 3.0  # a rank's start-up on one core (importing torch, joining the group), generously
+
+
+def check_room(world_size: int, transport: str) -> None:
+    """Can this machine start ``world_size`` ranks? A ValueError with the numbers where it cannot: the
+    processes this user may run, the memory available, the room the shared-memory transport needs."""
+    import resource
+
+    from ddpkit.comm.transport.segment import SHM_DIR
+    from ddpkit.comm.transport.shm import SLAB_BYTES
+
+    memory = None
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:  # Linux: MemAvailable
+        memory = next((int(line.split()[1]) >> 10 for line in f if line.startswith("MemAvailable:")), None)
+    checks = [(RANK_TASKS * world_size, resource.getrlimit(resource.RLIMIT_NPROC)[0],
+               f"processes and threads (ulimit -u; {RANK_TASKS} a rank)"),
+              (world_size * RANK_BYTES >> 20, memory, f"MiB of memory ({RANK_BYTES >> 20} a rank)")]
+    if transport == "shm":
+        checks.append((SLAB_BYTES >> 20, shutil.disk_usage(SHM_DIR).free >> 20,
+                       f"MiB free in {SHM_DIR} (the shared-memory transport's buffers; transport='gloo' needs none)"))
+    for need, have, what in checks:
+        if have not in (None, resource.RLIM_INFINITY) and need > have:
+            raise ValueError(f"this machine cannot start {world_size} ranks: they need about {need} {what}, it has "
+                             f"{have}; ask for fewer ranks")
+
+
+LIVE: weakref.WeakSet = weakref.WeakSet()  # the Workers with ranks running, killed at interpreter exit
+
+
+@atexit.register
+def _kill_at_exit() -> None:
+    """A script that ends with a Cluster still up: kill its ranks and join their pipe readers now,
+    while Python still runs threads (at finalisation a reader blocked on its pipe aborts Python)."""
+    for workers in list(LIVE):
+        workers.kill()
+
+
 class Workers:
     """The cluster's rank processes and their channels, one generation (start) at a time."""
 
@@ -111,6 +152,7 @@ class Workers:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath,
                    **rank_environment(settings.gpus, settings.transport))  # NCCL's multi-rank switch, if asked
         self._readers, self.stderr_tail = [], []
+        LIVE.add(self)
         try:
             for r in range(settings.world_size):
                 self._spawn(r, env)
@@ -156,7 +198,8 @@ class Workers:
 
     def _wait_ready(self) -> None:
         """Take each rank's admitted connection, then wait until every rank has joined the group."""
-        limit = max(self.settings.timeout, 60.0)
+        n = self.settings.world_size  # ranks beyond the cores start one after another
+        limit = max(self.settings.timeout, 60.0, START_S * n / (os.cpu_count() or 1))
         deadline = time.monotonic() + limit
         while len(self.conns) < self.settings.world_size:
             self._check_startup_alive()
@@ -164,7 +207,9 @@ class Workers:
                 rank, pid, conn = self.admission.hellos.get(timeout=0.05)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not connect within {limit:.0f} s") from None
+                    raise TimeoutError(f"{len(self.conns)} of {n} ranks connected within {limit:.0f} s (each imports "
+                                       f"torch; {os.cpu_count()} cores): a machine this busy needs fewer "
+                                       "ranks, or a longer timeout=") from None
                 continue
             if pid != self.procs[rank].pid or rank in self.conns.values():
                 log.warning("refused a hello claiming rank %d from pid %d (rank %d is pid %d)",
@@ -269,6 +314,7 @@ class Workers:
 
     def kill(self) -> None:
         """Kill every rank now and close every channel, the job socket and the store."""
+        LIVE.discard(self)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
