@@ -1,29 +1,19 @@
 """The emulated network: this rank's links, each a queue of collectives that complete on its clock.
 
-Why: a laptop's ranks talk through the machine's own memory, where moving a gradient costs little
-next to computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The
-emulator makes every collective take as long as it would on a chosen network (``ddpkit.Network``).
+Why: on a laptop moving a gradient costs little next to computing it, so overlap, bucket sizes and
+hybrid sharding have nothing to show. The emulator makes every collective take as long as it would
+on a chosen network (``ddpkit.Network``).
 
-How: each link (intra-node, inter-node) is one daemon thread with a FIFO queue. The real
-collective runs (the bytes really move) while the link carries it, from its issue or from when the
-link frees up, for the group's ``Network.route`` time (``ddpkit.network``'s ring formulas); it completes
-when both are done, ``max(real end, max(issue, link free) + link time)``, the rule of
-``network.LinkClock``, which the cost model simulates too. So where the link is slower than this
-machine's transport, its time replaces the transfer's, as on the network itself
-(``tests/test_process_group.py`` holds the rule). Where the transport is slower, the real transfer
-decides: each link counts how often (``Emulator.fidelity``), and ``compare`` and the widget say so
-beside their figures. Waiting sleeps (``time.sleep``, ``Work.wait``), never spins: backward keeps
-the cores.
+How: each link (intra-node, inter-node) is a daemon thread with a FIFO queue. The real collective
+runs while the link carries it for the group's ``Network.route`` time; it completes at
+``max(real end, max(issue, link free) + link time)``, ``network.LinkClock``'s rule. Where the
+transport is slower than the link, the real transfer decides: ``Emulator.fidelity`` counts how
+often, and ``compare`` and the widget say so. Waiting sleeps, never spins: backward keeps the cores.
 
-The network card, emulated (``at_wait``, where the collective's ``Network.route`` says so): on the
-cluster being emulated, a network card and NCCL move the bytes, not the cores that run backward. So
-on the shared-memory transport nothing moves at the issue: the rank moves the bytes when it waits
-(``EmulatedWork.wait``), on a core that would otherwise idle, or the link's thread does when the
-link delivers a collective whose future was handed out (torch's DDP and our comm hooks chain work
-on it). gloo's sockets and NCCL move bytes on threads and a GPU of
-their own. On a GPU the link's thread polls the collective's end event (a wait would hold back the
-caller's stream) and the ``Work`` handed back does the real ``wait()`` in the caller's thread.
-``docs/laptop_cluster.md`` says what this changed, and how it was measured.
+The network card, emulated (``Route.at_wait``): on the shared-memory transport nothing moves at the
+issue; the rank moves the bytes when it waits (``EmulatedWork.wait``), or the link's thread does at
+delivery once a future was handed out (torch's DDP, comm hooks). On a GPU the link's thread polls
+the collective's end event and the caller does the real ``wait()`` (``docs/laptop_cluster.md``).
 """
 from __future__ import annotations
 
@@ -184,10 +174,8 @@ class Emulator:
         return self.enabled and link_s > 0
 
     def submit(self, kind: str, work, link_s: float, result, issued_s: float | None = None, at_wait: bool = False):
-        """Queue a collective already launched on the real backend (``result``: its output
-        tensors; ``issued_s``: ``time.perf_counter()`` when it was issued, before its launch, else
-        now; ``at_wait``: launched to move its bytes at the wait, as its ``Route`` says); returns
-        a ``Work`` that completes at its emulated completion time."""
+        """Queue a collective launched on the real backend (``result``: its outputs; ``issued_s``:
+        ``perf_counter()`` at its issue, else now); a ``Work`` completing at its emulated time."""
         import torch
 
         issued = time.perf_counter() if issued_s is None else issued_s
@@ -206,10 +194,8 @@ class Emulator:
         return EmulatedWork(future, work if on_gpu else None, ours, transfer if at_wait else None, link)
 
     def fidelity(self) -> dict[str, tuple[int, int]]:
-        """``{link: (collectives carried, of which the real transfer outran the link)}`` so far;
-        subtract two to count a window. Where many collectives outran their link, the network is
-        faster than this machine can emulate (a rank that issues late also makes the real
-        transfer end late: the count is an upper bound on the transport's share)."""
+        """``{link: (collectives carried, of which the real transfer outran the link)}`` so far (an
+        upper bound: a late rank also ends the transfer late); subtract two to count a window."""
         with self._lock:
             links = list(self._links.items())
         return {kind: (link.carried, link.outran) for kind, link in links}
@@ -242,15 +228,11 @@ def _device_of(tensors):
 
 
 class EmulatedWork(FutureWork):
-    """What a delayed collective returns: ``wait()`` waits (asleep) for the emulated completion,
-    then -- a CUDA collective, ``real`` -- does the real ``wait()`` in the caller's own thread, so
-    the caller's current stream waits for the collective as torch's own ``Work`` would make it.
-    ``first``: a CPU collective whose ``wait()`` may run twice (ddpkit's own), finished by the
-    caller before it waits for the link. ``transfer``: an ``at_wait`` collective, whose
-    bytes move only when somebody waits (``first``'s wait), or, once its future is handed out
-    (torch's DDP, a comm hook), on the link's thread when the link delivers it: a future's
-    callbacks read the result, so it must be there when the future completes. ``get_future()``
-    completes at the emulated time."""
+    """What a delayed collective returns: ``wait()`` sleeps until the emulated completion, then (a
+    CUDA collective, ``real``) does the real ``wait()`` in the caller's thread, for its stream.
+    ``first``: a CPU collective finished by the caller before it waits for the link.
+    ``transfer``: an ``at_wait`` collective, moved by the first wait, or by the link's thread at
+    delivery once its future is handed out. ``get_future()`` completes at the emulated time."""
 
     def __init__(self, future, real=None, first=None, transfer: _Transfer | None = None, link: _Link | None = None):
         super().__init__(future)

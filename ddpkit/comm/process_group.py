@@ -1,35 +1,22 @@
 """ddpkit's process group: the real one underneath, every collective counted, recorded and timed.
 
 A Cluster's ranks join ``torch.distributed`` with backend ``"ddpkit"`` (``install``): a Python
-``ProcessGroup`` that hands each collective to the real backend (gloo on CPU, NCCL on GPUs) and,
-on the way, for *every* caller -- our strategies, torch's ``DistributedDataParallel`` (its C++
-reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimizer`` alike:
+``ProcessGroup`` that hands each collective to the real backend (gloo, NCCL) and, on the way, for
+*every* caller (our strategies, torch's DDP through its C++ reducer, ``fully_shard``,
+``ZeroRedundancyOptimizer``):
 
-1. counts it: collectives and the bytes one rank sends by the ring algorithm (``network.ring_bytes``,
-   by ``ddpkit.network``'s ring formulas; a broadcast, whose root sends more than the others, as the
-   ranks' average), the same figure on every rank, per kind and per link (intra-node or inter-node,
-   see ``ddpkit.Network``), in ``Comm.counts`` (``ddpkit.comm.rank_comm``);
-2. records it -- the one writer of a collective's record -- as a span from issue to completion,
-   with its link and group, in the rank's recorder when recording is on (``trace.seam.recorder()``);
-   a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
-   and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
-3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``) and returns a
-   ``Work`` that completes when the emulated link would have delivered it: the group's
-   ``Network.route`` says which link, how long on it, and whether to launch it ``at_wait``;
-4. keeps it in the rank's flight recorder (``ddpkit.comm.flight``), always, *before* launching it: the
-   group, its index in the group, op, bytes, dtype, labels and the user's line that issued it.
-   When ranks' sequences part, ``ddpkit.comm.desync`` compares these.
+1. counts it: the bytes one rank sends by the ring algorithm (``network.ring_bytes``), per kind and
+   link, in ``Comm.counts`` (``rank_comm``);
+2. records it, the one writer of a collective's record, a span from issue to completion carrying
+   the labels the strategy set (``with recorder.labels(bucket=i): dist.all_reduce(...)``);
+3. on an emulated network, returns a ``Work`` that completes when the link would have delivered it
+   (``Network.route``: which link, how long, whether ``at_wait``; ``comm.emulator``);
+4. keeps it, before launching it, in the rank's flight ring (``comm.flight``), which
+   ``comm.desync`` reads when ranks' sequences part.
 
-The group needs a name for torch's ``DeviceMesh`` (``fully_shard`` builds one): in C++ a
-group's name lives on its registered backend, so the real backend is registered on this one too
-(``torch_internals.register_real_backend``). Methods that are not collectives (send, recv, ...)
-pass through uncounted.
-
-gloo has no reduce-scatter of its own for flat tensors: its ``_reduce_scatter_base`` runs an
-all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs (this group
-does the same itself, see ``_reduce_scatter_by_all_reduce``). The counts
-keep both: ``bytes`` is what the algorithm sends (what the papers count), ``transport_bytes``
-what the real backend moved.
+Methods that are not collectives (send, recv, ...) pass through uncounted. gloo's flat
+reduce-scatter is an all-reduce keeping one chunk (``_reduce_scatter_by_all_reduce``): ``bytes``
+counts what the algorithm sends, ``transport_bytes`` what the backend moved.
 """
 from __future__ import annotations
 
@@ -91,10 +78,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     # --- the one path every collective takes ---------------------------------------------
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None, opts=None):
-        """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
-        (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input). ``launch()``
-        starts it; ``launch(at_wait=True)`` on the shared-memory transport, whose bytes then move
-        when the rank waits (``ddpkit.comm.emulator``)."""
+        """Launch on the real backend, count, record, emulate. ``full_bytes``: the full size S;
+        ``launch(at_wait=True)``: the bytes move when the rank waits (``comm.emulator``)."""
         comm = self.comm
         n = self.size()
         route = self._route_on(comm.network)
@@ -191,13 +176,9 @@ class DdpkitProcessGroup(dist.ProcessGroup):
                            self._on_real("_reduce_scatter_base", output, input, opts), [output], opts=opts)
 
     def _reduce_scatter_by_all_reduce(self, output, input, opts):
-        """gloo's reduce-scatter of a flat tensor, done here: all-reduce a copy of the input, then
-        copy this rank's chunk out once, when the all-reduce completes (on gloo's thread).
-
-        gloo's own ``_reduce_scatter_base`` does the same, but its Work (which has no future)
-        copies the chunk out on *every* ``wait()``: a second wait -- a recorder's watcher, say --
-        silently overwrites whatever the caller did with the output since (HSDP all-reduces it
-        across nodes in place). This Work has a future, and waiting on it twice is harmless."""
+        """gloo's flat reduce-scatter, done here: all-reduce a copy, copy this rank's chunk out once
+        when it completes. gloo's own copies it on *every* ``wait()``, so a second wait would
+        overwrite what the caller did since (HSDP all-reduces it in place); here twice is harmless."""
         flat = input.detach().reshape(-1).clone()
         options = dist.AllreduceOptions()
         options.reduceOp = opts.reduceOp
@@ -253,15 +234,11 @@ for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send"
 
 
 def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
-    """Register backend ``"ddpkit"`` with torch (once per process): every group then created
-    with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend`` and
-    emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
-    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
-    ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
-    ``shm_prefix`` (``ddpkit.comm.transport``); on ranks sharing a GPU each CUDA tensor is staged
-    through pinned host memory (``HostStaged``). ``"cuda-ipc"``: ranks sharing a GPU, bytes through
-    a GPU buffer per group (``device_slab``). The rank's device (``rankside.set_device``) is set
-    before this is called."""
+    """Register backend ``"ddpkit"`` (once per process, before ``init_process_group``, the rank's
+    device set): every group made with it wraps ``real_backend`` and emulates ``network``; the
+    rank's ``Comm`` goes to ``rankside``. ``"shm"``: bytes through shared memory under
+    ``shm_prefix`` (CUDA tensors staged through host memory); ``"cuda-ipc"``: ranks sharing a GPU,
+    through a GPU buffer per group (``device_slab``)."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 

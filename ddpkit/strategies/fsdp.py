@@ -11,17 +11,11 @@ and ``fsdp.parameters()`` are the shards, so the optimizer only ever sees 1/N of
   weight); once its gradients are ready, pack them into one flat gradient, divide by N and
   *reduce-scatter* it: rank r receives the sum of everyone's shard r, the gradient of its shard.
 
-Bytes a rank sends a step, S the flat parameters' bytes: two all-gathers and a reduce-scatter,
-3(N-1)/N S, 1.5x DDP's all-reduce (``reshard_after_forward=False``: no second all-gather, 1x).
-Peak parameter memory: the shards plus the largest gathered units. The root keeps what no unit
-holds, gathered from the start of forward to the end of backward, as in the FSDP paper. Between
-steps the original parameters are views into freed buffers: read them with ``full_state_dict()``.
-
-Reading order: construction (plan which unit owns which parameter, then build the units one by
-one), *forward* (each unit's all-gather from its forward pre-hook), *backward* (the reduce-scatter
-from the autograd function ``_Unshard`` at the bottom), the full state dicts. A unit's flat
-parameter and its mixed precision live in ``flat_param.py``; where a flat buffer puts each tensor,
-in ``flat_layout.py``.
+Bytes a rank sends a step (S the flat parameters' bytes): two all-gathers and a reduce-scatter,
+3(N-1)/N S, 1.5x DDP's (``reshard_after_forward=False``: 1x). The root keeps what no unit holds,
+gathered from forward to the end of backward. Between steps the original parameters view freed
+buffers: read them with ``full_state_dict()``. Reading order: construction, forward (pre-hooks),
+backward (``_Unshard`` at the bottom), state dicts; a unit's flat parameter is ``flat_param.py``'s.
 """
 from __future__ import annotations
 
@@ -55,18 +49,13 @@ class PendingReduce:
 class FSDP(nn.Module):
     """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time.
 
-    The FSDP paper's switches (sections 3.3-3.4 and 4; ``docs/papers.md``), each off or on so its
-    effect can be seen: ``backward_prefetch`` (on: the next unit's all-gather is issued before this
-    unit's gradient computation, so it travels meanwhile); ``forward_prefetch`` (off, as in torch:
-    the next unit's, in the previous forward's order, before this unit computes);
-    ``limit_all_gathers=L``, the rate limiter (None: no limit; True: torch's 2): a prefetch waits
-    while L units (the root not counted) are unsharded or being gathered, which bounds what
-    prefetching holds; the unit about to compute always goes ahead, and L=1 prefetches nothing. A
-    module built on the ``meta`` device is materialized unit by unit on ``device``, each unit
-    sharded at once (``deferred_init.py``). Hybrid sharding (``hsdp.py``): ``process_group`` is the
-    node, ``replicate_group`` the ranks holding the same shard on the other nodes (a unit's gradient
-    shard is all-reduced across them). Frozen parameters stay whole on every rank, never reduced;
-    buffers are broadcast from rank 0 at construction (over every rank with a ``replicate_group``)."""
+    The FSDP paper's switches (sections 3.3-3.4, 4): ``backward_prefetch`` (on: the next unit's
+    all-gather issued before this unit's backward); ``forward_prefetch`` (off, as torch's: the next
+    unit's, in the last forward's order); ``limit_all_gathers=L`` (None: no limit; True: torch's 2):
+    a prefetch waits while L units, the root not counted, are unsharded (L=1 prefetches nothing). A
+    ``meta`` module is materialized unit by unit (``deferred_init.py``). Hybrid sharding
+    (``hsdp.py``): ``replicate_group`` holds the same shard on the other nodes. Frozen parameters
+    stay whole, never reduced; buffers are broadcast from rank 0 at construction."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module | type] | None = None,
                  reshard_after_forward: bool = True, backward_prefetch: bool = True,
@@ -120,10 +109,8 @@ class FSDP(nn.Module):
         self._unsharded_bytes = 0
 
     def _build_units(self, plan, device, param_init_fn) -> dict[str, FlatParamUnit]:
-        """``{unit name: FlatParamUnit}``, each unit flattened and sharded as soon as its parameters
-        are real. A module built on the meta device (deferred initialization) becomes real unit by
-        unit, so the whole model never exists on this rank; an eager one is real already. Each
-        unit takes its parameters out of the module (``FlatParamUnit``)."""
+        """``{unit name: FlatParamUnit}``, each flattened and sharded as soon as it is real (a meta
+        module unit by unit: the whole model never exists on this rank)."""
         if is_deferred(self.module):
             group = None if self.replicate_group is not None else self.process_group
             ready = materialize_by_unit(self.module, plan.units, device or rank_device(), param_init_fn, group)
@@ -355,12 +342,9 @@ class FSDP(nn.Module):
 
 
 class _Unshard(torch.autograd.Function):
-    """Shard -> the unit's full parameters in forward; in backward, their gradients -> FSDP.
-
-    The all-gather's gradient is a reduce-scatter: ``backward`` hands the unit's parameter
-    gradients to ``FSDP._post_backward`` (just above), which launches it asynchronously, so
-    autograd gets None and FSDP writes the shard's .grad itself when the reduce-scatter is done.
-    """
+    """Shard -> the unit's full parameters in forward; in backward their gradients go to
+    ``FSDP._post_backward``, which reduce-scatters them (the all-gather's gradient) and writes the
+    shard's .grad itself: autograd gets None."""
 
     @staticmethod
     def forward(ctx, shard, fsdp, unit):

@@ -1,30 +1,17 @@
 """ShardedOptimizer: each rank keeps and steps the optimizer state of 1/N of the parameters.
 
-The ``sharded_optimizer`` rung of the ZeRO ladder (``docs/papers.md``, ZeRO section). Plain data
-parallelism keeps a full copy of the optimizer state on every rank: with AdamW in fp32 that is 8
-bytes per parameter (exp_avg + exp_avg_sq), twice the parameters themselves. The N copies are
-identical, so split them: rank r *owns* about 1/N of the parameters, keeps optimizer state only for
-those, and after the (already averaged) gradients arrive it updates only its own parameters. Then
-every rank needs everyone's updated parameters back, which costs one all-gather per step:
-
-    DDP step:         all-reduce grads (2(N-1)/N * S per rank) -> every rank steps everything
-    this optimizer:   all-reduce grads (same)                   -> rank r steps its 1/N
-                      -> all-gather the updated parameters ((N-1)/N * S per rank, S = parameter bytes)
-
-That is 1.5x DDP's bytes. It is the design of torch's ``ZeroRedundancyOptimizer`` (and of many
-courses' "ZeRO-1"): an optimizer you put on top of any DDP wrapper, nothing else changes. The ZeRO
-paper's own stage 1 (``zero1.py``) moves only DDP's bytes: it *reduce-scatters* the gradients
-instead of all-reducing them, since each rank only needs the averaged gradient of what it owns.
-
-Use it on top of any DDP wrapper (the wrapper averages the gradients)::
+The ``sharded_optimizer`` rung of the ZeRO ladder (``docs/papers.md``). Every DDP rank keeps the
+same optimizer state (AdamW: 8 bytes per parameter, twice the parameters). Split it: rank r *owns*
+about 1/N of the parameters, keeps their state, and steps only them; one all-gather of the updated
+parameters ((N-1)/N S) then brings everyone's back: 1.5x DDP's bytes. This is torch's
+``ZeroRedundancyOptimizer``, on top of any DDP wrapper::
 
     model = ddpkit.BucketedDDP(module)
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
-Which rank owns what: whole parameters (not slices), balanced by size with the greedy rule
-"largest first, to the least-loaded rank" (ties: the lower rank). Every rank computes the same
-assignment from the same parameter list, so no communication is needed to agree on it. Whole
-parameters mean any per-parameter optimizer works (ZeRO-1/2's flat slices need an elementwise one).
+The ZeRO paper's stage 1 (``zero1.py``) reduce-scatters the gradients instead: DDP's bytes. Owners
+are whole parameters, largest first to the least-loaded rank (ties: the lower), computed alike on
+every rank; so any per-parameter optimizer works (ZeRO-1/2's flat slices need an elementwise one).
 """
 from __future__ import annotations
 
@@ -63,12 +50,8 @@ def _as_param_groups(params) -> list[dict]:
 
 @dataclass
 class GatherLayout:
-    """Where each parameter of one dtype sits in the all-gather's flat buffer.
-
-    Rank r's slot holds the parameters it owns back to back (``slots[r]``, a ``FlatLayout``),
-    padded to the largest rank's load (an all-gather needs equal sizes): the buffer is
-    (N, slot_numel) elements, row r being rank r's slot.
-    """
+    """Where each parameter of one dtype sits in the all-gather's (N, slot_numel) buffer: row r holds
+    rank r's parameters back to back (``slots[r]``), padded to the largest rank's load."""
 
     dtype: torch.dtype
     params: list          # params[r] = the parameters of this dtype rank r owns
@@ -189,10 +172,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._consolidated = dict(sorted(state.items()))
 
     def state_dict(self) -> dict:
-        """torch's format. After ``consolidate_state_dict(to=r)``, on rank r: the full state
-        (loadable by a plain optimizer). Otherwise: this rank's shard, the state of its own
-        parameters only, marked ``"zero1_shard"`` so it is only loaded back by the same rank of
-        the same world size (each rank saves and loads its own file)."""
+        """torch's format: on rank r after ``consolidate_state_dict(to=r)`` the full state; otherwise
+        this rank's shard, marked ``"zero1_shard"`` (loaded back by the same rank and world size)."""
         groups, start = [], 0
         for g in self.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},

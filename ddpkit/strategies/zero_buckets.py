@@ -1,26 +1,17 @@
 """Sharded buckets and the sharded step: what ZeRO-1 and ZeRO-2 (``zero1.py``, ``zero2.py``) share.
 
-A ZeRO bucket is a DDP bucket (the same ``make_buckets`` rule: reverse registration order, a cap
-in MiB, one dtype per bucket) whose flat buffers are padded to a multiple of N (a ``FlatLayout``,
-``flat_layout.py``), so that one reduce-scatter or all-gather cuts them into N equal *shards* of
-s = ceil(T/N) elements:
+A ZeRO bucket is a DDP bucket (``make_buckets``' rule) whose flat buffers are padded to a multiple
+of N (``FlatLayout``), so one reduce-scatter or all-gather cuts them into N shards of s elements:
 
-    flat_param  (N*s,)  the bucket's parameters end to end. The module's parameters are re-pointed
-                        into it (``p.data`` = a view), so an all-gather into it updates the model.
-    shard       (s,)    an ``nn.Parameter`` viewing flat_param[r*s:(r+1)*s]: what this rank's
-                        optimizer steps, so its optimizer state is 1/N of the bucket's.
-    gradient    (N*s,)  the bucket's gradients, scaled by 1/N; reduce-scattered, rank r keeps the
-                        averaged gradient of its shard (ZeRO-1 keeps this buffer as the module's
-                        ``.grad``; ZeRO-2 allocates it when the bucket's first gradient arrives and
-                        frees it as soon as its reduce-scatter is done).
+    flat_param  (N*s,)  the bucket's parameters end to end; the module's parameters view it, so an
+                        all-gather into it updates the model.
+    shard       (s,)    an ``nn.Parameter`` viewing flat_param[r*s:(r+1)*s]: what this rank steps.
+    gradient    (N*s,)  the gradients times 1/N, reduce-scattered: rank r keeps its shard's average
+                        (ZeRO-1 keeps it as the module's ``.grad``; ZeRO-2 frees it once reduced).
 
-Per step and rank: reduce-scatter (N-1)/N * S plus all-gather (N-1)/N * S = 2(N-1)/N * S, exactly
-DDP's all-reduce (an all-reduce *is* a reduce-scatter followed by an all-gather; ZeRO puts the
-optimizer step in between). ``docs/papers.md``, ZeRO section.
-
-Slices of a flat buffer only work with an *elementwise* optimizer: each element's update may depend
-only on that element's gradient and state (SGD, Adam, AdamW, ...). ``check_elementwise`` refuses
-the others (LBFGS, Adafactor, Muon, ...) with a ValueError before any rank communicates.
+Reduce-scatter plus all-gather = DDP's all-reduce bytes, the step in between. Slices of a flat
+buffer need an *elementwise* optimizer (SGD, Adam, ...): ``check_elementwise`` refuses the others
+(LBFGS, Adafactor, Muon, ...) before any rank communicates.
 """
 from __future__ import annotations
 
