@@ -1,14 +1,10 @@
 """TorchDDPCompat: what torch's DistributedDataParallel has besides the core, composed onto it.
 
-Every public DDP wrapper is ``class NaiveDDP(TorchDDPCompat, DDPModule)``: the core
-(``ddp_module.DDPModule``) averages the gradients; this layer, a subclass of it that leaves the
-step as the core has it, lets the wrapper drop into a script written for torch's DDP:
-torch's arguments (``torch_ddp_args.py``: ``device_ids``, ``broadcast_buffers``, ``device_mesh``,
-...) with torch's meaning; rank 0's buffers before each forward that follows a synchronising one;
-``require_backward_grad_sync``; ``find_unused_parameters`` (the DDP paper, section 3.2.3);
-communication hooks (``comm_hooks.py``); and uneven inputs through torch's ``Join`` protocol, where
-a rank that ran out of batches shadows the others' collectives with zeros instead of leaving them
-waiting. A torch attribute a framework reads of a DDP wrapper belongs here, with torch's meaning.
+Every public DDP wrapper is ``class NaiveDDP(TorchDDPCompat, DDPModule)``: the core averages the
+gradients; this layer lets it drop into a script written for torch's DDP: torch's arguments
+(``torch_ddp_args.py``), rank 0's buffers before a forward after a synchronising one,
+``require_backward_grad_sync``, ``find_unused_parameters`` (DDP paper 3.2.3), comm hooks, and
+uneven inputs through torch's ``Join`` (a rank out of batches shadows the others' collectives).
 """
 from __future__ import annotations
 
@@ -119,10 +115,8 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     # ------------------------------------------------------------------ communication hooks
     def _register_hook(self, hook) -> None:
-        """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` instead of
-        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``, or its name in
-        ``COMM_HOOKS``, ``"fp16_compress"``). Once, before training. The public
-        ``register_comm_hook`` (``TorchDDPSurface``) takes this form and torch's ``(state, hook)``."""
+        """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` (or its name in
+        ``comm_hooks.COMM_HOOKS``) instead of an all-reduce; once, before training."""
         if not self.buckets:
             raise TypeError(f"{type(self).__name__} has no buckets to hook; use BucketedDDP or OverlappedDDP")
         if isinstance(hook, str):

@@ -4,13 +4,9 @@
     TorchFSDP(module, units=None)          torch.distributed.fsdp.fully_shard (FSDP2)
     TorchHSDP(module, gpus_per_node, units=None)   fully_shard on a 2-D (replicate, shard) DeviceMesh
 
-(and torch's ZeroRedundancyOptimizer, an optimizer, built over TorchDDP by the table of strategies)
-
-Both have ``.module``, ``no_sync()``, ``finish_gradient_synchronization()`` (a no-op: torch
-finishes the reduction when ``backward()`` returns), ``clip_grad_norm_()``, ``full_state_dict()``
-and ``comm_buffer_bytes()``; a training forward begins a step in the recorder, as ours do.
-torch's collectives happen inside C++ (DDP's reducer) or inside ``fully_shard``'s hooks; they
-are recorded all the same, by ddpkit's process group, which carries them.
+(torch's ZeroRedundancyOptimizer is built over TorchDDP by the table.) Each has ddpkit's interface
+(``finish_gradient_synchronization()`` a no-op: torch finishes in ``backward()``); torch's
+collectives are recorded all the same, by ddpkit's process group, which carries them.
 """
 from __future__ import annotations
 
@@ -50,13 +46,9 @@ class TorchDDP(nn.Module):
             self._look_inside()
 
     def _look_inside(self) -> None:
-        """Recording: torch's reducer, seen through our records. Gradient hooks note when each
-        gradient is ready (as in our wrappers); a communication hook (torch's public way to
-        replace a bucket's all-reduce) does what the default one does -- divide by N, all-reduce,
-        hand the averaged bucket back -- and labels the collective with torch's bucket index and
-        the parameters in it. So the bucket fill plot shows torch's own buckets: a first bucket
-        capped at 1 MiB, and from the second step the buckets it rebuilt in the order the
-        gradients arrived."""
+        """Recording: gradient hooks note when each gradient is ready, and a comm hook doing what the
+        default does (divide by N, all-reduce) labels each collective with torch's bucket, so the
+        fill plot shows torch's own buckets (rebuilt in arrival order from the second step)."""
         rec, group = self.recorder, self.process_group
         names = {}
         for name, p in unique_named_parameters(self.module):

@@ -1,11 +1,8 @@
 """What torch's ``DistributedDataParallel`` shows the frameworks, on ddpkit's DDP wrappers.
 
-accelerate (and the Hugging Face Trainer through it) and Lightning build torch's DDP themselves, then
-read or call things on it beyond a script's ``module`` and ``no_sync()``: its flags, its logging data,
-its C++ reducer, torch's form of ``register_comm_hook``. ``TorchDDPSurface`` answers each with torch's
-meaning, or refuses it with an error naming it and saying what to do instead. The survey of who
-touches what is the table in ``docs/own_script.md`` ("In the frameworks"); ``ddpkit.frameworks.use``
-puts a wrapper where the frameworks build torch's.
+accelerate (so the HF Trainer) and Lightning read or call more of torch's DDP than a script does;
+``TorchDDPSurface`` answers each with torch's meaning, or refuses it naming what to do instead (who
+touches what: ``docs/own_script.md``, "In the frameworks"; ``ddpkit.frameworks.use`` swaps it in).
 
     static_graph, _set_static_graph()   torch's flag (accepted, changes nothing here: torch_ddp_args.py)
     require_forward_param_sync          the last forward synchronised, so the next broadcasts buffers
@@ -16,8 +13,7 @@ puts a wrapper where the frameworks build torch's.
     register_comm_hook(state, hook)     torch's default hooks mapped onto ours; any other refused
     _ddp_params_and_buffers_to_ignore   refused: every trainable parameter is reduced here
 
-It reads the DDP core's state (``torch_args``, ``buckets``, ``named_grads``, ``_require_sync``,
-``_sync_buffers_next``, ``_start_step``, ``_register_hook``): it is a base of ``ddp_compat.TorchDDPCompat``.
+It reads the DDP core's state: it is a base of ``ddp_compat.TorchDDPCompat``.
 """
 from __future__ import annotations
 
@@ -123,10 +119,8 @@ class TorchDDPSurface:
 
     # ------------------------------------------------------------------ communication hooks
     def register_comm_hook(self, *args, **kwargs) -> None:
-        """ddpkit's ``register_comm_hook(hook)`` (a hook of ``comm_hooks.py`` or its name), and torch's
-        ``register_comm_hook(state, hook)``, as accelerate and Lightning call it: torch's ``allreduce_hook``,
-        ``fp16_compress_hook`` and ``bf16_compress_hook`` (state: None or this wrapper's group) become
-        ddpkit's hook of the same meaning; any other torch hook is refused by its name."""
+        """ddpkit's ``register_comm_hook(hook)`` (a ``comm_hooks.py`` hook or name), or torch's
+        ``(state, hook)``: its allreduce, fp16 and bf16 hooks become ours; any other is refused."""
         if "state" not in kwargs and len(args) + len(kwargs) == 1:
             return self._register_hook(*args, **kwargs)  # ddpkit's own form
         try:
