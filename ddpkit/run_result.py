@@ -2,10 +2,7 @@
 returns (``cluster.run(run_strategy, ...)``: one per rank), and ``RecordSummary``, the per-step
 averages it reads back from its recorder's records (``experiment.summarize_records``).
 
-Plain data, picklable across the cluster's processes; ``compare``, ``series``, ``doctor``, the
-widget's progress bar and the notebooks read the fields by name. A field is None where the run
-did not measure it (``record=False``: no bytes, overlap or memory; no ``reference``: no
-difference from one process).
+Plain picklable data read by name; a field is None where the run did not measure it.
 """
 from __future__ import annotations
 

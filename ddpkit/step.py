@@ -23,16 +23,10 @@ def train_step(model, optimizer, inputs, targets, recorder=None, max_norm: float
 
 
 def train_batch(model, optimizer, batch, loss, recorder=None, max_norm: float | None = None):
-    """Forward (``loss(model, batch)``, a scalar), backward, finish gradient sync, clip (when
-    ``max_norm`` is given: ``model.clip_grad_norm_``, the norm of the *whole* gradient, sharded or
-    not), optimizer step; returns the local loss.
-
-    ``recorder``: where the step is recorded (default: the rank's, off unless recording): the spans
-    "forward", "backward" (autograd's work, up to the last gradient), "sync" (from there until every
-    gradient is averaged: most wrappers sync at the end of backward, inside ``loss.backward()``) and
-    "step", and this rank's loss. When it says a memory sample is due (``memory_due``), two samples
-    too: at the end of forward (activations alive, no gradients) and after the optimizer step
-    (gradients and optimizer state alive). With recording off each of those calls does nothing."""
+    """Forward (``loss(model, batch)``), backward, finish the sync, clip (``max_norm``: the *whole*
+    gradient's norm), optimizer step; returns the local loss. ``recorder`` (default the rank's):
+    the spans "forward", "backward", "sync", "step", the loss, and when ``memory_due`` a memory
+    sample after forward and after the step."""
     if recorder is None:
         recorder = rank_recorder()
     recorder.begin_step()  # a new step index, unless the caller just started one

@@ -7,18 +7,12 @@
         name="gpt2-tiny")
     ddpkit.Workload.builtin("mlp", depth=8)                # the course's models are workloads too
 
-Every instrument takes one where it took a model name: ``compare(cluster, strategies,
-workload=wl)``, ``experiment.run_strategy``, the trace, the cost model's profile, and the command
-line's ``--model NAME`` (a built-in, or ``package.module:function`` returning a Workload: ``load``).
-
-The callables travel to the ranks by value (cloudpickle, like any Cluster job), so lambdas and
-closures from a notebook cell work. Each rank builds the model under the same seed (``build``),
-so rank 0's model is the one a single process builds (every wrapper broadcasts rank 0's anyway);
-each rank asks for the whole global batch and keeps its own contiguous slice of dim 0
-(``local_batch``): a tensor, or tuples, lists, dicts, named tuples or dataclasses of tensors,
-nested as deep as you like (``ddpkit.nested``: torch's pytree). With a loss that is a *mean* over
-the samples, the ranks' averaged gradients are then the gradient of the whole batch
-(``ddpkit.step``'s docstring says why), so every strategy equals one process.
+Every instrument takes one where it took a model name (``compare``, ``run_strategy``, the trace,
+the cost model, ``--model NAME``: a built-in or ``package.module:function``, ``load``). The
+callables travel by value (cloudpickle), so notebook lambdas work. Each rank builds the model under
+the same seed (``build``) and keeps its contiguous slice of dim 0 of the global batch
+(``local_batch``; any nesting torch's pytree walks); with a *mean* loss every strategy then equals
+one process (``ddpkit.step``).
 """
 from __future__ import annotations
 
@@ -54,10 +48,8 @@ class Workload:
 
     @classmethod
     def builtin(cls, name: str = "mlp", seed: int = 0, **kwargs) -> Workload:
-        """One of the course's models (``ddpkit.models.MODELS``: ``"mlp"``, ``"gpt"``) with its
-        synthetic data and mean cross-entropy; ``kwargs`` go to the model (``width``, ``depth``;
-        ``dim``, ``layers``, ...), ``seed`` draws its data. Its initialization is ``build(seed)``'s,
-        as for every workload (``build(s)`` equals ``models.build_model(name, seed=s)``)."""
+        """One of the course's models (``models.MODELS``) with its synthetic data (drawn with ``seed``)
+        and mean cross-entropy; ``kwargs`` go to the model."""
         from ddpkit import models
 
         config = models.model_config(name, **kwargs)  # ValueError/TypeError for a bad name or keyword
@@ -166,10 +158,8 @@ def load(spec: str) -> Workload:
 
 
 def named(name: str, width: int | None = None, depth: int | None = None, seed: int = 0) -> Workload:
-    """What the command line's ``--model NAME --width W --depth D`` stands for: a built-in
-    (``ddpkit.models.MODELS``) sized by width and depth in its own terms (``models.size_kwargs``,
-    its data drawn with ``seed``), or ``package.module:function`` (``load``), which sizes its own
-    model. ValueError otherwise."""
+    """The command line's ``--model NAME --width W --depth D``: a built-in sized in its own terms
+    (``models.size_kwargs``), or ``package.module:function`` (``load``); ValueError otherwise."""
     from ddpkit.models import MODELS, size_kwargs
 
     if ":" in name:

@@ -1,11 +1,8 @@
 """The miss, taken apart: one sentence built from the numbers of a prediction and a ``Measured``.
 
-For a number, the sentence lays the measurement out in its terms (ring terms, memory categories,
-the formula's pieces) and says which of them the prediction's miss looks like: a common line of
-thought it equals (``Measured.readings``: "the full size once, the ring's factor left out"), a term
-or a few terms it leaves out or counts twice, or a whole factor. For "which is faster", it says who
-won by how much against what was predicted, and splits the difference between the two step times
-into the step's parts, naming the one that decided it.
+For a number: the measurement's terms, and what the miss looks like (a common reading it equals,
+terms left out or counted twice, a whole factor). For "which is faster": who won by how much, the
+difference split into the step's parts, naming the one that decided it.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The reference answers: what the course's formulas say for a question's setting, to the byte.
 
-The ring formulas (``ddpkit.network.ring_bytes``) and the ZeRO formulas (``ddpkit.memory``) count
-Ψ parameters; a run moves and keeps flat buffers, each padded to a multiple of the ranks it is
-sharded over (``FlatLayout``: at most N-1 elements each), laid out by the kit's own rules (DDP's
-buckets, FSDP's units). So each reference here is the formula over those buffers: the formula
-itself where nothing needs padding, and exact where something does. Nothing here runs a model:
-it is built on the meta device (shapes only).
+The ring and ZeRO formulas count Ψ parameters; a run moves flat buffers padded to a multiple of
+N (``FlatLayout``) by the kit's own layouts, so each reference is the formula over those buffers,
+exact to the byte. Models are built on the meta device (shapes only).
 """
 from __future__ import annotations
 

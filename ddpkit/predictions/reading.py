@@ -1,10 +1,7 @@
 """A measurement read for a question: its value, and the kit's own accounting of it, term by term.
 
-Nothing here measures: the readers take what a notebook's measuring cell left behind (a recorded
-``Trace``, ``run_strategy`` or ``compare`` results, ``step_breakdown`` parts) and the kit's figures
-of it (``comm_bytes_per_step``, the memory categories, the step's parts), and lay the number out as
-terms that add up to it: the ring formula's terms for bytes, the categories (and the formula's
-pieces) for memory, the step's parts for time. ``explain`` puts a prediction against them.
+Nothing here measures: readers lay what a measuring cell left (a Trace, run results, step parts)
+out as terms that add up to it (ring terms, memory categories, step parts) for ``explain``.
 """
 from __future__ import annotations
 

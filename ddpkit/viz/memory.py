@@ -50,14 +50,9 @@ def _prediction_for(label: str, predicted):
 
 
 def plot_memory(measured, predicted=None, title: str | None = None):
-    """Stacked bars of bytes by category: one bar per rank in each group (e.g. strategy), and,
-    hatched beside them, the ZeRO formula's prediction for that group (model states only).
-
-    ``measured``: a Trace (what each rank held at its peak), a list of per-rank
-    ``{category: bytes}``, or ``{label: that}`` for several strategies. ``predicted``:
-    ``{label: {category: bytes}}``, e.g. ``ddpkit.memory_formulas.zero_predictions(...)``, whose
-    "DDP"/"ZeRO-1"/"ZeRO-3" are matched to labels naive/bucketed/overlapped, zero1, fsdp.
-    """
+    """Stacked bars of bytes by category, a bar per rank in each group, the ZeRO formula's
+    prediction hatched beside. ``measured``: a Trace, per-rank ``{category: bytes}``, or
+    ``{label: that}``; ``predicted``: ``{label or ZeRO stage: {category: bytes}}``."""
     groups = _normalise(measured)
     if not any(groups.values()):  # words, not empty axes that read as "zero bytes"
         fig = new_figure(1.2)
@@ -141,13 +136,9 @@ def plot_memory(measured, predicted=None, title: str | None = None):
 
 
 def plot_memory_against_n(sweep: dict, formulas: dict | None = None, title: str | None = None):
-    """Memory per rank against the number of ranks, one panel per strategy (a matplotlib Figure).
-
-    ``sweep``: ``{n: {strategy: {category: bytes, ...}}}``, e.g. ``ddpkit.memory_sweep.memory_against_n``
-    run on clusters of 1, 2 and 4 ranks (the rank holding the most). Each bar stacks the
-    categories, model states at the bottom; ``formulas`` (``{(strategy, n): bytes}``, e.g.
-    ``memory_sweep.formula_totals``) draws the ZeRO formula's model states as a black line over
-    each bar, so what the formula leaves out is the part of the bar above the line."""
+    """Memory per rank against the number of ranks, a panel per strategy: ``sweep`` is
+    ``{n: memory_sweep.memory_against_n(...)}``; ``formulas`` (``{(strategy, n): bytes}``) draws the
+    ZeRO formula as a line over each bar: what it leaves out is above the line."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
