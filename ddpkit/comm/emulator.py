@@ -128,9 +128,7 @@ def _note_end(work, transfer: _Transfer) -> None:
 
 
 def _sleep_precisely() -> None:
-    """Let this thread's sleeps end when asked. Linux lets a thread's timer fire up to its "timer
-    slack" late (50 µs by default) to batch wake-ups; a link that delivers a small collective in
-    tens of microseconds would run that much slow. Linux only (prctl); elsewhere nothing changes."""
+    """Let this thread's sleeps end when asked, not up to Linux's 50 µs "timer slack" late (prctl)."""
     import ctypes
     import sys
 
@@ -201,9 +199,7 @@ class Emulator:
         return {kind: (link.carried, link.outran) for kind, link in links}
 
     def transport_s(self) -> float:
-        """Seconds this rank spent moving the bytes of ``at_wait`` collectives when it waited for
-        them (the transport's part of their time; the rest was the link's); subtract two to count
-        a window."""
+        """Seconds this rank spent moving ``at_wait`` collectives' bytes as it waited (a running total)."""
         with self._lock:
             links = list(self._links.values())
         return sum(link.transport_s for link in links)
@@ -293,18 +289,16 @@ OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collective
 
 
 def outran_share(counts) -> float | None:
-    """The share of a run's emulated collectives whose real transfer took longer than the link,
-    from ``[collectives on an emulated link, of which outran it]`` (None off a network): there
-    the network is faster than this machine can emulate."""
+    """The share of ``[emulated collectives, of which outran the link]`` whose real transfer took
+    longer than the link (None off a network)."""
     if not counts or not counts[0]:
         return None
     return counts[1] / counts[0]
 
 
 def outran_note(shares: dict, network: str | None = None) -> str:
-    """The sentence a step time needs where at least ``OUTRAN_NOTE`` of its collectives outran
-    the emulated link (``shares``: ``{label: outran_share}``; ``network``: its name, if known);
-    "" where none did. The compare table and the cluster widget both say it, in these words."""
+    """The sentence (compare's table and the widget's) where at least ``OUTRAN_NOTE`` of a run's
+    collectives outran the link (``shares``: ``{label: outran_share}``); "" where none did."""
     slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
     if not slow:
         return ""

@@ -113,9 +113,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return self._route[1]
 
     def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
-        """The collective's one record (this group is its one writer): in the rank's recorder,
-        and in the recorder of the strategy that labelled it (``with recorder.labels(...)``,
-        on this thread) when that is another one, e.g. a job's own ``recorder=``."""
+        """The collective's one record: in the rank's recorder, and in the labelling strategy's when
+        that is another one (a job's own ``recorder=``)."""
         fields = dict(labels.fields) if labels is not None else {}
         fields.update(link=link, group_size=self.size(), group=self._group)
         watched = work.observed() if isinstance(work, EmulatedWork) else work  # see EmulatedWork.observed
@@ -123,9 +122,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
             r.collective(op, watched, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
 
     def _on_real(self, method: str, *args):
-        """A launch for ``_issue``: the real backend's ``method(*args)``, with ``at_wait=True``
-        where ``_issue`` passes it (the shared-memory transport's keyword). A launch made of several
-        real collectives (``_one_by_one``) waits for each at once: it takes no ``at_wait``."""
+        """A launch for ``_issue``: the real backend's ``method(*args)``, passing ``at_wait`` on."""
         return lambda **at_wait: getattr(self.real, method)(*args, **at_wait)
 
     # --- collectives: the names torch.distributed calls on a group ------------------------

@@ -28,9 +28,8 @@ from ddpkit.comm.transport.segment import Segment, ShmError
 
 @dataclass(eq=False)
 class Piece:
-    """One piece of a collective: what this rank writes into its region of the slot, what it reads
-    out of the slot once every rank has written, and, on the collective's last piece, what then
-    finishes the collective (a copy back) and the future it completes."""
+    """One piece: what this rank deposits, what it reads once all have, and on the last piece what
+    finishes the collective and the future it completes."""
 
     deposit: object                      # deposit(views): views is the slot as (N, R / itemsize)
     complete: object                     # complete(views)

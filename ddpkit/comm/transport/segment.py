@@ -64,9 +64,8 @@ def _sem_unlink(name: str) -> None:
 
 
 def unlink_segments(prefix: str) -> int:
-    """Remove what groups named under ``prefix`` left in ``/dev/shm`` (slabs and, on Linux,
-    semaphores, which glibc keeps there as ``sem.NAME``); returns how many. For a parent whose
-    ranks died before their groups finished setting up; a healthy group leaves nothing."""
+    """Remove the slabs and semaphores (glibc's ``sem.NAME``) groups under ``prefix`` left in
+    ``/dev/shm`` (ranks that died during setup); returns how many."""
     if not prefix or not os.path.isdir(SHM_DIR):
         return 0
     removed = 0
@@ -189,9 +188,8 @@ class Segment:
             bell.release()
 
     def take(self, bell, k: int, deadline: float | None, what: str, late: str) -> bool:
-        """Take one ring of ``bell`` (rank k's). ``deadline`` None: only if it is there already.
-        Else sleep for it until ``deadline`` (``time.monotonic()``): ``ShmError`` if rank k died
-        or the deadline passed first (``late`` says what rank k has not done)."""
+        """Take one ring of rank k's ``bell``: if there (``deadline`` None), else sleeping until
+        ``deadline`` (monotonic); ``ShmError`` (saying ``late``) if k died or time ran out."""
         if bell.acquire(False):
             return True
         if deadline is None:

@@ -68,9 +68,8 @@ class ShmBackend(dist.ProcessGroupGloo):
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
                  prefix: str | None = None, chunk_bytes: int | None = None, slots: int | None = None,
                  device=None):
-        """``device``: where the slab's data area lives and whose tensors this group carries: the CPU
-        (None, the default) or the GPU its ranks share (the CUDA IPC transport, ``device_slab``);
-        tensors elsewhere go to gloo."""
+        """``device``: where the slab's data lives and whose tensors it carries: the CPU (None) or the
+        GPU the ranks share (``device_slab``); other tensors go to gloo."""
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
         self._device = torch.device("cpu") if device is None else torch.device(device)
         on_gpu = self._device.type == "cuda"
