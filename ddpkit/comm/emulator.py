@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ddpkit.nested import tensors
 from ddpkit.network import LinkClock
 from ddpkit.torch_internals import FutureWork
 
@@ -63,9 +64,8 @@ class _Link:
     def _serve(self) -> None:
         from ddpkit.rankside import adopt_device
 
-        # the recorder's completion callbacks run here (they record CUDA events): on the rank's GPU,
-        # and on a stream of this thread's own, idle, so an event recorded at the emulated
-        # completion fires then, not behind the compute queued on the default stream
+        # the recorder's completion callbacks record CUDA events here: on the rank's GPU, on an idle
+        # stream of this thread's own, so they fire at the emulated completion, not behind compute
         adopt_device(self.device)
         _sleep_precisely()
         if self.device is not None:
@@ -74,8 +74,7 @@ class _Link:
             torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             t = self.queue.get()
-            # The link's own time first: asleep until it would have delivered, then the real
-            # collective, which has usually finished by then (no second wake-up to hear it end).
+            # asleep until the link would have delivered, then the real collective (usually done by then)
             link_end = self.clock.delivers(t.issued_s, t.link_s)
             delay = link_end - time.perf_counter()
             if delay > 0:
@@ -88,12 +87,9 @@ class _Link:
                 t.future.set_result(t.result)
                 continue
             try:
-                # Did the real transfer keep up? Not if it is still going now; nor if this thread
-                # itself woke more than a link's time late: then the link was faster than this
-                # machine can follow, whatever the transfer did (at 1 TB/s the wake-up alone loses).
+                # the real transfer kept up unless it is still moving now, or it ended (or, ddpkit's
+                # transport tells, its bytes were all there) after the link's time
                 moving = not t.work.is_completed()
-                # it kept up unless it is still moving now, or it ended (or, ddpkit's transport
-                # tells, its bytes were all there to be finished) after the link's time
                 ended = getattr(t.work, "ready_s", None) or t.real_end
                 outran = moving or (ended is not None and ended > link_end)
                 _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
@@ -101,9 +97,8 @@ class _Link:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            # the link is busy until the real transfer ended where that was later; one done when the
-            # link delivered ended then, as far as this thread can tell (its own lateness does not
-            # count: the next collective's link time still counts from link_end)
+            # the link is busy until the real transfer ended, where later (this thread's own lateness
+            # does not count: the next collective's link time still counts from link_end)
             self.clock.complete(link_end, time.perf_counter() if moving else link_end)
             self.count(outran)
             t.future.set_result(result)
@@ -211,16 +206,9 @@ class Emulator:
             return self._links[kind]
 
 
-def _device_of(tensors):
-    """The device of the first tensor in ``tensors`` (nested lists too), or None."""
-    for t in tensors if isinstance(tensors, (list, tuple)) else (tensors,):
-        if isinstance(t, (list, tuple)):
-            found = _device_of(t)
-            if found is not None:
-                return found
-        elif hasattr(t, "device"):
-            return t.device
-    return None
+def _device_of(result):
+    """The device of the first tensor in ``result`` (nested lists too), or None."""
+    return next((t.device for t in tensors(result)), None)
 
 
 class EmulatedWork(FutureWork):

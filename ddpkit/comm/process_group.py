@@ -77,7 +77,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # --- the one path every collective takes ---------------------------------------------
-    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None, opts=None):
+    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
         """Launch on the real backend, count, record, emulate. ``full_bytes``: the full size S;
         ``launch(at_wait=True)``: the bytes move when the rank waits (``comm.emulator``)."""
         comm = self.comm
@@ -128,28 +128,25 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce", tensors, opts), tensors,
-                           opts=opts)
+        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce", tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._issue("all_reduce", _nbytes(tensors),
-                           self._on_real("allreduce_coalesced", tensors, opts), tensors, opts=opts)
+        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce_coalesced", tensors, opts), tensors)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._issue("broadcast", _nbytes(tensors), self._on_real("broadcast", tensors, opts), tensors,
-                           opts=opts)
+        return self._issue("broadcast", _nbytes(tensors), self._on_real("broadcast", tensors, opts), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(inputs) * self.size(),
-                           self._on_real("allgather", output_lists, inputs, opts), output_lists, opts=opts)
+                           self._on_real("allgather", output_lists, inputs, opts), output_lists)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        return self._issue("all_gather", _nbytes([output]),
-                           self._on_real("_allgather_base", output, input, opts), [output], opts=opts)
+        return self._issue("all_gather", _nbytes([output]), self._on_real("_allgather_base", output, input, opts),
+                           [output])
 
     _allgather_base = all_gather_single
 
@@ -161,7 +158,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._issue("reduce_scatter", _nbytes(outputs) * self.size(),
-                           self._on_real("reduce_scatter", outputs, input_lists, opts), outputs, opts=opts)
+                           self._on_real("reduce_scatter", outputs, input_lists, opts), outputs)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -170,7 +167,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
                                lambda **_: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
                                "all_reduce")
         return self._issue("reduce_scatter", _nbytes([input]),
-                           self._on_real("_reduce_scatter_base", output, input, opts), [output], opts=opts)
+                           self._on_real("_reduce_scatter_base", output, input, opts), [output])
 
     def _reduce_scatter_by_all_reduce(self, output, input, opts):
         """gloo's flat reduce-scatter, done here: all-reduce a copy, copy this rank's chunk out once
@@ -206,14 +203,13 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         asks for them), done tensor by tensor; returns a finished Work."""
         for out, inp in zip(outputs, inputs, strict=True):
             op(out, inp, opts).wait()
-        future = _finished(outputs)
-        return work_from_future(future)
+        return work_from_future(_finished(outputs))
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
         if self.comm.real_backend == "nccl" and not opts.device_ids:  # else NCCL guesses a GPU, and warns
             opts.device_ids = [rankside.device().index]
-        return self._issue("barrier", 0, self._on_real("barrier", opts), [], opts=opts)
+        return self._issue("barrier", 0, self._on_real("barrier", opts), [])
 
 
 def _passed_through(name: str):

@@ -1,10 +1,7 @@
 """Predictions against measurements: one reveal, one learner's answers, a class's.
 
-Plain records in, a Figure out; nothing here imports ``ddpkit.predictions`` (which calls these):
-a reveal's attributes (``question``, ``measured``, ``prediction``, ``reference``), and the rows its
-tables make (``predictions.tables.points`` and ``class_rows``). Every answer is drawn as predicted
-over measured on one log axis: 1 is right, 2 twice too much; "which is faster" as the predicted
-speed-up over the measured one."""
+Plain records in (a reveal's attributes, ``tables.points``, ``class_rows``), a Figure out; nothing
+here imports ``ddpkit.predictions``. Answers are predicted over measured on a log axis (1: right)."""
 from __future__ import annotations
 
 import math
@@ -24,27 +21,21 @@ def plot_reveal(reveal):
     q, m = reveal.question, reveal.measured
     fig = new_figure(1.9 + 0.22 * len(m.terms), 7.5)
     ax = fig.subplots()
+    scale = 1.0   # "which is faster": a speed-up of the first is the second's time over its own
     if q.options:
-        first, second = q.options
-        t1 = m.times[first]
-        ax.barh(1, t1, color="#c9d6e8", edgecolor="black", lw=0.4)
-        ax.barh(0, t1, color="#c9d6e8", edgecolor="black", lw=0.4)
-        _stack(ax, 0, t1, m.terms)
-        if reveal.prediction is not None:   # the speed-up of the first: the second's time over its own
-            guess = t1 * reveal.prediction
-            ax.plot([guess, guess], [-0.4, 0.4], color=PREDICTED, lw=2.5, label="your prediction")
-        if reveal.reference is not None:
-            ax.plot([t1 * reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                    label=f"reference: {q.reference_from}")
-        ax.set_yticks([1, 0], [first, second])
+        scale = m.times[q.options[0]]
+        for y in (1, 0):
+            ax.barh(y, scale, color="#c9d6e8", edgecolor="black", lw=0.4)
+    _stack(ax, 0, scale if q.options else 0.0, m.terms)
+    if reveal.prediction is not None:
+        ax.plot([scale * reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
+    if reveal.reference is not None:
+        ax.plot([scale * reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
+                label=f"reference: {q.reference_from}")
+    if q.options:
+        ax.set_yticks([1, 0], list(q.options))
         ax.set_xlabel("ms (the second bar: the first's time, then the parts of the difference)")
     else:
-        _stack(ax, 0, 0.0, m.terms)
-        if reveal.prediction is not None:
-            ax.plot([reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
-        if reveal.reference is not None:
-            ax.plot([reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                    label=f"reference: {q.reference_from}")
         ax.set_yticks([0], ["measured"])
         ax.set_xlabel(q.unit)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
