@@ -81,8 +81,7 @@ COMM_HOOKS: dict[str, CommHook] = {
 
 
 def comm_hook(name_or_hook) -> Callable:
-    """The hook function for a name in ``COMM_HOOKS``, or a function as it is; a ValueError
-    naming the valid names otherwise."""
+    """The hook for a name in ``COMM_HOOKS`` (a ValueError naming them otherwise), or a function as is."""
     if callable(name_or_hook):
         return name_or_hook
     if name_or_hook not in COMM_HOOKS:

@@ -19,8 +19,7 @@ from ddpkit.trace.seam import NULL_RECORDER
 
 
 def require_process_group(strategy: str, group=None) -> None:
-    """Fail with a clear message when a strategy is built before init_process_group, or on a
-    ``group`` this process is not a member of (its collectives would never be matched)."""
+    """Fail clearly before init_process_group, or on a ``group`` this process is not in."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{strategy} needs a process group: call torch.distributed.init_process_group() "
@@ -105,8 +104,7 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
 
 @torch.no_grad()
 def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
-    """Copy rank 0's values into every rank's tensors, so all ranks start equal. Tensors on the
-    meta device have no values yet: FSDP's deferred initialization broadcasts them once real."""
+    """Copy rank 0's values into every rank's tensors (meta ones: once real, by deferred init)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for t in tensors:
         if not t.is_meta:
@@ -114,8 +112,7 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
 
 
 def prepare_module(strategy: str, module: nn.Module, group=None, params: bool = True, buffers: bool = True) -> None:
-    """The construction steps every wrapper shares: check, then broadcast rank 0's parameters and
-    buffers (either left out: torch DDP's ``init_sync=False`` and ``broadcast_buffers=False``)."""
+    """Check, then broadcast rank 0's parameters and buffers (either left out: torch's ``init_sync``)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
     require_process_group(strategy, group)
@@ -171,9 +168,8 @@ def forward_timed(recorder, module: nn.Module, args, kwargs):
 
 
 class BackwardSpans:
-    """One backward on the compute lane: "backward" (autograd's work), then, where ``opened``
-    (``train_batch``'s), "sync" (the wrappers' end-of-backward work) until ``close()``. "backward"
-    opens now, or when the gradient reaches ``tensor``, whose hook queues its end first."""
+    """One backward on the compute lane: "backward", then (``opened``: ``train_batch``'s) "sync" until
+    ``close()``; "backward" opens now, or when the gradient reaches ``tensor``."""
 
     def __init__(self, recorder, tensor: torch.Tensor, opened: bool = True):
         self.recorder, self.sync_follows = recorder, opened

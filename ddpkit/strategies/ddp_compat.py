@@ -23,13 +23,11 @@ from ddpkit.torch_internals import tensors_to
 
 
 class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
-    """torch DDP's arguments, buffers, unused parameters, comm hooks and Join, on the core; what the
-    frameworks read besides (``TorchDDPSurface``: its flags, logging data, reducer, torch's hook form)."""
+    """torch DDP's arguments, buffers, unused parameters, comm hooks and Join, on the core."""
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, find_unused_parameters: bool = False,
                  comm_hook=None, torch_ddp: dict | None = None, **core):
-        """``torch_ddp``: torch DDP's other keywords, as the user gave them (``device_ids``,
-        ``broadcast_buffers``, ``device_mesh``, ...); ``core``: the core's own (``DDPModule``)."""
+        """``torch_ddp``: torch DDP's other keywords as given; ``core``: ``DDPModule``'s own."""
         strategy = type(self).__name__
         if not isinstance(module, nn.Module):
             raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
@@ -64,8 +62,7 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     @torch.no_grad()
     def _broadcast_buffers(self, joined: bool = False) -> None:
-        """Every buffer from rank 0, or under Join from the highest rank still training (agreed with
-        one all-reduce MAX, as torch's DDP: rank 0 may have stopped with stale statistics)."""
+        """Every buffer from rank 0, or under Join from the highest rank still training (one all-reduce MAX)."""
         src = 0
         if self._join_config.enable:
             mine = torch.tensor([-1 if joined else dist.get_rank(self.process_group)], device=self.join_device)
@@ -79,8 +76,7 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """torch DDP's flag, read by the next forward: False lets that step's gradients accumulate
-        locally (what ``no_sync()`` sets; nanoGPT sets it by hand on all but the last micro-batch)."""
+        """torch DDP's flag for the next forward: False accumulates locally (nanoGPT sets it by hand)."""
         return self._require_sync
 
     @require_backward_grad_sync.setter
@@ -94,9 +90,8 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     @torch.no_grad()
     def _settle_unused(self, has_grad: list[bool]) -> None:
-        """After the gradients were reduced. With ``find_unused_parameters``: one all-reduce of the
-        bitmap ``has_grad`` (int32, one per gradient), and a parameter no rank had a gradient for
-        gets ``.grad`` None back, as one process leaves it. Without: warn once if some is missing."""
+        """After the reduction: with ``find_unused_parameters`` a bitmap all-reduce sets ``.grad`` None
+        where no rank had one; without, warn once if some is missing."""
         if not self.find_unused_parameters:
             if not all(has_grad) and not self._warned_unused:
                 self._warned_unused = True
@@ -135,9 +130,8 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
     # ranks still training and divided by the *initial* world size, as torch's DDP does by default.
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
-        """torch DDP's ``model.join()``: ``with model.join(): ...`` lets ranks run out of batches at
-        different steps. Gradients are summed over the ranks still training and divided by the
-        initial world size, as torch's default; the other division is not here."""
+        """torch DDP's ``model.join()``: ranks may run out of batches; gradients summed over those still
+        training, divided by the initial world size (torch's default; the other is refused)."""
         if not divide_by_initial_world_size:
             raise ValueError(f"{type(self).__name__}.join: only divide_by_initial_world_size=True (torch's "
                              "default): the gradients are pre-divided by the initial world size")
@@ -188,8 +182,7 @@ class _ShadowSteps(JoinHook):
             p.grad = None
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank has finished. The ones that finished early stopped stepping: copy the
-        parameters and buffers of the last rank to finish (agreed with one all-reduce MAX)."""
+        """All finished: copy the last rank's parameters and buffers to the ones that stopped early."""
         ddp = self.ddp
         rank = dist.get_rank(ddp.process_group)
         last = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)

@@ -21,8 +21,7 @@ import torch
 
 
 class FlatLayout:
-    """Offsets of k tensors in one flat buffer padded to a multiple of ``world_size``, and
-    ``rank``'s shard of it."""
+    """Offsets of k tensors in one flat buffer padded to a multiple of ``world_size``; ``rank``'s shard."""
 
     def __init__(self, shapes: Iterable, world_size: int = 1, rank: int = 0):
         if world_size < 1 or not 0 <= rank < world_size:
@@ -56,9 +55,8 @@ class FlatLayout:
         return torch.zeros(self.padded_numel, dtype=dtype, device=device)
 
     def pack(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
-        """Copy each tensor into its place in ``out`` (None: zeros, e.g. an unused parameter's
-        gradient), zero the padding, and return ``out``. ``out`` may be a buffer of this layout's
-        padded size or just big enough for the tensors (its tail past them is zeroed)."""
+        """Copy each tensor (None: zeros) into its place in ``out``, zero the rest, return ``out`` (padded
+        size, or just big enough for the tensors)."""
         with torch.no_grad():
             for t, view in zip(tensors, self.views(out), strict=True):
                 if t is None:

@@ -41,8 +41,7 @@ class UnitPlan:
 
 @dataclass
 class Plan:
-    """Which unit owns which parameter: the units (in the order given, the root last), the
-    frozen parameters' names (they stay whole, never reduced) and every original name in order."""
+    """The units (in order, the root last), the frozen parameters' names, every original name in order."""
 
     units: list[UnitPlan]
     frozen: list[str]
@@ -125,8 +124,7 @@ class FlatParamUnit:
         return self.layout.padded_numel * self.gathered.element_size()
 
     def all_gather_input(self) -> torch.Tensor:
-        """This rank's all-gather input: its shard, cast to ``param_dtype`` into its own slot of the
-        (allocated) output buffer, so the all-gather runs in place."""
+        """This rank's shard cast to ``param_dtype`` into its own slot of the output: an in-place all-gather."""
         if self.param_dtype == self.shard.dtype:
             return self.shard.detach()
         send = self.layout.shard(self.gathered)
@@ -134,8 +132,7 @@ class FlatParamUnit:
         return send
 
     def flat_gradient(self, grads) -> torch.Tensor:
-        """The unit's gradients packed into one padded flat buffer (N * ceil(T/N), ``reduce_dtype``),
-        plus what ``no_sync()`` accumulated; a missing gradient (unused parameter) counts as zeros."""
+        """The unit's gradients (and ``no_sync()``'s sum; a missing one zeros), padded, in ``reduce_dtype``."""
         flat = self.layout.pack(grads, self.layout.empty(self.reduce_dtype, self.shard.device))
         if self.no_sync_grad is not None:
             flat.add_(self.no_sync_grad)

@@ -109,8 +109,7 @@ class FSDP(nn.Module):
         self._unsharded_bytes = 0
 
     def _build_units(self, plan, device, param_init_fn) -> dict[str, FlatParamUnit]:
-        """``{unit name: FlatParamUnit}``, each flattened and sharded as soon as it is real (a meta
-        module unit by unit: the whole model never exists on this rank)."""
+        """``{unit name: FlatParamUnit}``, each sharded as soon as it is real (a meta module unit by unit)."""
         if is_deferred(self.module):
             group = None if self.replicate_group is not None else self.process_group
             ready = materialize_by_unit(self.module, plan.units, device or rank_device(), param_init_fn, group)
@@ -160,8 +159,7 @@ class FSDP(nn.Module):
         return pre_forward
 
     def _prefetch(self, unit: FlatParamUnit) -> None:
-        """Launch ``unit``'s all-gather early, unless it is gathered already or the rate limiter
-        says enough units are unsharded (``limit_all_gathers``)."""
+        """Launch ``unit``'s all-gather early, unless gathered already or ``limit_all_gathers`` says wait."""
         in_flight = sum(u.unsharded for u in self.units if u is not self.root_unit)
         if not unit.unsharded and (self.limit_all_gathers is None or in_flight < self.limit_all_gathers):
             self._unshard(unit, async_op=True)
@@ -238,8 +236,7 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def _post_backward(self, unit: FlatParamUnit, grads) -> None:
-        """This unit's parameter gradients are ready (``_Unshard.backward`` below calls this):
-        reduce-scatter them, or keep them under no_sync()."""
+        """The unit's gradients are ready (``_Unshard.backward``): reduce-scatter them, or keep (no_sync)."""
         if not self._require_sync:
             # no_sync(): accumulate the full unsharded gradient locally (T elements per unit in
             # the parameters' dtype: the whole model's gradient, as much memory as DDP's grads)
@@ -289,13 +286,11 @@ class FSDP(nn.Module):
     no_sync = no_sync
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """torch's ``fully_shard`` spelling of ``no_sync()``: False keeps the following backwards'
-        gradients local and unsharded (accumulating), True makes the next one reduce-scatter them."""
+        """torch ``fully_shard``'s spelling of ``no_sync()``: False keeps gradients local and unsharded."""
         self._require_sync = bool(requires_gradient_sync)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Finish the sync, then clip by the norm of the whole gradient, combined from every
-        rank's shards over the shard group (hybrid: a node; its replicas hold the same shards)."""
+        """Finish the sync, then clip by the whole gradient's norm, combined over the shard group."""
         self.finish_gradient_synchronization()
         return clip_grad_norm_([u.shard for u in self.units], max_norm, norm_type, sharded=True,
                                group=self.process_group, recorder=self.recorder)
@@ -342,9 +337,7 @@ class FSDP(nn.Module):
 
 
 class _Unshard(torch.autograd.Function):
-    """Shard -> the unit's full parameters in forward; in backward their gradients go to
-    ``FSDP._post_backward``, which reduce-scatters them (the all-gather's gradient) and writes the
-    shard's .grad itself: autograd gets None."""
+    """Shard -> the unit's full parameters; backward hands their gradients to ``FSDP._post_backward``."""
 
     @staticmethod
     def forward(ctx, shard, fsdp, unit):

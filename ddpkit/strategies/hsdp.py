@@ -26,9 +26,8 @@ from ddpkit.topology import Topology
 
 
 def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(shard groups, replicate groups) as lists of ranks: node n's shard group is ranks
-    [n*k, ..., n*k + k-1]; replicate group i is ranks [i, i+k, i+2k, ...]. ValueError unless
-    ``gpus_per_node`` is a whole number >= 1 that divides ``world_size`` (``ddpkit.Topology``'s checks)."""
+    """(shard groups, replicate groups): node n's ranks [n*k, ..., n*k + k-1], replicate group i's
+    [i, i+k, ...]; ValueError unless ``gpus_per_node`` divides ``world_size`` (``Topology``'s checks)."""
     topology = Topology(world_size, gpus_per_node)
     shard = [topology.node_ranks(node) for node in range(topology.nodes)]
     replicate = [topology.peer_ranks(local) for local in range(gpus_per_node)]
@@ -36,8 +35,7 @@ def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]],
 
 
 def hybrid_groups(gpus_per_node: int):
-    """This rank's (shard group, replicate group; None on one node). Every rank makes every group in
-    the same order (``new_group`` is collective), once per layout (``rankside.subgroup``)."""
+    """This rank's (shard group, replicate group; None on one node), made alike on every rank, once."""
     require_process_group("HSDP")
     topology = Topology(dist.get_world_size(), gpus_per_node)  # ValueError before any collective
     shard_groups = [subgroup(topology.node_ranks(node)) for node in range(topology.nodes)]

@@ -46,9 +46,8 @@ class TorchDDP(nn.Module):
             self._look_inside()
 
     def _look_inside(self) -> None:
-        """Recording: gradient hooks note when each gradient is ready, and a comm hook doing what the
-        default does (divide by N, all-reduce) labels each collective with torch's bucket, so the
-        fill plot shows torch's own buckets (rebuilt in arrival order from the second step)."""
+        """Recording: gradient hooks mark readiness; a comm hook doing the default's work labels each
+        collective with torch's bucket, so the fill plot shows torch's own buckets."""
         rec, group = self.recorder, self.process_group
         names = {}
         for name, p in unique_named_parameters(self.module):
@@ -86,9 +85,7 @@ class TorchDDP(nn.Module):
     full_state_dict = DDPModule.full_state_dict  # every rank holds the whole model, as in ours
 
     def comm_buffer_bytes(self) -> int:
-        """About the bytes of DDP's buckets: its reducer keeps one flat bucket per group of
-        gradients, covering every trainable parameter once (torch does not expose the exact
-        figure publicly)."""
+        """About DDP's bucket bytes: every trainable parameter once (torch does not expose the figure)."""
         return sum(nbytes(p) for _, p in unique_named_parameters(self.module))
 
 
@@ -122,8 +119,7 @@ class TorchFSDP(nn.Module):
         """Nothing to do: fully_shard waits for its reduce-scatters at the end of backward."""
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch's own ``clip_grad_norm_`` on the DTensor gradients (it reduces the shards' norms
-        over the mesh itself); the total norm comes back as a plain tensor."""
+        """torch's ``clip_grad_norm_`` on the DTensor gradients; the total norm as a plain tensor."""
         total = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
 
@@ -147,8 +143,7 @@ class TorchFSDP(nn.Module):
 
 
 class TorchHSDP(TorchFSDP):
-    """torch's hybrid sharding: ``fully_shard`` on a 2-D DeviceMesh, (replicate, shard) = (nodes,
-    ranks per node), built from the same process groups as our HSDP (``hsdp.hybrid_layout``)."""
+    """torch's hybrid sharding: ``fully_shard`` on a (replicate, shard) DeviceMesh of ``hybrid_layout``'s groups."""
 
     def __init__(self, module: nn.Module, gpus_per_node: int, units: Iterable[nn.Module] | None = None,
                  reshard_after_forward: bool = True, process_group=None, recorder=None):

@@ -50,8 +50,7 @@ def _as_param_groups(params) -> list[dict]:
 
 @dataclass
 class GatherLayout:
-    """Where each parameter of one dtype sits in the all-gather's (N, slot_numel) buffer: row r holds
-    rank r's parameters back to back (``slots[r]``), padded to the largest rank's load."""
+    """Where each parameter sits in the (N, slot_numel) all-gather buffer: row r, rank r's, padded."""
 
     dtype: torch.dtype
     params: list          # params[r] = the parameters of this dtype rank r owns
@@ -172,8 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._consolidated = dict(sorted(state.items()))
 
     def state_dict(self) -> dict:
-        """torch's format: on rank r after ``consolidate_state_dict(to=r)`` the full state; otherwise
-        this rank's shard, marked ``"zero1_shard"`` (loaded back by the same rank and world size)."""
+        """torch's format: the full state after ``consolidate_state_dict(to=r)`` on r, else this rank's shard."""
         groups, start = [], 0
         for g in self.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -186,8 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "zero1_shard": {"rank": self.rank, "world_size": self.world_size}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state dict (a plain optimizer's or a consolidated one) on every rank, or
-        the shard this same rank saved with ``state_dict()``."""
+        """Load a full state dict on every rank, or the shard this rank saved with ``state_dict()``."""
         shard = state_dict.get("zero1_shard")
         if shard is not None and (shard["rank"], shard["world_size"]) != (self.rank, self.world_size):
             raise ValueError(

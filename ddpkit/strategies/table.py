@@ -76,10 +76,8 @@ class Strategy:
                                       # can replace that (comm_hook=, strategies/comm_hooks.py)
 
     def shard_group_size(self, world_size: int, topology=None) -> int:
-        """Over how many of ``world_size`` ranks its state is sharded: all of them, or for hybrid
-        sharding the ranks of a node of ``topology`` (a ``ddpkit.Topology``, a ``ddpkit.Network``
-        with ``gpus_per_node``, or None: ``Topology.default``). ValueError where hybrid sharding
-        cannot lay the ranks out in whole nodes."""
+        """Over how many of ``world_size`` ranks its state is sharded: all, or for hybrid sharding a node
+        of ``topology`` (a Topology, a Network, None: the default); ValueError without whole nodes."""
         if not self.hybrid:
             return world_size
         return Topology.of(topology, world_size).ranks_per_node
@@ -91,8 +89,7 @@ class Strategy:
 
 # ----------------------------------------------------------------------------- how to build
 def fsdp_units(module, units=None) -> list:
-    """The FSDP units (ours, hsdp's, torch's, the profile's): ``units`` as given (``resolve_units``),
-    one per Linear of the MLP, one per block of TinyGPT, else ``common.default_units``."""
+    """The FSDP units: ``units`` as given, a Linear of the MLP or a block of TinyGPT each, else the default."""
     if units is not None:
         return resolve_units(module, units)
     if isinstance(module, MLP):
@@ -110,8 +107,7 @@ def _node_size() -> int:
 
 
 def _build(home: str, cls: str, cap: bool = True, units: bool = False, hybrid: bool = False) -> Callable:
-    """How a row wraps a module: ``ddpkit.strategies.<home>.<cls>``, imported when first built, given
-    the bucket cap (``cap``), FSDP's ``units`` and, for hybrid sharding, this rank's node size."""
+    """How a row wraps: ``ddpkit.strategies.<home>.<cls>``, imported when first built, given what it takes."""
     def wrap(module, bucket_cap_mb, **options):
         wrapper = getattr(importlib.import_module(f"ddpkit.strategies.{home}"), cls)
         if cap:
@@ -208,8 +204,7 @@ def strategy(name: str) -> Strategy:
 
 
 def unfit(names, world_sizes, topology=None) -> dict[str, str]:
-    """``{name: why}`` for those of ``names`` that cannot run at one of ``world_sizes`` laid out by
-    ``topology`` (hybrid sharding needs whole nodes); empty when every one can."""
+    """``{name: why}`` for ``names`` that cannot run at one of ``world_sizes`` on ``topology``."""
     why = {}
     for name in names:
         for n in world_sizes:

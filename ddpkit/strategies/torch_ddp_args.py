@@ -103,8 +103,7 @@ def _cuda_device(device_id) -> torch.device:
 
 
 def group_of(strategy: str, process_group, device_mesh):
-    """The process group to reduce over: ``process_group``, or the group of a 1-D ``device_mesh``
-    (torch DDP's two spellings; both at once is an error there too)."""
+    """The group to reduce over: ``process_group`` or a 1-D ``device_mesh``'s (torch's two spellings)."""
     if device_mesh is None:
         return process_group
     if process_group is not None:

@@ -55,8 +55,7 @@ class TorchDDPSurface:
     # ------------------------------------------------------------------ flags
     @property
     def static_graph(self) -> bool:
-        """torch's ``static_graph``: promised the same graph every step (accepted; nothing changes here:
-        buckets are never rebuilt and a missing gradient is handled every step)."""
+        """torch's ``static_graph`` (accepted: buckets are never rebuilt, a missing gradient handled every step)."""
         return self.torch_args.static_graph
 
     def _set_static_graph(self) -> None:
@@ -68,8 +67,7 @@ class TorchDDPSurface:
 
     @property
     def require_forward_param_sync(self) -> bool:
-        """torch's: the last training forward synchronised, so the next forward broadcasts rank 0's buffers
-        first (``broadcast_buffers``). accelerate and Lightning set it beside ``require_backward_grad_sync``."""
+        """torch's: the last training forward synchronised, so the next broadcasts rank 0's buffers."""
         return self._sync_buffers_next
 
     @require_forward_param_sync.setter
@@ -83,8 +81,7 @@ class TorchDDPSurface:
 
     # ------------------------------------------------------------------ logging data
     def _get_ddp_logging_data(self) -> dict:
-        """torch's construction-time logging data, its keys with this wrapper's values (Lightning's
-        ``DDPStrategy.teardown`` reads it; torch adds runtime timings, which the recorder has here)."""
+        """torch's construction-time logging data, its keys with this wrapper's values (Lightning reads it)."""
         params = [p for _, p in self.named_grads]
         if self.buckets:  # in the order they fill, as torch lists them
             sizes = [b.nbytes for b in self.buckets]
@@ -164,9 +161,7 @@ class _Reducer:
         self._ddp = ddp
 
     def prepare_for_backward(self, outputs=()) -> None:
-        """torch's: the next backward synchronises the gradients. Its forward calls it when a sync is due;
-        accelerate's ``trigger_sync_in_backward`` and Lightning's manual optimization call it after forwards
-        run without one. The outputs (torch's search for unused parameters) are not needed here."""
+        """torch's: the next backward synchronises (accelerate's ``trigger_sync_in_backward``, Lightning)."""
         self._ddp._start_step(sync=True)
 
     def _rebuild_buckets(self) -> bool:

@@ -62,6 +62,5 @@ class ZeRO1(ZeroDDPModule):
         self._reduced = True
 
     def comm_buffer_bytes(self) -> int:
-        """0: the flat gradients are the module's ``.grad`` (counted as gradients), and the
-        reduce-scatter's output lives only during the synchronisation."""
+        """0: the flat gradients are the module's ``.grad``; the reduce-scatter's output is transient."""
         return 0

@@ -57,8 +57,8 @@ class ZeRO2(ZeroDDPModule):
             self._collect_finished(block=False)  # free what is already reduced
 
     def _collect_finished(self, block: bool) -> None:
-        """Launched buckets, in order, whose reduce-scatter is done (all of them if ``block``):
-        our shard of the sum becomes the shard's gradient, and the full flat gradient is freed."""
+        """Launched buckets, in order, whose reduce-scatter is done (all if ``block``): our shard kept as
+        its gradient, the flat gradient freed."""
         while self._next_done < self._in_order.launched:
             bucket = self.buckets[self._next_done]
             if not block and not bucket.work.is_completed():

@@ -73,9 +73,7 @@ class ZeroBucket:
         return self.layout.view(self.gradient, j)
 
     def copy_in(self, j: int, scale: float) -> None:
-        """ZeRO-2: gradient j times ``scale`` into its slot of the flat gradient (allocated with
-        the bucket's first; a gradient missing stays zeros) and ``.grad`` freed: the full gradient
-        lives on only in the bucket, until it is reduced."""
+        """ZeRO-2: gradient j times ``scale`` into the flat gradient (allocated with the first), ``.grad`` freed."""
         self.alloc_gradient()
         p = self.params[j]
         if p.grad is not None:
@@ -98,23 +96,20 @@ class ZeroBucket:
         return held_bytes(self.gradient)
 
     def reduce_scatter(self, group, recorder) -> None:
-        """Launch the async reduce-scatter (SUM) of the flat gradient (already scaled by 1/N):
-        ``self.out`` (s,) becomes the sum over ranks of everyone's shard r, i.e. the average."""
+        """Launch the async reduce-scatter (SUM) of the pre-scaled flat gradient: ``self.out`` is our average."""
         self.out = torch.empty(self.layout.shard_numel, dtype=self.gradient.dtype, device=self.gradient.device)
         with recorder.labels(bucket=self.index):
             self.work = reduce_scatter_flat(self.out, self.gradient, group=group, async_op=True)
 
     def all_gather(self, group, recorder):
-        """Launch the async all-gather of every rank's (just stepped) shard into flat_param, in
-        place: our own shard already sits in our slot. Returns the work handle."""
+        """Launch the async all-gather of every rank's stepped shard into flat_param, in place; the handle."""
         with recorder.labels(bucket=self.index):
             return all_gather_flat(self.flat_param, self.shard.detach(), group=group, async_op=True)
 
 
 class ZeroDDPModule(TorchDDPCompat, DDPModule):
-    """What ZeRO-1 and ZeRO-2 share: the sharded buckets, the optimizer over this rank's shards,
-    and the all-gather of the updated parameters after each step. They differ in when the
-    gradients are reduce-scattered (after backward / from the gradient hooks)."""
+    """What ZeRO-1 and ZeRO-2 share: sharded buckets, the optimizer over the shards, the all-gather after
+    each step; they differ in when gradients are reduce-scattered."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None,
                  **torch_ddp):
@@ -131,8 +126,7 @@ class ZeroDDPModule(TorchDDPCompat, DDPModule):
                                     lambda i, params: ZeroBucket(i, params, self.rank, self.world_size))
 
     def join_hook(self, **kwargs):
-        """Uneven inputs are not supported here: a rank that finished early would also have to step
-        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
+        """Refused: a finished rank would also have to step and all-gather its shard."""
         raise ValueError(f"{type(self).__name__} does not support Join (uneven inputs): give every rank "
                          "the same number of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
 
@@ -142,16 +136,14 @@ class ZeroDDPModule(TorchDDPCompat, DDPModule):
                         "use BucketedDDP or OverlappedDDP")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Finish the sync, then clip by the norm of the whole gradient: each rank holds the
-        averaged gradient of its shards only, so their norms are combined across ranks."""
+        """Finish the sync, then clip by the whole gradient's norm, combined across the ranks' shards."""
         self.finish_gradient_synchronization()
         return clip_grad_norm_([b.shard for b in self.buckets], max_norm, norm_type, sharded=True,
                                group=self.process_group, recorder=self.recorder)
 
     # ------------------------------------------------------------------ the step: 1/N, then all-gather
     def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:
-        """``optimizer_cls`` over this rank's shards only (its state: 1/N of the model's); after
-        each ``step()`` a hook all-gathers the updated parameters. Elementwise optimizers only."""
+        """``optimizer_cls`` over this rank's shards (elementwise only), all-gathering after each ``step()``."""
         check_elementwise(type(self).__name__, optimizer_cls)
         optimizer = optimizer_cls([b.shard for b in self.buckets], **defaults)
         optimizer.register_step_post_hook(lambda *_: self._all_gather_parameters())
