@@ -15,9 +15,7 @@ from __future__ import annotations
 
 def memory_job(strategy: str, workload=None, per_rank_batch: int = 32, steps: int = 2, optimizer: str = "adamw",
                bucket_cap_mb: float | None = None, seed: int = 0) -> dict:
-    """A Cluster job: train ``steps`` steps of ``strategy`` on ``workload`` (a ``ddpkit.Workload``
-    or a built-in's name; default the MLP), ``per_rank_batch`` samples per rank; this rank's memory
-    by category (see the module docstring), in bytes."""
+    """A Cluster job: ``steps`` steps of ``strategy`` on ``workload``; this rank's bytes by category."""
     import torch.distributed as dist
 
     from ddpkit.experiment import wrap
@@ -62,8 +60,7 @@ def memory_against_n(cluster, strategies, workload=None, per_rank_batch: int = 3
 
 
 def formula_totals(sweep: dict, num_params: int) -> dict[tuple[str, int], float]:
-    """``{(strategy, n): the ZeRO formula's model-state bytes per rank}`` for ``{n: {strategy: ...}}``
-    (fp32 AdamW: 4 + 4 + 8 bytes per parameter, ``ddpkit.memory_formulas.predicted_model_state``)."""
+    """``{(strategy, n): the ZeRO formula's model-state bytes per rank}`` (fp32 AdamW)."""
     from ddpkit.memory_formulas import predicted_model_state
 
     return {(s, n): predicted_model_state(s, num_params, n)["total"] for n, runs in sweep.items() for s in runs}

@@ -52,16 +52,14 @@ def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
 
 
 def ring_terms(name: str, nbytes: float, world_size: int) -> tuple[float, float]:
-    """(messages in a row, bytes on the busiest link) of a ring collective of full size S: its time
-    is messages x alpha + bytes x beta; ``costmodel.fit_link`` regresses on them, ``matched_link`` solves them."""
+    """(messages in a row, bytes on the busiest link) of a ring collective of full size S."""
     if world_size <= 1:
         return 0.0, 0.0
     return float(RING_STEPS[name](world_size)), link_bytes(name, nbytes, world_size)
 
 
 def link_bytes(name: str, nbytes: int, world_size: int) -> float:
-    """Bytes the busiest link carries one after another (the multiple of beta): ``ring_bytes``, but
-    a broadcast's whole S (every link of its pipeline but the last carries all of it)."""
+    """Bytes the busiest link carries in a row: ``ring_bytes``, but a broadcast's whole S."""
     if name == "broadcast" and world_size > 1:
         return float(nbytes)
     return ring_bytes(name, nbytes, world_size)
@@ -109,8 +107,7 @@ class Link:
 
 
 def collective_time(name: str, nbytes: float, world_size: int, link: Link) -> float:
-    """Seconds for one ring collective of full size S on ``link``: messages x alpha + bytes on its
-    busiest link x beta (``ring_terms``; each collective's own alpha and beta where the link has them)."""
+    """Seconds for one ring collective of full size S on ``link`` (its op's own alpha, beta if it has them)."""
     alpha, beta = link.alpha_beta(name)
     messages, carried = ring_terms(name, nbytes, world_size)
     return messages * alpha + carried * beta
@@ -135,8 +132,7 @@ class LinkClock:
         return max(issued_s, self.free_s) + link_s
 
     def complete(self, link_end: float, real_end: float | None = None) -> float:
-        """When the collective delivered at ``link_end`` completes (its real transfer ending at
-        ``real_end``; None: ``at_wait``); the link is busy until then."""
+        """When the collective delivered at ``link_end`` completes (``real_end`` None: ``at_wait``)."""
         self.free_s = link_end if real_end is None else max(real_end, link_end)
         return self.free_s
 
@@ -148,8 +144,7 @@ MOVES_AT_WAIT = frozenset({"shm"})
 
 @dataclass(frozen=True)
 class Route:
-    """How one group's collectives run (``Network.route``), the policy the process group, the emulator
-    and the cost model ask: ``kind`` ("intra-node"/"inter-node", one ``LinkClock`` each), ``link``
+    """How one group's collectives run (``Network.route``): ``kind`` (one ``LinkClock`` each), ``link``
     (None: nothing emulated), ``time``, ``at_wait`` (bytes move at the wait: ``MOVES_AT_WAIT``)."""
 
     kind: str
@@ -217,8 +212,8 @@ class Network:
     def of(cls, spec: Network | str | None = None, *, alpha_us: float | None = None,
            gbytes_per_s: float | None = None, gpus_per_node: int | None = None,
            intra: str = "nvlink") -> Network:
-        """A Network from what a user may pass: a Network, a preset name, ``"ALPHA_US,GBYTES_PER_S"``
-        (e.g. ``"20,10"``), or ``alpha_us=`` and ``gbytes_per_s=``; ``None`` is loopback."""
+        """A Network from a Network, a preset name, ``"ALPHA_US,GBYTES_PER_S"``, or ``alpha_us=`` and
+        ``gbytes_per_s=``; ``None`` is loopback."""
         if isinstance(spec, Network):
             if gpus_per_node is not None and gpus_per_node != spec.gpus_per_node:
                 return replace(spec, gpus_per_node=gpus_per_node, intra=None)
@@ -246,8 +241,7 @@ class Network:
         return "intra-node", self.intra if self.gpus_per_node is not None else self.inter
 
     def route(self, ranks, transport: str = "") -> Route:
-        """How the collectives of a group of global ``ranks`` run here over the real ``transport``
-        (a Cluster's: "shm", "gloo", "cuda-ipc", "nccl"): see ``Route``."""
+        """How the collectives of a group of global ``ranks`` run here over the real ``transport``."""
         kind, link = self.link_for(ranks)
         return Route(kind, link, len(ranks), at_wait=link is not None and transport in MOVES_AT_WAIT)
 
@@ -319,8 +313,7 @@ NETWORKS = {name: Network.of(name) for name in LINKS}
 
 
 def as_network(spec, gpus_per_node: int | None = None) -> Network:
-    """A Network from a Network, a Link (joining every pair, inside and between nodes, nothing
-    underneath), a preset name, ``"ALPHA_US,GBYTES_PER_S"``, or None (loopback)."""
+    """A Network from a Network, a Link (every pair, nothing underneath), a preset, or None."""
     if isinstance(spec, Link):
         return Network(spec.name, gpus_per_node, inter=spec, intra=spec if gpus_per_node is not None else None)
     return Network.of(spec, gpus_per_node=gpus_per_node)

@@ -17,8 +17,7 @@ from ddpkit.trace.seam import recorder as rank_recorder
 
 
 def train_step(model, optimizer, inputs, targets, recorder=None, max_norm: float | None = None):
-    """Forward, backward, finish gradient sync, optimizer step on the course's ``(inputs,
-    targets)`` batches (mean cross-entropy); returns the local loss. ``train_batch`` below."""
+    """``train_batch`` on the course's ``(inputs, targets)`` batches (mean cross-entropy); the loss."""
     return train_batch(model, optimizer, (inputs, targets), supervised_loss, recorder, max_norm)
 
 

@@ -59,8 +59,7 @@ class UntestedTorchWarning(UserWarning):
 
 
 def check_torch() -> str | None:
-    """Warn once (``UntestedTorchWarning``) when this torch is outside the tested range; return
-    the problem, or None."""
+    """Warn once (``UntestedTorchWarning``) outside the tested range; the problem, or None."""
     problem = torch_problem()
     if problem is not None:
         warnings.warn(problem, UntestedTorchWarning, stacklevel=3)
@@ -76,8 +75,7 @@ def loopback_tcp_store(sock, timeout: float):
 
 
 def is_async(opts) -> bool:
-    """Did the caller launch this collective asynchronously (``async_op=True``)? Options carry it
-    as ``asyncOp`` from 2.8; before, a backend cannot tell, and takes every call as asynchronous."""
+    """Was the collective launched with ``async_op=True``? (``asyncOp`` from 2.8; before, assumed so.)"""
     return getattr(opts, "asyncOp", True)
 
 
@@ -142,8 +140,7 @@ def _dataclass(x) -> bool:
 
 
 def tree_map(fn, tree):
-    """``tree`` with ``fn`` applied to every leaf, its structure kept (tuples, lists, dicts, named
-    tuples, what torch's pytree knows; dataclasses rebuilt with ``dataclasses.replace``)."""
+    """``tree`` with ``fn`` on every leaf, structure kept (dataclasses rebuilt with ``replace``)."""
     def leaf(x):
         if not _dataclass(x):
             return fn(x)
@@ -154,8 +151,7 @@ def tree_map(fn, tree):
 
 
 def tree_leaves_with_path(tree, where: str = ""):
-    """``(where, leaf)`` for every leaf of ``tree`` in order, ``where`` as torch prints a key path,
-    e.g. ``"['input_ids']"``, ``"[0]"``, ``".labels"`` (a named tuple's or a dataclass's field)."""
+    """``(where, leaf)`` for every leaf, ``where`` a key path as torch prints it (``"['input_ids']"``)."""
     try:
         flat = pytree.tree_flatten_with_path(tree, is_leaf=_dataclass)[0]
     except ValueError:  # a node registered without key paths (e.g. an older library's): unnamed
@@ -175,8 +171,7 @@ def tensors_to(tree, device: torch.device):
 
 
 def first_tensor(tree):
-    """The first tensor inside a forward's output (a tensor, a tuple, a dict, a Hugging Face
-    ``ModelOutput``, a dataclass), or None."""
+    """The first tensor inside a forward's output (tensor, tuple, dict, ``ModelOutput``), or None."""
     return next((t for _, t in tree_leaves_with_path(tree) if isinstance(t, torch.Tensor)), None)
 
 
@@ -288,9 +283,8 @@ def open_cuda_tensor(shared: tuple):
 
 
 def nvml_index(device) -> int:
-    """NVML's index of CUDA device ``device`` (NVML counts physical GPUs; torch counts those
-    ``CUDA_VISIBLE_DEVICES`` shows): ``torch.cuda._get_nvml_device_index``, underscored, as
-    ``torch.cuda.utilization`` uses it; the torch index where it is missing."""
+    """NVML's index of CUDA ``device`` (torch counts only the visible ones): torch's underscored
+    ``_get_nvml_device_index``; the torch index where it is missing."""
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     lookup = getattr(torch.cuda, "_get_nvml_device_index", None)

@@ -59,8 +59,7 @@ class Workload:
 
     @classmethod
     def of(cls, spec="mlp", model_kwargs: dict | None = None, seed: int = 0) -> Workload:
-        """A Workload from what an instrument was given: a Workload, a built-in's name (sized by
-        ``model_kwargs``, its data drawn with ``seed``), or ``"package.module:function"`` (``load``)."""
+        """A Workload from a Workload, a built-in's name (``model_kwargs``, ``seed``), or ``load``'s form."""
         if isinstance(spec, Workload):
             if model_kwargs:
                 raise ValueError(f"model_kwargs {model_kwargs} size a built-in model; workload "
@@ -76,8 +75,7 @@ class Workload:
 
     # --------------------------------------------------------------------- inside a rank
     def build(self, seed: int = 0) -> nn.Module:
-        """``model()`` under torch seed ``seed`` (the caller's random state left as it was), so
-        every process that builds it with the same seed gets the same initial parameters."""
+        """``model()`` under torch seed ``seed`` (the caller's random state kept): equal on every process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = self.model()
@@ -113,16 +111,14 @@ class Workload:
 
 # ----------------------------------------------------------------------------- batches
 def samples_per_rank(global_batch_size: int, world_size: int) -> int:
-    """B/N: each rank's share of a global batch of B samples; ValueError unless B splits evenly
-    over the N ranks (the one check, for the batches here and the command lines' arguments)."""
+    """B/N, each rank's share of a global batch; ValueError unless B splits evenly (the one check)."""
     if global_batch_size % world_size:
         raise ValueError(f"a global batch of {global_batch_size} does not split evenly over {world_size} ranks")
     return global_batch_size // world_size
 
 
 def shard_batch(batch, rank: int, world_size: int):
-    """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (the N slices of a
-    global batch of B samples hold B/N each: B must split evenly)."""
+    """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (B/N samples)."""
     sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"a batch's tensors must share dim 0 (samples); found sizes {sorted(sizes) or 'none'}")
@@ -137,9 +133,8 @@ def to_device(batch, device):
 
 # ----------------------------------------------------------------------------- by name
 def load(spec: str) -> Workload:
-    """``"package.module:function"`` -> ``function()``, which must return a Workload: imported
-    here, in the process that asks (the command line, before any rank starts), so a typo, an
-    import error or a wrong return type is a ValueError now, not a traceback from every rank."""
+    """``"package.module:function"`` -> ``function()``, a Workload, imported here: a mistake is a
+    ValueError now, not a traceback from every rank."""
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise ValueError(f"workload {spec!r}: expected package.module:function")
@@ -174,9 +169,8 @@ def named(name: str, width: int | None = None, depth: int | None = None, seed: i
 
 
 def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: int = 0) -> Workload:
-    """What an instrument was asked to train: ``workload`` (a Workload, a built-in's name or
-    ``"package.module:function"``), or the older ``model=`` name; neither: the default MLP.
-    ``model_kwargs`` and ``seed`` size a built-in and draw its data (``Workload.of``)."""
+    """What an instrument was asked to train: ``workload`` or the older ``model=`` (``Workload.of``);
+    neither: the default MLP."""
     if workload is not None and model is not None:
         raise TypeError("give workload= or model=, not both (model= is the older name of workload=)")
     spec = workload if workload is not None else (model if model is not None else "mlp")

@@ -103,8 +103,7 @@ def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats:
 
 def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
                 model_kwargs: dict | None = None, repeats: int = 5) -> Profile:
-    """A Cluster job: ``profile_model`` on every rank at once (contending for the cores as in
-    training), on a batch of ``batch_per_rank`` of ``Workload.of(workload, model_kwargs)``."""
+    """A Cluster job: ``profile_model`` on every rank at once, contending for the cores as in training."""
     from ddpkit.rankside import device
     from ddpkit.workload import Workload
 
@@ -206,8 +205,7 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
 
 
 def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int, between=None) -> dict:
-    """Each collective at each size, in rows of calls waited for one by one; ``between``: work run
-    before each call, its own time (timed in a row of its own before each row) taken off."""
+    """Each collective at each size in rows of calls; ``between``: work before each call, its time taken off."""
     import torch
     import torch.distributed as dist
 
@@ -299,8 +297,7 @@ def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), 
 
 
 def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
-    """alpha, beta (>= 0) for one collective: t = messages x alpha + bytes x beta (``ring_terms``),
-    fitted for relative error (weights 1/t^2)."""
+    """alpha, beta (>= 0) of one collective's line, fitted for relative error (weights 1/t^2)."""
     messages = ring_terms(op, 0, world_size)[0]
     xs = [ring_terms(op, s, world_size)[1] for s, _ in samples]
     ys = [t for _, t in samples]
@@ -339,8 +336,7 @@ def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False,
 
 
 def slowest_rank(per_rank: list[dict]) -> dict:
-    """``measure_collectives`` from every rank -> the slowest rank's time per (op, size): a
-    collective ends for all when it ends on the last."""
+    """``measure_collectives`` from every rank -> the slowest rank's time per (op, size)."""
     return {op: [max(col, key=lambda st: st[1]) for col in zip(*(r[op] for r in per_rank), strict=True)]
             for op in per_rank[0]}
 

@@ -65,8 +65,7 @@ class Profile:
         return nbytes * self.copy_s_per_byte
 
     def with_host(self, host_s: float) -> Profile:
-        """This profile with ``host_s`` more seconds per step (a wrapper's own work:
-        ``measure.wrapper_job``) spread over every layer in proportion to its compute."""
+        """This profile with ``host_s`` more per step (``wrapper_job``'s) spread over the layers' compute."""
         compute = self.forward_s + self.backward_s
         if host_s <= 0 or compute <= 0:
             return self

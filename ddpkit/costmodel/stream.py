@@ -14,8 +14,7 @@ from ddpkit.network import LinkClock, Network, ring_bytes
 
 @dataclass
 class Pending:
-    """One collective issued: when the link (or the transport) is done with it, and, under
-    ``at_wait``, the transport's seconds still to be spent by the rank that waits for it."""
+    """One collective issued: when the link is done, and under ``at_wait`` the transport's seconds left."""
 
     end: float
     transport_s: float = 0.0
@@ -50,8 +49,7 @@ class Stream:
         self.count = 0
 
     def issue(self, name: str, nbytes: float, at: float, ranks=None) -> Pending:
-        """Launch at time ``at`` (or when its link frees up) among ``ranks`` (default: all of
-        them; hybrid sharding's collectives run in a node's group or across nodes)."""
+        """Launch at ``at`` (or when its link frees up) among ``ranks`` (default all)."""
         ranks = range(self.n) if ranks is None else ranks
         if len(ranks) == 1:
             return Pending(at)

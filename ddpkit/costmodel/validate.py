@@ -106,8 +106,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
 
 
 def _alone_as(name: str) -> str:
-    """The strategy ``wrapper_job`` times for ``name``: itself, or for hybrid sharding (a rank alone
-    has no nodes) the table's row with the same step on one node (same CostStep, ours or torch's)."""
+    """What ``wrapper_job`` times for ``name``: itself, or hybrid sharding's one-node row (same CostStep)."""
     row = strategy(name)
     if not row.hybrid:
         return name
@@ -125,15 +124,13 @@ def _host_s(alone: list, key: str, name: str, bucket_cap_mb, cost) -> float:
 
 
 def _median_over_rounds(rounds: list[dict]) -> dict:
-    """Collective timings of several rounds (``{op: [(bytes, seconds)]}`` each, the same sizes)
-    -> one, each size's median over the rounds."""
+    """Several rounds' ``{op: [(bytes, seconds)]}`` -> one, each size's median."""
     return {op: [(rows[0][0], statistics.median(t for _, t in rows))
                  for rows in zip(*(r[op] for r in rounds), strict=True)] for op in rounds[0]}
 
 
 def format_validation(records: list[dict]) -> str:
-    """predict --validate's table, a row per strategy, ``summary`` under each world size, the columns
-    explained under the table."""
+    """predict --validate's table: a row per strategy, ``summary`` under each world size."""
     w = max([10] + [len(r["strategy"]) for r in records])  # long labels ("fsdp (backward prefetch)") fit
     lines = [f"{'ranks':>5}  {'strategy':>{w}}  {'measured':>8}  {'rounds (min-max)':>16}  {'spread':>6}  "
              f"{'model':>8}  {'error':>6}  {'host work':>9}"]
