@@ -111,8 +111,7 @@ class _Link:
 
 
 def _note_end(work, transfer: _Transfer) -> None:
-    """Have the real collective's future stamp ``transfer.real_end`` when it completes (a Work
-    without a future, gloo's reduce-scatter, stamps nothing)."""
+    """Have the real collective's future stamp ``transfer.real_end`` (a Work without one stamps nothing)."""
     def stamp(_):
         transfer.real_end = time.perf_counter()
 
@@ -137,8 +136,7 @@ def _sleep_precisely() -> None:
 
 
 def _wait_on_host(work, on_gpu: bool) -> None:
-    """Until the real collective has finished: gloo's ``wait`` blocks in C++ without the GIL; a
-    CUDA collective is polled (its ``wait`` would only queue a stream wait, see the docstring)."""
+    """Until the real collective has finished: gloo's ``wait`` (no GIL held); a CUDA one polled."""
     if not on_gpu:
         work.wait()
         return
@@ -167,8 +165,8 @@ class Emulator:
         return self.enabled and link_s > 0
 
     def submit(self, kind: str, work, link_s: float, result, issued_s: float | None = None, at_wait: bool = False):
-        """Queue a collective launched on the real backend (``result``: its outputs; ``issued_s``:
-        ``perf_counter()`` at its issue, else now); a ``Work`` completing at its emulated time."""
+        """Queue a collective launched on the real backend (issued at ``issued_s``, else now): a ``Work``
+        completing at its emulated time."""
         import torch
 
         issued = time.perf_counter() if issued_s is None else issued_s
@@ -237,8 +235,7 @@ class EmulatedWork(FutureWork):
         return True
 
     def _move_bytes(self) -> None:
-        """``at_wait``: this rank moves the bytes now, while it would wait anyway; counted as the
-        transport's time, and as outrunning the link where moving them took longer than it."""
+        """``at_wait``: this rank moves the bytes now, counted as the transport's time (outran if longer)."""
         t = self._transfer
         start = time.perf_counter()
         self._first.wait()
@@ -258,8 +255,7 @@ class EmulatedWork(FutureWork):
         return super().get_future()
 
     def observed(self) -> FutureWork:
-        """A Work for watching only (the recorder): done once the link has delivered the collective
-        and its bytes have moved, without changing who moves them (``get_future`` would)."""
+        """A Work for the recorder to watch: done once delivered and moved, without moving anything itself."""
         if self._transfer is None or self._first is None:
             return self
         import torch
@@ -277,8 +273,7 @@ OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collective
 
 
 def outran_share(counts) -> float | None:
-    """The share of ``[emulated collectives, of which outran the link]`` whose real transfer took
-    longer than the link (None off a network)."""
+    """The share of ``[emulated collectives, of which outran the link]`` that outran (None off a network)."""
     if not counts or not counts[0]:
         return None
     return counts[1] / counts[0]

@@ -78,8 +78,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     # --- the one path every collective takes ---------------------------------------------
     def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
-        """Launch on the real backend, count, record, emulate. ``full_bytes``: the full size S;
-        ``launch(at_wait=True)``: the bytes move when the rank waits (``comm.emulator``)."""
+        """Launch on the real backend, count, record, emulate (``full_bytes``: the full size S)."""
         comm = self.comm
         n = self.size()
         route = self._route_on(comm.network)
@@ -106,8 +105,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return hold_for_torch(work)  # torch 2.6 let C++ keep only its half of a Python Work
 
     def _route_on(self, network) -> Route:
-        """This group's ``Route`` on ``network`` over this rank's transport, worked out once per
-        network (``Network.route``), not once per collective."""
+        """This group's ``Route`` on ``network``, worked out once per network, not per collective."""
         if self._route[0] is not network:
             self._route = (network, network.route(self.global_ranks, self.comm.real_backend))
         return self._route[1]
@@ -199,8 +197,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _one_by_one(op, outputs, inputs, opts):
-        """A coalesced collective the real backend's binding lacks (gloo: DTensor's full_tensor
-        asks for them), done tensor by tensor; returns a finished Work."""
+        """A coalesced collective the real binding lacks (gloo; DTensor asks), tensor by tensor; finished."""
         for out, inp in zip(outputs, inputs, strict=True):
             op(out, inp, opts).wait()
         return work_from_future(_finished(outputs))
@@ -246,8 +243,7 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
 
 
 def build_real_backend(name: str, opts, shm_prefix: str | None = None):
-    """The real process group under one of ddpkit's (``name``: the Cluster's transport), for the group
-    torch describes in ``opts``."""
+    """The real process group under one of ddpkit's (``name``: the Cluster's transport)."""
     if name == "nccl":
         # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
         # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,

@@ -52,14 +52,12 @@ class DeviceSlab:
             torch.cuda.current_stream(self.device).wait_event(ready)
 
     def settle(self) -> None:
-        """Before ringing a doorbell: what this thread queued on the GPU (a deposit's copy, a
-        completion's sums) is done, so the peers see it."""
+        """Before ringing a doorbell: what this thread queued on the GPU is done, so the peers see it."""
         torch.cuda.current_stream(self.device).synchronize()
 
 
 class HostSlab:
-    """The shared-memory slab's data area needs none of the waits: the CPU's copies are done when
-    they return, and the doorbells' semaphores order memory between processes (``segment``)."""
+    """The host slab's data area: no waits (CPU copies are done on return, semaphores order memory)."""
 
     @staticmethod
     def inputs_ready():

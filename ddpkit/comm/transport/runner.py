@@ -121,8 +121,7 @@ class Runner:
         return Work(self, future, last)
 
     def help(self, future) -> None:
-        """From ``Work.wait()``: move the queue here up to ``future`` (once whoever moves it now
-        lets go: it may have finished ``future`` by then)."""
+        """From ``Work.wait()``: move the queue up to ``future`` once whoever moves it now lets go."""
         if not future.done():
             self._running.acquire()
             try:
@@ -205,8 +204,7 @@ class Runner:
         return self._deposited < self._issued and self._deposited - self._completed < self.seg.slots
 
     def _hear(self, counts: dict, bells: dict, q: int, block: bool, late: str) -> bool:
-        """Has every peer rung ``bells`` for piece ``q`` (counts[k] > q)? Takes the rings there are;
-        with ``block`` sleeps for the missing ones (until the group's timeout)."""
+        """Has every peer rung ``bells`` for piece ``q``? ``block``: sleep for the rest (until the timeout)."""
         deadline = time.monotonic() + self.timeout_s if block else None
         what = self._pieces[0].what if self._pieces else self.name
         for k in self.seg.peers:
@@ -245,8 +243,7 @@ class Runner:
             piece.future.set_result(piece.result)  # callbacks run here (they may issue more)
 
     def _fail(self, exc: BaseException) -> None:
-        """The collective in progress fails with ``exc``; every one queued behind it, and every
-        later one, fails at once too."""
+        """The collective in progress fails with ``exc``, and every one queued or issued after it."""
         if self._failed is None:
             what = self._pieces[0].what if self._pieces else self.name
             self._failed = exc if isinstance(exc, ShmError) else ShmError(f"{what}: {type(exc).__name__}: {exc}")

@@ -83,8 +83,7 @@ class Segment:
     """This rank's view of its group's slab and doorbells."""
 
     def __init__(self, store, rank: int, size: int, slots: int, region_bytes: int, prefix: str, device=None):
-        """``device``: where the data area lives, the CPU (None: here, in the file) or a GPU
-        (``device_slab``: the file holds only the control words)."""
+        """``device``: the data area on the CPU (None: in the file) or a GPU (``device_slab``)."""
         self.rank, self.size, self.slots = rank, size, slots
         self.region = max(64, region_bytes // 64 * 64)  # regions stay 64-byte aligned for every dtype
         self.ctrl_bytes = -(-(size + slots * size * FINGERPRINT) * 8 // 4096) * 4096
@@ -160,8 +159,7 @@ class Segment:
         return self.size + (slot * self.size + k) * FINGERPRINT
 
     def stamp(self, slot: int, fingerprint: tuple[int, int, int]) -> None:
-        """Write this rank's fingerprint of the piece it deposits in ``slot`` (``check`` reads it),
-        and when (``time.perf_counter_ns``: the system's monotonic clock, the same in every process)."""
+        """Write this rank's fingerprint of the piece it deposits in ``slot``, and when (``perf_counter_ns``)."""
         at = self._fingerprint_at(slot, self.rank)
         self.ctrl[at], self.ctrl[at + 1], self.ctrl[at + 2] = fingerprint
         self.ctrl[at + 3] = time.perf_counter_ns()
@@ -212,8 +210,7 @@ class Segment:
 
 
 def _reserve(fd: int, nbytes: int) -> None:
-    """Give the slab its pages now: a tmpfs file only grown by ``ftruncate`` would kill the
-    process with SIGBUS at the first page ``/dev/shm`` has no room for, mid-collective."""
+    """Give the slab its pages now: a tmpfs file grown by ``ftruncate`` would SIGBUS mid-collective."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except AttributeError:  # no posix_fallocate (macOS): a plain size, as before

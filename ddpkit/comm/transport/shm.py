@@ -50,8 +50,7 @@ def _reducer(op):
 
 
 def _writable(t: torch.Tensor):
-    """A flat view of ``t`` to write the result into, and what to call afterwards (a
-    non-contiguous tensor is written through a contiguous copy, then copied back)."""
+    """A flat view of ``t`` to write into, and what to call after (a non-contiguous one: a copy back)."""
     if t.is_contiguous():
         return t.view(-1), None
     flat = t.contiguous().view(-1)
@@ -68,8 +67,7 @@ class ShmBackend(dist.ProcessGroupGloo):
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
                  prefix: str | None = None, chunk_bytes: int | None = None, slots: int | None = None,
                  device=None):
-        """``device``: where the slab's data lives and whose tensors it carries: the CPU (None) or the
-        GPU the ranks share (``device_slab``); other tensors go to gloo."""
+        """``device``: the CPU (None) or the GPU the ranks share (``device_slab``); other tensors: gloo."""
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
         self._device = torch.device("cpu") if device is None else torch.device(device)
         on_gpu = self._device.type == "cuda"
@@ -96,8 +94,7 @@ class ShmBackend(dist.ProcessGroupGloo):
                    and t.dtype == tensors[0].dtype for t in tensors)
 
     def _carried_op(self, reduce_op, tensors):
-        """The reduction for ``reduce_op`` if this backend carries it on ``tensors``, else None
-        (bitwise ops, AVG of integers, other dtypes or devices: gloo's)."""
+        """The reduction for ``reduce_op`` where this backend carries it on ``tensors``, else None (gloo's)."""
         op = _reducer(reduce_op)
         if op is None or not tensors or not self._carries(tensors) or (op[1] and not tensors[0].is_floating_point()):
             return None
@@ -119,8 +116,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         return self._runner.submit(pieces, result, waited=not is_async(opts), at_wait=at_wait)
 
     def _alone(self, result, *copies):
-        """A group of one rank has nothing to exchange: the result is the input (copied where the
-        output is another tensor: ``copies`` are (output, input) pairs), done at once, no slab."""
+        """A group of one: the result is the input (``copies``: (output, input) pairs), done, no slab."""
         for out, x in copies:
             out.copy_(x)
         return finished(result)

@@ -63,8 +63,7 @@ class StagedWork(FutureWork):
 
 
 class HostStaged:
-    """A host transport (``inner``) that also takes CUDA tensors in ``methods``, staged through
-    pinned host memory."""
+    """A host transport (``inner``) that also takes CUDA tensors in ``methods``, staged through pinned memory."""
 
     def __init__(self, inner, devices=("cuda",), methods=STAGED):
         self.inner = inner
@@ -75,8 +74,7 @@ class HostStaged:
         return getattr(self.inner, name)
 
     def _host(self, t, read: bool):
-        """A host buffer for ``t`` (pinned where it stands for a CUDA tensor), holding its bytes if
-        ``read``."""
+        """A host buffer for ``t`` (pinned for a CUDA tensor), holding its bytes if ``read``."""
         if not torch.is_tensor(t) or t.device.type not in self.devices:
             return t
         host = torch.empty_like(t, device="cpu", pin_memory=t.device.type == "cuda")
@@ -85,8 +83,7 @@ class HostStaged:
         return host
 
     def _staged(self, name: str, first, *rest, **at_wait):
-        """``at_wait``: handed to the inner transport (ddpkit's process group passes it, see
-        ``ddpkit.comm.emulator``)."""
+        """``at_wait``: handed on to the inner transport (``ddpkit.comm.emulator``)."""
         if name not in self.methods or not any(t.device.type in self.devices for t in tensors([first, *rest])):
             return getattr(self.inner, name)(first, *rest, **at_wait)
         host_first = map_leaves(lambda t: self._host(t, read=name in IN_PLACE or name == "send"), first)
