@@ -34,8 +34,7 @@ def nearest(key: str) -> str:
 
 
 def markdown_table() -> str:
-    """Every question as docs/predictions.md lists it: its words at its own setting, and its
-    reference (whose answer, and the answer there where the setting alone gives it)."""
+    """Every question as docs/predictions.md lists it: its words and its reference."""
     rows = ["| question | asks | reference |", "|---|---|---|"]
     for q in QUESTIONS.values():
         words = q.words()

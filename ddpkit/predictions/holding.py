@@ -16,8 +16,7 @@ NOTE = "color:#555;font-style:italic"
 
 
 def watch(shell, asked) -> None:
-    """Follow ``asked`` in ``shell``: the cells run after it are held (or it is locked) until it is
-    answered; asked again, the newer one takes over."""
+    """Follow ``asked`` in ``shell``: later cells held (or it locked) until answered; a newer ask takes over."""
     w = shell.__dict__.get("_ddpkit_watch")
     if w is None:
         w = shell.__dict__["_ddpkit_watch"] = Watch(shell)

@@ -92,8 +92,7 @@ class Question:
         return UNITS[self.unit]
 
     def settings(self, **given) -> Setting:
-        """The question's setting with ``given`` on top; a ValueError for a name it is not asked
-        with, a value that is not one, or a setting it needs and was not given."""
+        """The setting with ``given`` on top; a ValueError for a name it lacks, a bad value, or a need unmet."""
         takes = (*self.setting.given(), *self.needs)
         unknown = sorted(set(given) - set(takes))
         if unknown:
@@ -148,8 +147,7 @@ class Question:
         return f"{value:,.{0 if self.unit == 'B' else 2}f} {self.unit}"
 
     def format_change(self, d: float, of: float | None = None) -> str:
-        """A difference in the question's unit, signed, bytes in the unit that shows them ("-42.04
-        KiB", never "-0.04 MiB"), and as a share of ``of`` where given ("(-0.5% of the measured)")."""
+        """A signed difference in the unit that shows it ("-42.04 KiB"), and as a share of ``of`` if given."""
         if self.unit in ("KiB", "MiB", "GiB"):
             amount = ("+" if d >= 0 else "-") + human_bytes(abs(d) * self.scale)
         else:
@@ -174,22 +172,19 @@ class Question:
 
 
 def from_the_run(setting: Setting) -> None:
-    """A reference that needs the run (a fitted link, a measured time, the cost model's profile):
-    none from the setting alone; the question's reader gives it with the measurement."""
+    """A reference that needs the run: none from the setting alone; the reader gives it."""
     return None
 
 
 def speedup(time_first: float, time_second: float) -> float:
-    """The first option's speed-up over the second: the second's time over the first's (> 1: the
-    first is faster)."""
+    """The first option's speed-up over the second: the second's time over the first's."""
     if not (time_first > 0 and time_second > 0):
         raise ValueError(f"step times must be > 0, got {time_first} and {time_second}")
     return time_second / time_first
 
 
 def speedup_spread(first_rounds, second_rounds) -> tuple[float, float]:
-    """The lowest and highest speed-up two options' rounds give (each a list of times): the
-    first's slowest round against the second's fastest, and the other way round."""
+    """The lowest and highest speed-up two options' rounds give (each's slowest against the other's fastest)."""
     return speedup(max(first_rounds), min(second_rounds)), speedup(min(first_rounds), max(second_rounds))
 
 

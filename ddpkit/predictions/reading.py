@@ -56,8 +56,7 @@ def ring_factor(op: str, world_size: int) -> str:
 
 
 def ring_terms(sizes: dict[str, tuple[int, float]], world_size: int, scale: float) -> list[Term]:
-    """One term per collective kind: ``sizes`` maps an op to (how many, their full size S in
-    bytes); each term is what one rank sends for them, ``ring_bytes`` of S, in units of ``scale``."""
+    """A term per collective kind (``sizes``: op -> (count, full S)): ``ring_bytes`` of S, in ``scale``."""
     return [Term(f"{_size_words(count, op, s)}: {ring_factor(op, world_size)} x S",
                  ring_bytes(op, s, world_size) / scale) for op, (count, s) in sizes.items() if count]
 
@@ -70,8 +69,7 @@ def _size_words(count: int, op: str, s: float) -> str:
 
 
 def trace_sizes(trace, rank: int = 0, step: int = -1) -> tuple[dict[str, tuple[int, float]], int, int]:
-    """``({op: (count, full bytes S)}, step, world size)`` of one recorded step (``-1``: the last)
-    on ``rank``, from the records ddpkit's process group wrote for each collective."""
+    """``({op: (count, full bytes S)}, step, world size)`` of one recorded step (-1: the last) on ``rank``."""
     from ddpkit.trace import as_trace
 
     trace = as_trace(trace)
@@ -91,9 +89,7 @@ def trace_sizes(trace, rank: int = 0, step: int = -1) -> tuple[dict[str, tuple[i
 
 
 def bytes_sent(trace, scale: float, rank: int = 0, step: int = -1) -> Measured:
-    """Bytes one rank sent in one recorded step (``comm_bytes_per_step``, the kit's count), and its
-    ring terms per collective kind. Readings: every collective's full size once (the ring's factor
-    left out), and twice."""
+    """One rank's bytes in one recorded step, in ring terms per kind; readings: each full size once, twice."""
     from ddpkit.trace import comm_bytes_per_step
 
     sizes, step, n = trace_sizes(trace, rank, step)
@@ -114,8 +110,7 @@ def memory_terms(memory: dict, categories, scale: float) -> list[Term]:
 
 
 def parts_terms(first: dict, second: dict, labels: dict) -> list[Term]:
-    """How much shorter the first option's step was than the second's, part by part
-    (``step_breakdown(...).parts`` of each, ms): second minus first, one term per part."""
+    """The second option's step minus the first's, one term per ``step_breakdown`` part (ms)."""
     return [Term(labels.get(k, k), second[k] - first[k]) for k in first]
 
 

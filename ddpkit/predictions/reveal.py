@@ -43,8 +43,7 @@ class Reveal:
         return explain.explain(self.question, self.prediction, self.measured)
 
     def rows(self) -> list[tuple[str, str]]:
-        """(what, value) for each line of the reveal: the prediction, the measurement (and its rounds'
-        spread), the miss, the reference (and whether it lands within that spread)."""
+        """(what, value) per line: prediction, measurement (and spread), miss, reference (and whether it lands)."""
         q, fmt, m = self.question, self.question.format, self.measured
         said = {"answered": fmt(self.prediction), "skipped": "skipped",
                 "late": "none: the measurement was shown before an answer"}[self.state]
@@ -59,8 +58,7 @@ class Reveal:
         return rows
 
     def _trust(self) -> str:
-        """Whether the reference lands on this run: for a time, within the model's tolerance of the
-        ends of the rounds' spread (else, how to read the gap); bytes, memory, counts: exactly."""
+        """Whether the reference lands on this run (a time within tolerance of the spread's ends), in words."""
         q, m = self.question, self.measured
         if q.lands(self.reference, m.value, m.spread):
             return ": lands on this run" + (" (within its rounds, give or take the model's tolerance)"

@@ -9,8 +9,7 @@ from ddpkit.viz.style import CATEGORY_COLOURS, OTHER_COLOUR
 
 
 def _per_rank(value) -> list[dict]:
-    """A {category: bytes} dict, a list of them (one per rank), or a Trace -> list per rank
-    (of a Trace: what each rank held at its peak, ``ddpkit.trace.memory_peak``)."""
+    """A {category: bytes}, a list of them, or a Trace (each rank's peak) -> a list per rank."""
     if isinstance(value, Trace):
         peaks = [memory_peak(value.records, [rank]) for rank in value.ranks]
         return [peak[3] for peak in peaks if peak is not None]
@@ -29,8 +28,7 @@ def _normalise(measured) -> dict[str, list[dict]]:
 
 
 def _stage_of(label: str) -> str | None:
-    """The ZeRO stage a group's label names: a strategy ("fsdp"), a variant whose label starts
-    with one ("fsdp by class", "zero2 (bf16)"), or a stage itself ("ZeRO-3"); else None."""
+    """The ZeRO stage a label names ("fsdp", "fsdp by class", "ZeRO-3"), else None."""
     if label in STAGE_OF_STRATEGY.values():
         return label
     words = label.lower().replace("(", " ").split()
@@ -38,9 +36,8 @@ def _stage_of(label: str) -> str | None:
 
 
 def _prediction_for(label: str, predicted):
-    """(the formula's tick label, its prediction) for a group: ``predicted[label]`` or that of the
-    label's ZeRO stage; (None, None) if none. The tick names the stage ("ZeRO-3"), the group's
-    own name stands under its bars already; a label with no known stage gets "formula"."""
+    """(tick label, prediction) for a group: its own, or its stage's (tick: the stage, else
+    "formula"); (None, None) if none."""
     if not predicted:
         return None, None
     stage = _stage_of(label)

@@ -15,9 +15,8 @@ LIMIT = 16.0   # factors beyond 1/16 and 16 are drawn at the edge, as an arrow
 
 
 def plot_reveal(reveal):
-    """One reveal: the measurement stacked in its terms, with the prediction (red) and the
-    reference (black) marked. "Which is faster": each option's ms per step, the second's split into
-    the first's time and the parts of the difference, and where the prediction put the second."""
+    """One reveal: the measurement stacked in its terms, the prediction (red) and reference (black)
+    marked; "which is faster": the second bar is the first's time plus the parts of the difference."""
     q, m = reveal.question, reveal.measured
     fig = new_figure(1.9 + 0.22 * len(m.terms), 7.5)
     ax = fig.subplots()
@@ -83,8 +82,7 @@ def _factor_axis(ax, factors) -> None:
 
 
 def plot_ledger(points):
-    """One learner's answers (``tables.points``): one row each, predicted over measured (green:
-    close, red: not), labelled with both in words."""
+    """One learner's answers (``tables.points``): a row each, predicted over measured, green if close."""
     fig = new_figure(1.3 + 0.32 * max(len(points), 1))
     ax = fig.subplots()
     factors = [factor(p.predicted, p.measured) for p in points]
@@ -100,8 +98,7 @@ def plot_ledger(points):
 
 
 def plot_class(rows):
-    """A class's ledgers (``tables.class_rows``): one row per question, each learner's answer a dot
-    at predicted over measured, the median a bar."""
+    """A class's ledgers (``tables.class_rows``): a row per question, a dot per learner, the median a bar."""
     rows = [r for r in rows if r.misses]
     fig = new_figure(1.3 + 0.32 * max(len(rows), 1))
     ax = fig.subplots()
