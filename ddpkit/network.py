@@ -34,10 +34,8 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
 
 
 def ring_bytes(name: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends for a ring collective of full size S = ``nbytes``, averaged over the N
-    ranks. A broadcast's ring pipeline sends (N-1) S in all, so (N-1)/N S per rank: N broadcasts of
-    S/N (torch's ZeroRedundancyOptimizer) count as one all-gather of S, though their time differs
-    (``link_bytes``)."""
+    """Bytes one rank sends for a ring collective of full size S, averaged over the ranks (a broadcast:
+    (N-1)/N S, as an all-gather of S, though its time differs: ``link_bytes``)."""
     n = world_size
     if n <= 1:
         return 0.0

@@ -185,8 +185,7 @@ class Emulator:
         return EmulatedWork(future, work if on_gpu else None, ours, transfer if at_wait else None, link)
 
     def fidelity(self) -> dict[str, tuple[int, int]]:
-        """``{link: (collectives carried, of which the real transfer outran the link)}`` so far (an
-        upper bound: a late rank also ends the transfer late); subtract two to count a window."""
+        """``{link: (collectives carried, of which outran the link)}`` so far (an upper bound)."""
         with self._lock:
             links = list(self._links.items())
         return {kind: (link.carried, link.outran) for kind, link in links}
@@ -210,11 +209,8 @@ def _device_of(result):
 
 
 class EmulatedWork(FutureWork):
-    """What a delayed collective returns: ``wait()`` sleeps until the emulated completion, then (a
-    CUDA collective, ``real``) does the real ``wait()`` in the caller's thread, for its stream.
-    ``first``: a CPU collective finished by the caller before it waits for the link.
-    ``transfer``: an ``at_wait`` collective, moved by the first wait, or by the link's thread at
-    delivery once its future is handed out. ``get_future()`` completes at the emulated time."""
+    """A delayed collective: ``wait()`` sleeps to the emulated completion, then (CUDA, ``real``) waits
+    in the caller's thread; ``first``: finished by the caller first; ``transfer``: ``at_wait``'s."""
 
     def __init__(self, future, real=None, first=None, transfer: _Transfer | None = None, link: _Link | None = None):
         super().__init__(future)
@@ -280,8 +276,8 @@ def outran_share(counts) -> float | None:
 
 
 def outran_note(shares: dict, network: str | None = None) -> str:
-    """The sentence (compare's table and the widget's) where at least ``OUTRAN_NOTE`` of a run's
-    collectives outran the link (``shares``: ``{label: outran_share}``); "" where none did."""
+    """The sentence (compare's and the widget's) where ``OUTRAN_NOTE`` of a run's collectives outran
+    the link (``shares``: ``{label: outran_share}``); "" otherwise."""
     slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
     if not slow:
         return ""

@@ -168,9 +168,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
                            self._on_real("_reduce_scatter_base", output, input, opts), [output])
 
     def _reduce_scatter_by_all_reduce(self, output, input, opts):
-        """gloo's flat reduce-scatter, done here: all-reduce a copy, copy this rank's chunk out once
-        when it completes. gloo's own copies it on *every* ``wait()``, so a second wait would
-        overwrite what the caller did since (HSDP all-reduces it in place); here twice is harmless."""
+        """gloo's flat reduce-scatter: all-reduce a copy, copy our chunk out once (gloo's own copies it
+        on every ``wait()``, overwriting what the caller did since)."""
         flat = input.detach().reshape(-1).clone()
         options = dist.AllreduceOptions()
         options.reduceOp = opts.reduceOp
@@ -224,11 +223,8 @@ for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send"
 
 
 def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
-    """Register backend ``"ddpkit"`` (once per process, before ``init_process_group``, the rank's
-    device set): every group made with it wraps ``real_backend`` and emulates ``network``; the
-    rank's ``Comm`` goes to ``rankside``. ``"shm"``: bytes through shared memory under
-    ``shm_prefix`` (CUDA tensors staged through host memory); ``"cuda-ipc"``: ranks sharing a GPU,
-    through a GPU buffer per group (``device_slab``)."""
+    """Register backend ``"ddpkit"`` (once, before ``init_process_group``): groups wrap ``real_backend``
+    ("shm" under ``shm_prefix``, "cuda-ipc", gloo, NCCL) and emulate ``network``."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 

@@ -19,13 +19,9 @@ from ddpkit.network import RING_STEPS, Link, collective_time, ring_terms
 # --------------------------------------------------------------------------- compute profile
 def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats: int = 5,
                   units=None, loss=None) -> Profile:
-    """Measure one process's step on ``module`` (medians of ``repeats``): per-layer forward (hooks,
-    scaled to the whole forward timed without them), backward (shared out in proportion to the
-    forward: module backward hooks are fragile), optimizer step, and a bucketed DDP's copies in and
-    out (``copy_s_per_byte``: one pass). The loss is ``supervised_loss(module, (inputs, targets))``,
-    or ``loss(module, inputs)`` (a workload's). ``units``: the FSDP units (``table.fsdp_units``).
-    The optimizer steps: pass a model you do not need afterwards.
-    """
+    """One process's step on ``module`` (medians of ``repeats``): per-layer forward (hooks, scaled to
+    the hookless forward), backward shared out likewise, optimizer step, a bucketed DDP's copies
+    (``copy_s_per_byte``). The optimizer steps: pass a model you do not need afterwards."""
     import torch
 
     from ddpkit.experiment import make_optimizer
@@ -139,10 +135,8 @@ def median_profile(profiles: list[Profile]) -> Profile:
 # --------------------------------------------------------------------------- the wrappers' own work
 def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
                 bucket_cap_mb: float | None = None, model_kwargs: dict | None = None, steps: int = 5) -> dict:
-    """A Cluster job: every rank trains each of ``runs`` (``{label: (strategy, wrapper options)}``)
-    alone, over a one-rank group, all ranks at once; ``{label: median seconds per step}``. Beyond
-    ``profile_job``'s compute that is the wrapper's own work (hooks, flattening, launching), which
-    ``validate`` adds to the model (hybrid sharding: its one-node form)."""
+    """A Cluster job: each of ``runs`` (``{label: (strategy, options)}``) trained alone on every rank at
+    once; ``{label: median seconds per step}``: the wrapper's own host work beyond ``profile_job``'s."""
     import torch
     import torch.distributed as dist
 
@@ -188,13 +182,8 @@ def model_calibration_sizes(workload="mlp", model_kwargs: dict | None = None) ->
 
 def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=CALIBRATION_SIZES[:6],
                         repeats: int = 3, calls_bytes: float = 32 * MiB) -> dict:
-    """A Cluster job: ``{op: [(bytes, median seconds per call)]}`` at each full size (fp32).
-
-    Calls are timed back to back, as a strategy issues them (a barrier before each row of about
-    ``calls_bytes``, 4 to 32 calls), so alpha includes each call's host cost (waking gloo's
-    threads); each size runs once untimed first. An emulated network is switched off while timing:
-    this measures the real transport underneath.
-    """
+    """A Cluster job: ``{op: [(bytes, median seconds per call)]}``, calls back to back in rows of about
+    ``calls_bytes`` (alpha then holds each call's host cost), after a warm-up, the emulation off."""
     import torch.distributed as dist
 
     from ddpkit import rankside
@@ -315,11 +304,8 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
 
 
 def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False, transport: str = "") -> Link:
-    """A Link fitted to timings on N ranks: ``[(bytes, seconds)]`` of all-reduces, or
-    ``{op: [(bytes, seconds)]}`` (``measure_collectives``), each op its own line (``Link.per_op``),
-    the link's own the all-reduce's; timings kept (``Link.measured``). Lines are fitted for relative
-    error: timings span orders of magnitude, and least squares would leave alpha at zero.
-    """
+    """A Link fitted to timings on N ranks (all-reduces, or ``{op: ...}``: a line per op, ``per_op``),
+    kept in ``measured``; fitted for relative error, else least squares would leave alpha at zero."""
     if world_size < 2:
         raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
     by_op = samples if isinstance(samples, dict) else {"all_reduce": samples}

@@ -104,13 +104,9 @@ class Prediction:
 def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
               first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True,
               hook: CommHook | None = None) -> float:
-    """Forward, backward, the gradients' reductions: the host's timeline beside the stream; returns
-    when both are done. ``cap_bytes`` 0 is naive (each gradient scaled in place and all-reduced,
-    one at a time); else each gradient is copied into its bucket (one pass) and back out after the
-    reduction (``copy_out``; ZeRO-1/2's reduce-scatter steps in place). ``overlap``: copies in the
-    hooks, each bucket launched once full; else all after backward. ``hook``: a comm hook's bytes
-    on the wire and passes over the bucket (``comm_hooks.COMM_HOOKS``).
-    """
+    """Forward, backward, the reductions, on the host's timeline beside the stream; when both end.
+    ``cap_bytes`` 0: naive; else gradients copied into buckets and out (``copy_out``), during backward
+    when ``overlap``; ``hook``: a comm hook's bytes and passes (``COMM_HOOKS``)."""
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
     t = profile.forward_s
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
@@ -151,12 +147,9 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
 def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool = True,
                forward_prefetch: bool = False, backward_prefetch: bool = True,
                limit: int | None = None) -> tuple[float, float]:
-    """ZeRO-3 on one stream: all-gather each unit before forward (again before backward when
-    ``reshard``), reduce-scatter its gradient after its backward; returns (forward's end, backward's
-    communication's end). A prefetch issues the next unit's all-gather as the current one's compute
-    starts, while fewer than ``limit`` units are unsharded. ``shards``: groups of k ranks; for
-    hybrid sharding (k < N) each gradient shard is then all-reduced among the N/k replicas.
-    """
+    """ZeRO-3 on one stream: all-gathers before forward (and backward, ``reshard``), a reduce-scatter
+    after each backward, prefetches while under ``limit``; hybrid (k < N): shards all-reduced across
+    nodes. Returns (forward's end, backward's communication's end)."""
     k = shards.ranks_per_node
     node = shards.node_ranks(0)        # rank 0's shard group: its node's ranks (all of them for fsdp)
     replicas = shards.peer_ranks(0)    # hybrid sharding: rank 0 and its replicas, one per node

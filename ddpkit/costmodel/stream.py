@@ -24,15 +24,9 @@ class Pending:
 
 
 class Stream:
-    """One rank's collectives: on each link one at a time, in the order issued.
-
-    The real transport and the emulated link run side by side from the issue; a collective
-    completes when both are done (``LinkClock``). A host transport (``Link.host``) moves the bytes
-    on the issuing rank's timeline (``host_s``); any other runs beside the compute. Under
-    ``at_wait`` the rank moves the bytes when it waits, its group's earlier ones first; with
-    ``on_futures`` (torch's DDP, comm hooks) the link's thread moves them at delivery, charged to
-    the rank at the issue.
-    """
+    """One rank's collectives, on each link one at a time in issue order, beside the real transport
+    (``LinkClock``): a host transport on the rank's timeline (``host_s``); ``at_wait``: moved at the
+    wait; ``on_futures``: moved at delivery, charged at the issue."""
 
     def __init__(self, world_size: int, network: Network, on_futures: bool = False, copy_s_per_byte: float = 0.0):
         self.n, self.net = world_size, network

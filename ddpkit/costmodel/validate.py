@@ -35,14 +35,10 @@ def validate(cluster, strategies, workload=None, model_kwargs=None, steps=10, ro
 
 
 def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimizer, bucket_cap_mb, progress):
-    """Each round, interleaved so a slow spell hits all alike: calibrate the collectives (emulation
-    off: the real transport), profile compute on every rank, time every strategy as ``compare``
-    does, and each wrapper alone (``wrapper_job``: its own host work, ``host_ms``, added to the
-    profile). The model never sees a strategy's timing with its peers. Returns
-    ``(records, transport, profile)``, a record per strategy: ``predicted_ms``,
-    ``predicted_phases_ms``, ``measured_ms`` (median over rounds), ``rel_error`` (predicted /
-    measured - 1), ``measured_ms_rounds``, ``outran_link`` (the share of collectives whose real
-    transfer outlasted the link: ``comm.emulator``), or ``error`` where it failed."""
+    """Rounds interleaving calibration (the real transport), profiles, every strategy's timing and each
+    wrapper alone (its host work); the model never sees a strategy's timing. Returns ``(records,
+    transport, profile)``: per strategy ``predicted_ms``, ``predicted_phases_ms``, ``measured_ms``,
+    ``rel_error``, ``measured_ms_rounds``, ``outran_link``, or ``error``."""
     n = cluster.world_size
     sizes = model_calibration_sizes(wl)
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
@@ -115,9 +111,8 @@ def _alone_as(name: str) -> str:
 
 
 def _host_s(alone: list, key: str, name: str, bucket_cap_mb, cost) -> float:
-    """A wrapper's own work per step (``host_ms``, >= 0): its lone step beyond the model's for one rank
-    on that rank's own profile of the same round (paired rank by rank, not against the slowest
-    rank's, which would count the ranks' difference as host work), the median."""
+    """A wrapper's own work per step (>= 0): its lone step beyond the model's on the same rank's
+    profile of the same round (not the slowest rank's), the median."""
     extra = [steps[key] - simulate(name, profile, 1, bucket_cap_mb=bucket_cap_mb, cost=cost).ms_per_step / 1e3
              for profile, steps in alone]
     return max(0.0, statistics.median(extra))

@@ -56,10 +56,8 @@ class Setting:
 
 @dataclass(frozen=True, kw_only=True)
 class Question:
-    """One question. ``text`` names the setting's fields and ``facts(setting)`` (figures derived from
-    the model and formulas, never typed in) in braces; ``read(setting, *what the cell left)`` ->
-    ``reading.Measured``; ``reference(setting)``: the formulas' answer (``from_the_run``: the run's);
-    ``needs``: settings the notebook must give."""
+    """One question: ``text`` with the setting's fields and ``facts(setting)`` (derived, never typed) in
+    braces; ``read(setting, *cell's results)`` -> ``Measured``; ``reference(setting)``; ``needs``."""
 
     key: str                                   # "02.naive_bytes": the notebook, then a name
     text: str
@@ -159,9 +157,8 @@ class Question:
         return f"{amount} ({rel:+.1%} of the measured)" if abs(rel) >= 0.0005 else f"{amount} (under 0.05%)"
 
     def lands(self, reference: float, measured: float, spread: tuple[float, float] | None = None) -> bool:
-        """Whether a reference lands on the measurement: bytes, memory, counts exactly (a ratio of them
-        to 0.1 %: a library's own small messages); a time within ``TIME_TOLERANCE`` of each end of
-        the measurement's ``spread``."""
+        """Whether a reference lands: bytes, memory, counts exactly (ratios to 0.1 %); a time within
+        ``TIME_TOLERANCE`` of either end of the measurement's ``spread``."""
         if self.quantity != "time":
             if self.unit == "x":
                 return math.isclose(reference, measured, rel_tol=1e-3)

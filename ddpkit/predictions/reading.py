@@ -21,12 +21,9 @@ class Term:
 
 @dataclass
 class Measured:
-    """What the run gave for a question. ``value`` in the question's unit (``faster``: the signed
-    answer: the first option's speed-up, see ``question.py``); ``terms`` add up to it in ``terms_unit``
-    (``faster``: to how many ms shorter the first option's step was than the second's); ``readings``:
-    answers a common line of thought gives, named by what it counts or leaves out; ``times``: each
-    option's ms per step, ``spread`` the lowest and highest speed-up its rounds give; ``reference``:
-    where the reference answer needs this run (the cost model's, or a formula over a measured time)."""
+    """What the run gave: ``value`` (``faster``: the first option's speed-up), ``terms`` adding up to it
+    in ``terms_unit``, ``readings`` (common lines of thought), ``times`` and ``spread`` (per option),
+    ``reference`` where it needs this run."""
 
     value: float
     terms: list[Term]

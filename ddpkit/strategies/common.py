@@ -45,9 +45,8 @@ def _trainable(module: nn.Module) -> int:
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
-    """FSDP's default units (ours and torch's): the trainable members of the ``nn.ModuleList`` holding
-    the most parameters (a transformer's layers), else each trainable child; the root keeps the
-    rest. Not the children always: GPT-2's are ``[transformer, lm_head]``, one unit the whole model."""
+    """FSDP's default units: the trainable members of the biggest ``nn.ModuleList`` (a transformer's
+    layers), else each trainable child (GPT-2's children would be one unit, the whole model)."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
     if lists:
         blocks = [m for m in max(lists, key=_trainable) if _trainable(m)]  # the first of equals
@@ -57,9 +56,8 @@ def default_units(module: nn.Module) -> list[nn.Module]:
 
 
 def resolve_units(module: nn.Module, units) -> list[nn.Module]:
-    """FSDP units as modules in ``module``'s order (the same on every rank, whatever a set's order): a
-    module stays one, a class stands for every submodule of it (torch's ``ModuleWrapPolicy``). A
-    class matching nothing, or a module not inside ``module``, is a ValueError."""
+    """FSDP units as modules in ``module``'s order (alike on every rank): a class stands for each
+    submodule of it; one matching nothing, or a module outside ``module``, is a ValueError."""
     items = [units] if isinstance(units, type) else list(units)
     classes = tuple(u for u in items if isinstance(u, type))
     given = {id(u) for u in items if not isinstance(u, type) and u is not module}  # the root: a unit anyway
@@ -129,11 +127,8 @@ def nbytes(t: torch.Tensor) -> int:
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, sharded: bool = False, group=None,
                     recorder=NULL_RECORDER) -> torch.Tensor:
-    """Scale the ``.grad`` of ``params`` so the norm of the *whole* gradient is at most ``max_norm``;
-    returns that norm, as one process's ``torch.nn.utils.clip_grad_norm_``. ``sharded``: ``params``
-    are this rank's disjoint shards (ZeRO-2, FSDP), so the p-th powers of the local norms are
-    summed across ``group`` (the inf-norm: the max) before the root; a local norm alone would
-    clip each rank by a different factor."""
+    """Scale ``params``' ``.grad`` so the *whole* gradient's norm is at most ``max_norm``, as one process's
+    ``clip_grad_norm_``; ``sharded``: disjoint shards, local norms combined across ``group``."""
     params = list(params)
     if not sharded:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
