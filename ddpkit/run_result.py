@@ -1,8 +1,5 @@
-"""What one strategy run measured on one rank: ``RunResult``, the type ``experiment.run_strategy``
-returns (``cluster.run(run_strategy, ...)``: one per rank), and ``RecordSummary``, the per-step
-averages it reads back from its recorder's records (``experiment.summarize_records``).
-
-Plain picklable data read by name; a field is None where the run did not measure it.
+"""What one strategy run measured on one rank (``RunResult``, ``experiment.run_strategy``'s) and the
+per-step averages read back from its records (``RecordSummary``); None where not measured.
 """
 from __future__ import annotations
 

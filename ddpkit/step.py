@@ -1,11 +1,8 @@
 """The one training step every notebook, test, benchmark and ``python -m ddpkit.train`` shares.
 
-``train_batch`` never asks which strategy it runs: every wrapper has the same small interface
-(``finish_gradient_synchronization()``, ``clip_grad_norm_``), and the optimizer is whatever the
-caller built over ``model.parameters()`` (for FSDP: the local shards); ``train_step`` is it for the
-course's ``(inputs, targets)``. What runs, times and reads back steps is ``ddpkit.experiment``.
-Equality with one process: rank r trains on its slice of the global batch with a *mean* loss, and
-the average of the N ranks' gradients, (1/N) sum_r mean_r, is the mean over the whole batch.
+``train_batch`` never asks which strategy it runs (every wrapper has the same small interface; the
+optimizer is over ``model.parameters()``, FSDP's shards). Equality with one process: with a *mean*
+loss, the average of the ranks' gradients, (1/N) sum_r mean_r, is the mean over the whole batch.
 """
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
     comm.emulation_counts(), comm.transport_seconds()   # what the emulated links did so far
     with comm.real_transport(): ...        # no emulated delay inside: measure the transport itself
 
-``ddpkit.comm.process_group.install`` makes it when the rank joins; every figure here is a running
-total on this rank: subtract two readings to count a window.
+Every figure is a running total on this rank: subtract two readings to count a window.
 """
 from __future__ import annotations
 

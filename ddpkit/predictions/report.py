@@ -3,8 +3,6 @@
     text, fig = report(["predictions.jsonl"])               # the learner's table, predicted vs measured
     text, fig = report(["ana.jsonl", "ben.jsonl", ...])      # one row per question, the class's misses
     fig.savefig(picture_path(paths))                         # beside the (first) ledger
-
-A notebook can call it too: ``print(text)``, and ``fig`` shows itself.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A reveal: the prediction against the measurement of the learner's own run, the miss, and why.
-
-Plain data and its words; ``ddpkit.viz.plot_reveal`` draws it. In a notebook a ``Reveal`` shows
-itself as HTML (its lines, then the picture), elsewhere as text.
+"""A reveal: the prediction against the learner's own run, the miss, and why; plain data and its
+words (``viz.plot_reveal`` draws it), HTML in a notebook, text elsewhere.
 """
 from __future__ import annotations
 

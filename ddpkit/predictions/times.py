@@ -1,7 +1,6 @@
 """The course's "which is faster, and how many times?" questions (notebooks 01, 03, 04, 07, 08), each
-declared once: its words, its reader (what its measuring cell left -> a ``Measured``: the two times,
-their rounds' spread, the difference split into parts) and its reference (the alpha-beta formulas
-of ``ddpkit.network`` over a fitted or emulated link, the ideal steps, or the cost model)."""
+declared once: its words, its reader (-> ``Measured``) and its reference (alpha-beta, the model).
+"""
 from __future__ import annotations
 
 import statistics

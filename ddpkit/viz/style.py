@@ -1,7 +1,5 @@
-"""How every figure looks, in the plots (matplotlib) and in the widget (SVG) alike: the colours.
-
-Plain strings and small functions, no matplotlib: the widget's SVG views read them without
-importing it. A count with its noun (``plural``) is ``ddpkit.units``'s, beside the byte sizes.
+"""The colours of every figure, plots and widget alike: plain strings, no matplotlib, so the widget's
+SVG views read them without importing it.
 """
 from __future__ import annotations
 
