@@ -65,14 +65,9 @@ def link_bytes(name: str, nbytes: int, world_size: int) -> float:
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection for the alpha-beta model: ``alpha`` s per message, ``beta`` s per byte.
-
-    ``per_op``: some collectives' own ``(alpha, beta)`` (``costmodel.fit_link`` fills it).
-    ``host``: the bytes move on the ranks' own CPU cores (gloo, the shared-memory transport), so the
-    cost model puts its time on the rank's timeline, not beside it. ``transport``: the real transport
-    the line was fitted to ("shm", "gloo", ...; "" for a network's link). ``measured``: the timings
-    fitted, ``{op: ((bytes, seconds), ...)}`` on ``measured_world_size`` ranks (``format_fit``).
-    """
+    """One kind of connection: ``alpha`` s per message, ``beta`` s per byte; ``per_op``: some ops' own
+    (``fit_link``'s); ``host``: its bytes move on the ranks' own cores (on the rank's timeline in the
+    model); ``transport``: what it was fitted on; ``measured``: the timings fitted (``format_fit``)."""
 
     name: str
     alpha: float
@@ -112,15 +107,9 @@ def collective_time(name: str, nbytes: float, world_size: int, link: Link) -> fl
 
 
 class LinkClock:
-    """When collectives complete on one emulated link: the rule the emulator keeps in real time and
-    the cost model simulates, in seconds on one timeline.
-
-    A collective occupies the link from its issue, or from when the link frees up (one after
-    another, in issue order), for its link time: ``delivers``. The real transfer runs side by side;
-    the collective completes when both are done: ``complete``. Under ``Route.at_wait`` the bytes
-    move when the rank waits, so the link is done at delivery (no ``real_end``), unless a future of
-    it was handed out (torch's DDP, a comm hook): then ``real_end`` is delivery plus transfer.
-    """
+    """When collectives complete on one emulated link (the emulator's rule, the model's too): each
+    occupies the link from its issue or when the link frees (``delivers``) and completes when the real
+    transfer has too (``complete``); under ``at_wait`` at delivery (a future handed out: plus transfer)."""
 
     def __init__(self):
         self.free_s = 0.0  # when the link is done with every collective issued so far
@@ -180,13 +169,10 @@ class Network:
         Network("10GbE")                       # a preset: the same link between every pair
         Network.of(alpha_us=20, gbytes_per_s=5)  # explicit latency and bandwidth
         Network("10GbE", gpus_per_node=2)      # two tiers: nvlink inside a node, 10GbE between
-        Network("loopback")                    # no emulated link: what this machine does
         Network("loopback", gpus_per_node=2)   # nodes of 2 (hybrid sharding's), no emulated link
 
-    ``inter``: between nodes (every pair when ``gpus_per_node`` is None); ``intra``: inside a node;
-    ``floor``: the real transport an emulated collective never beats (None for a real cluster);
-    ``emulation_s``: the emulator's own wake-ups per waited collective (``costmodel.validate``).
-    """
+    ``inter``/``intra``: the links between and inside nodes; ``floor``: the real transport underneath
+    (None for a real cluster); ``emulation_s``: the emulator's wake-ups per waited collective."""
 
     name: str = "loopback"
     gpus_per_node: int | None = None

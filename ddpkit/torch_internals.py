@@ -79,9 +79,8 @@ def is_async(opts) -> bool:
     return getattr(opts, "asyncOp", True)
 
 
-# torch 2.8's gloo prints a line for every group it connects ("[Gloo] Rank 0 is connected to 1 peer
-# ranks. Expected number of connected peer ranks is : 1"), below Python, on every rank: in a
-# notebook, a screenful of it for each Cluster. Not printed by 2.13 or 2.15.
+# torch 2.8's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks..." below Python for every
+# group, on every rank: a screenful per Cluster in a notebook (not printed by 2.13 or 2.15).
 _CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
@@ -102,9 +101,7 @@ def fully_shard(module, **kwargs):
 
     return shard(module, **kwargs)
 
-# torch's dispatch mode: a context in which every operator call passes through
-# ``__torch_dispatch__`` (``ddpkit.memory.TensorWatch`` counts the tensors operators create). It
-# lives in the underscored ``torch.utils._python_dispatch``.
+# torch's dispatch mode (underscored module): ``memory.TensorWatch`` counts the tensors operators create
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
 
 
@@ -120,21 +117,14 @@ def queue_at_end_of_backward(fn) -> bool:
 
 
 def copy_all(destinations: list, sources: list) -> None:
-    """``d.copy_(s)`` for every pair in one call (torch's underscored ``_foreach_copy_`` loops in C++,
-    not once per tensor through the dispatcher); one by one where it is missing."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(destinations, sources)
-        return
-    for d, s in zip(destinations, sources, strict=True):
-        d.copy_(s)
+    """``d.copy_(s)`` for every pair in one call: torch's underscored ``_foreach_copy_`` (from 2.1) loops
+    in C++, not once per tensor through the dispatcher."""
+    torch._foreach_copy_(destinations, sources)
 
 
-# torch's pytree (underscored; torch's DDP and FSDP walk their inputs with it, Hugging Face registers
-# its ModelOutput with it). A dataclass is a leaf there unless registered (``register_dataclass``,
-# global): walked here through its fields, registering nothing. Used: tree_map, tree_leaves and
-# tree_flatten_with_path with ``is_leaf``, keystr, SUPPORTED_NODES (key paths came in 2.2); run on
-# 2.13 here, and on 2.8 and 2.15 by .ci/compat's test_equivalence, which slices every batch with them.
+# torch's pytree (underscored; torch's DDP and FSDP walk inputs with it, Hugging Face registers its
+# ModelOutput). A dataclass is a leaf there unless registered: walked here through its fields,
+# registering nothing. Checked on 2.8, 2.13 and 2.15 (.ci/compat's test_equivalence).
 def _dataclass(x) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
 
@@ -199,10 +189,8 @@ def register_real_backend(group, real, real_backend: str, cuda: bool = False) ->
     devices = ["cuda"] if real_backend == "nccl" else ["cpu", "cuda"] if cuda else ["cpu"]
     for device in devices:
         group._register_backend(torch.device(device), kind, real)
-    # torch 2.15's init_process_group attaches its Flight Recorder to every group with a
-    # registered device backend, and asks the group for its *default* backend type, which
-    # _register_backend does not set ("Could not find the default backend type 0"). Earlier
-    # releases never ask; setting it there is harmless (checked on 2.6 to 2.15).
+    # torch 2.15's Flight Recorder asks every group for its default backend type, which
+    # _register_backend does not set; earlier releases never ask (harmless there, 2.6 to 2.15)
     group._set_default_backend(kind)
 
 
@@ -233,13 +221,10 @@ class FutureWork(dist.Work):
         return self._future.value()
 
 
-# A Python ``Work`` handed to C++ (torch DDP's reducer, ``_verify_params_across_processes``) lives
-# on as two halves: the C++ object C++ holds, and the Python object whose ``wait()`` C++ calls
-# through pybind's trampoline. From 2.7 torch keeps the Python half alive with the C++ one
-# (``PyWorkHolder``); on 2.6, below the tested range, nothing does, so once Python drops it C++'s
-# ``wait()`` reaches the base ``Work`` and blocks forever (torch DDP's constructor hung over the
-# shared-memory transport). There, a Work returned by ddpkit's process group is held here until
-# somebody waits on it or takes its future (``hold_for_torch``): a hang is worse than a warning.
+# A Python ``Work`` handed to C++ (torch DDP's reducer) lives on in two halves; from 2.7 torch keeps
+# the Python half alive (``PyWorkHolder``), on 2.6 (below the range) nothing does, and C++'s
+# ``wait()`` blocks forever. There a Work of ddpkit's process group is held until waited on or its
+# future taken (``hold_for_torch``): a hang is worse than a warning.
 _HELD: dict[int, FutureWork] = {}
 _HOLD = torch_version() < (2, 7)
 _HELD_AT_MOST = 1024  # Works nobody ever waits on (fire and forget) are let go past this, done ones first

@@ -158,10 +158,8 @@ def main(argv=None) -> int:
               f"rank 0 sent {human_bytes(sent)} through ddpkit's process group", flush=True)
         if args.save:
             torch.save({k: v.cpu() for k, v in full.items()}, args.save)
-    # Leave together, and free the wrapper (its hooks, flat buffers and collective handles)
-    # while the process group still exists: left to interpreter exit, after the group was
-    # destroyed, FSDP's objects aborted a loaded rank ("terminate called without an active
-    # exception") in 2 of 6 two-node runs; freed here, 0 of 8.
+    # Leave together, and free the wrapper while the process group still exists: freed at exit,
+    # FSDP's objects aborted a loaded rank in 2 of 6 two-node runs; freed here, 0 of 8.
     dist.barrier()
     del model, opt, full
     gc.collect()

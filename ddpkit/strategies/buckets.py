@@ -76,9 +76,8 @@ class Bucket:
         self.names = [name for name, _ in named_params]   # in the order they sit in the buffer
         self.params = [p for _, p in named_params]
         first = self.params[0]
-        # The flat buffer, allocated once: (sum of numels,), no padding (every rank reduces the
-        # whole buffer). Each slot is a view of it shaped like its parameter, so copying a
-        # gradient in is one copy_ and no reshaping.
+        # The flat buffer, allocated once: (sum of numels,), no padding; each slot a view shaped like
+        # its parameter, so copying a gradient in is one copy_.
         self.layout = FlatLayout.of(self.params)
         self.flat = self.layout.empty(first.dtype, first.device)
         self.slots = self.layout.views(self.flat)
@@ -100,10 +99,8 @@ class Bucket:
     def copy_in(self, j: int, scale: float) -> None:
         """Gradient j into its slot, times ``scale``; zeros if it has none (unused this step)."""
         p, slot = self.params[j], self.slots[j]
-        # Scale on the way in, *before* the SUM: ReduceOp.AVG is not on every backend, and a
-        # sum of already-scaled values cannot overflow in low precision. A multiply by 1/N (as
-        # torch's reducer does) is cheaper than a divide; detach() keeps the copy out of any
-        # autograd graph (.grad has one under backward(create_graph=True)).
+        # Scale on the way in, *before* the SUM: ReduceOp.AVG is not on every backend, and a sum of
+        # scaled values cannot overflow in low precision; detach(): no graph (create_graph=True).
         if p.grad is None:
             slot.zero_()
         elif self.grads_as_views and self.is_slot(j):

@@ -123,11 +123,9 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
         self._comm_hook = hook
 
     # ------------------------------------------------------------------ uneven inputs: Join
-    # torch's protocol (torch.distributed.algorithms.Join): every step, a rank still training
-    # all-reduces a 1 (``notify_join_context``), which the finished ranks' Join loop matches with
-    # a 0 and so learns that a step is coming; then ``main_hook`` below repeats that step's
-    # collectives with zeros on the finished ranks. The gradients are therefore summed over the
-    # ranks still training and divided by the *initial* world size, as torch's DDP does by default.
+    # torch's protocol: every step a rank still training all-reduces a 1 (``notify_join_context``),
+    # which the finished ranks match with a 0; then ``main_hook`` repeats the step's collectives with
+    # zeros there, so gradients are summed over the ranks training, divided by the initial N.
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
         """torch DDP's ``model.join()``: ranks may run out of batches; gradients summed over those still

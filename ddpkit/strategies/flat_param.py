@@ -108,9 +108,8 @@ class FlatParamUnit:
                 mod._parameters.pop(attr, None)
         self.param_dtype = param_dtype or self.shard.dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
-        # tensor object lives on, so views saved by autograd in forward see the data again
-        # once the backward all-gather refills the same storage.
+        # The full flat parameter, in param_dtype: its storage freed while resharded, the tensor kept,
+        # so views autograd saved in forward see the data again once backward's all-gather refills it.
         self.gathered = self.layout.empty(self.param_dtype, device)
         free_storage(self.gathered)
         self.unsharded = False

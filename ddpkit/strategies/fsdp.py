@@ -49,13 +49,10 @@ class PendingReduce:
 class FSDP(nn.Module):
     """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time.
 
-    The FSDP paper's switches (sections 3.3-3.4, 4): ``backward_prefetch`` (on: the next unit's
-    all-gather issued before this unit's backward); ``forward_prefetch`` (off, as torch's: the next
-    unit's, in the last forward's order); ``limit_all_gathers=L`` (None: no limit; True: torch's 2):
-    a prefetch waits while L units, the root not counted, are unsharded (L=1 prefetches nothing). A
-    ``meta`` module is materialized unit by unit (``deferred_init.py``). Hybrid sharding
-    (``hsdp.py``): ``replicate_group`` holds the same shard on the other nodes. Frozen parameters
-    stay whole, never reduced; buffers are broadcast from rank 0 at construction."""
+    The FSDP paper's switches (3.3-3.4, 4): ``backward_prefetch`` (on), ``forward_prefetch`` (off, as
+    torch's), ``limit_all_gathers=L`` (a prefetch waits while L units are unsharded; True: torch's 2).
+    A ``meta`` module is materialized unit by unit; ``replicate_group``: hybrid sharding's replicas.
+    Frozen parameters stay whole, never reduced; buffers are broadcast from rank 0."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module | type] | None = None,
                  reshard_after_forward: bool = True, backward_prefetch: bool = True,
@@ -279,10 +276,8 @@ class FSDP(nn.Module):
             self._reshard(unit)
         self._in_backward = False
 
-    # no_sync(): accumulate full (unsharded) gradients locally; the next backward outside syncs
-    # them. Memory: each unit keeps a full gradient in the parameters' dtype (N * ceil(T/N)
-    # elements) until then, i.e. the whole model's gradients on every rank, as much as DDP holds:
-    # gradient accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
+    # no_sync(): full gradients accumulate locally (the whole model's, as DDP holds) until the next
+    # backward outside syncs them: accumulation trades FSDP's gradient memory for fewer reduce-scatters
     no_sync = no_sync
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

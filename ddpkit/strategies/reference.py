@@ -36,10 +36,8 @@ class TorchDDP(nn.Module):
             bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
-        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do. A cap left
-        # at None is torch's default, which caps the first bucket at 1 MiB (the first gradients
-        # start travelling early); a cap given applies to every bucket: ours follow the same rule
-        # (buckets.layout).
+        # DDP broadcasts rank 0's state at construction, as ours do; a cap left at None is torch's
+        # default (the first bucket 1 MiB), a cap given applies to every bucket: ours' rule too
         self.ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group,
                                                        bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         if self.recorder.enabled:

@@ -101,9 +101,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local_groups.append(dict(g, params=mine))
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
 
-        # This object's own param_groups hold *all* parameters with the full hyperparameters
-        # (the optimizer class's defaults included), so an LR scheduler or a user can change
-        # "lr" here; step() copies the hyperparameters into the local optimizer.
+        # param_groups here hold *all* parameters and every hyperparameter, so an LR scheduler can
+        # change "lr" here; step() copies them into the local optimizer.
         super().__init__(groups, dict(self.local_optimizer.defaults))
 
         # The all-gather works on flat buffers, one per dtype (see GatherLayout).
@@ -133,11 +132,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _share_parameters(self) -> None:
-        # One all-gather per dtype of a flat buffer of N * slot elements (S ~ parameter bytes,
-        # plus padding to the largest rank's load). Per rank that is (N-1)/N * S on the wire,
-        # in one message: broadcasting each parameter from its owner moves the same bytes but
-        # costs one collective (and its latency) per parameter. The buffer exists only during
-        # the step, so ZeRO-1 adds no persistent communication memory.
+        # One all-gather per dtype of N * slot elements: (N-1)/N * S per rank in one message (a
+        # broadcast per parameter moves the same bytes, one latency each); the buffer lives only here.
         for layout in self._layouts:
             gathered = torch.empty(self.world_size, layout.slot_numel, dtype=layout.dtype, device=layout.device)
             own = layout.slots[self.rank].pack(layout.params[self.rank], gathered[self.rank])

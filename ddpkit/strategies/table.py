@@ -22,10 +22,7 @@ from ddpkit.topology import Topology
 
 @dataclass(frozen=True)
 class CostStep:
-    """How the cost model simulates one step: plain data. "ddp": gradients reduced with
-    ``grad_reduce``, per gradient or in buckets (during backward when ``overlap``), parameters
-    all-gathered after a sharded step when ``gather_params``. "fsdp": ZeRO-3 (``costmodel.simulate``).
-    """
+    """How the cost model simulates one step, as plain data (``costmodel.simulate`` reads it)."""
 
     algorithm: str                    # "ddp" | "fsdp"
     bucketed: bool = True

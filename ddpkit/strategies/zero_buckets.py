@@ -26,10 +26,8 @@ from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
 from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat
 
-# Optimizers whose update of one element reads only that element's gradient and state, so that
-# stepping a slice of a flat buffer equals stepping the whole tensors. (Weight decay, momentum,
-# Adam's moments: elementwise. LBFGS's line search, Adafactor's row/column statistics, Muon's
-# orthogonalisation of whole matrices, SparseAdam's sparse gradients: not.)
+# Optimizers whose update of an element reads only its gradient and state, so stepping a slice of a
+# flat buffer equals stepping the whole tensors (not: LBFGS, Adafactor, Muon, SparseAdam).
 ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "Adadelta", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD"))
 
