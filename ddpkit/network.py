@@ -144,20 +144,16 @@ class Route:
         return 0.0 if self.link is None else collective_time(op, nbytes, self.size, self.link)
 
 
-# Presets. "loopback" is the all-reduce line fitted on the 2-core development machine over the
-# shared-memory transport (`python -m ddpkit predict --fit --fit-ranks 2`: fit yours the same way);
-# its time is the ranks' own CPU work (host=True). The others are round figures: Ethernet at 85-90%
-# of its line rate with tens of microseconds per TCP message; NVLink a few hundred GB/s per GPU.
+# Presets. "loopback": the line fitted on the 2-core development machine over shared memory (`python -m
+# ddpkit predict --fit --fit-ranks 2` fits yours), the ranks' own CPU work; the others round figures.
 LINKS = {
     "loopback": Link("loopback", alpha=70e-6, beta=1 / 4.5e9, host=True, transport="shm"),
     "nvlink": Link("nvlink", alpha=5e-6, beta=1 / 200e9),
     "100GbE": Link("100GbE", alpha=20e-6, beta=1 / 10e9),
     "10GbE": Link("10GbE", alpha=30e-6, beta=1 / 1.1e9),
     "1GbE": Link("1GbE", alpha=50e-6, beta=1 / 0.11e9),
-    # The papers' regime on a laptop: one all-reduce of the course MLP's gradients on 2 ranks
-    # (``Network("paper").emulated_time("all_reduce", S, range(2))``) takes longer than its backward
-    # on a small CPU machine (`python benchmarks/bench_overlap.py --networks paper`), so bucket sizes
-    # and overlap decide the step time, as on the papers' clusters (docs/papers.md).
+    # The papers' regime on a laptop: the course MLP's all-reduce on 2 ranks outlasts its backward on a
+    # small CPU machine (`benchmarks/bench_overlap.py --networks paper`): buckets and overlap decide.
     "paper": Link("paper", alpha=100e-6, beta=1 / 0.6e9),
 }
 

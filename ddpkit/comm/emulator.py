@@ -263,8 +263,7 @@ class EmulatedWork(FutureWork):
         return self._future.done() and (self._first is None or self._first.get_future().done())
 
 
-# Read in the parent, from the ranks' ``fidelity`` counts (``Comm.emulation_counts``, summed by
-# ``run_strategy`` and ``series.timed_rounds``): where the real transfer outran the link.
+# Read in the parent from the ranks' ``fidelity`` counts (summed by ``run_strategy``, ``timed_rounds``)
 OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
 
 

@@ -241,9 +241,8 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
 def build_real_backend(name: str, opts, shm_prefix: str | None = None):
     """The real process group under one of ddpkit's (``name``: the Cluster's transport)."""
     if name == "nccl":
-        # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
-        # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,
-        # its flight recorder and the desync report name a group by them)
+        # as torch builds its NCCL groups: the Cluster's timeout (not NCCL's 10 minutes), the group's
+        # name and global ranks (NCCL's logs and the desync report name a group by them)
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = opts.timeout

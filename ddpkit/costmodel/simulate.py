@@ -257,9 +257,7 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
             for finished in done:
                 end = stream.wait(end, finished)
         elif step.gather_params:
-            # each rank stepped 1/N of the parameters; the updated ones are shared with one
-            # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
-            # ones back out
+            # one all-gather of all P bytes: our stepped 1/N copied in, the gathered ones back out
             end = stream.wait(*stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)))
             end += profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt

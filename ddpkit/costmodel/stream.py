@@ -53,8 +53,7 @@ class Stream:
         self.busy += max(real, link)
         self.bytes += ring_bytes(name, nbytes, len(ranks))
         self.count += 1
-        # the emulator hands the result over a little after the link frees (its thread wakes,
-        # then the waiter): on this machine's timeline, not on the link's
+        # the emulator hands the result over a little after the link frees: on this machine's timeline
         wake = self.net.emulation_s if link > 0 else 0.0
         clock = self.clocks.setdefault(route.kind, LinkClock())
         link_end = clock.delivers(at, link)

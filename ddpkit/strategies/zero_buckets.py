@@ -149,8 +149,7 @@ class ZeroDDPModule(TorchDDPCompat, DDPModule):
 
     @torch.no_grad()
     def _all_gather_parameters(self) -> None:
-        # every rank's updated shard to every rank, in place into the flat parameters (which the
-        # module's parameters view): all buckets launched first, so their transfers overlap
+        # every rank's updated shard into the flat parameters in place, all buckets launched first
         works = [bucket.all_gather(self.process_group, self.recorder) for bucket in self.buckets]
         for work in works:
             work.wait()

@@ -124,8 +124,7 @@ class Segment:
         try:
             if create:
                 _reserve(fd, self.nbytes)  # zero-filled: every pid and fingerprint starts at 0
-            # mapped with every page in place: else each rank's first touch of each page of the slab
-            # faults, and a cluster's first collectives run up to three times slower
+            # every page mapped now: first touches would slow a cluster's first collectives up to 3x
             mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
