@@ -117,8 +117,7 @@ def queue_at_end_of_backward(fn) -> bool:
 
 
 def copy_all(destinations: list, sources: list) -> None:
-    """``d.copy_(s)`` for every pair in one call: torch's underscored ``_foreach_copy_`` (from 2.1) loops
-    in C++, not once per tensor through the dispatcher."""
+    """``d.copy_(s)`` for every pair in one call (torch's underscored ``_foreach_copy_``, a C++ loop)."""
     torch._foreach_copy_(destinations, sources)
 
 
@@ -166,8 +165,7 @@ def first_tensor(tree):
 
 
 def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:
-    """Start (``enabled``) or stop the CUDA allocator's history (a stack trace per allocation); on
-    stop, write it to ``path`` as the pickle https://pytorch.org/memory_viz draws."""
+    """Start or stop (writing ``path``, memory_viz's pickle) the CUDA allocator's history."""
     from torch.cuda import memory as cuda_memory
 
     if enabled:
@@ -179,10 +177,8 @@ def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> N
 
 
 def register_real_backend(group, real, real_backend: str, cuda: bool = False) -> None:
-    """Register the real backend (gloo, NCCL) on ddpkit's Python process group ``group`` (gloo for
-    CUDA tensors too where ``cuda``). A group's name lives on its registered C++ backend: without
-    one ``DeviceMesh`` (so ``fully_shard``) refuses it ("ProcessGroup name not set"). Collectives
-    still come to ``group``'s Python methods (torch DDP's reducer through the binding's virtuals)."""
+    """Register the real backend on ddpkit's Python group (gloo for CUDA tensors too where ``cuda``):
+    without one the group has no name and ``DeviceMesh`` refuses it; collectives still come to Python."""
     import torch.distributed as dist
 
     kind = dist.ProcessGroup.BackendType.NCCL if real_backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
@@ -253,9 +249,8 @@ def backend_registered(name: str) -> bool:
 
 
 def share_cuda_tensor(tensor) -> tuple:
-    """What another process needs to map ``tensor`` (a CUDA tensor kept alive here) into its own
-    address space (a ``cudaIpcMemHandle``, size, offset, ref counter, event): how
-    ``torch.multiprocessing`` ships one (``reduce_tensor``), unchanged from 2.0 to 2.13."""
+    """What another process needs to map CUDA ``tensor`` (kept alive here) into its address space:
+    ``torch.multiprocessing``'s own ``reduce_tensor`` (unchanged from 2.0 to 2.13)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     return reduce_tensor(tensor)

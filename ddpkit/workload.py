@@ -48,8 +48,7 @@ class Workload:
 
     @classmethod
     def builtin(cls, name: str = "mlp", seed: int = 0, **kwargs) -> Workload:
-        """One of the course's models (``models.MODELS``) with its synthetic data (drawn with ``seed``)
-        and mean cross-entropy; ``kwargs`` go to the model."""
+        """A course model (``models.MODELS``, ``kwargs`` its size) with its data (``seed``), mean cross-entropy."""
         from ddpkit import models
 
         config = models.model_config(name, **kwargs)  # ValueError/TypeError for a bad name or keyword
@@ -169,8 +168,7 @@ def named(name: str, width: int | None = None, depth: int | None = None, seed: i
 
 
 def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: int = 0) -> Workload:
-    """What an instrument was asked to train: ``workload`` or the older ``model=`` (``Workload.of``);
-    neither: the default MLP."""
+    """What an instrument was asked to train: ``workload`` or the older ``model=``; neither: the MLP."""
     if workload is not None and model is not None:
         raise TypeError("give workload= or model=, not both (model= is the older name of workload=)")
     spec = workload if workload is not None else (model if model is not None else "mlp")

@@ -170,8 +170,7 @@ def spread(record: dict) -> float:
 
 
 def summary(records: list[dict]) -> list[str]:
-    """How near the model came on one world size: mean and worst |error|, measured and modelled
-    order, and for rounds spread wider than ``WIDE_SPREAD`` whether the model fell inside."""
+    """How near the model came on one world size: mean and worst |error|, the two orders, the spread."""
     ok = [r for r in records if "error" not in r]
     if not ok:
         return []

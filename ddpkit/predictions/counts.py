@@ -82,7 +82,8 @@ TORCH_BUCKETS = Question(
 
 # --------------------------------------------------------------------------- 05 ZeRO-1's state, FSDP's bytes
 def read_state_share(setting: Setting, zero1: list, ddp: list) -> Measured:
-    """``run_strategy`` results of ZeRO-1 and DDP: rank 0's model state, ZeRO-1 over DDP, by category."""
+    """``run_strategy(..., optimizer="adamw", record=True)``'s results, one per rank, of ZeRO-1 and
+    of DDP: rank 0's model state under ZeRO-1 over DDP's, by category."""
     ours, theirs = field(zero1[0], "memory"), field(ddp[0], "memory")
     whole = sum(theirs[c] for c in STATE)
     n = setting.world_size
@@ -107,7 +108,8 @@ ZERO1_STATE = Question(
 
 
 def read_bytes_against(setting: Setting, trace, ddp_sent: float) -> Measured:
-    """A recorded ``Trace`` and DDP's bytes per step: rank 0's bytes over DDP's, by collective."""
+    """A recorded run's ``Trace`` and DDP's bytes per step (``comm_bytes_per_step``, one rank's):
+    rank 0's bytes per step over DDP's, by collective."""
     m = bytes_sent(trace, 1.0)
     terms = [Term(t.label, t.value / ddp_sent) for t in m.terms]
     readings = [Term("FSDP's, resharding after forward: two all-gathers and a reduce-scatter", 1.5),
@@ -129,7 +131,8 @@ NO_RESHARD = Question(
 
 # --------------------------------------------------------------------------- 06 torch's ZeroRedundancyOptimizer
 def read_compare_bytes(setting: Setting, records: list) -> Measured:
-    """``compare``'s records: torch's ZeroRedundancyOptimizer's bytes over DDP's, by ring term."""
+    """``compare``'s records: torch's ZeroRedundancyOptimizer's bytes per step over DDP's, by the ring
+    formulas' terms."""
     sent = field(row_of(records, TORCH_ZERO), "comm_bytes_per_step")
     ddp = field(row_of(records, DDP), "comm_bytes_per_step")
     n, module = setting.world_size, formulas.meta_model(setting.model_kwargs)
@@ -157,7 +160,8 @@ TORCH_ZERO_BYTES = Question(
 
 # --------------------------------------------------------------------------- 09 hybrid sharding
 def read_cross_node_share(setting: Setting, hsdp, fsdp) -> Measured:
-    """``run_strategy`` results of hsdp and fsdp: bytes across nodes, hsdp's over fsdp's."""
+    """``run_strategy(..., record=True)``'s results of the rank sending most across nodes, of hsdp
+    and of fsdp: hsdp's bytes across nodes over FSDP's."""
     n, k = setting.world_size, setting.ranks_per_node
     w = n // k
     m = 4 * sum(formulas.unit_elements(formulas.meta_model(setting.model_kwargs)))
@@ -207,7 +211,8 @@ PARTED = Question(
 
 # --------------------------------------------------------------------------- 11 bytes as N grows
 def read_growth(setting: Setting, trace_n, trace_2) -> Measured:
-    """Two ``Trace``s of one job, at ``world_size`` ranks and at 2: rank 0's bytes at N over at 2."""
+    """Two recorded runs' ``Trace``s of the same job, at ``world_size`` ranks and at 2: rank 0's
+    bytes per step at N over at 2, by the ring terms at N."""
     at_n, at_2 = bytes_sent(trace_n, 1.0), bytes_sent(trace_2, 1.0)
     terms = [Term(t.label, t.value / at_2.value) for t in at_n.terms]
     n = at_n.world_size

@@ -53,7 +53,8 @@ def speedup_on(link: Link, n: int) -> float:
 
 def read_call_timings(setting: Setting, sizes: list[int], calls: list[list[float]], alpha: float,
                       beta: float) -> Measured:
-    """Notebook 01's ``sizes``, ``calls`` (seconds, [size][call]) and the fitted ``alpha``, ``beta``."""
+    """Notebook 01's ``sizes`` (bytes), ``calls`` (seconds of every call, [size][call]) and the
+    ``alpha`` (s), ``beta`` (s/byte) fitted to their medians."""
     n, k = setting.world_size, BIG // SMALL
     by_size = dict(zip(sizes, calls, strict=True))
     if BIG not in by_size or SMALL not in by_size:
@@ -91,7 +92,8 @@ def extra_latency(setting: Setting) -> tuple[int, float]:
 
 
 def read_cap_sweep(setting: Setting, sweep: dict[tuple[str, float], list[float]]) -> Measured:
-    """Notebook 03's sweep ``{(strategy, cap MiB): [ms per round]}``; reference: cap 1 plus the latency."""
+    """Notebook 03's sweep, ``{(strategy, cap MiB): [ms per round]}``, BucketedDDP's caps 1 and 0.
+    Reference: the cap-1 step as measured, plus the link's latency for cap 0's extra messages."""
     rounds = {CAP1: sweep[(BUCKETED, 1)], CAP0: sweep[(BUCKETED, 0)]}
     extra, latency = extra_latency(setting)
     base = statistics.median(rounds[CAP1])
@@ -115,7 +117,8 @@ CAPS = Question(
 # --------------------------------------------------------------------------- 04 overlap
 def read_rounds_and_parts(setting: Setting, rounds: dict[str, list[float]], parts: dict[str, dict[str, float]],
                           ideal: dict[str, float] | None = None) -> Measured:
-    """Notebook 04's ``rounds`` and ``parts`` per strategy, and the ``ideal`` steps it printed."""
+    """Notebook 04's timing ``rounds`` ({strategy: [ms per step]}), its median rounds' ``parts``
+    ({strategy: step_breakdown(...).parts}) and the ``ideal`` steps it printed ({strategy: ms})."""
     terms = parts_terms(parts[OVERLAPPED], parts[BUCKETED], PART_LABELS)
     return measured_faster((OVERLAPPED, BUCKETED), rounds, terms, setting,
                            "ms per step: the timing rounds' medians; the parts: the recorded runs (step_breakdown)",
@@ -135,7 +138,8 @@ OVERLAP = Question(
 
 # --------------------------------------------------------------------------- 07 the cost model's check
 def read_validation(setting: Setting, checked: list[dict]) -> Measured:
-    """``costmodel.validate``'s records: measured rounds, the model's account, its prediction."""
+    """``costmodel.validate``'s records: each strategy's measured ms per step (its rounds), the
+    model's account of them, and its prediction (the reference)."""
     by = {r["strategy"]: r for r in checked if "error" not in r}
     a, b = by[OVERLAPPED], by[FSDP]
     rounds = {s: by[s].get("measured_ms_rounds") or [by[s]["measured_ms"]] for s in (OVERLAPPED, FSDP)}
@@ -167,7 +171,8 @@ def skipped_link_ms(setting: Setting) -> float:
 
 
 def read_iteration_times(setting: Setting, per_iteration: dict[int, list[float]]) -> Measured:
-    """Notebook 08's ``{every: [ms per iteration]}``; reference: every 8 plus 7/8 of the link time."""
+    """Notebook 08's ``{every: [ms per iteration, per round]}``. Reference: an iteration
+    synchronising every 8th (as measured) plus 7/8 of one step's link time."""
     rounds = {EVERY8: per_iteration[8], EVERY1: per_iteration[1]}
     sync_ms = skipped_link_ms(setting)
     base = statistics.median(rounds[EVERY8])

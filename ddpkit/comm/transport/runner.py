@@ -28,8 +28,7 @@ from ddpkit.comm.transport.segment import Segment, ShmError
 
 @dataclass(eq=False)
 class Piece:
-    """One piece: what this rank deposits, what it reads once all have, and on the last piece what
-    finishes the collective and the future it completes."""
+    """One piece: what this rank deposits, reads once all have, and (the last) finishes and completes."""
 
     deposit: object                      # deposit(views): views is the slot as (N, R / itemsize)
     complete: object                     # complete(views)
@@ -45,8 +44,7 @@ class Piece:
 
 
 class Work(FutureWork):
-    """A collective in flight: ``wait()`` moves the queue up to it if nobody is, blocks, raises its
-    error. ``ready_s``: when its last bytes were in the slab (the emulator asks)."""
+    """A collective in flight: ``wait()`` moves the queue up to it; ``ready_s``: when its bytes were in."""
 
     def __init__(self, runner: Runner | None, future, last: Piece | None = None, at_wait: bool = False):
         super().__init__(future)
