@@ -3,34 +3,19 @@
     sweep = {n: memory_against_n(cluster_of_n, strategies) for n in (1, 2, 4)}   # names from strategies.table
     ddpkit.viz.plot_memory_against_n(sweep)       # stacked by category, the ZeRO formula beside
 
-The ZeRO formulas (``ddpkit.memory_formulas.zero_predictions``) count model states only: parameters,
-gradients, optimizer state. What a rank holds in a step is more, and the rest does not shrink
-with N: activations (the same per-rank batch at every N), DDP's buckets (a second copy of every
-gradient), FSDP's unsharded units (a gathered unit is full size whatever N, and a prefetch holds
-one more), and the optimizer state is only there after the optimizer's first step (torch's
-optimizers allocate it lazily: measured before it, no rung saves anything).
-
-``memory_job`` runs on every rank (a Cluster job): it trains a few steps of a strategy on a
-workload (``ddpkit.Workload``, default the course's MLP) with AdamW and measures, per rank, in
-bytes, every category of ``ddpkit.memory.CATEGORIES``:
-
-- ``parameters``, ``gradients``, ``optimizer_state``, ``communication_buffers``, ``activations``:
-  the memory-measuring pass (``ddpkit.memory.measure_step``) of a steady step, after its backward
-  and synchronisation, before its optimizer step (gradients present, optimizer state from the
-  steps before; activations: what autograd saved in that step's forward);
-- ``unsharded_parameters``: the most bytes of gathered flat parameters FSDP held at once
-  during the step (its own counter; 0 for the other rungs);
-- ``optimizer_state_before_first_step``: the optimizer state after the first backward, before
-  the first ``optimizer.step()`` (0: torch's optimizers allocate their state in it).
+The ZeRO formulas (``memory_formulas.zero_predictions``) count model states only; what does not
+shrink with N is the rest: activations, DDP's buckets, FSDP's gathered units, and the optimizer
+state before the first step (torch allocates it lazily). ``memory_job`` (a Cluster job) trains a
+few AdamW steps and measures per rank every ``memory.CATEGORIES`` of a steady step before its
+optimizer step (``memory.measure_step``), plus ``unsharded_parameters`` (FSDP's most gathered at
+once) and ``optimizer_state_before_first_step``.
 """
 from __future__ import annotations
 
 
 def memory_job(strategy: str, workload=None, per_rank_batch: int = 32, steps: int = 2, optimizer: str = "adamw",
                bucket_cap_mb: float | None = None, seed: int = 0) -> dict:
-    """A Cluster job: train ``steps`` steps of ``strategy`` on ``workload`` (a ``ddpkit.Workload``
-    or a built-in's name; default the MLP), ``per_rank_batch`` samples per rank; this rank's memory
-    by category (see the module docstring), in bytes."""
+    """A Cluster job: ``steps`` steps of ``strategy`` on ``workload``; this rank's bytes by category."""
     import torch.distributed as dist
 
     from ddpkit.experiment import wrap
@@ -65,10 +50,8 @@ def memory_job(strategy: str, workload=None, per_rank_batch: int = 32, steps: in
 
 
 def memory_against_n(cluster, strategies, workload=None, per_rank_batch: int = 32, **job_kwargs) -> dict[str, dict]:
-    """``memory_job`` for each strategy on ``cluster``, training ``workload`` (default the MLP):
-    ``{strategy: the rank holding the most's measurement, with "world_size" and "ranks" (every
-    rank's)}``. Run it on clusters of 1, 2, 4 ranks for the sweep (``ddpkit.viz.plot_memory_against_n``
-    draws ``{n: this}``)."""
+    """``memory_job`` for each strategy on ``cluster``: ``{strategy: the rank holding the most's
+    measurement, with "world_size" and "ranks"}`` (``viz.plot_memory_against_n`` draws ``{n: this}``)."""
     out = {}
     for s in strategies:
         ranks = cluster.run(memory_job, s, workload, per_rank_batch=per_rank_batch, **job_kwargs)
@@ -77,8 +60,7 @@ def memory_against_n(cluster, strategies, workload=None, per_rank_batch: int = 3
 
 
 def formula_totals(sweep: dict, num_params: int) -> dict[tuple[str, int], float]:
-    """``{(strategy, n): the ZeRO formula's model-state bytes per rank}`` for ``{n: {strategy: ...}}``
-    (fp32 AdamW: 4 + 4 + 8 bytes per parameter, ``ddpkit.memory_formulas.predicted_model_state``)."""
+    """``{(strategy, n): the ZeRO formula's model-state bytes per rank}`` (fp32 AdamW)."""
     from ddpkit.memory_formulas import predicted_model_state
 
     return {(s, n): predicted_model_state(s, num_params, n)["total"] for n, runs in sweep.items() for s in runs}

@@ -1,9 +1,5 @@
-"""Nested batches and outputs: the leaves of tuples, lists, dicts, named tuples and dataclasses,
-walked one way everywhere (torch's pytree, through ``ddpkit.torch_internals``).
-
-A workload's batch (``ddpkit.Workload``), a forward's arguments (FSDP's mixed precision casts
-them) and a module's output (FSDP hooks the tensors in it) nest as deep as they like; anything
-else is a leaf.
+"""Nested batches, arguments and outputs (tuples, lists, dicts, named tuples, dataclasses), walked
+one way everywhere: torch's pytree, through ``ddpkit.torch_internals``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""What one strategy run measured on one rank: ``RunResult``, the type ``experiment.run_strategy``
-returns (``cluster.run(run_strategy, ...)``: one per rank), and ``RecordSummary``, the per-step
-averages it reads back from its recorder's records (``experiment.summarize_records``).
-
-Plain data, picklable across the cluster's processes; ``compare``, ``series``, ``doctor``, the
-widget's progress bar and the notebooks read the fields by name. A field is None where the run
-did not measure it (``record=False``: no bytes, overlap or memory; no ``reference``: no
-difference from one process).
+"""What one strategy run measured on one rank (``RunResult``, ``experiment.run_strategy``'s) and the
+per-step averages read back from its records (``RecordSummary``); None where not measured.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The one training step every notebook, test, benchmark and ``python -m ddpkit.train`` shares.
 
-``train_batch`` never asks which strategy it runs: every wrapper has the same small interface
-(``finish_gradient_synchronization()``, ``clip_grad_norm_``), and the optimizer is whatever the
-caller built over ``model.parameters()`` (for FSDP: the local shards); ``train_step`` is it for the
-course's ``(inputs, targets)``. What runs, times and reads back steps is ``ddpkit.experiment``.
-Equality with one process: rank r trains on its slice of the global batch with a *mean* loss, and
-the average of the N ranks' gradients, (1/N) sum_r mean_r, is the mean over the whole batch.
+``train_batch`` never asks which strategy it runs (every wrapper has the same small interface; the
+optimizer is over ``model.parameters()``, FSDP's shards). Equality with one process: with a *mean*
+loss, the average of the ranks' gradients, (1/N) sum_r mean_r, is the mean over the whole batch.
 """
 from __future__ import annotations
 
@@ -17,22 +14,15 @@ from ddpkit.trace.seam import recorder as rank_recorder
 
 
 def train_step(model, optimizer, inputs, targets, recorder=None, max_norm: float | None = None):
-    """Forward, backward, finish gradient sync, optimizer step on the course's ``(inputs,
-    targets)`` batches (mean cross-entropy); returns the local loss. ``train_batch`` below."""
+    """``train_batch`` on the course's ``(inputs, targets)`` batches (mean cross-entropy); the loss."""
     return train_batch(model, optimizer, (inputs, targets), supervised_loss, recorder, max_norm)
 
 
 def train_batch(model, optimizer, batch, loss, recorder=None, max_norm: float | None = None):
-    """Forward (``loss(model, batch)``, a scalar), backward, finish gradient sync, clip (when
-    ``max_norm`` is given: ``model.clip_grad_norm_``, the norm of the *whole* gradient, sharded or
-    not), optimizer step; returns the local loss.
-
-    ``recorder``: where the step is recorded (default: the rank's, off unless recording): the spans
-    "forward", "backward" (autograd's work, up to the last gradient), "sync" (from there until every
-    gradient is averaged: most wrappers sync at the end of backward, inside ``loss.backward()``) and
-    "step", and this rank's loss. When it says a memory sample is due (``memory_due``), two samples
-    too: at the end of forward (activations alive, no gradients) and after the optimizer step
-    (gradients and optimizer state alive). With recording off each of those calls does nothing."""
+    """Forward (``loss(model, batch)``), backward, finish the sync, clip (``max_norm``: the *whole*
+    gradient's norm), optimizer step; returns the local loss. ``recorder`` (default the rank's):
+    the spans "forward", "backward", "sync", "step", the loss, and when ``memory_due`` a memory
+    sample after forward and after the step."""
     if recorder is None:
         recorder = rank_recorder()
     recorder.begin_step()  # a new step index, unless the caller just started one

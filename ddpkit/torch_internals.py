@@ -2,49 +2,14 @@
 why we need it and the releases it was checked on.
 
 ddpkit leans on torch internals on purpose: a Python process group under every collective (torch's
-DDP, ``fully_shard`` and ZeroRedundancyOptimizer included) is how it sees torch's own wrappers.
-So it states a tested range, ``SUPPORTED`` (floor and newest release), proves it in CI (``.ci/compat``
-runs the doctor, the equivalence matrix and the process-group, shared-memory, desync and
-third-party-model tests on the floor and the newest), and warns once, naming the range, on any
-other torch (``check_torch``, called by ``import ddpkit`` and by the doctor's first line).
-The floor, 2.8: the oldest release on which torch's own ``fully_shard`` (FSDP2, the course's
-reference for sharding), hybrid sharding on a 2-D mesh included, runs on CPU ranks over gloo. On
-2.7 its hybrid form fails inside torch (``assert all_reduce_event is not None`` in
-``post_backward``), on 2.6 every form does ("'Stream' object has no attribute 'record_event'");
-every ddpkit strategy and torch's DDP still train there (the shims below for 2.6-2.7 are kept so
-that a torch below the range warns instead of hanging). Checked: the compatibility job on 2.7.1,
-2.8.0, 2.13 and 2.15; the doctor on 2.6, 2.7.1, 2.8.0, 2.11, 2.13 and 2.15.
-
-- ``check_torch``, ``SUPPORTED``: the tested range and the one warning outside it;
-- ``loopback_tcp_store``: the rendezvous store on a socket we bound (libuv's store takes a
-  listening fd from 2.8; 2.6-2.7, below the range, take it only with the legacy store);
-- ``all_gather_flat``, ``reduce_scatter_flat``: the flat collectives (renamed ``*_single`` in 2.12);
-- ``fully_shard``: torch's FSDP2 (public in ``torch.distributed.fsdp`` from 2.6);
-- ``is_chatter``: torch 2.8's gloo announcing its connections on every rank (dropped);
-- ``is_async``: a collective's ``asyncOp`` option (from 2.8);
-- ``hold_for_torch``: a Python ``Work`` kept alive for C++ (2.6 only; ``PyWorkHolder`` from 2.7);
-- ``AllgatherOptions``: the options object a Python process group's ``allgather`` hands to the real
-  backend's (not re-exported by ``torch.distributed``);
-- ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
-- ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
-- ``register_real_backend``, ``backend_registered``: what ddpkit's own
-  process group (``ddpkit.comm.process_group``) needs to stand in for gloo or NCCL (its ``FutureWork``
-  needs nothing private: ``dist.Work`` subclassed, as torch's tests of Python groups do);
-- ``TorchDispatchMode``: torch's dispatch mode, to watch the tensors operators create;
-- ``copy_all``: torch's multi-tensor copy (``_foreach_copy_``), a bucket's slots into ``.grad``;
-- ``tree_map``, ``tree_leaves_with_path``: torch's pytree (``torch.utils._pytree``), the one walker
-  of nested batches, arguments and outputs (tuples, lists, dicts, named tuples, dataclasses);
-  ``tensors_to`` (what torch's DDP does to a forward's inputs given ``device_ids``) and
-  ``first_tensor`` (where a wrapper times a backward that it did not start) are walks of it;
-- ``share_cuda_tensor``, ``open_cuda_tensor``: a CUDA tensor handed to another process through CUDA IPC
-  (``torch.multiprocessing.reductions``, what ``torch.multiprocessing`` pickles a CUDA tensor with);
-  the CUDA IPC transport's slab (``ddpkit.comm.transport.device_slab``);
-- ``nvml_index``: the NVML index of a CUDA device (``CUDA_VISIBLE_DEVICES`` renumbers torch's),
-  for the memory a process holds outside the allocator (``ddpkit.memory.cuda_context_bytes``).
-
-Beyond these names, ``ddpkit.process_group`` overrides the methods torch calls on a Python
-``ProcessGroup`` (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``, ...): their names
-and arguments are torch's, and the compatibility job is what proves them on each release.
+DDP, ``fully_shard`` and ZeroRedundancyOptimizer included) is how it sees torch's own wrappers. The
+tested range is ``SUPPORTED``; CI's ``.ci/compat`` proves the floor and the newest, and
+``check_torch`` warns once on any other torch. The floor, 2.8, is the oldest release whose
+``fully_shard`` (hybrid sharding on a 2-D mesh included) runs on CPU ranks over gloo (2.7 fails in
+``post_backward``, 2.6 on ``record_event``); the shims below for 2.6-2.7 make such a torch warn
+instead of hang. Checked: the compatibility job on 2.7.1, 2.8.0, 2.13 and 2.15; the doctor on 2.6
+to 2.15. ``ddpkit.comm.process_group`` also overrides the methods torch calls on a Python
+``ProcessGroup`` (``allreduce``, ``_allgather_base``, ...): their names are torch's, proven by that job.
 """
 from __future__ import annotations
 
@@ -94,8 +59,7 @@ class UntestedTorchWarning(UserWarning):
 
 
 def check_torch() -> str | None:
-    """Warn once (``UntestedTorchWarning``) when this torch is outside the tested range; return
-    the problem, or None."""
+    """Warn once (``UntestedTorchWarning``) outside the tested range; the problem, or None."""
     problem = torch_problem()
     if problem is not None:
         warnings.warn(problem, UntestedTorchWarning, stacklevel=3)
@@ -103,26 +67,20 @@ def check_torch() -> str | None:
 
 
 def loopback_tcp_store(sock, timeout: float):
-    """The rendezvous ``TCPStore``, hosted here on ``sock``, a socket already bound (to loopback)
-    and listening; the store owns a duplicate of its fd.
-
-    torch's default store backend (libuv, from 2.4) accepts a listening fd only from 2.8
-    (earlier: ``NotImplementedError``), so 2.6-2.7 get the legacy store, which always did.
-    """
+    """The rendezvous ``TCPStore`` hosted on ``sock`` (bound to loopback, listening; the store owns a
+    duplicate fd). libuv's store takes a listening fd from 2.8 only: 2.6-2.7 get the legacy store."""
     legacy = {"use_libuv": False} if torch_version() < (2, 8) else {}
     return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
                          master_listen_fd=os.dup(sock.fileno()), timeout=timedelta(seconds=timeout), **legacy)
 
 
 def is_async(opts) -> bool:
-    """Did the caller launch this collective asynchronously (``async_op=True``)? Options carry it
-    as ``asyncOp`` from 2.8; before, a backend cannot tell, and takes every call as asynchronous."""
+    """Was the collective launched with ``async_op=True``? (``asyncOp`` from 2.8; before, assumed so.)"""
     return getattr(opts, "asyncOp", True)
 
 
-# torch 2.8's gloo prints a line for every group it connects ("[Gloo] Rank 0 is connected to 1 peer
-# ranks. Expected number of connected peer ranks is : 1"), below Python, on every rank: in a
-# notebook, a screenful of it for each Cluster. Not printed by 2.13 or 2.15.
+# torch 2.8's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks..." below Python for every
+# group, on every rank: a screenful per Cluster in a notebook (not printed by 2.13 or 2.15).
 _CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
@@ -143,20 +101,14 @@ def fully_shard(module, **kwargs):
 
     return shard(module, **kwargs)
 
-# torch's dispatch mode: a context in which every operator call passes through
-# ``__torch_dispatch__`` (``ddpkit.memory.TensorWatch`` counts the tensors operators create). It
-# lives in the underscored ``torch.utils._python_dispatch``.
+# torch's dispatch mode (underscored module): ``memory.TensorWatch`` counts the tensors operators create
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
 
 
 def queue_at_end_of_backward(fn) -> bool:
-    """Run ``fn`` once the backward pass running now has finished (after every hook); False if
-    torch cannot. Call it from a hook only.
-
-    torch's own DDP (in C++) and FSDP do the same. It lets ``loss.backward()`` itself wait for
-    the last collectives, so an explicit ``finish_gradient_synchronization()`` finds nothing left
-    to do; without it (a future torch) train_step's explicit call still finishes the work.
-    """
+    """Run ``fn`` once the running backward has finished (after every hook), as torch's DDP and FSDP
+    do, so ``loss.backward()`` waits for the last collectives; False if torch cannot (then
+    train_step's explicit ``finish_gradient_synchronization()`` does it). Call it from a hook only."""
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     if engine is None or not hasattr(engine, "queue_callback"):
         return False
@@ -165,29 +117,19 @@ def queue_at_end_of_backward(fn) -> bool:
 
 
 def copy_all(destinations: list, sources: list) -> None:
-    """``d.copy_(s)`` for every pair, in one operator call: torch's ``_foreach_copy_`` (underscored)
-    loops in C++, where a Python loop pays the interpreter and the dispatcher once per tensor (66
-    times a step for the course's MLP). One by one where it is missing."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(destinations, sources)
-        return
-    for d, s in zip(destinations, sources, strict=True):
-        d.copy_(s)
+    """``d.copy_(s)`` for every pair in one call (torch's underscored ``_foreach_copy_``, a C++ loop)."""
+    torch._foreach_copy_(destinations, sources)
 
 
-# torch's pytree (underscored; torch's DDP and FSDP walk their inputs with it, Hugging Face registers
-# its ModelOutput with it). A dataclass is a leaf there unless registered (``register_dataclass``,
-# global): walked here through its fields, registering nothing. Used: tree_map, tree_leaves and
-# tree_flatten_with_path with ``is_leaf``, keystr, SUPPORTED_NODES (key paths came in 2.2); run on
-# 2.13 here, and on 2.8 and 2.15 by .ci/compat's test_equivalence, which slices every batch with them.
+# torch's pytree (underscored; torch's DDP and FSDP walk inputs with it, Hugging Face registers its
+# ModelOutput). A dataclass is a leaf there unless registered: walked here through its fields,
+# registering nothing. Checked on 2.8, 2.13 and 2.15 (.ci/compat's test_equivalence).
 def _dataclass(x) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
 
 
 def tree_map(fn, tree):
-    """``tree`` with ``fn`` applied to every leaf, its structure kept (tuples, lists, dicts, named
-    tuples, what torch's pytree knows; dataclasses rebuilt with ``dataclasses.replace``)."""
+    """``tree`` with ``fn`` on every leaf, structure kept (dataclasses rebuilt with ``replace``)."""
     def leaf(x):
         if not _dataclass(x):
             return fn(x)
@@ -198,8 +140,7 @@ def tree_map(fn, tree):
 
 
 def tree_leaves_with_path(tree, where: str = ""):
-    """``(where, leaf)`` for every leaf of ``tree`` in order, ``where`` as torch prints a key path,
-    e.g. ``"['input_ids']"``, ``"[0]"``, ``".labels"`` (a named tuple's or a dataclass's field)."""
+    """``(where, leaf)`` for every leaf, ``where`` a key path as torch prints it (``"['input_ids']"``)."""
     try:
         flat = pytree.tree_flatten_with_path(tree, is_leaf=_dataclass)[0]
     except ValueError:  # a node registered without key paths (e.g. an older library's): unnamed
@@ -219,18 +160,12 @@ def tensors_to(tree, device: torch.device):
 
 
 def first_tensor(tree):
-    """The first tensor inside a forward's output (a tensor, a tuple, a dict, a Hugging Face
-    ``ModelOutput``, a dataclass), or None."""
+    """The first tensor inside a forward's output (tensor, tuple, dict, ``ModelOutput``), or None."""
     return next((t for _, t in tree_leaves_with_path(tree) if isinstance(t, torch.Tensor)), None)
 
 
 def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> None:
-    """Start (``enabled``) or stop the CUDA allocator's history; on stop, write it to ``path``.
-
-    ``torch.cuda.memory._record_memory_history`` makes the caching allocator keep a stack trace
-    per allocation; ``_dump_snapshot`` writes them as a pickle that https://pytorch.org/memory_viz
-    draws.
-    """
+    """Start or stop (writing ``path``, memory_viz's pickle) the CUDA allocator's history."""
     from torch.cuda import memory as cuda_memory
 
     if enabled:
@@ -242,35 +177,23 @@ def allocator_history(enabled: bool, path=None, max_entries: int = 100_000) -> N
 
 
 def register_real_backend(group, real, real_backend: str, cuda: bool = False) -> None:
-    """Register the real backend (gloo, NCCL) on ddpkit's Python process group ``group``; a gloo
-    one for CUDA tensors too where ``cuda`` (ranks on GPUs over gloo's family: gloo takes them).
-
-    A group's name lives on its registered backend in C++; a Python group with none has no
-    name, and ``DeviceMesh`` (so ``fully_shard``) refuses it ("ProcessGroup name not set").
-    ``_register_backend`` is underscored. Collectives still come to ``group``'s Python methods:
-    ``torch.distributed`` calls those, and torch DDP's C++ reducer reaches them through the
-    binding's virtual methods.
-    """
+    """Register the real backend on ddpkit's Python group (gloo for CUDA tensors too where ``cuda``):
+    without one the group has no name and ``DeviceMesh`` refuses it; collectives still come to Python."""
     import torch.distributed as dist
 
     kind = dist.ProcessGroup.BackendType.NCCL if real_backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
     devices = ["cuda"] if real_backend == "nccl" else ["cpu", "cuda"] if cuda else ["cpu"]
     for device in devices:
         group._register_backend(torch.device(device), kind, real)
-    # torch 2.15's init_process_group attaches its Flight Recorder to every group with a
-    # registered device backend, and asks the group for its *default* backend type, which
-    # _register_backend does not set ("Could not find the default backend type 0"). Earlier
-    # releases never ask; setting it there is harmless (checked on 2.6 to 2.15).
+    # torch 2.15's Flight Recorder asks every group for its default backend type, which
+    # _register_backend does not set; earlier releases never ask (harmless there, 2.6 to 2.15)
     group._set_default_backend(kind)
 
 
 class FutureWork(dist.Work):
-    """A ``Work`` that completes with a future: what a Python process group returns when the
-    result comes later (an emulated link's pace, a reduce-scatter's copy-out, the shared-memory
-    transport). ``wait()`` raises the future's error. (torch's own ``_create_work_from_future``
-    is underscored, and its ``wait()`` returns True even when the future failed: a failed
-    collective would pass unnoticed.) torch's DDP reducer reaches these methods through the
-    binding's virtual calls, as for any Python Work."""
+    """A ``Work`` that completes with a future (an emulated link's pace, a reduce-scatter's copy-out,
+    the shared-memory transport); ``wait()`` raises the future's error, where torch's underscored
+    ``_create_work_from_future`` returns True even when the future failed."""
 
     def __init__(self, future):
         super().__init__()
@@ -294,13 +217,10 @@ class FutureWork(dist.Work):
         return self._future.value()
 
 
-# A Python ``Work`` handed to C++ (torch DDP's reducer, ``_verify_params_across_processes``) lives
-# on as two halves: the C++ object C++ holds, and the Python object whose ``wait()`` C++ calls
-# through pybind's trampoline. From 2.7 torch keeps the Python half alive with the C++ one
-# (``PyWorkHolder``); on 2.6, below the tested range, nothing does, so once Python drops it C++'s
-# ``wait()`` reaches the base ``Work`` and blocks forever (torch DDP's constructor hung over the
-# shared-memory transport). There, a Work returned by ddpkit's process group is held here until
-# somebody waits on it or takes its future (``hold_for_torch``): a hang is worse than a warning.
+# A Python ``Work`` handed to C++ (torch DDP's reducer) lives on in two halves; from 2.7 torch keeps
+# the Python half alive (``PyWorkHolder``), on 2.6 (below the range) nothing does, and C++'s
+# ``wait()`` blocks forever. There a Work of ddpkit's process group is held until waited on or its
+# future taken (``hold_for_torch``): a hang is worse than a warning.
 _HELD: dict[int, FutureWork] = {}
 _HOLD = torch_version() < (2, 7)
 _HELD_AT_MOST = 1024  # Works nobody ever waits on (fire and forget) are let go past this, done ones first
@@ -329,16 +249,11 @@ def backend_registered(name: str) -> bool:
 
 
 def share_cuda_tensor(tensor) -> tuple:
-    """What another process needs to map ``tensor`` (a CUDA tensor this process keeps alive) into its
-    own address space: picklable bytes and numbers (a ``cudaIpcMemHandle``, its size and offset,
-    the reference counter and event that keep the producer's memory valid).
-    ``torch.multiprocessing.reductions.reduce_tensor`` is how ``torch.multiprocessing`` ships a CUDA
-    tensor between processes; its rebuild function and argument list are its own, unchanged from
-    2.0 to 2.13 (to be proven on a GPU: the GPU lab's shared-GPU parts)."""
+    """What another process needs to map CUDA ``tensor`` (kept alive here) into its address space:
+    ``torch.multiprocessing``'s own ``reduce_tensor`` (unchanged from 2.0 to 2.13)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    rebuild, args = reduce_tensor(tensor)
-    return rebuild, args
+    return reduce_tensor(tensor)
 
 
 def open_cuda_tensor(shared: tuple):
@@ -348,9 +263,8 @@ def open_cuda_tensor(shared: tuple):
 
 
 def nvml_index(device) -> int:
-    """NVML's index of CUDA device ``device`` (NVML counts physical GPUs; torch counts those
-    ``CUDA_VISIBLE_DEVICES`` shows): ``torch.cuda._get_nvml_device_index``, underscored, as
-    ``torch.cuda.utilization`` uses it; the torch index where it is missing."""
+    """NVML's index of CUDA ``device`` (torch counts only the visible ones): torch's underscored
+    ``_get_nvml_device_index``; the torch index where it is missing."""
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     lookup = getattr(torch.cuda, "_get_nvml_device_index", None)

@@ -6,22 +6,13 @@
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m ddpkit.train --strategy fsdp
 
-torchrun starts one process per rank and tells each where it stands through environment
-variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): that is
-torchrun's documented contract, and ``init_process_group(backend)`` with no other arguments reads
-it (the "env://" method). The rank layout is read from it once (``Topology.from_torchrun``):
-every rank picks the backend from its node's size (NCCL when the node has a GPU per rank), and
-hybrid sharding shards inside the real nodes. The process group is ddpkit's over that backend,
-as a Cluster's, so every collective is counted (the bytes rank 0 sent are printed at the end).
-``--model`` is a built-in or ``package.module:function`` returning a ``ddpkit.Workload``.
-Everything after that is what a Cluster job does.
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ...) gives the rank layout once
+(``Topology.from_torchrun``: NCCL where a node has a GPU per rank; hybrid sharding inside real
+nodes); the process group is ddpkit's over that backend, so rank 0 prints the bytes it sent.
 
-Checkpoints (``--checkpoint DIR``): every ``--save-every`` steps and at the end, rank 0 writes
-the full model (``full_state_dict()``: the same for every strategy, FSDP gathers its shards)
-and every rank writes its own optimizer state (sharded for ZeRO-1 and FSDP, so per rank).
-``--resume DIR`` loads the model into the unwrapped module *before* wrapping (construction
-broadcasts it, FSDP shards it) and each rank's optimizer state after, then continues from the
-saved step: k steps + resume for m more equals k + m steps straight.
+Checkpoints (``--checkpoint DIR``, every ``--save-every`` steps and at the end): rank 0 writes the
+full model (``full_state_dict()``), every rank its own optimizer state. ``--resume DIR`` loads the
+model before wrapping and each rank's optimizer after: k steps + resume for m equals k + m straight.
 """
 from __future__ import annotations
 
@@ -167,10 +158,8 @@ def main(argv=None) -> int:
               f"rank 0 sent {human_bytes(sent)} through ddpkit's process group", flush=True)
         if args.save:
             torch.save({k: v.cpu() for k, v in full.items()}, args.save)
-    # Leave together, and free the wrapper (its hooks, flat buffers and collective handles)
-    # while the process group still exists: left to interpreter exit, after the group was
-    # destroyed, FSDP's objects aborted a loaded rank ("terminate called without an active
-    # exception") in 2 of 6 two-node runs; freed here, 0 of 8.
+    # Leave together, and free the wrapper while the process group still exists: freed at exit,
+    # FSDP's objects aborted a loaded rank in 2 of 6 two-node runs; freed here, 0 of 8.
     dist.barrier()
     del model, opt, full
     gc.collect()

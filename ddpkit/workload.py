@@ -7,18 +7,12 @@
         name="gpt2-tiny")
     ddpkit.Workload.builtin("mlp", depth=8)                # the course's models are workloads too
 
-Every instrument takes one where it took a model name: ``compare(cluster, strategies,
-workload=wl)``, ``experiment.run_strategy``, the trace, the cost model's profile, and the command
-line's ``--model NAME`` (a built-in, or ``package.module:function`` returning a Workload: ``load``).
-
-The callables travel to the ranks by value (cloudpickle, like any Cluster job), so lambdas and
-closures from a notebook cell work. Each rank builds the model under the same seed (``build``),
-so rank 0's model is the one a single process builds (every wrapper broadcasts rank 0's anyway);
-each rank asks for the whole global batch and keeps its own contiguous slice of dim 0
-(``local_batch``): a tensor, or tuples, lists, dicts, named tuples or dataclasses of tensors,
-nested as deep as you like (``ddpkit.nested``: torch's pytree). With a loss that is a *mean* over
-the samples, the ranks' averaged gradients are then the gradient of the whole batch
-(``ddpkit.step``'s docstring says why), so every strategy equals one process.
+Every instrument takes one where it took a model name (``compare``, ``run_strategy``, the trace,
+the cost model, ``--model NAME``: a built-in or ``package.module:function``, ``load``). The
+callables travel by value (cloudpickle), so notebook lambdas work. Each rank builds the model under
+the same seed (``build``) and keeps its contiguous slice of dim 0 of the global batch
+(``local_batch``; any nesting torch's pytree walks); with a *mean* loss every strategy then equals
+one process (``ddpkit.step``).
 """
 from __future__ import annotations
 
@@ -54,10 +48,7 @@ class Workload:
 
     @classmethod
     def builtin(cls, name: str = "mlp", seed: int = 0, **kwargs) -> Workload:
-        """One of the course's models (``ddpkit.models.MODELS``: ``"mlp"``, ``"gpt"``) with its
-        synthetic data and mean cross-entropy; ``kwargs`` go to the model (``width``, ``depth``;
-        ``dim``, ``layers``, ...), ``seed`` draws its data. Its initialization is ``build(seed)``'s,
-        as for every workload (``build(s)`` equals ``models.build_model(name, seed=s)``)."""
+        """A course model (``models.MODELS``, ``kwargs`` its size) with its data (``seed``), mean cross-entropy."""
         from ddpkit import models
 
         config = models.model_config(name, **kwargs)  # ValueError/TypeError for a bad name or keyword
@@ -67,8 +58,7 @@ class Workload:
 
     @classmethod
     def of(cls, spec="mlp", model_kwargs: dict | None = None, seed: int = 0) -> Workload:
-        """A Workload from what an instrument was given: a Workload, a built-in's name (sized by
-        ``model_kwargs``, its data drawn with ``seed``), or ``"package.module:function"`` (``load``)."""
+        """A Workload from a Workload, a built-in's name (``model_kwargs``, ``seed``), or ``load``'s form."""
         if isinstance(spec, Workload):
             if model_kwargs:
                 raise ValueError(f"model_kwargs {model_kwargs} size a built-in model; workload "
@@ -84,8 +74,7 @@ class Workload:
 
     # --------------------------------------------------------------------- inside a rank
     def build(self, seed: int = 0) -> nn.Module:
-        """``model()`` under torch seed ``seed`` (the caller's random state left as it was), so
-        every process that builds it with the same seed gets the same initial parameters."""
+        """``model()`` under torch seed ``seed`` (the caller's random state kept): equal on every process."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = self.model()
@@ -121,16 +110,14 @@ class Workload:
 
 # ----------------------------------------------------------------------------- batches
 def samples_per_rank(global_batch_size: int, world_size: int) -> int:
-    """B/N: each rank's share of a global batch of B samples; ValueError unless B splits evenly
-    over the N ranks (the one check, for the batches here and the command lines' arguments)."""
+    """B/N, each rank's share of a global batch; ValueError unless B splits evenly (the one check)."""
     if global_batch_size % world_size:
         raise ValueError(f"a global batch of {global_batch_size} does not split evenly over {world_size} ranks")
     return global_batch_size // world_size
 
 
 def shard_batch(batch, rank: int, world_size: int):
-    """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (the N slices of a
-    global batch of B samples hold B/N each: B must split evenly)."""
+    """Rank ``rank``'s contiguous slice of dim 0 of every tensor in ``batch`` (B/N samples)."""
     sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"a batch's tensors must share dim 0 (samples); found sizes {sorted(sizes) or 'none'}")
@@ -145,9 +132,8 @@ def to_device(batch, device):
 
 # ----------------------------------------------------------------------------- by name
 def load(spec: str) -> Workload:
-    """``"package.module:function"`` -> ``function()``, which must return a Workload: imported
-    here, in the process that asks (the command line, before any rank starts), so a typo, an
-    import error or a wrong return type is a ValueError now, not a traceback from every rank."""
+    """``"package.module:function"`` -> ``function()``, a Workload, imported here: a mistake is a
+    ValueError now, not a traceback from every rank."""
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise ValueError(f"workload {spec!r}: expected package.module:function")
@@ -166,10 +152,8 @@ def load(spec: str) -> Workload:
 
 
 def named(name: str, width: int | None = None, depth: int | None = None, seed: int = 0) -> Workload:
-    """What the command line's ``--model NAME --width W --depth D`` stands for: a built-in
-    (``ddpkit.models.MODELS``) sized by width and depth in its own terms (``models.size_kwargs``,
-    its data drawn with ``seed``), or ``package.module:function`` (``load``), which sizes its own
-    model. ValueError otherwise."""
+    """The command line's ``--model NAME --width W --depth D``: a built-in sized in its own terms
+    (``models.size_kwargs``), or ``package.module:function`` (``load``); ValueError otherwise."""
     from ddpkit.models import MODELS, size_kwargs
 
     if ":" in name:
@@ -184,9 +168,7 @@ def named(name: str, width: int | None = None, depth: int | None = None, seed: i
 
 
 def resolve(workload=None, model=None, model_kwargs: dict | None = None, seed: int = 0) -> Workload:
-    """What an instrument was asked to train: ``workload`` (a Workload, a built-in's name or
-    ``"package.module:function"``), or the older ``model=`` name; neither: the default MLP.
-    ``model_kwargs`` and ``seed`` size a built-in and draw its data (``Workload.of``)."""
+    """What an instrument was asked to train: ``workload`` or the older ``model=``; neither: the MLP."""
     if workload is not None and model is not None:
         raise TypeError("give workload= or model=, not both (model= is the older name of workload=)")
     spec = workload if workload is not None else (model if model is not None else "mlp")

@@ -1,29 +1,19 @@
 """The emulated network: this rank's links, each a queue of collectives that complete on its clock.
 
-Why: a laptop's ranks talk through the machine's own memory, where moving a gradient costs little
-next to computing it, so overlap, bucket sizes and hybrid sharding have nothing to show. The
-emulator makes every collective take as long as it would on a chosen network (``ddpkit.Network``).
+Why: on a laptop moving a gradient costs little next to computing it, so overlap, bucket sizes and
+hybrid sharding have nothing to show. The emulator makes every collective take as long as it would
+on a chosen network (``ddpkit.Network``).
 
-How: each link (intra-node, inter-node) is one daemon thread with a FIFO queue. The real
-collective runs (the bytes really move) while the link carries it, from its issue or from when the
-link frees up, for the group's ``Network.route`` time (``ddpkit.network``'s ring formulas); it completes
-when both are done, ``max(real end, max(issue, link free) + link time)``, the rule of
-``network.LinkClock``, which the cost model simulates too. So where the link is slower than this
-machine's transport, its time replaces the transfer's, as on the network itself
-(``tests/test_process_group.py`` holds the rule). Where the transport is slower, the real transfer
-decides: each link counts how often (``Emulator.fidelity``), and ``compare`` and the widget say so
-beside their figures. Waiting sleeps (``time.sleep``, ``Work.wait``), never spins: backward keeps
-the cores.
+How: each link (intra-node, inter-node) is a daemon thread with a FIFO queue. The real collective
+runs while the link carries it for the group's ``Network.route`` time; it completes at
+``max(real end, max(issue, link free) + link time)``, ``network.LinkClock``'s rule. Where the
+transport is slower than the link, the real transfer decides: ``Emulator.fidelity`` counts how
+often, and ``compare`` and the widget say so. Waiting sleeps, never spins: backward keeps the cores.
 
-The network card, emulated (``at_wait``, where the collective's ``Network.route`` says so): on the
-cluster being emulated, a network card and NCCL move the bytes, not the cores that run backward. So
-on the shared-memory transport nothing moves at the issue: the rank moves the bytes when it waits
-(``EmulatedWork.wait``), on a core that would otherwise idle, or the link's thread does when the
-link delivers a collective whose future was handed out (torch's DDP and our comm hooks chain work
-on it). gloo's sockets and NCCL move bytes on threads and a GPU of
-their own. On a GPU the link's thread polls the collective's end event (a wait would hold back the
-caller's stream) and the ``Work`` handed back does the real ``wait()`` in the caller's thread.
-``docs/laptop_cluster.md`` says what this changed, and how it was measured.
+The network card, emulated (``Route.at_wait``): on the shared-memory transport nothing moves at the
+issue; the rank moves the bytes when it waits (``EmulatedWork.wait``), or the link's thread does at
+delivery once a future was handed out (torch's DDP, comm hooks). On a GPU the link's thread polls
+the collective's end event and the caller does the real ``wait()`` (``docs/laptop_cluster.md``).
 """
 from __future__ import annotations
 
@@ -32,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ddpkit.nested import tensors
 from ddpkit.network import LinkClock
 from ddpkit.torch_internals import FutureWork
 
@@ -73,9 +64,8 @@ class _Link:
     def _serve(self) -> None:
         from ddpkit.rankside import adopt_device
 
-        # the recorder's completion callbacks run here (they record CUDA events): on the rank's GPU,
-        # and on a stream of this thread's own, idle, so an event recorded at the emulated
-        # completion fires then, not behind the compute queued on the default stream
+        # the recorder's completion callbacks record CUDA events here: on the rank's GPU, on an idle
+        # stream of this thread's own, so they fire at the emulated completion, not behind compute
         adopt_device(self.device)
         _sleep_precisely()
         if self.device is not None:
@@ -84,8 +74,7 @@ class _Link:
             torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             t = self.queue.get()
-            # The link's own time first: asleep until it would have delivered, then the real
-            # collective, which has usually finished by then (no second wake-up to hear it end).
+            # asleep until the link would have delivered, then the real collective (usually done by then)
             link_end = self.clock.delivers(t.issued_s, t.link_s)
             delay = link_end - time.perf_counter()
             if delay > 0:
@@ -98,12 +87,9 @@ class _Link:
                 t.future.set_result(t.result)
                 continue
             try:
-                # Did the real transfer keep up? Not if it is still going now; nor if this thread
-                # itself woke more than a link's time late: then the link was faster than this
-                # machine can follow, whatever the transfer did (at 1 TB/s the wake-up alone loses).
+                # the real transfer kept up unless it is still moving now, or it ended (or, ddpkit's
+                # transport tells, its bytes were all there) after the link's time
                 moving = not t.work.is_completed()
-                # it kept up unless it is still moving now, or it ended (or, ddpkit's transport
-                # tells, its bytes were all there to be finished) after the link's time
                 ended = getattr(t.work, "ready_s", None) or t.real_end
                 outran = moving or (ended is not None and ended > link_end)
                 _wait_on_host(t.work, t.on_gpu)  # the real bytes moved
@@ -111,9 +97,8 @@ class _Link:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 t.future.set_exception(exc)
                 continue
-            # the link is busy until the real transfer ended where that was later; one done when the
-            # link delivered ended then, as far as this thread can tell (its own lateness does not
-            # count: the next collective's link time still counts from link_end)
+            # the link is busy until the real transfer ended, where later (this thread's own lateness
+            # does not count: the next collective's link time still counts from link_end)
             self.clock.complete(link_end, time.perf_counter() if moving else link_end)
             self.count(outran)
             t.future.set_result(result)
@@ -126,8 +111,7 @@ class _Link:
 
 
 def _note_end(work, transfer: _Transfer) -> None:
-    """Have the real collective's future stamp ``transfer.real_end`` when it completes (a Work
-    without a future, gloo's reduce-scatter, stamps nothing)."""
+    """Have the real collective's future stamp ``transfer.real_end`` (a Work without one stamps nothing)."""
     def stamp(_):
         transfer.real_end = time.perf_counter()
 
@@ -138,9 +122,7 @@ def _note_end(work, transfer: _Transfer) -> None:
 
 
 def _sleep_precisely() -> None:
-    """Let this thread's sleeps end when asked. Linux lets a thread's timer fire up to its "timer
-    slack" late (50 µs by default) to batch wake-ups; a link that delivers a small collective in
-    tens of microseconds would run that much slow. Linux only (prctl); elsewhere nothing changes."""
+    """Let this thread's sleeps end when asked, not up to Linux's 50 µs "timer slack" late (prctl)."""
     import ctypes
     import sys
 
@@ -154,8 +136,7 @@ def _sleep_precisely() -> None:
 
 
 def _wait_on_host(work, on_gpu: bool) -> None:
-    """Until the real collective has finished: gloo's ``wait`` blocks in C++ without the GIL; a
-    CUDA collective is polled (its ``wait`` would only queue a stream wait, see the docstring)."""
+    """Until the real collective has finished: gloo's ``wait`` (no GIL held); a CUDA one polled."""
     if not on_gpu:
         work.wait()
         return
@@ -184,10 +165,8 @@ class Emulator:
         return self.enabled and link_s > 0
 
     def submit(self, kind: str, work, link_s: float, result, issued_s: float | None = None, at_wait: bool = False):
-        """Queue a collective already launched on the real backend (``result``: its output
-        tensors; ``issued_s``: ``time.perf_counter()`` when it was issued, before its launch, else
-        now; ``at_wait``: launched to move its bytes at the wait, as its ``Route`` says); returns
-        a ``Work`` that completes at its emulated completion time."""
+        """Queue a collective launched on the real backend (issued at ``issued_s``, else now): a ``Work``
+        completing at its emulated time."""
         import torch
 
         issued = time.perf_counter() if issued_s is None else issued_s
@@ -206,18 +185,13 @@ class Emulator:
         return EmulatedWork(future, work if on_gpu else None, ours, transfer if at_wait else None, link)
 
     def fidelity(self) -> dict[str, tuple[int, int]]:
-        """``{link: (collectives carried, of which the real transfer outran the link)}`` so far;
-        subtract two to count a window. Where many collectives outran their link, the network is
-        faster than this machine can emulate (a rank that issues late also makes the real
-        transfer end late: the count is an upper bound on the transport's share)."""
+        """``{link: (collectives carried, of which outran the link)}`` so far (an upper bound)."""
         with self._lock:
             links = list(self._links.items())
         return {kind: (link.carried, link.outran) for kind, link in links}
 
     def transport_s(self) -> float:
-        """Seconds this rank spent moving the bytes of ``at_wait`` collectives when it waited for
-        them (the transport's part of their time; the rest was the link's); subtract two to count
-        a window."""
+        """Seconds this rank spent moving ``at_wait`` collectives' bytes as it waited (a running total)."""
         with self._lock:
             links = list(self._links.values())
         return sum(link.transport_s for link in links)
@@ -229,28 +203,14 @@ class Emulator:
             return self._links[kind]
 
 
-def _device_of(tensors):
-    """The device of the first tensor in ``tensors`` (nested lists too), or None."""
-    for t in tensors if isinstance(tensors, (list, tuple)) else (tensors,):
-        if isinstance(t, (list, tuple)):
-            found = _device_of(t)
-            if found is not None:
-                return found
-        elif hasattr(t, "device"):
-            return t.device
-    return None
+def _device_of(result):
+    """The device of the first tensor in ``result`` (nested lists too), or None."""
+    return next((t.device for t in tensors(result)), None)
 
 
 class EmulatedWork(FutureWork):
-    """What a delayed collective returns: ``wait()`` waits (asleep) for the emulated completion,
-    then -- a CUDA collective, ``real`` -- does the real ``wait()`` in the caller's own thread, so
-    the caller's current stream waits for the collective as torch's own ``Work`` would make it.
-    ``first``: a CPU collective whose ``wait()`` may run twice (ddpkit's own), finished by the
-    caller before it waits for the link. ``transfer``: an ``at_wait`` collective, whose
-    bytes move only when somebody waits (``first``'s wait), or, once its future is handed out
-    (torch's DDP, a comm hook), on the link's thread when the link delivers it: a future's
-    callbacks read the result, so it must be there when the future completes. ``get_future()``
-    completes at the emulated time."""
+    """A delayed collective: ``wait()`` sleeps to the emulated completion, then (CUDA, ``real``) waits
+    in the caller's thread; ``first``: finished by the caller first; ``transfer``: ``at_wait``'s."""
 
     def __init__(self, future, real=None, first=None, transfer: _Transfer | None = None, link: _Link | None = None):
         super().__init__(future)
@@ -271,8 +231,7 @@ class EmulatedWork(FutureWork):
         return True
 
     def _move_bytes(self) -> None:
-        """``at_wait``: this rank moves the bytes now, while it would wait anyway; counted as the
-        transport's time, and as outrunning the link where moving them took longer than it."""
+        """``at_wait``: this rank moves the bytes now, counted as the transport's time (outran if longer)."""
         t = self._transfer
         start = time.perf_counter()
         self._first.wait()
@@ -292,8 +251,7 @@ class EmulatedWork(FutureWork):
         return super().get_future()
 
     def observed(self) -> FutureWork:
-        """A Work for watching only (the recorder): done once the link has delivered the collective
-        and its bytes have moved, without changing who moves them (``get_future`` would)."""
+        """A Work for the recorder to watch: done once delivered and moved, without moving anything itself."""
         if self._transfer is None or self._first is None:
             return self
         import torch
@@ -305,24 +263,20 @@ class EmulatedWork(FutureWork):
         return self._future.done() and (self._first is None or self._first.get_future().done())
 
 
-# Read in the parent, from the ranks' ``fidelity`` counts (``Comm.emulation_counts``, summed by
-# ``run_strategy`` and ``series.timed_rounds``): where the real transfer outran the link.
+# Read in the parent from the ranks' ``fidelity`` counts (summed by ``run_strategy``, ``timed_rounds``)
 OUTRAN_NOTE = 0.25  # outran_note speaks where at least this share of collectives outran the link
 
 
 def outran_share(counts) -> float | None:
-    """The share of a run's emulated collectives whose real transfer took longer than the link,
-    from ``[collectives on an emulated link, of which outran it]`` (None off a network): there
-    the network is faster than this machine can emulate."""
+    """The share of ``[emulated collectives, of which outran the link]`` that outran (None off a network)."""
     if not counts or not counts[0]:
         return None
     return counts[1] / counts[0]
 
 
 def outran_note(shares: dict, network: str | None = None) -> str:
-    """The sentence a step time needs where at least ``OUTRAN_NOTE`` of its collectives outran
-    the emulated link (``shares``: ``{label: outran_share}``; ``network``: its name, if known);
-    "" where none did. The compare table and the cluster widget both say it, in these words."""
+    """The sentence (compare's and the widget's) where ``OUTRAN_NOTE`` of a run's collectives outran
+    the link (``shares``: ``{label: outran_share}``); "" otherwise."""
     slow = [f"{label} {share:.0%}" for label, share in shares.items() if (share or 0) >= OUTRAN_NOTE]
     if not slow:
         return ""

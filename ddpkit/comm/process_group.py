@@ -1,35 +1,22 @@
 """ddpkit's process group: the real one underneath, every collective counted, recorded and timed.
 
 A Cluster's ranks join ``torch.distributed`` with backend ``"ddpkit"`` (``install``): a Python
-``ProcessGroup`` that hands each collective to the real backend (gloo on CPU, NCCL on GPUs) and,
-on the way, for *every* caller -- our strategies, torch's ``DistributedDataParallel`` (its C++
-reducer calls back into Python here), ``fully_shard`` and ``ZeroRedundancyOptimizer`` alike:
+``ProcessGroup`` that hands each collective to the real backend (gloo, NCCL) and, on the way, for
+*every* caller (our strategies, torch's DDP through its C++ reducer, ``fully_shard``,
+``ZeroRedundancyOptimizer``):
 
-1. counts it: collectives and the bytes one rank sends by the ring algorithm (``network.ring_bytes``,
-   by ``ddpkit.network``'s ring formulas; a broadcast, whose root sends more than the others, as the
-   ranks' average), the same figure on every rank, per kind and per link (intra-node or inter-node,
-   see ``ddpkit.Network``), in ``Comm.counts`` (``ddpkit.comm.rank_comm``);
-2. records it -- the one writer of a collective's record -- as a span from issue to completion,
-   with its link and group, in the rank's recorder when recording is on (``trace.seam.recorder()``);
-   a strategy that issued it labels it (``with recorder.labels(bucket=i): dist.all_reduce(...)``)
-   and the record carries the labels (bucket, unit, ...), also into the strategy's own recorder;
-3. on an emulated network, hands it to the link emulator (``ddpkit.comm.emulator``) and returns a
-   ``Work`` that completes when the emulated link would have delivered it: the group's
-   ``Network.route`` says which link, how long on it, and whether to launch it ``at_wait``;
-4. keeps it in the rank's flight recorder (``ddpkit.comm.flight``), always, *before* launching it: the
-   group, its index in the group, op, bytes, dtype, labels and the user's line that issued it.
-   When ranks' sequences part, ``ddpkit.comm.desync`` compares these.
+1. counts it: the bytes one rank sends by the ring algorithm (``network.ring_bytes``), per kind and
+   link, in ``Comm.counts`` (``rank_comm``);
+2. records it, the one writer of a collective's record, a span from issue to completion carrying
+   the labels the strategy set (``with recorder.labels(bucket=i): dist.all_reduce(...)``);
+3. on an emulated network, returns a ``Work`` that completes when the link would have delivered it
+   (``Network.route``: which link, how long, whether ``at_wait``; ``comm.emulator``);
+4. keeps it, before launching it, in the rank's flight ring (``comm.flight``), which
+   ``comm.desync`` reads when ranks' sequences part.
 
-The group needs a name for torch's ``DeviceMesh`` (``fully_shard`` builds one): in C++ a
-group's name lives on its registered backend, so the real backend is registered on this one too
-(``torch_internals.register_real_backend``). Methods that are not collectives (send, recv, ...)
-pass through uncounted.
-
-gloo has no reduce-scatter of its own for flat tensors: its ``_reduce_scatter_base`` runs an
-all-reduce and keeps one chunk, moving 2(N-1)/N S, twice what the algorithm needs (this group
-does the same itself, see ``_reduce_scatter_by_all_reduce``). The counts
-keep both: ``bytes`` is what the algorithm sends (what the papers count), ``transport_bytes``
-what the real backend moved.
+Methods that are not collectives (send, recv, ...) pass through uncounted. gloo's flat
+reduce-scatter is an all-reduce keeping one chunk (``_reduce_scatter_by_all_reduce``): ``bytes``
+counts what the algorithm sends, ``transport_bytes`` what the backend moved.
 """
 from __future__ import annotations
 
@@ -90,11 +77,8 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # --- the one path every collective takes ---------------------------------------------
-    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None, opts=None):
-        """Launch on the real backend, count, record, emulate. ``full_bytes`` is the full size S
-        (all-reduce: the buffer; all-gather: the output; reduce-scatter: the input). ``launch()``
-        starts it; ``launch(at_wait=True)`` on the shared-memory transport, whose bytes then move
-        when the rank waits (``ddpkit.comm.emulator``)."""
+    def _issue(self, op: str, full_bytes: int, launch, result, moved_as: str | None = None):
+        """Launch on the real backend, count, record, emulate (``full_bytes``: the full size S)."""
         comm = self.comm
         n = self.size()
         route = self._route_on(comm.network)
@@ -121,16 +105,14 @@ class DdpkitProcessGroup(dist.ProcessGroup):
         return hold_for_torch(work)  # torch 2.6 let C++ keep only its half of a Python Work
 
     def _route_on(self, network) -> Route:
-        """This group's ``Route`` on ``network`` over this rank's transport, worked out once per
-        network (``Network.route``), not once per collective."""
+        """This group's ``Route`` on ``network``, worked out once per network, not per collective."""
         if self._route[0] is not network:
             self._route = (network, network.route(self.global_ranks, self.comm.real_backend))
         return self._route[1]
 
     def _record(self, op: str, work, full_bytes: int, link: str, recorders, marks, labels) -> None:
-        """The collective's one record (this group is its one writer): in the rank's recorder,
-        and in the recorder of the strategy that labelled it (``with recorder.labels(...)``,
-        on this thread) when that is another one, e.g. a job's own ``recorder=``."""
+        """The collective's one record: in the rank's recorder, and in the labelling strategy's when
+        that is another one (a job's own ``recorder=``)."""
         fields = dict(labels.fields) if labels is not None else {}
         fields.update(link=link, group_size=self.size(), group=self._group)
         watched = work.observed() if isinstance(work, EmulatedWork) else work  # see EmulatedWork.observed
@@ -138,36 +120,31 @@ class DdpkitProcessGroup(dist.ProcessGroup):
             r.collective(op, watched, full_bytes, **fields, **({} if mark is None else {"launched": mark}))
 
     def _on_real(self, method: str, *args):
-        """A launch for ``_issue``: the real backend's ``method(*args)``, with ``at_wait=True``
-        where ``_issue`` passes it (the shared-memory transport's keyword). A launch made of several
-        real collectives (``_one_by_one``) waits for each at once: it takes no ``at_wait``."""
+        """A launch for ``_issue``: the real backend's ``method(*args)``, passing ``at_wait`` on."""
         return lambda **at_wait: getattr(self.real, method)(*args, **at_wait)
 
     # --- collectives: the names torch.distributed calls on a group ------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce", tensors, opts), tensors,
-                           opts=opts)
+        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce", tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._issue("all_reduce", _nbytes(tensors),
-                           self._on_real("allreduce_coalesced", tensors, opts), tensors, opts=opts)
+        return self._issue("all_reduce", _nbytes(tensors), self._on_real("allreduce_coalesced", tensors, opts), tensors)
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._issue("broadcast", _nbytes(tensors), self._on_real("broadcast", tensors, opts), tensors,
-                           opts=opts)
+        return self._issue("broadcast", _nbytes(tensors), self._on_real("broadcast", tensors, opts), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
         return self._issue("all_gather", _nbytes(inputs) * self.size(),
-                           self._on_real("allgather", output_lists, inputs, opts), output_lists, opts=opts)
+                           self._on_real("allgather", output_lists, inputs, opts), output_lists)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
-        return self._issue("all_gather", _nbytes([output]),
-                           self._on_real("_allgather_base", output, input, opts), [output], opts=opts)
+        return self._issue("all_gather", _nbytes([output]), self._on_real("_allgather_base", output, input, opts),
+                           [output])
 
     _allgather_base = all_gather_single
 
@@ -179,7 +156,7 @@ class DdpkitProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         return self._issue("reduce_scatter", _nbytes(outputs) * self.size(),
-                           self._on_real("reduce_scatter", outputs, input_lists, opts), outputs, opts=opts)
+                           self._on_real("reduce_scatter", outputs, input_lists, opts), outputs)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -188,16 +165,11 @@ class DdpkitProcessGroup(dist.ProcessGroup):
                                lambda **_: self._reduce_scatter_by_all_reduce(output, input, opts), [output],
                                "all_reduce")
         return self._issue("reduce_scatter", _nbytes([input]),
-                           self._on_real("_reduce_scatter_base", output, input, opts), [output], opts=opts)
+                           self._on_real("_reduce_scatter_base", output, input, opts), [output])
 
     def _reduce_scatter_by_all_reduce(self, output, input, opts):
-        """gloo's reduce-scatter of a flat tensor, done here: all-reduce a copy of the input, then
-        copy this rank's chunk out once, when the all-reduce completes (on gloo's thread).
-
-        gloo's own ``_reduce_scatter_base`` does the same, but its Work (which has no future)
-        copies the chunk out on *every* ``wait()``: a second wait -- a recorder's watcher, say --
-        silently overwrites whatever the caller did with the output since (HSDP all-reduces it
-        across nodes in place). This Work has a future, and waiting on it twice is harmless."""
+        """gloo's flat reduce-scatter: all-reduce a copy, copy our chunk out once (gloo's own copies it
+        on every ``wait()``, overwriting what the caller did since)."""
         flat = input.detach().reshape(-1).clone()
         options = dist.AllreduceOptions()
         options.reduceOp = opts.reduceOp
@@ -224,18 +196,16 @@ class DdpkitProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _one_by_one(op, outputs, inputs, opts):
-        """A coalesced collective the real backend's binding lacks (gloo: DTensor's full_tensor
-        asks for them), done tensor by tensor; returns a finished Work."""
+        """A coalesced collective the real binding lacks (gloo; DTensor asks), tensor by tensor; finished."""
         for out, inp in zip(outputs, inputs, strict=True):
             op(out, inp, opts).wait()
-        future = _finished(outputs)
-        return work_from_future(future)
+        return work_from_future(_finished(outputs))
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
         if self.comm.real_backend == "nccl" and not opts.device_ids:  # else NCCL guesses a GPU, and warns
             opts.device_ids = [rankside.device().index]
-        return self._issue("barrier", 0, self._on_real("barrier", opts), [], opts=opts)
+        return self._issue("barrier", 0, self._on_real("barrier", opts), [])
 
 
 def _passed_through(name: str):
@@ -253,15 +223,8 @@ for _name in ("reduce", "gather", "scatter", "alltoall", "alltoall_base", "send"
 
 
 def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
-    """Register backend ``"ddpkit"`` with torch (once per process): every group then created
-    with it (``init_process_group("ddpkit", ...)``, ``new_group``) wraps ``real_backend`` and
-    emulates ``network`` (a ``Network``, a preset's name or a ``to_dict()``). Call it before
-    ``init_process_group``; the rank's ``Comm`` (counts, emulator) goes to ``rankside``.
-    ``real_backend="shm"``: ranks on one host, bytes through shared memory named under
-    ``shm_prefix`` (``ddpkit.comm.transport``); on ranks sharing a GPU each CUDA tensor is staged
-    through pinned host memory (``HostStaged``). ``"cuda-ipc"``: ranks sharing a GPU, bytes through
-    a GPU buffer per group (``device_slab``). The rank's device (``rankside.set_device``) is set
-    before this is called."""
+    """Register backend ``"ddpkit"`` (once, before ``init_process_group``): groups wrap ``real_backend``
+    ("shm" under ``shm_prefix``, "cuda-ipc", gloo, NCCL) and emulate ``network``."""
     network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
     rankside.attach_comm(Comm(network, real_backend))
 
@@ -276,12 +239,10 @@ def install(network, real_backend: str, shm_prefix: str | None = None) -> None:
 
 
 def build_real_backend(name: str, opts, shm_prefix: str | None = None):
-    """The real process group under one of ddpkit's (``name``: the Cluster's transport), for the group
-    torch describes in ``opts``."""
+    """The real process group under one of ddpkit's (``name``: the Cluster's transport)."""
     if name == "nccl":
-        # as torch builds its own NCCL groups: the Cluster's timeout (else NCCL's own 10 minutes
-        # pass before a hang is reported), the group's name and its global ranks (NCCL's logs,
-        # its flight recorder and the desync report name a group by them)
+        # as torch builds its NCCL groups: the Cluster's timeout (not NCCL's 10 minutes), the group's
+        # name and global ranks (NCCL's logs and the desync report name a group by them)
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = opts.timeout

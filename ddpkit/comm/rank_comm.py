@@ -5,8 +5,7 @@
     comm.emulation_counts(), comm.transport_seconds()   # what the emulated links did so far
     with comm.real_transport(): ...        # no emulated delay inside: measure the transport itself
 
-``ddpkit.comm.process_group.install`` makes it when the rank joins; every figure here is a running
-total on this rank: subtract two readings to count a window.
+Every figure is a running total on this rank: subtract two readings to count a window.
 """
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class Count:
 
 @dataclass
 class Comm:
-    """What every ddpkit group of this rank shares: the network, its emulator, the counts and the
-    flight recorder."""
+    """What every ddpkit group of this rank shares: the network, its emulator, the counts, the flight ring."""
 
     network: Network
     real_backend: str                         # "shm", "cuda-ipc", "gloo" or "nccl": what moves the bytes
@@ -57,14 +55,12 @@ class Comm:
             return {k: (c.calls, c.bytes, c.transport_bytes) for k, c in self.counts.items()}
 
     def set_network(self, network) -> None:
-        """Emulate ``network`` (a ``Network``, a preset's name or a ``to_dict()``) from the next
-        collective on (every rank must call this, between collectives: ``cluster.network = ...`` does)."""
+        """Emulate ``network`` from the next collective on (on every rank, between collectives)."""
         self.network = Network.from_dict(network) if isinstance(network, dict) else Network.of(network)
 
     @contextlib.contextmanager
     def real_transport(self):
-        """Inside the block, collectives take what the real transport takes (no emulated delay):
-        for measuring the transport itself, e.g. the cost model's calibration."""
+        """Inside the block collectives take what the real transport takes (calibration)."""
         previous, self.emulator.enabled = self.emulator.enabled, False
         try:
             yield
@@ -72,14 +68,12 @@ class Comm:
             self.emulator.enabled = previous
 
     def emulation_counts(self) -> tuple[int, int]:
-        """``(collectives the emulated links carried, of which this machine's own transport took
-        longer than the link)`` so far, over every link."""
+        """``(collectives the emulated links carried, of which the transport outran the link)`` so far."""
         counts = self.emulator.fidelity().values()
         return sum(carried for carried, _ in counts), sum(outran for _, outran in counts)
 
     def transport_seconds(self) -> float:
-        """Seconds this rank has spent moving the bytes of collectives that an emulated NIC carried
-        (``ddpkit.comm.emulator``: the transport's part of their time) so far; 0 off a network."""
+        """Seconds this rank spent moving the bytes of collectives an emulated NIC carried; 0 off one."""
         return self.emulator.transport_s()
 
 

@@ -5,12 +5,8 @@
     costmodel.predict(profile, world_sizes=(8, 64, 256))       # every strategy x world size
     cluster.run(costmodel.wrapper_job, runs)                   # each wrapper's own host work, alone
 
-What a collective costs on a network is ``ddpkit.network``'s (``Link``, ``Network``, their presets,
-``collective_time``). On a real machine, ``measure_collectives``
-times each collective back to back at several sizes and ``fit_link`` fits each its own line.
-``python -m ddpkit predict --validate`` (``ddpkit.costmodel.validate``) puts the model's
-predictions beside measured steps; ``python -m ddpkit predict`` prints predictions for any
-network, and ``ddpkit.viz.plot_scaling`` draws them up to 256 ranks. Nothing here draws.
+A collective's cost is ``ddpkit.network``'s; ``measure_collectives`` and ``fit_link`` fit this
+machine's; ``python -m ddpkit predict [--validate]`` prints predictions (beside measured steps).
 """
 from ddpkit.costmodel.measure import (
     CALIBRATION_SIZES, calibration_sizes, fit_link, format_fit, measure_all_reduce, measure_collectives,

@@ -19,21 +19,9 @@ from ddpkit.network import RING_STEPS, Link, collective_time, ring_terms
 # --------------------------------------------------------------------------- compute profile
 def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats: int = 5,
                   units=None, loss=None) -> Profile:
-    """Measure one process's step on ``module``: per-layer forward time (hooks), whole forward,
-    backward and optimizer step (median of ``repeats``). The step's loss is the course's
-    ``loss_fn(module(inputs), targets)``, or with ``loss`` (a workload's: ``loss(module, batch)``)
-    ``loss(module, inputs)``, ``inputs`` being the whole batch (``targets`` unused).
-
-    Backward is not timed per layer (module backward hooks are fragile): each layer gets the
-    measured backward total in proportion to its forward time, the usual ~2x rule. Per-layer
-    forward times, from forwards of their own with a timing hook around every layer, are scaled to
-    the whole forward (activations, loss included) timed without hooks, as a training step runs.
-    ``units`` are the FSDP units, modules or classes (default: ``strategies.table.fsdp_units``: the
-    blocks of a model's largest ModuleList, for one it does not know). The optimizer steps, so
-    pass a model you do not need afterwards. Also timed, right after backward: scaling every
-    gradient into a flat buffer and copying it back, tensor by tensor, as bucketed DDP does
-    (``copy_s_per_byte`` is half that time per byte: one pass).
-    """
+    """One process's step on ``module`` (medians of ``repeats``): per-layer forward (hooks, scaled to
+    the hookless forward), backward shared out likewise, optimizer step, a bucketed DDP's copies
+    (``copy_s_per_byte``). The optimizer steps: pass a model you do not need afterwards."""
     import torch
 
     from ddpkit.experiment import make_optimizer
@@ -111,10 +99,7 @@ def profile_model(module, inputs, targets=None, optimizer: str = "sgd", repeats:
 
 def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
                 model_kwargs: dict | None = None, repeats: int = 5) -> Profile:
-    """A Cluster job: ``profile_model`` on every rank at once, without communicating, so
-    ranks that share a machine's cores contend for them as they do in training. ``workload``: a
-    ``ddpkit.Workload``, or a built-in's name sized by ``model_kwargs``; each rank profiles its
-    layers on a batch of ``batch_per_rank`` samples."""
+    """A Cluster job: ``profile_model`` on every rank at once, contending for the cores as in training."""
     from ddpkit.rankside import device
     from ddpkit.workload import Workload
 
@@ -126,9 +111,8 @@ def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd"
 
 def profile_for(workload, batch_per_rank: int, optimizer: str = "sgd", model_kwargs: dict | None = None,
                 ranks: int | None = None, threads: int | None = None) -> Profile:
-    """One rank's compute at ``batch_per_rank``: profiled in this process, or, with ``ranks``,
-    inside that many ranks at once (a Cluster with ``threads`` torch threads each; the slowest
-    rank), so ranks sharing this machine's cores slow each other down as in a real run."""
+    """One rank's compute: profiled here, or with ``ranks`` inside that many ranks at once (``threads``
+    torch threads each; the slowest rank), sharing this machine's cores as in a real run."""
     if ranks is None:
         return profile_job(workload, batch_per_rank, optimizer, model_kwargs)
     from ddpkit.cluster import Cluster
@@ -151,13 +135,8 @@ def median_profile(profiles: list[Profile]) -> Profile:
 # --------------------------------------------------------------------------- the wrappers' own work
 def wrapper_job(runs: dict, workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd",
                 bucket_cap_mb: float | None = None, model_kwargs: dict | None = None, steps: int = 5) -> dict:
-    """A Cluster job: every rank trains each of ``runs`` (``{label: (strategy, wrapper options)}``)
-    over a process group of its own, one rank with no peer (nothing to move, nobody to wait for),
-    all ranks at once so they contend for the cores as in training; ``{label: seconds per step}``,
-    the median of ``steps`` after a warmup. Beyond the compute ``profile_job`` measures and the
-    copies the model counts, that is the wrapper's own work on the rank's cores: Python in every
-    gradient hook, flattening and unflattening, launching collectives (``validate`` adds it to
-    the model). Hybrid sharding cannot run alone: ``validate`` times its one-node form."""
+    """A Cluster job: each of ``runs`` (``{label: (strategy, options)}``) trained alone on every rank at
+    once; ``{label: median seconds per step}``: the wrapper's own host work beyond ``profile_job``'s."""
     import torch
     import torch.distributed as dist
 
@@ -189,15 +168,12 @@ CALIBRATION_SIZES = (1024, 16 * 1024, 256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64
 
 
 def calibration_sizes(largest_bytes: float) -> tuple[int, ...]:
-    """The sizes worth timing for collectives of up to ``largest_bytes`` (e.g. a model's
-    parameter bytes: the largest bucket, unit or all-gather): ``CALIBRATION_SIZES`` up to twice
-    that, at least three of them."""
+    """``CALIBRATION_SIZES`` up to twice ``largest_bytes`` (e.g. a model's parameter bytes), at least three."""
     sizes = [s for s in CALIBRATION_SIZES if s <= 2 * largest_bytes]
     return tuple(sizes) if len(sizes) >= 3 else CALIBRATION_SIZES[:3]
 
 def model_calibration_sizes(workload="mlp", model_kwargs: dict | None = None) -> tuple[int, ...]:
-    """The collective sizes worth timing for this workload's model (a ``ddpkit.Workload``, or a
-    built-in's name sized by ``model_kwargs``): up to its parameter bytes, and beyond."""
+    """``calibration_sizes`` for this workload's parameter bytes."""
     from ddpkit.workload import Workload
 
     module = Workload.of(workload, model_kwargs).build()
@@ -206,21 +182,8 @@ def model_calibration_sizes(workload="mlp", model_kwargs: dict | None = None) ->
 
 def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=CALIBRATION_SIZES[:6],
                         repeats: int = 3, calls_bytes: float = 32 * MiB) -> dict:
-    """A Cluster job: time each collective at each full size S (bytes, fp32) on this rank;
-    returns ``{op: [(bytes, seconds per call)]}``, the median of ``repeats``.
-
-    Calls are timed *back to back*, the way a strategy issues them (a barrier before each row,
-    none between calls), so alpha includes what each call costs the host: on gloo over loopback
-    waking the sending and receiving threads, which on a busy CPU is most of a small collective's
-    time, and more of it in a row than alone after a barrier (``python -m ddpkit predict --fit``
-    prints the alpha this gives on your machine). A row holds
-    about ``calls_bytes`` bytes (4 to 32 calls). Each size runs once untimed first: gloo's first
-    collectives on a group pay for connections and buffers.
-
-    On an emulated network (``ddpkit.Cluster(network=...)``) the emulation is switched off
-    while timing: this measures the real transport underneath (the cost model adds the emulated
-    links, whose parameters it knows).
-    """
+    """A Cluster job: ``{op: [(bytes, median seconds per call)]}``, calls back to back in rows of about
+    ``calls_bytes`` (alpha then holds each call's host cost), after a warm-up, the emulation off."""
     import torch.distributed as dist
 
     from ddpkit import rankside
@@ -231,8 +194,7 @@ def measure_collectives(ops=("all_reduce", "all_gather", "reduce_scatter"), size
 
 
 def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int, between=None) -> dict:
-    """Each collective at each size, in rows of calls waited for one by one; ``between``: work run
-    before each call, its own time (timed in a row of its own before each row) taken off."""
+    """Each collective at each size in rows of calls; ``between``: work before each call, its time taken off."""
     import torch
     import torch.distributed as dist
 
@@ -273,9 +235,8 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
 
 
 def compute_chunk(seconds: float):
-    """Inside a rank: a function that computes for about ``seconds`` on one core (products of a
-    256 x 256 matrix; their count timed one rank at a time, each on a core of its own), the
-    compute between collectives in ``measure_emulated`` and ``benchmarks/bench_contention.py``."""
+    """Inside a rank: a function computing about ``seconds`` on one core (256 x 256 matrix products,
+    counted one rank at a time), the compute between ``measure_emulated``'s collectives."""
     import torch
     import torch.distributed as dist
 
@@ -301,13 +262,9 @@ def compute_chunk(seconds: float):
 
 def measure_emulated(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=(4 * 1024, 256 * 1024),
                      repeats: int = 3, compute_s: float = 0.5e-3) -> dict:
-    """A Cluster job: what a strategy's collectives take on the cluster's emulated network,
-    ``{op: [(bytes, seconds per call)]}`` (the median of ``repeats``), each issued after
-    ``compute_s`` of compute on every rank, as a layer's between two collectives, and waited for
-    at once; the compute's own time taken off. Ranks then reach a collective apart, as in
-    training: the first sleeps until the last comes and wakes it, and, where ranks outnumber the
-    cores, until the scheduler gives it a core back. ``emulation_overhead`` compares it with the
-    model; back to back, with the ranks in step, little of that would show."""
+    """A Cluster job: ``{op: [(bytes, median seconds per call)]}`` on the emulated network, each call
+    after ``compute_s`` of compute (taken off), so ranks reach it apart as in training and pay the
+    emulator's wake-ups, which ``emulation_overhead`` compares with the model."""
     import torch.distributed as dist
 
     from ddpkit.rankside import device
@@ -317,11 +274,8 @@ def measure_emulated(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=(
 
 
 def emulation_overhead(timings: dict, network, world_size: int) -> float:
-    """Seconds an emulated collective takes beyond the slower of the transport and the link
-    (``network.collective_time``: its floor, the transport fitted here, and its links), the
-    median over ``timings`` (``measure_emulated``'s, ``{op: [(bytes, seconds)]}``), at least 0:
-    the emulator's wake-ups and the ranks' reaching it apart, which the model adds to every
-    emulated collective waited for."""
+    """Median seconds (>= 0) a ``measure_emulated`` collective took beyond ``network.collective_time``
+    (the slower of floor and link): what the model adds to every emulated collective waited for."""
     extra = [t - network.collective_time(op, size, world_size) for op, rows in timings.items() for size, t in rows]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
@@ -332,9 +286,7 @@ def measure_all_reduce(sizes=(4 * 1024, 64 * 1024, 1 * MiB, 4 * MiB, 16 * MiB), 
 
 
 def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
-    """alpha, beta for one collective: t = messages x alpha + bytes on its busiest link x beta
-    (``network.ring_terms``, ``collective_time``'s), a straight line in S fitted for *relative*
-    error (weights 1/t^2), both kept >= 0."""
+    """alpha, beta (>= 0) of one collective's line, fitted for relative error (weights 1/t^2)."""
     messages = ring_terms(op, 0, world_size)[0]
     xs = [ring_terms(op, s, world_size)[1] for s, _ in samples]
     ys = [t for _, t in samples]
@@ -352,17 +304,8 @@ def _fit_line(samples, op: str, world_size: int) -> tuple[float, float]:
 
 
 def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False, transport: str = "") -> Link:
-    """Fit alpha and beta to collective timings on N ranks: ``[(bytes, seconds)]`` of all-reduces,
-    or ``{op: [(bytes, seconds)]}`` as ``measure_collectives`` returns (one rank's, or the slowest
-    rank's per size), which fits each collective its own line (``Link.per_op``). The timings
-    are kept too (``Link.measured``), for ``format_fit``.
-
-    Timings span orders of magnitude (microseconds to tens of milliseconds), so each line is
-    fitted for *relative* error; a plain least-squares fit would let the largest size decide
-    alone and leave alpha at zero. The link's own alpha and beta are the all-reduce's. ``host``:
-    the transport timed moves the bytes with the ranks' own cores (``Link.host``); ``transport``:
-    its name (``Link.transport``).
-    """
+    """A Link fitted to timings on N ranks (all-reduces, or ``{op: ...}``: a line per op, ``per_op``),
+    kept in ``measured``; fitted for relative error, else least squares would leave alpha at zero."""
     if world_size < 2:
         raise ValueError("fitting needs at least 2 ranks: one rank does not communicate")
     by_op = samples if isinstance(samples, dict) else {"all_reduce": samples}
@@ -379,8 +322,7 @@ def fit_link(samples, world_size: int, name: str = "fitted", host: bool = False,
 
 
 def slowest_rank(per_rank: list[dict]) -> dict:
-    """``measure_collectives`` from every rank -> the slowest rank's time per (op, size): a
-    collective ends for all when it ends on the last."""
+    """``measure_collectives`` from every rank -> the slowest rank's time per (op, size)."""
     return {op: [max(col, key=lambda st: st[1]) for col in zip(*(r[op] for r in per_rank), strict=True)]
             for op in per_rank[0]}
 

@@ -1,18 +1,12 @@
 """The cost model proper: a profile of one rank's compute, and one training step simulated on it.
 
-Compute comes from a ``Profile``: per layer, its parameters' bytes and its forward and backward
-time (measured with ``profile_model``, or given), plus what one pass over gradient memory costs
-(bucketed DDP copies every gradient into its bucket and back). Communication costs what
-``ddpkit.network`` says a collective costs. Overlap is *simulated*, not assumed: backward runs
-the layers in reverse, a gradient is ready when its layer's backward ends, a bucket's all-reduce
-is launched when its last gradient is ready, buckets go in order on one communication stream,
-and the step ends when both compute and the stream are done. So a bucket too small pays alpha
-too often, a bucket too large waits for the whole backward (the U-shaped curve of the DDP
-paper), and overlap cannot hide more than the backward compute there is. Where each collective
-lands on the rank's timeline (the links' clocks, the transport, the waits) is ``stream.py``'s.
-
-How each strategy communicates is read from the table of strategies (``strategy(name).cost``,
-plain data): nothing here switches on a strategy's name.
+Compute comes from a ``Profile`` (per layer: parameter bytes, forward and backward time; one
+pass over gradient memory); a collective costs what ``ddpkit.network`` says. Overlap is simulated,
+not assumed: backward runs the layers in reverse, a bucket launches when its last gradient is
+ready, buckets go in order, the step ends when compute and communication are both done. So a
+small bucket pays alpha too often, a large one waits for the whole backward (the DDP paper's U),
+and overlap hides no more than the backward there is. Where each collective lands on the rank's
+timeline is ``stream.py``'s; how each strategy communicates is the table's ``strategy(name).cost``.
 """
 from __future__ import annotations
 
@@ -71,9 +65,7 @@ class Profile:
         return nbytes * self.copy_s_per_byte
 
     def with_host(self, host_s: float) -> Profile:
-        """This profile with ``host_s`` more seconds per step spread over every layer's forward
-        and backward, in proportion to their time: a wrapper's own work (its hooks run on the
-        rank's thread, beside each layer's compute; ``measure.wrapper_job`` measures it)."""
+        """This profile with ``host_s`` more per step (``wrapper_job``'s) spread over the layers' compute."""
         compute = self.forward_s + self.backward_s
         if host_s <= 0 or compute <= 0:
             return self
@@ -112,21 +104,9 @@ class Prediction:
 def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
               first_cap_bytes: float | None = None, reduce: str = "all_reduce", copy_out: bool = True,
               hook: CommHook | None = None) -> float:
-    """Forward, backward, then the gradients' all-reduces, on the host's timeline (compute and
-    copies, one after another) beside the communication stream. Returns when both are done.
-
-    ``cap_bytes`` 0 is NaiveDDP: after backward, each gradient is scaled in place (one pass over
-    its bytes) and all-reduced, one at a time. Otherwise gradients go into buckets: each is
-    copied into its bucket slot (scaled, one pass) and copied back after its bucket's all-reduce
-    (another pass) -- the two passes every bucketed DDP pays, torch's included unless gradients
-    are views of the buckets. With ``overlap`` the copy in happens in the gradient's hook, during
-    backward, and a bucket is launched as soon as its last gradient is in; without, all of it
-    starts when backward ends. ``reduce`` is the buckets' collective: DDP's all-reduce, or ZeRO-1/2's
-    reduce-scatter (half the bytes; the other half is the parameters' all-gather after the step),
-    whose result is stepped where it landed: no copy back out (``copy_out`` False). ``hook``: a
-    communication hook reduces each bucket instead (``comm_hooks.COMM_HOOKS``): the bytes it sends,
-    and its passes over the bucket before the launch and after the wait (casts, a copy back).
-    """
+    """Forward, backward, the reductions, on the host's timeline beside the stream; when both end.
+    ``cap_bytes`` 0: naive; else gradients copied into buckets and out (``copy_out``), during backward
+    when ``overlap``; ``hook``: a comm hook's bytes and passes (``COMM_HOOKS``)."""
     flat = [b for layer in profile.layers for b in layer.param_bytes]  # registration order
     t = profile.forward_s
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
@@ -167,18 +147,9 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
 def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool = True,
                forward_prefetch: bool = False, backward_prefetch: bool = True,
                limit: int | None = None) -> tuple[float, float]:
-    """ZeRO-3 on one stream: all-gather each unit before forward (and again before backward when
-    resharded), reduce-scatter its gradient after its backward; returns (when forward ends, when
-    backward's communication does). The optimizer over 1/N shards is the caller's.
-
-    Prefetch as our FSDP does it: with ``forward_prefetch`` / ``backward_prefetch`` the next unit's
-    all-gather is issued when the current unit's compute starts; without, only when its compute
-    needs it. The rate limiter ``limit`` lets a prefetch go only while fewer than ``limit`` units
-    are unsharded (the current one, and with ``reshard`` False every unit gathered so far).
-    ``shards`` lays the N ranks out in shard groups of k: all-gathers and reduce-scatters among
-    the k ranks of one; for hybrid sharding (k < N, a node's ranks) each unit's gradient shard
-    (1/k of it) is then all-reduced among the N/k replicas once backward is done.
-    """
+    """ZeRO-3 on one stream: all-gathers before forward (and backward, ``reshard``), a reduce-scatter
+    after each backward, prefetches while under ``limit``; hybrid (k < N): shards all-reduced across
+    nodes. Returns (forward's end, backward's communication's end)."""
     k = shards.ranks_per_node
     node = shards.node_ranks(0)        # rank 0's shard group: its node's ranks (all of them for fsdp)
     replicas = shards.peer_ranks(0)    # hybrid sharding: rank 0 and its replicas, one per node
@@ -198,7 +169,7 @@ def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool
     if "" in units:  # the root's own parameters: gathered once, kept until its backward
         t = stream.wait(*stream.launch("all_gather", size[""], 0.0, node))
     order = names
-    gathered = {}
+    gathered: dict = {}
     for i, u in enumerate(order):
         if u not in gathered:
             t, gathered[u] = stream.launch("all_gather", size[u], t, node)
@@ -236,10 +207,8 @@ def _fsdp_step(profile: Profile, stream: Stream, shards: Topology, reshard: bool
 
 def simulate(strategy: str, profile: Profile, world_size: int, network="loopback",
              bucket_cap_mb: float | None = None, cost=None) -> Prediction:
-    """Predict one training step of ``strategy`` at ``world_size`` ranks on ``network`` (a
-    ``Network``, a ``Link``, a preset name: see ``ddpkit.network.as_network``). ``cost``: another
-    ``CostStep`` to simulate instead of the table's, e.g. a switch flipped
-    (``dataclasses.replace(strategy(name).cost, forward_prefetch=True)``)."""
+    """Predict one step of ``strategy`` at ``world_size`` ranks on ``network`` (``as_network``);
+    ``cost``: a ``CostStep`` instead of the table's (e.g. ``replace(..., forward_prefetch=True)``)."""
     step = strategy_row(strategy).cost if cost is None else cost  # how the strategy communicates
     if step.comm_hook is not None and not strategy_row(strategy).takes_comm_hook:
         raise ValueError(f"{strategy} takes no communication hook (its buckets are not all-reduced by "
@@ -271,30 +240,24 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
                            hook=COMM_HOOKS[step.comm_hook] if step.comm_hook else None)
         end = synced + opt
         p_bytes = profile.param_bytes
-        if step.gather_params and step.gather_in_place:
-            # ZeRO-1/2: each bucket's flat parameters are all-gathered in place (the module's
-            # parameters view them), all launched at once, no copies
-            flat = [b for layer in profile.layers for b in layer.param_bytes]
-            sizes = [sum(flat[i] for i in b) for b in assign_buckets(flat, cap or 1, first_cap_bytes=first)]
+        flat = [b for layer in profile.layers for b in layer.param_bytes]
+        if step.gather_params and (step.gather_in_place or step.gather_by_broadcast):
+            # in place, no copies, all launched then all waited for: ZeRO-1/2 all-gather each
+            # bucket's flat parameters; torch's ZeroRedundancyOptimizer broadcasts every parameter
+            # from the rank that stepped it
+            if step.gather_in_place:
+                op, sizes = "all_gather", [sum(flat[i] for i in b)
+                                           for b in assign_buckets(flat, cap or 1, first_cap_bytes=first)]
+            else:
+                op, sizes = "broadcast", flat
             done = []
             for size in sizes:
-                end, finished = stream.launch("all_gather", size, end)
-                done.append(finished)
-            for finished in done:
-                end = stream.wait(end, finished)
-        elif step.gather_params and step.gather_by_broadcast:
-            # torch's ZeroRedundancyOptimizer: every parameter broadcast from the rank that stepped
-            # it, into the parameter itself (no copies), all launched, then all waited for
-            done = []
-            for size in (b for layer in profile.layers for b in layer.param_bytes):
-                end, finished = stream.launch("broadcast", size, end)
+                end, finished = stream.launch(op, size, end)
                 done.append(finished)
             for finished in done:
                 end = stream.wait(end, finished)
         elif step.gather_params:
-            # each rank stepped 1/N of the parameters; the updated ones are shared with one
-            # all-gather of all P bytes: a copy of our 1/N into the send buffer, the gathered
-            # ones back out
+            # one all-gather of all P bytes: our stepped 1/N copied in, the gathered ones back out
             end = stream.wait(*stream.launch("all_gather", p_bytes, end + profile.copy_s(p_bytes / n)))
             end += profile.copy_s(p_bytes)
     compute = profile.forward_s + profile.backward_s + opt
@@ -306,10 +269,8 @@ def simulate(strategy: str, profile: Profile, world_size: int, network="loopback
 
 def predict(profile: Profile, strategies=NAMES, world_sizes=(2, 4, 8), network="loopback",
             bucket_cap_mb: float | None = None, comm_hook: str | None = None) -> list[Prediction]:
-    """Every (strategy, world size) pair, world sizes outermost. A ValueError naming the strategy
-    where one cannot run at a world size (hybrid sharding on ranks that are not whole nodes of the
-    network's, or the default layout's: ``ddpkit.Topology``). ``comm_hook``: a name in
-    ``comm_hooks.COMM_HOOKS``, for the strategies whose buckets take one (the others as they are)."""
+    """Every (strategy, world size) pair, world sizes outermost; a ValueError naming a strategy that
+    cannot run at a world size (``table.unfit``). ``comm_hook``: for the strategies that take one."""
     network = as_network(network)
     why = unfit(strategies, world_sizes, network)
     if why:

@@ -1,11 +1,9 @@
 """Where a simulated rank's collectives land on its timeline: the emulated links' clocks, the real
 transport underneath, and the waits.
 
-A step (``ddpkit.costmodel.simulate``) issues collectives here as the wrapper would, and waits for
-them where it would; this works out when each completes, by the rule the emulator keeps
-(``ddpkit.network.LinkClock``, one clock per link as the emulator has one thread per link), with
-the link's time and whether the bytes move at the wait from the group's ``Network.route`` (as the
-process group asks it) and the transport's time from ``Network.transport_time``.
+A simulated step issues and waits here as the wrapper would; each completes by the emulator's rule
+(``LinkClock``, one per link), with the link's time and ``at_wait`` from ``Network.route`` and the
+transport's time from ``Network.transport_time``.
 """
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from ddpkit.network import LinkClock, Network, ring_bytes
 
 @dataclass
 class Pending:
-    """One collective issued: when the link (or the transport) is done with it, and, under
-    ``at_wait``, the transport's seconds still to be spent by the rank that waits for it."""
+    """One collective issued: when the link is done, and under ``at_wait`` the transport's seconds left."""
 
     end: float
     transport_s: float = 0.0
@@ -27,24 +24,9 @@ class Pending:
 
 
 class Stream:
-    """One rank's collectives: on each link one at a time, in the order issued.
-
-    On an emulated network a collective runs on the real transport and on the emulated link side
-    by side, both starting when it is issued (or when each frees up); it completes when both are
-    done (``LinkClock``). A transport that moves the bytes with the ranks' own cores (``Link.host``:
-    gloo, shared memory) does it on the issuing rank's timeline: the step adds ``host_s`` there,
-    where it issued, and the transfer ends with that work. Any other (a GPU's) runs beside the
-    compute, one collective at a time.
-
-    Under ``at_wait`` (``Route.at_wait``: the shared-memory transport on an emulated network) the
-    issue costs the rank nothing: the link's time runs from the issue, and the rank moves the bytes
-    when it waits (``wait``), those of every earlier collective of the same group not yet moved
-    first (a group's transport completes them in order); a wait ends when both that and the link
-    are done. With ``on_futures`` (torch's DDP chains its work on futures) the link's thread moves
-    them when the link delivers, keeping the link busy meanwhile, on the rank's core: the rank is
-    charged for them at the issue, as without ``at_wait`` (where they land in its timeline depends
-    on when the link delivers; at the issue is the model's choice).
-    """
+    """One rank's collectives, on each link one at a time in issue order, beside the real transport
+    (``LinkClock``): a host transport on the rank's timeline (``host_s``); ``at_wait``: moved at the
+    wait; ``on_futures``: moved at delivery, charged at the issue."""
 
     def __init__(self, world_size: int, network: Network, on_futures: bool = False, copy_s_per_byte: float = 0.0):
         self.n, self.net = world_size, network
@@ -61,8 +43,7 @@ class Stream:
         self.count = 0
 
     def issue(self, name: str, nbytes: float, at: float, ranks=None) -> Pending:
-        """Launch at time ``at`` (or when its link frees up) among ``ranks`` (default: all of
-        them; hybrid sharding's collectives run in a node's group or across nodes)."""
+        """Launch at ``at`` (or when its link frees up) among ``ranks`` (default all)."""
         ranks = range(self.n) if ranks is None else ranks
         if len(ranks) == 1:
             return Pending(at)
@@ -72,8 +53,7 @@ class Stream:
         self.busy += max(real, link)
         self.bytes += ring_bytes(name, nbytes, len(ranks))
         self.count += 1
-        # the emulator hands the result over a little after the link frees (its thread wakes,
-        # then the waiter): on this machine's timeline, not on the link's
+        # the emulator hands the result over a little after the link frees: on this machine's timeline
         wake = self.net.emulation_s if link > 0 else 0.0
         clock = self.clocks.setdefault(route.kind, LinkClock())
         link_end = clock.delivers(at, link)
@@ -91,10 +71,8 @@ class Stream:
         return Pending(clock.complete(link_end, real_end) + wake)
 
     def host_s(self, name: str, nbytes: float, ranks=None) -> float:
-        """The seconds the issuing rank's cores spend on a collective as it issues it: the
-        transport's time where it runs on them (``Link.host``) from the issue, else nothing. In a
-        group of one rank there is nothing to move, but an all-gather or a reduce-scatter still
-        copies its input to its output (every transport's, this kit's included): one pass over S."""
+        """Seconds the issuing rank's cores spend as it issues: a host transport's time, else 0; in a
+        group of one, an all-gather or reduce-scatter still copies input to output (one pass)."""
         ranks = range(self.n) if ranks is None else ranks
         if len(ranks) == 1:
             return nbytes * self.copy_s_per_byte if name in ("all_gather", "reduce_scatter") else 0.0
@@ -109,9 +87,8 @@ class Stream:
         return at + self.host_s(name, nbytes, ranks), self.issue(name, nbytes, at, ranks)
 
     def wait(self, t: float, done: Pending) -> float:
-        """The rank, at ``t``, waits for ``done``: when it goes on. Under ``at_wait`` it moves the
-        bytes now, its group's earlier ones first, and is done when both that and the link are, plus
-        ``wake``: measured beyond the slower of the two (``measure.emulation_overhead``), added so."""
+        """The rank, at ``t``, waits for ``done``: when it goes on (under ``at_wait`` after moving its
+        group's bytes up to it), plus ``wake`` (``measure.emulation_overhead``)."""
         if done.waiting:
             for p in [p for p in self.pending if p.group == done.group]:
                 self.pending.remove(p)

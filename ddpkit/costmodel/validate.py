@@ -26,36 +26,19 @@ from ddpkit.workload import resolve
 
 def validate(cluster, strategies, workload=None, model_kwargs=None, steps=10, rounds=3,
              global_batch_size=32, optimizer="sgd", bucket_cap_mb=None, progress=None, *, model=None):
-    """See ``_validate``; ``strategies`` are names, or ``{label: (name, {wrapper options})}`` to
-    check variants, e.g. ``{f"{name} + forward prefetch": (name, {"forward_prefetch": True})}``:
-    the options go to the wrapper and, where ``CostStep`` has a field of that name, into the
-    cost model's step too. ``workload``: a ``ddpkit.Workload`` (its layers are profiled), or a
-    built-in's name sized by ``model_kwargs`` (``model=``: the older name of this keyword).
-    ``progress``: a ``ProgressBar`` to follow it on a terminal, or None."""
+    """See ``_validate``. ``strategies``: names, or ``{label: (name, {wrapper options})}`` for variants
+    (an option named like a ``CostStep`` field goes into the model's step too). ``workload``: a
+    ``Workload`` or a built-in's name (``model=``: its older keyword). ``progress``: a ``ProgressBar``."""
     runs = strategies if isinstance(strategies, dict) else {s: (s, {}) for s in strategies}
     wl = resolve(workload, model, model_kwargs)
     return _validate(cluster, runs, wl, steps, rounds, global_batch_size, optimizer, bucket_cap_mb, progress)
 
 
 def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimizer, bucket_cap_mb, progress):
-    """The cost model against measurement on one cluster: each round calibrates the collectives
-    (``measure_collectives``), profiles compute on every rank at once (``profile_job``) and
-    times every strategy as ``compare`` does, all interleaved so that a slow spell of a shared
-    machine hits calibration and measurement alike; and each wrapper alone (``wrapper_job``: one
-    rank, no peer), whose step beyond the profile's compute and the copies the model counts is the
-    wrapper's own host work (hooks, flattening, launching collectives), added to the profile
-    (``Profile.with_host``, ``host_ms``). The model sees the calibration, the profile and those
-    lone steps, never a strategy's timing with its peers. On an emulated network (``cluster.network``) the
-    collectives are calibrated with the emulation switched off: the fit is the real transport
-    underneath, and the model runs the emulated links beside it, whose parameters it knows. Returns
-    ``(records, transport, profile)``: one record per strategy with ``predicted_ms`` (each
-    collective the longer of the transport's fitted line and the emulated link's time, as the
-    emulator runs them) and ``predicted_phases_ms`` (its forward, backward and optimizer step),
-    ``measured_ms`` (median over rounds), ``rel_error`` (predicted / measured - 1),
-    ``measured_ms_rounds`` and, on an emulated network, ``outran_link``: the share of its timed
-    collectives whose real transfer ended after the link's time (``comm.emulator``), where the
-    model is held to the transport's line fitted here, not to the link's parameters. A strategy
-    that fails has ``error`` instead."""
+    """Rounds interleaving calibration (the real transport), profiles, every strategy's timing and each
+    wrapper alone (its host work); the model never sees a strategy's timing. Returns ``(records,
+    transport, profile)``: per strategy ``predicted_ms``, ``predicted_phases_ms``, ``measured_ms``,
+    ``rel_error``, ``measured_ms_rounds``, ``outran_link``, or ``error``."""
     n = cluster.world_size
     sizes = model_calibration_sizes(wl)
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
@@ -119,8 +102,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
 
 
 def _alone_as(name: str) -> str:
-    """The strategy ``wrapper_job`` times for ``name``: itself, or for hybrid sharding (a rank alone
-    has no nodes) the table's row with the same step on one node (same CostStep, ours or torch's)."""
+    """What ``wrapper_job`` times for ``name``: itself, or hybrid sharding's one-node row (same CostStep)."""
     row = strategy(name)
     if not row.hybrid:
         return name
@@ -129,29 +111,21 @@ def _alone_as(name: str) -> str:
 
 
 def _host_s(alone: list, key: str, name: str, bucket_cap_mb, cost) -> float:
-    """A wrapper's own work per step (``host_ms``): what its step took alone on a rank beyond what the
-    model gives one rank with that rank's own profile of the same round, the median over ranks and
-    rounds (at least 0). Paired rank by rank: the profile the model runs on is the slowest rank's,
-    and a lone step set against another rank's compute would count the ranks' difference as host
-    work (or hide it: with more ranks than cores, the slowest rank's compute can outlast a typical
-    rank's whole lone step)."""
+    """A wrapper's own work per step (>= 0): its lone step beyond the model's on the same rank's
+    profile of the same round (not the slowest rank's), the median."""
     extra = [steps[key] - simulate(name, profile, 1, bucket_cap_mb=bucket_cap_mb, cost=cost).ms_per_step / 1e3
              for profile, steps in alone]
     return max(0.0, statistics.median(extra))
 
 
 def _median_over_rounds(rounds: list[dict]) -> dict:
-    """Collective timings of several rounds (``{op: [(bytes, seconds)]}`` each, the same sizes)
-    -> one, each size's median over the rounds."""
+    """Several rounds' ``{op: [(bytes, seconds)]}`` -> one, each size's median."""
     return {op: [(rows[0][0], statistics.median(t for _, t in rows))
                  for rows in zip(*(r[op] for r in rounds), strict=True)] for op in rounds[0]}
 
 
 def format_validation(records: list[dict]) -> str:
-    """predict --validate's table: per strategy the measured ms per step (the median of the rounds),
-    the rounds' range and spread, the model's ms per step and its error, and the wrapper's own host
-    work the model was given; under each world size's rows how near the model came (``summary``),
-    and under the table what each column is."""
+    """predict --validate's table: a row per strategy, ``summary`` under each world size."""
     w = max([10] + [len(r["strategy"]) for r in records])  # long labels ("fsdp (backward prefetch)") fit
     lines = [f"{'ranks':>5}  {'strategy':>{w}}  {'measured':>8}  {'rounds (min-max)':>16}  {'spread':>6}  "
              f"{'model':>8}  {'error':>6}  {'host work':>9}"]
@@ -196,9 +170,7 @@ def spread(record: dict) -> float:
 
 
 def summary(records: list[dict]) -> list[str]:
-    """How near the model came on one world size's records: the mean and the worst |error|, the
-    strategies in the measured order and in the model's, and, where the rounds spread wider than
-    ``WIDE_SPREAD``, whether the model fell inside their range."""
+    """How near the model came on one world size: mean and worst |error|, the two orders, the spread."""
     ok = [r for r in records if "error" not in r]
     if not ok:
         return []

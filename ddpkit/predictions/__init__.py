@@ -8,23 +8,11 @@ the learner's own run and takes the miss apart with its own accounting.
 The name is ``ask`` (and ``Ask``, ``Reveal``), not "predict": ``python -m ddpkit predict`` and
 ``ddpkit.costmodel.predict`` are the cost model's, whose predictions these are held against.
 
-- ``question.py``   what a question is: its setting, words, unit, kind (a number, or which is faster)
-- ``times.py``      the "which is faster" questions, each with its reader and reference
-- ``counts.py``     the bytes, memory and count questions, each with its reader and reference
-- ``course.py``     the list of them (``QUESTIONS``), and the table docs/predictions.md shows
-- ``formulas.py``   the reference answers: the ring and ZeRO formulas over the kit's own layouts
-- ``reading.py``    a measurement as terms of the kit's accounting (``Measured``)
-- ``explain.py``    the miss, taken apart, in one sentence
-- ``asking.py``     asking in a notebook: answer, skip, lock, reveal
-- ``holding.py``    while a question waits: the cells after it hold their output back (Run All)
-- ``form.py``       the ipywidgets form
-- ``reveal.py``     the reveal: its lines, its HTML, its ledger entry
-- ``ledger.py``     the JSONL ledger: append, read, check; ``tables.py`` a learner's and a class's table
-- ``unattended.py`` answers for headless runs (``DDPKIT_ANSWERS``, ``DDPKIT_LEDGER``)
-- ``report.py``     ``python -m ddpkit ledger [FILE ...]``: the table and a picture
-
-The pictures are ``ddpkit.viz.plot_reveal``, ``plot_ledger``, ``plot_class``: they read plain
-records and import nothing from here (this package calls them).
+Questions: ``question.py`` (what one is), ``times.py`` and ``counts.py`` (each declared with its
+reader and reference), ``course.py`` (the list), ``formulas.py`` (references); answers:
+``asking.py``, ``holding.py``, ``form.py``, ``reveal.py`` (with ``reading.py``, ``explain.py``),
+``ledger.py``, ``tables.py``, ``unattended.py``, ``report.py``. The pictures are ``ddpkit.viz``'s,
+which import nothing from here.
 """
 from ddpkit.predictions.asking import Ask, ask
 from ddpkit.predictions.course import QUESTIONS, question

@@ -1,7 +1,6 @@
-"""The course's byte, memory and count questions (notebooks 02-06 and 09-12), each declared once: its
-words (the figures in them derived from the course's model), its reader (what its measuring cell
-left -> a ``Measured``, split by the ring formula's terms or the memory categories) and its exact
-reference from the formulas (``formulas.py``, over ``ddpkit.network.ring_bytes``)."""
+"""The course's byte, memory and count questions (notebooks 02-06, 09-12), each declared once: its
+words (figures derived from the model), its reader (-> ``Measured``) and its exact reference.
+"""
 from __future__ import annotations
 
 import math

@@ -1,9 +1,7 @@
 """The course's questions, one per measurement it asks the learner to predict (notebooks 01-12).
 
-Each is declared once, beside its reader and its reference: "which is faster" in ``times.py``,
-bytes, memory and counts in ``counts.py``. ``QUESTIONS`` is the one list of them, in the course's
-order, by key ("<notebook>.<name>"); ``markdown_table`` is the table docs/predictions.md shows
-(``tests/test_predictions.py`` checks the page holds it as this list makes it).
+Each is declared once with its reader and reference (``times.py``, ``counts.py``); ``QUESTIONS`` is
+the one list, by key ("<notebook>.<name>"); ``markdown_table`` is docs/predictions.md's (tested).
 
     ddpkit.ask("02.naive_bytes", world_size=2)    # before the measuring cell (asking.py)
     ...the measuring cell...
@@ -34,8 +32,7 @@ def nearest(key: str) -> str:
 
 
 def markdown_table() -> str:
-    """Every question as docs/predictions.md lists it: its words at its own setting, and its
-    reference (whose answer, and the answer there where the setting alone gives it)."""
+    """Every question as docs/predictions.md lists it: its words and its reference."""
     rows = ["| question | asks | reference |", "|---|---|---|"]
     for q in QUESTIONS.values():
         words = q.words()

@@ -1,11 +1,8 @@
 """The miss, taken apart: one sentence built from the numbers of a prediction and a ``Measured``.
 
-For a number, the sentence lays the measurement out in its terms (ring terms, memory categories,
-the formula's pieces) and says which of them the prediction's miss looks like: a common line of
-thought it equals (``Measured.readings``: "the full size once, the ring's factor left out"), a term
-or a few terms it leaves out or counts twice, or a whole factor. For "which is faster", it says who
-won by how much against what was predicted, and splits the difference between the two step times
-into the step's parts, naming the one that decided it.
+For a number: the measurement's terms, and what the miss looks like (a common reading it equals,
+terms left out or counted twice, a whole factor). For "which is faster": who won by how much, the
+difference split into the step's parts, naming the one that decided it.
 """
 from __future__ import annotations
 
@@ -20,16 +17,14 @@ RIGHT = {"bytes": 0.005, "memory": 0.005, "count": 0.0, "time": 0.10}  # "right"
 
 
 def miss(question: Question, prediction: float | None, measured: Measured) -> float | None:
-    """Prediction minus measurement, in the question's unit; "which is faster": prediction over
-    measurement, the factor the predicted speed-up was off by (1: right)."""
+    """Prediction minus measurement; "which is faster": prediction over measurement (1: right)."""
     if prediction is None:
         return None
     return prediction / measured.value if question.kind == "faster" else prediction - measured.value
 
 
 def is_right(question: Question, prediction: float | None, measured: Measured) -> bool:
-    """Within the quantity's margin (``RIGHT``) of the measurement; "which is faster": the same
-    winner, and the speed-up within 10 %."""
+    """Within ``RIGHT`` of the measurement; "which is faster": the same winner, within 10 %."""
     if prediction is None:
         return False
     if question.kind == "faster":
@@ -39,8 +34,7 @@ def is_right(question: Question, prediction: float | None, measured: Measured) -
 
 
 def direction_right(prediction: float | None, measured: float) -> bool | None:
-    """For "which is faster": whether the prediction named the winner (None without a prediction);
-    "no difference" names it where the two are within 0.5 %."""
+    """"Which is faster": did the prediction name the winner (within 0.5 %: "no difference")? None: none."""
     if prediction is None:
         return None
     if abs(math.log(measured)) < 0.005:

@@ -1,10 +1,6 @@
-"""The question as a form in JupyterLab (ipywidgets): a box to type the answer in, Submit, Skip, a
-status line that follows the ``Ask`` (never the measurement), and, when the answer is what the
-measurement waited for (Run All), the reveal itself, below the form.
-
-The form only calls ``Ask.answer`` and ``Ask.skip`` and redraws from the ``Ask``'s state; CSS classes
-(``ddpkit-ask``, ``-value``, ``-which``, ``-submit``, ``-skip``, ``-status``, ``-reveal``) let a browser
-test find it.
+"""The question as a form in JupyterLab (ipywidgets): an answer box, Submit, Skip, a status line
+that follows the ``Ask``, and under Run All the reveal below it. The form only calls ``Ask.answer``
+and ``Ask.skip``; its CSS classes (``ddpkit-ask``, ``-value``, ...) let a browser test find it.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The reference answers: what the course's formulas say for a question's setting, to the byte.
 
-The ring formulas (``ddpkit.network.ring_bytes``) and the ZeRO formulas (``ddpkit.memory``) count
-Ψ parameters; a run moves and keeps flat buffers, each padded to a multiple of the ranks it is
-sharded over (``FlatLayout``: at most N-1 elements each), laid out by the kit's own rules (DDP's
-buckets, FSDP's units). So each reference here is the formula over those buffers: the formula
-itself where nothing needs padding, and exact where something does. Nothing here runs a model:
-it is built on the meta device (shapes only).
+The ring and ZeRO formulas count Ψ parameters; a run moves flat buffers padded to a multiple of
+N (``FlatLayout``) by the kit's own layouts, so each reference is the formula over those buffers,
+exact to the byte. Models are built on the meta device (shapes only).
 """
 from __future__ import annotations
 
@@ -78,23 +75,19 @@ def ddp_bytes(world_size: int, model_kwargs: dict | None = None) -> float:
 
 
 def fsdp_bytes(world_size: int, model_kwargs: dict | None = None, module=None, reshard: bool = True) -> float:
-    """FSDP: per unit, all-gather its padded flat parameter before forward and (``reshard``: it
-    was freed after forward) again before backward, reduce-scatter its gradient once:
-    3 x (N-1)/N x S, or 2 x (N-1)/N x S without resharding."""
+    """FSDP: per padded unit two all-gathers (one without ``reshard``) and a reduce-scatter: 3 x (N-1)/N x S."""
     s = 4 * padded_elements(unit_elements(meta_model(model_kwargs, module)), world_size)
     return (1 + reshard) * ring_bytes("all_gather", s, world_size) + ring_bytes("reduce_scatter", s, world_size)
 
 
 def torch_zero_bytes(world_size: int, model_kwargs: dict | None = None) -> float:
-    """torch's ZeroRedundancyOptimizer over its DDP: DDP's all-reduce of every gradient, then each
-    parameter broadcast from the rank that stepped it: 2(N-1)/N x S + (N-1)/N x S."""
+    """torch's ZeroRedundancyOptimizer: DDP's all-reduce, then each parameter broadcast: 3 x (N-1)/N x S."""
     sizes = param_sizes(meta_model(model_kwargs))
     return ddp_bytes(world_size, model_kwargs) + sum(ring_bytes("broadcast", s, world_size) for s in sizes)
 
 
 def hsdp_inter_node_bytes(world_size: int, ranks_per_node: int, model_kwargs: dict | None = None) -> float:
-    """Hybrid sharding: per unit, the shard (padded over a node's k ranks, 1/k of it) all-reduced
-    among the W = N/k nodes: 2(W-1)/W x M/k, the FSDP paper's 2M(W-1)/(GW)."""
+    """Hybrid sharding: each unit's 1/k shard all-reduced among W = N/k nodes (FSDP paper: 2M(W-1)/(GW))."""
     k, w = ranks_per_node, world_size // ranks_per_node
     shard = 4 * shard_elements(unit_elements(meta_model(model_kwargs)), k)
     return ring_bytes("all_reduce", shard, w)
@@ -115,21 +108,19 @@ def zero1_model_state(world_size: int, model_kwargs: dict | None = None, state_b
 
 def zero1_optimizer_state(world_size: int, model_kwargs: dict | None = None, state_bytes: int = 8,
                           bucket_cap_mb: float | None = None) -> int:
-    """ZeRO-1 with AdamW (two fp32 moments, 8 bytes per element): K x (rank 0's shard of each
-    padded bucket), the ZeRO paper's K Ψ / N."""
+    """ZeRO-1 with AdamW: 8 bytes x rank 0's shard of each padded bucket (the ZeRO paper's K Ψ / N)."""
     return state_bytes * shard_elements(bucket_elements(meta_model(model_kwargs), bucket_cap_mb), world_size)
 
 
 def fsdp_model_state(world_size: int, module, bytes_per_element: int = 12) -> int:
-    """FSDP: parameters, gradients and optimizer state of this rank's shard of every unit
-    (SGD with momentum in fp32: 4 + 4 + 4 bytes per element), the ZeRO paper's 16Ψ/N with K = 4."""
+    """FSDP with SGD momentum in fp32: 12 bytes x this rank's shard of every unit (16Ψ/N with K = 4)."""
     return bytes_per_element * shard_elements(unit_elements(module), world_size)
 
 
 # --------------------------------------------------------------------------- the words of a question
 def mlp_facts(model_kwargs: dict | None = None) -> dict[str, str]:
-    """What a question may say of the course's MLP, derived, never typed in: its gradients' bytes
-    (``gradients``: "8.04 MiB"), tensors, parameters ("2.1 M"), and 1 MiB buckets (``buckets``)."""
+    """What a question may say of the course's MLP, derived: ``gradients``, ``tensors``, ``parameters``,
+    ``buckets`` (1 MiB)."""
     module = meta_model(model_kwargs)
     sizes = param_sizes(module)
     return {"gradients": human_bytes(sum(sizes)), "tensors": str(len(sizes)),
@@ -137,9 +128,8 @@ def mlp_facts(model_kwargs: dict | None = None) -> dict[str, str]:
 
 
 def ours(zero_stage: str, *, overlap: bool | None = None, hybrid: bool = False, torch: bool = False) -> str:
-    """The name of the table's strategy following ``zero_stage``'s formula, with (or without) overlap,
-    hybrid or not, ours or torch's: a question names what it compares by what it is, and the table
-    (``strategies.table``, the one place the names are spelled) says which strategy that is."""
+    """The table's strategy following ``zero_stage`` (overlap, hybrid, ours or torch's): questions name
+    what they compare by what it is; the table spells the names."""
     from ddpkit.strategies.table import STRATEGIES
 
     names = [s.name for s in STRATEGIES.values()

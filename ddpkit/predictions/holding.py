@@ -1,12 +1,9 @@
 """A question that waits for its answer holds the notebook's numbers back, however it is run.
 
-Under Run All the measuring cell runs right after the question, long before anyone reads it. So,
-in a kernel (a front end that renders widgets), every cell run while a question waits sends its
-output into a hidden ipywidgets ``Output`` (``HeldCell``: the front end routes it there, as ``with
-output:`` does) under a line saying what it waits for, and the question's reveal is a placeholder
-(``PendingReveal``). The answer (or a skip) shows them: the held output, and the reveal against
-the measurement this run made. A cell that fails shows its output at once. One ``Watch`` per
-IPython shell follows the questions asked in it (its ``pre_run_cell``, ``post_run_cell`` events).
+Under Run All the measuring cell runs long before anyone reads the question. So in a kernel every
+cell run while a question waits sends its output into a hidden ``Output`` (``HeldCell``) and the
+reveal is a placeholder (``PendingReveal``); the answer (or a skip) shows them, the reveal against
+this run's measurement. A failing cell shows its output at once. One ``Watch`` per IPython shell.
 """
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ NOTE = "color:#555;font-style:italic"
 
 
 def watch(shell, asked) -> None:
-    """Follow ``asked`` in ``shell``: the cells run after it are held (or it is locked) until it is
-    answered; asked again, the newer one takes over."""
+    """Follow ``asked`` in ``shell``: later cells held (or it locked) until answered; a newer ask takes over."""
     w = shell.__dict__.get("_ddpkit_watch")
     if w is None:
         w = shell.__dict__["_ddpkit_watch"] = Watch(shell)

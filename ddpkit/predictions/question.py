@@ -1,14 +1,9 @@
 """A question the course asks before a measurement: its words, its unit, its setting, what an answer means.
 
-Two kinds:
-
-- a number in ``unit``: bytes (B/KiB/MiB), memory (MiB), a count, or a ratio (``x``: "1.50x DDP's");
-- "which is faster" (``options``: two): the answer is which option, and how many times faster,
-  kept as one number, the speed-up of the first option over the second (the second's time over
-  the first's): ``3.0`` reads "<first> 3.00x faster", ``0.5`` reads "<second> 2.00x faster".
-
-``quantity`` says how a reference answer is held to a measurement (``lands``): bytes, memory,
-counts and their ratios exactly, times within the cost model's tolerance (``TIME_TOLERANCE``).
+Two kinds: a number in ``unit`` (bytes, memory, a count, a ratio ``x``), or "which is faster"
+(two ``options``), kept as the first option's speed-up over the second: ``3.0`` reads "<first>
+3.00x faster", ``0.5`` "<second> 2.00x faster". ``lands`` holds a reference to a measurement:
+exactly for bytes, memory and counts, times within ``TIME_TOLERANCE``.
 """
 from __future__ import annotations
 
@@ -21,13 +16,9 @@ from ddpkit.units import human_bytes
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "collectives": 1, "x": 1}
 QUANTITIES = ("bytes", "memory", "count", "time")
 
-# How far a time the cost model predicts may sit from the measured one and still "land": the model's
-# own documented accuracy on a small shared machine (notebook 07: the DDP family mostly within ten
-# percent over several rounds, now and then twenty, one loaded round further). A "which is faster"
-# reference lands when the speed-up it predicts is within that of the measured one for each of the
-# two times: a factor (1 + TIME_TOLERANCE) ** 2 either way. On a machine other programs share, one
-# timing round can move by more than that; ``lands`` then counts the tolerance from the ends of the
-# measurement's own rounds (``Measured.spread``).
+# How far a predicted time may sit from the measured one and still "land": the cost model's own
+# accuracy on a small shared machine (notebook 07). A speed-up lands within (1 + TIME_TOLERANCE) ** 2
+# either way, counted from the ends of the measurement's rounds (``Measured.spread``).
 TIME_TOLERANCE = 0.25
 
 
@@ -65,12 +56,8 @@ class Setting:
 
 @dataclass(frozen=True, kw_only=True)
 class Question:
-    """One question, as the course asks it. ``text`` may name the setting's fields and ``facts``
-    in braces; ``facts(setting)``: figures derived from the course's model and formulas
-    ("8.04 MiB"), never typed in. ``read(setting, *what the measuring cell left)`` -> a
-    ``reading.Measured`` (a time question's reference with it, from the same run);
-    ``reference(setting)``: the formulas' answer from the setting alone, None where it needs a run.
-    ``needs``: settings the notebook must give (no default, e.g. the learner's own model)."""
+    """One question: ``text`` with the setting's fields and ``facts(setting)`` (derived, never typed) in
+    braces; ``read(setting, *cell's results)`` -> ``Measured``; ``reference(setting)``; ``needs``."""
 
     key: str                                   # "02.naive_bytes": the notebook, then a name
     text: str
@@ -103,8 +90,7 @@ class Question:
         return UNITS[self.unit]
 
     def settings(self, **given) -> Setting:
-        """The question's setting with ``given`` on top; a ValueError for a name it is not asked
-        with, a value that is not one, or a setting it needs and was not given."""
+        """The setting with ``given`` on top; a ValueError for a name it lacks, a bad value, or a need unmet."""
         takes = (*self.setting.given(), *self.needs)
         unknown = sorted(set(given) - set(takes))
         if unknown:
@@ -159,8 +145,7 @@ class Question:
         return f"{value:,.{0 if self.unit == 'B' else 2}f} {self.unit}"
 
     def format_change(self, d: float, of: float | None = None) -> str:
-        """A difference in the question's unit, signed, bytes in the unit that shows them ("-42.04
-        KiB", never "-0.04 MiB"), and as a share of ``of`` where given ("(-0.5% of the measured)")."""
+        """A signed difference in the unit that shows it ("-42.04 KiB"), and as a share of ``of`` if given."""
         if self.unit in ("KiB", "MiB", "GiB"):
             amount = ("+" if d >= 0 else "-") + human_bytes(abs(d) * self.scale)
         else:
@@ -172,11 +157,8 @@ class Question:
         return f"{amount} ({rel:+.1%} of the measured)" if abs(rel) >= 0.0005 else f"{amount} (under 0.05%)"
 
     def lands(self, reference: float, measured: float, spread: tuple[float, float] | None = None) -> bool:
-        """Whether a reference answer lands where the measurement is: exactly for bytes, memory
-        and counts (to the byte; a ratio of them to 0.1 %, where a library's own small messages,
-        e.g. torch DDP's broadcast of its rebuilt bucket order, are one more term); a time within
-        ``TIME_TOLERANCE`` of each time, counted from the ends of the measurement's ``spread`` (its
-        rounds' lowest and highest speed-up): on a shared machine a time is known only that well."""
+        """Whether a reference lands: bytes, memory, counts exactly (ratios to 0.1 %); a time within
+        ``TIME_TOLERANCE`` of either end of the measurement's ``spread``."""
         if self.quantity != "time":
             if self.unit == "x":
                 return math.isclose(reference, measured, rel_tol=1e-3)
@@ -187,22 +169,19 @@ class Question:
 
 
 def from_the_run(setting: Setting) -> None:
-    """A reference that needs the run (a fitted link, a measured time, the cost model's profile):
-    none from the setting alone; the question's reader gives it with the measurement."""
+    """A reference that needs the run: none from the setting alone; the reader gives it."""
     return None
 
 
 def speedup(time_first: float, time_second: float) -> float:
-    """The first option's speed-up over the second: the second's time over the first's (> 1: the
-    first is faster)."""
+    """The first option's speed-up over the second: the second's time over the first's."""
     if not (time_first > 0 and time_second > 0):
         raise ValueError(f"step times must be > 0, got {time_first} and {time_second}")
     return time_second / time_first
 
 
 def speedup_spread(first_rounds, second_rounds) -> tuple[float, float]:
-    """The lowest and highest speed-up two options' rounds give (each a list of times): the
-    first's slowest round against the second's fastest, and the other way round."""
+    """The lowest and highest speed-up two options' rounds give (each's slowest against the other's fastest)."""
     return speedup(max(first_rounds), min(second_rounds)), speedup(min(first_rounds), max(second_rounds))
 
 

@@ -1,10 +1,7 @@
 """A measurement read for a question: its value, and the kit's own accounting of it, term by term.
 
-Nothing here measures: the readers take what a notebook's measuring cell left behind (a recorded
-``Trace``, ``run_strategy`` or ``compare`` results, ``step_breakdown`` parts) and the kit's figures
-of it (``comm_bytes_per_step``, the memory categories, the step's parts), and lay the number out as
-terms that add up to it: the ring formula's terms for bytes, the categories (and the formula's
-pieces) for memory, the step's parts for time. ``explain`` puts a prediction against them.
+Nothing here measures: readers lay what a measuring cell left (a Trace, run results, step parts)
+out as terms that add up to it (ring terms, memory categories, step parts) for ``explain``.
 """
 from __future__ import annotations
 
@@ -24,12 +21,9 @@ class Term:
 
 @dataclass
 class Measured:
-    """What the run gave for a question. ``value`` in the question's unit (``faster``: the signed
-    answer: the first option's speed-up, see ``question.py``); ``terms`` add up to it in ``terms_unit``
-    (``faster``: to how many ms shorter the first option's step was than the second's); ``readings``:
-    answers a common line of thought gives, named by what it counts or leaves out; ``times``: each
-    option's ms per step, ``spread`` the lowest and highest speed-up its rounds give; ``reference``:
-    where the reference answer needs this run (the cost model's, or a formula over a measured time)."""
+    """What the run gave: ``value`` (``faster``: the first option's speed-up), ``terms`` adding up to it
+    in ``terms_unit``, ``readings`` (common lines of thought), ``times`` and ``spread`` (per option),
+    ``reference`` where it needs this run."""
 
     value: float
     terms: list[Term]
@@ -59,8 +53,7 @@ def ring_factor(op: str, world_size: int) -> str:
 
 
 def ring_terms(sizes: dict[str, tuple[int, float]], world_size: int, scale: float) -> list[Term]:
-    """One term per collective kind: ``sizes`` maps an op to (how many, their full size S in
-    bytes); each term is what one rank sends for them, ``ring_bytes`` of S, in units of ``scale``."""
+    """A term per collective kind (``sizes``: op -> (count, full S)): ``ring_bytes`` of S, in ``scale``."""
     return [Term(f"{_size_words(count, op, s)}: {ring_factor(op, world_size)} x S",
                  ring_bytes(op, s, world_size) / scale) for op, (count, s) in sizes.items() if count]
 
@@ -73,8 +66,7 @@ def _size_words(count: int, op: str, s: float) -> str:
 
 
 def trace_sizes(trace, rank: int = 0, step: int = -1) -> tuple[dict[str, tuple[int, float]], int, int]:
-    """``({op: (count, full bytes S)}, step, world size)`` of one recorded step (``-1``: the last)
-    on ``rank``, from the records ddpkit's process group wrote for each collective."""
+    """``({op: (count, full bytes S)}, step, world size)`` of one recorded step (-1: the last) on ``rank``."""
     from ddpkit.trace import as_trace
 
     trace = as_trace(trace)
@@ -94,9 +86,7 @@ def trace_sizes(trace, rank: int = 0, step: int = -1) -> tuple[dict[str, tuple[i
 
 
 def bytes_sent(trace, scale: float, rank: int = 0, step: int = -1) -> Measured:
-    """Bytes one rank sent in one recorded step (``comm_bytes_per_step``, the kit's count), and its
-    ring terms per collective kind. Readings: every collective's full size once (the ring's factor
-    left out), and twice."""
+    """One rank's bytes in one recorded step, in ring terms per kind; readings: each full size once, twice."""
     from ddpkit.trace import comm_bytes_per_step
 
     sizes, step, n = trace_sizes(trace, rank, step)
@@ -117,8 +107,7 @@ def memory_terms(memory: dict, categories, scale: float) -> list[Term]:
 
 
 def parts_terms(first: dict, second: dict, labels: dict) -> list[Term]:
-    """How much shorter the first option's step was than the second's, part by part
-    (``step_breakdown(...).parts`` of each, ms): second minus first, one term per part."""
+    """The second option's step minus the first's, one term per ``step_breakdown`` part (ms)."""
     return [Term(labels.get(k, k), second[k] - first[k]) for k in first]
 
 

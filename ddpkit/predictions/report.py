@@ -3,8 +3,6 @@
     text, fig = report(["predictions.jsonl"])               # the learner's table, predicted vs measured
     text, fig = report(["ana.jsonl", "ben.jsonl", ...])      # one row per question, the class's misses
     fig.savefig(picture_path(paths))                         # beside the (first) ledger
-
-A notebook can call it too: ``print(text)``, and ``fig`` shows itself.
 """
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from ddpkit.predictions.unattended import DEFAULT_LEDGER
 
 
 def default_ledger(here=None) -> Path:
-    """The learner's ledger when none is named: ``predictions.jsonl`` here, or in ``notebooks/``
-    here (a checkout's root); a FileNotFoundError saying where it looked."""
+    """``predictions.jsonl`` here or in ``notebooks/``; a FileNotFoundError saying where it looked."""
     here = Path.cwd() if here is None else Path(here)
     for path in (here / DEFAULT_LEDGER, here / "notebooks" / DEFAULT_LEDGER):
         if path.is_file():
@@ -27,16 +24,14 @@ def default_ledger(here=None) -> Path:
 
 
 def picture_path(paths) -> Path:
-    """Where the picture goes unless told: beside the (first) ledger, named after it
-    (``predictions.png`` beside ``predictions.jsonl``; ``class_predictions.png`` for several)."""
+    """Beside the (first) ledger, named after it (``class_predictions.png`` for several)."""
     paths = [Path(p) for p in paths] or [default_ledger()]
     first = paths[0]
     return first.with_name("class_predictions.png" if len(paths) > 1 else f"{first.stem}.png")
 
 
 def report(paths) -> tuple[str, object]:
-    """(the table, the picture) for one ledger (a learner's) or several (a class: one learner per
-    file, named by the file). ValueError for a file that is not a ledger, or one with no answers."""
+    """(table, picture) for one learner's ledger or a class's (one file each); ValueError for a bad one."""
     from ddpkit.viz.predictions import plot_class, plot_ledger   # matplotlib: only to draw
 
     paths = [Path(p) for p in paths] or [default_ledger()]

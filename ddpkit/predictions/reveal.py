@@ -1,7 +1,5 @@
-"""A reveal: the prediction against the measurement of the learner's own run, the miss, and why.
-
-Plain data and its words; ``ddpkit.viz.plot_reveal`` draws it. In a notebook a ``Reveal`` shows
-itself as HTML (its lines, then the picture), elsewhere as text.
+"""A reveal: the prediction against the learner's own run, the miss, and why; plain data and its
+words (``viz.plot_reveal`` draws it), HTML in a notebook, text elsewhere.
 """
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ class Reveal:
         return explain.explain(self.question, self.prediction, self.measured)
 
     def rows(self) -> list[tuple[str, str]]:
-        """(what, value) for each line of the reveal: the prediction, the measurement (and its rounds'
-        spread), the miss, the reference (and whether it lands within that spread)."""
+        """(what, value) per line: prediction, measurement (and spread), miss, reference (and whether it lands)."""
         q, fmt, m = self.question, self.question.format, self.measured
         said = {"answered": fmt(self.prediction), "skipped": "skipped",
                 "late": "none: the measurement was shown before an answer"}[self.state]
@@ -59,8 +56,7 @@ class Reveal:
         return rows
 
     def _trust(self) -> str:
-        """Whether the reference lands on this run: for a time, within the model's tolerance of the
-        ends of the rounds' spread (else, how to read the gap); bytes, memory, counts: exactly."""
+        """Whether the reference lands on this run (a time within tolerance of the spread's ends), in words."""
         q, m = self.question, self.measured
         if q.lands(self.reference, m.value, m.spread):
             return ": lands on this run" + (" (within its rounds, give or take the model's tolerance)"

@@ -66,8 +66,7 @@ CLOSE_WORDS = (f"close: numbers within {RIGHT_SHARE:.0%}; which is faster: the w
 
 
 def learner_table(entries: list[Entry]) -> str:
-    """One learner's answers, the last per question, in the course's order: predicted, measured,
-    the miss, whether it was close, the run's ranks."""
+    """One learner's last answer per question, in the course's order: predicted, measured, miss, close."""
     last = latest(entries)
     rows = []
     for key in course_order(last):
@@ -106,9 +105,8 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
 
 
 def class_rows(ledgers: dict[str, list[Entry]]) -> list[ClassRow]:
-    """One row per question over ``{learner: entries}``, each learner's last answer. A ValueError
-    where two learners' entries of one question disagree on its kind or unit (ledgers of two
-    versions of the course): their misses cannot be put on one line."""
+    """A row per question over ``{learner: entries}`` (last answers); a ValueError where two learners'
+    entries disagree on its kind or unit (two versions of the course)."""
     per_question: dict[str, list[tuple[str, Entry]]] = {}
     for learner, entries in ledgers.items():
         for key, e in latest(entries).items():
@@ -138,8 +136,7 @@ def class_rows(ledgers: dict[str, list[Entry]]) -> list[ClassRow]:
 
 
 def class_table(rows: list[ClassRow]) -> str:
-    """The class's view: per question, how many answered, the median miss and its spread (the middle
-    half of the misses), how many named the right winner (which is faster), how many were close."""
+    """Per question: answers, the median miss and its middle half, right winners, how many close."""
     def miss(v, kind):
         return f"x{v:.2f}" if kind == "faster" else "0%" if abs(v) < 0.005 else f"{v:+.0%}"
 

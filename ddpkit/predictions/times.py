@@ -1,7 +1,6 @@
 """The course's "which is faster, and how many times?" questions (notebooks 01, 03, 04, 07, 08), each
-declared once: its words, its reader (what its measuring cell left -> a ``Measured``: the two times,
-their rounds' spread, the difference split into parts) and its reference (the alpha-beta formulas
-of ``ddpkit.network`` over a fitted or emulated link, the ideal steps, or the cost model)."""
+declared once: its words, its reader (-> ``Measured``) and its reference (alpha-beta, the model).
+"""
 from __future__ import annotations
 
 import statistics
@@ -86,8 +85,7 @@ CAP1, CAP0 = "cap 1 MiB", "cap 0"
 
 
 def extra_latency(setting: Setting) -> tuple[int, float]:
-    """How many more all-reduces cap 0 launches than cap 1 MiB (the course's MLP), and the link's
-    latency for them, ms: a zero-byte all-reduce each (``network.collective_time``)."""
+    """How many more all-reduces cap 0 launches than cap 1 MiB, and the link's latency for them, ms."""
     module = formulas.meta_model()
     extra = len(formulas.bucket_elements(module, 0)) - len(formulas.bucket_elements(module, 1.0))
     return extra, 1e3 * extra * collective_time("all_reduce", 0, setting.world_size, LINKS[setting.network])
@@ -167,8 +165,7 @@ EVERY8, EVERY1 = "sync every 8", "sync every 1"
 
 
 def skipped_link_ms(setting: Setting) -> float:
-    """The link's time for one step's all-reduces (1 MiB buckets of the course's MLP), 7 in 8 of
-    which an iteration synchronising every 8th skips."""
+    """The link's time for one step's all-reduces (1 MiB buckets), 7 in 8 of which every-8 skips."""
     buckets = formulas.bucket_elements(formulas.meta_model(), 1.0)
     return sum(1e3 * collective_time("all_reduce", 4 * t, setting.world_size, LINKS[setting.network]) for t in buckets)
 

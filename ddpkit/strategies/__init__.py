@@ -13,19 +13,9 @@ hsdp.py               HSDP              hybrid sharding: FSDP inside a node, rep
 reference.py          torch's own DistributedDataParallel, ZeroRedundancyOptimizer and fully_shard
                       (1-D, and 2-D for hybrid sharding)
 
-What they share: ``ddp_module.py`` (``DDPModule``, the core of the DDP wrappers: construction,
-forward, the sync flag, the gradient hooks, the sync at the end of backward), ``ddp_compat.py``
-(``TorchDDPCompat``: torch DDP's arguments, buffers, unused parameters, comm hooks and Join,
-composed onto the core), ``buckets.py`` (bucket assignment and the ``Bucket`` object of bucketed
-and overlapped DDP), ``common.py`` (construction checks, FSDP's units, clipping, timing),
-``zero_buckets.py`` (ZeRO-1/2's buckets padded to N shards, and which optimizers can be sharded),
-``flat_layout.py`` (``FlatLayout``: where each tensor sits in a flat buffer, padding to a multiple
-of N, a rank's shard; every flat buffer above follows it),
-``flat_param.py`` (FSDP's plan of units and a unit's flat parameter, mixed precision),
-``deferred_init.py`` (FSDP's unit-by-unit materialization of a model built on the meta device),
-``comm_hooks.py`` (how a DDP bucket is reduced: all-reduce, fp16 or bf16 compression).
-``table.py`` is the table of strategies by name that experiments, the cost model and the
-command line read; the strategy files themselves know nothing of it.
+Shared: ``ddp_module.py`` (the DDP core), ``ddp_compat.py`` (torch DDP's extras), ``buckets.py``,
+``common.py``, ``zero_buckets.py``, ``flat_layout.py``, ``flat_param.py``, ``deferred_init.py``,
+``comm_hooks.py``; ``table.py`` is the table by name its consumers read.
 
 The names below are imported on first use: importing one strategy loads only what it needs.
 """

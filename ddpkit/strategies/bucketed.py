@@ -1,34 +1,20 @@
 """BucketedDDP: pack gradients into a few flat buckets, one all-reduce per bucket.
 
-One idea more than ``NaiveDDP``: a ring all-reduce of S bytes over N ranks costs about
-2(N-1) alpha + 2(N-1)/N S beta. Per-parameter all-reduces pay the latency alpha once per
-tensor; packing the gradients into a few large flat buffers ("buckets") pays it once per
-bucket and moves the same bytes. The default MLP (66 tensors, 8.04 MiB of fp32 gradients)
-fits one 25 MiB bucket: 1 collective per step instead of 66.
+One idea more than ``NaiveDDP``: a ring all-reduce of S bytes costs about 2(N-1) alpha +
+2(N-1)/N S beta, so packing the gradients into a few flat buffers ("buckets") pays alpha once per
+bucket, not once per tensor, for the same bytes: the default MLP fits one 25 MiB bucket, 1
+collective per step instead of 66.
 
-Bucket assignment follows torch DDP (``buckets.assign_buckets``):
-- parameters in *reverse* registration order: the last layers' gradients are ready first in
-  backward, so the first bucket is the first to fill (``OverlappedDDP`` relies on this);
-- a bucket closes once it reaches ``bucket_cap_mb`` MiB, so the tensor that crosses the cap
-  stays in it; ``0`` means one parameter per bucket; a negative cap is a ``ValueError``;
-- a bucket holds one dtype on one device (it is a single flat tensor);
-- frozen parameters are left out, tied parameters are in once.
-- as torch DDP, a cap left at its default (``bucket_cap_mb=None``) is 25 MiB with the first
-  bucket capped at 1 MiB, so the first gradients start travelling early; a cap given applies to
-  every bucket, so a cap sweep shows both ends of the trade-off (the course's MLP in one bucket
-  at 25 MiB); ``first_bucket_mb`` sets the first bucket's cap (``buckets.layout``).
-(torch DDP also rebuilds the buckets once in the order gradients actually arrived. No rebuild here.)
+Buckets follow torch DDP (``buckets.assign_buckets``): parameters in *reverse* registration order
+(the last layers' gradients are ready first, so bucket 0 fills first), a bucket closes once it
+reaches ``bucket_cap_mb`` (the tensor that crosses the cap stays in it; ``0``: one per bucket), one
+dtype and device per bucket; a cap left at None is 25 MiB with a 1 MiB first bucket
+(``buckets.layout``). torch DDP also rebuilds the buckets in arrival order once; not here.
 
-When: after backward, as ``NaiveDDP`` (the first gradient queues the sync on the autograd engine's
-end of backward, so ``loss.backward()`` returns with the gradients averaged, as with torch's DDP).
-
-Copies, not views: after backward each gradient is copied into its bucket slot (scaled by
-1/N on the way), the bucket is all-reduced, and the averaged values are copied back into
-``.grad``. Cost: memory, one extra copy of all gradients (the buckets, ``comm_buffer_bytes()``,
-8.04 MiB for the default MLP); time, one copy in and one copy out per step (cheap next to the
-network). ``gradient_as_bucket_view=True`` (torch DDP's option, off by default as there) points
-each ``.grad`` at its bucket slot instead: no extra memory and no copy out, and with
-``zero_grad(set_to_none=False)`` no copy in either; plain copies are simpler to follow.
+When: after backward, as ``NaiveDDP``. Copies, not views: each gradient is copied into its slot
+(times 1/N), the bucket all-reduced, the average copied back into ``.grad``: one extra copy of the
+gradients in memory (``comm_buffer_bytes()``), a copy in and out per step. torch DDP's
+``gradient_as_bucket_view=True`` makes each ``.grad`` its slot instead; plain copies read simpler.
 """
 from __future__ import annotations
 

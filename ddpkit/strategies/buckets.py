@@ -1,13 +1,9 @@
 """Buckets: gradients packed into one flat buffer, so that one collective carries many of them.
 
 ``assign_buckets`` says which tensors share a bucket (torch DDP's rule, the cost model's too),
-``layout`` the caps (None: torch DDP's default, 25 MiB with a first bucket of 1); a ``Bucket`` is
-its flat buffer (a ``FlatLayout``), a slot per gradient, how many are still missing this step,
-and its all-reduce once launched. ``BucketedDDP`` fills every bucket after backward;
-``OverlappedDDP`` fills them from gradient hooks and launches each as soon as it is full, strictly
-in order (``InOrder``, which ZeRO-2 shares). Both use four calls: ``copy_in``, ``all_reduce``,
-``wait``, ``copy_out``; a communication hook (``comm_hooks.py``) replaces how ``all_reduce``
-reduces the flat buffer, e.g. in fp16 to halve the bytes.
+``layout`` the caps; a ``Bucket`` is a flat buffer with a slot per gradient and this step's
+progress, used in four calls: ``copy_in``, ``all_reduce`` (or a comm hook), ``wait``, ``copy_out``.
+``InOrder`` launches them from the hooks strictly in order (OverlappedDDP, ZeRO-2).
 """
 from __future__ import annotations
 
@@ -26,11 +22,8 @@ FIRST_BUCKET_MB = 1.0   # torch DDP's first bucket, while the cap is left at its
 
 
 def layout(bucket_cap_mb: float | None, first_bucket_mb: float | None = None) -> tuple[float, float | None]:
-    """(every bucket's cap, the first bucket's cap or None: the same) in MiB, by torch DDP's rule:
-    a cap left at its default (None) is 25 MiB with the first bucket capped at 1 MiB, so the first
-    gradients start travelling early in backward; a cap given applies to every bucket (a cap sweep
-    sees both ends of the trade-off). ``first_bucket_mb`` sets the first bucket's cap either way.
-    Each is checked (``bucket_cap_bytes``): a wrapper asks before any communication."""
+    """(every bucket's cap, the first's or None) in MiB, checked, by torch DDP's rule: None is 25 MiB
+    with a 1 MiB first bucket (the first gradients travel early); a cap given applies to all."""
     if bucket_cap_mb is None:
         bucket_cap_mb, first_bucket_mb = DEFAULT_CAP_MB, FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
     bucket_cap_bytes(bucket_cap_mb)
@@ -49,15 +42,10 @@ def bucket_cap_bytes(bucket_cap_mb: float) -> float:
 
 def assign_buckets(sizes: list[int], cap_bytes: float, kinds: list | None = None,
                    first_cap_bytes: float | None = None) -> list[list[int]]:
-    """Indices into ``sizes`` (bytes per tensor, registration order), bucket by bucket.
-
-    torch DDP's rule: walk the tensors in *reverse* (the last layers' gradients are ready
-    first in backward, so bucket 0 fills first); each kind of tensor (``kinds[i]``, e.g. its
-    (dtype, device): a bucket is one flat tensor) has one open bucket; a tensor joins its
-    kind's open bucket, and the bucket closes once it holds >= ``cap_bytes``, so the tensor
-    that crossed the cap stays in it. Cap 0: one tensor per bucket. ``first_cap_bytes`` caps
-    each kind's first bucket instead (torch DDP's 1 MiB first bucket). Buckets come out in
-    the order they were opened, i.e. the order they will fill.
+    """Indices into ``sizes`` (bytes per tensor, registration order), bucket by bucket, in the order
+    they fill. torch DDP's rule: walk the tensors in *reverse*; each kind (``kinds[i]``, e.g.
+    (dtype, device)) has one open bucket, which closes once it holds >= ``cap_bytes`` (the tensor
+    crossing the cap stays in); ``first_cap_bytes`` caps each kind's first bucket instead.
     """
     if not cap_bytes >= 0 or (first_cap_bytes is not None and not first_cap_bytes >= 0):
         raise ValueError(f"bucket caps must be >= 0 bytes, got {cap_bytes}, {first_cap_bytes}")
@@ -88,9 +76,8 @@ class Bucket:
         self.names = [name for name, _ in named_params]   # in the order they sit in the buffer
         self.params = [p for _, p in named_params]
         first = self.params[0]
-        # The flat buffer, allocated once: (sum of numels,), no padding (every rank reduces the
-        # whole buffer). Each slot is a view of it shaped like its parameter, so copying a
-        # gradient in is one copy_ and no reshaping.
+        # The flat buffer, allocated once: (sum of numels,), no padding; each slot a view shaped like
+        # its parameter, so copying a gradient in is one copy_.
         self.layout = FlatLayout.of(self.params)
         self.flat = self.layout.empty(first.dtype, first.device)
         self.slots = self.layout.views(self.flat)
@@ -112,10 +99,8 @@ class Bucket:
     def copy_in(self, j: int, scale: float) -> None:
         """Gradient j into its slot, times ``scale``; zeros if it has none (unused this step)."""
         p, slot = self.params[j], self.slots[j]
-        # Scale on the way in, *before* the SUM: ReduceOp.AVG is not on every backend, and a
-        # sum of already-scaled values cannot overflow in low precision. A multiply by 1/N (as
-        # torch's reducer does) is cheaper than a divide; detach() keeps the copy out of any
-        # autograd graph (.grad has one under backward(create_graph=True)).
+        # Scale on the way in, *before* the SUM: ReduceOp.AVG is not on every backend, and a sum of
+        # scaled values cannot overflow in low precision; detach(): no graph (create_graph=True).
         if p.grad is None:
             slot.zero_()
         elif self.grads_as_views and self.is_slot(j):
@@ -176,10 +161,8 @@ class Bucket:
 
 
 class InOrder:
-    """Buckets launched from the gradient hooks, strictly in bucket order (OverlappedDDP, ZeRO2), one
-    step's worth (a new one each step). A bucket complete before an earlier one waits for it, so every
-    rank issues the same collectives in the same order whichever gradient arrives first. A bucket
-    keeps its own progress (``ready``, ``missing``: its ``copy_in``); this keeps which one is next."""
+    """One step's buckets launched from the hooks strictly in bucket order (a bucket complete early
+    waits), so every rank issues the same collectives in the same order; this keeps which is next."""
 
     def __init__(self, buckets: list):
         self.buckets = buckets

@@ -13,27 +13,16 @@ shape on our buckets, and a hook of this file can be chosen by its name in ``COM
         # Launch the reduction (async) and return a future whose value is the reduced buffer
         # (bucket.flat itself, or a tensor of its size that the bucket copies back in).
 
-The wrapper calls the hook where it would launch the bucket's all-reduce (from a gradient hook in
-``OverlappedDDP``, after backward in ``BucketedDDP``) and waits for its future where it would wait
-for the all-reduce. Every rank must run the same hook (the collectives must match). By name it
-reaches every strategy whose buckets take one (``Strategy.takes_comm_hook`` in the table:
-bucketed, overlapped, sharded_optimizer): ``compare(..., comm_hook=)``, ``--comm-hook`` on
-``python -m ddpkit compare|trace|predict``, ``run_strategy(..., options={"comm_hook": ...})``
-and the cost model (``CostStep.comm_hook``), which prices its bytes and its passes over the bucket.
+The wrapper calls the hook where it would launch the bucket's all-reduce and waits for its future
+where it would wait; every rank must run the same hook. By name it reaches every strategy whose
+buckets take one (``Strategy.takes_comm_hook``) through ``compare``, ``--comm-hook``,
+``run_strategy`` and the cost model (``CostStep.comm_hook``). Adding a hook touches this file only:
+write it, label its collectives with the bucket, give it a row in ``COMM_HOOKS`` (bytes per element
+sent, passes over the bucket), test it in ``tests/test_ddp.py``.
 
-Adding a hook touches this file only: write ``my_hook(bucket, process_group, recorder)`` here,
-label its collectives with the bucket (``recorder.labels(bucket=bucket.index)``, as below), and
-give it a row in ``COMM_HOOKS``: its name, and what the cost model needs of it (the bytes per
-element it sends, the passes over the bucket it makes on the rank). Test it beside the built-in
-ones in ``tests/test_ddp.py`` (its bytes, and how close it trains to one process).
-
-Built in: ``allreduce_hook`` (what no hook does), ``fp16_compress_hook`` and
-``bf16_compress_hook``: the buffer is cast to 16 bits, all-reduced, and cast back: half the bytes
-on the wire, at the price of rounding every gradient to 16 bits (fp16: 10-bit mantissa, range
-~6e-5 to 65504 -- the gradients are divided by N *before* the sum, so the sum cannot overflow
-where the gradients did not; bf16: fp32's range, 7-bit mantissa, and Adam, which divides a
-gradient by its running RMS, moves a parameter by up to ~lr a step where rounding changed a small
-gradient). How far each lands from one process: ``docs/papers.md``.
+Built in: ``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook`` (cast to 16 bits,
+all-reduce, cast back: half the bytes, every gradient rounded; fp16 cannot overflow in the sum
+since gradients are divided by N first; how far each lands from one process: ``docs/papers.md``).
 """
 from __future__ import annotations
 
@@ -92,8 +81,7 @@ COMM_HOOKS: dict[str, CommHook] = {
 
 
 def comm_hook(name_or_hook) -> Callable:
-    """The hook function for a name in ``COMM_HOOKS``, or a function as it is; a ValueError
-    naming the valid names otherwise."""
+    """The hook for a name in ``COMM_HOOKS`` (a ValueError naming them otherwise), or a function as is."""
     if callable(name_or_hook):
         return name_or_hook
     if name_or_hook not in COMM_HOOKS:

@@ -1,13 +1,9 @@
 """What every strategy shares: construction checks, rank-0 broadcast, FSDP's units, clipping, timing
 (a forward, and a backward as its "backward" and "sync" spans: ``BackwardSpans``).
 
-Strategies report what happens through the recorder seam (``ddpkit.trace.seam``: ``span``,
-``labels``, ``grad_ready``, ``memory``; ``NullRecorder`` when recording is off) and never store or
-draw it. What the DDP wrappers share besides is their core, ``DDPModule`` in ``ddp_module.py``, and
-torch DDP's compatibility layer composed onto it, ``TorchDDPCompat`` in ``ddp_compat.py``.
-
-This module sits in the strategy layer and imports nothing from later layers (trace's records,
-memory, viz, widget): data flows cluster -> strategy -> recorder -> plots.
+Strategies report through the recorder seam (``ddpkit.trace.seam``; ``NullRecorder`` when off) and
+never store or draw it. The DDP wrappers' core is ``ddp_module.DDPModule``, torch DDP's extras
+``ddp_compat.TorchDDPCompat``.
 """
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ from ddpkit.trace.seam import NULL_RECORDER
 
 
 def require_process_group(strategy: str, group=None) -> None:
-    """Fail with a clear message when a strategy is built before init_process_group, or on a
-    ``group`` this process is not a member of (its collectives would never be matched)."""
+    """Fail clearly before init_process_group, or on a ``group`` this process is not in."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{strategy} needs a process group: call torch.distributed.init_process_group() "
@@ -50,13 +45,8 @@ def _trainable(module: nn.Module) -> int:
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
-    """FSDP's default units (ours and ``TorchFSDP``'s) for a model it was told nothing about: the
-    repeated blocks, i.e. each member with trainable parameters of the ``nn.ModuleList`` holding
-    the most of them (a transformer's layers: GPT-2's ``transformer.h``, BERT's
-    ``encoder.layer``; a ResNet's stages); without a ModuleList, each child with trainable
-    parameters. The root keeps the rest (embeddings, final norm, head). Why not the children
-    always: GPT-2's are ``[transformer, lm_head]``, one unit holding the whole model, gathered at
-    once: FSDP would hold as much as DDP."""
+    """FSDP's default units: the trainable members of the biggest ``nn.ModuleList`` (a transformer's
+    layers), else each trainable child (GPT-2's children would be one unit, the whole model)."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
     if lists:
         blocks = [m for m in max(lists, key=_trainable) if _trainable(m)]  # the first of equals
@@ -66,11 +56,8 @@ def default_units(module: nn.Module) -> list[nn.Module]:
 
 
 def resolve_units(module: nn.Module, units) -> list[nn.Module]:
-    """FSDP units as modules, in ``module``'s order: a module given stays one; a class (or a
-    tuple of classes) stands for every submodule of that class, as torch's ``ModuleWrapPolicy``
-    (``units={GPT2Block}``). Every rank gets the same order, whatever order a set iterates in
-    (a set of classes hashes by id, which differs between processes). A class no submodule is
-    an instance of is a ValueError, and so is a module that is not inside ``module``."""
+    """FSDP units as modules in ``module``'s order (alike on every rank): a class stands for each
+    submodule of it; one matching nothing, or a module outside ``module``, is a ValueError."""
     items = [units] if isinstance(units, type) else list(units)
     classes = tuple(u for u in items if isinstance(u, type))
     given = {id(u) for u in items if not isinstance(u, type) and u is not module}  # the root: a unit anyway
@@ -91,12 +78,8 @@ def resolve_units(module: nn.Module, units) -> list[nn.Module]:
 
 
 def check_same_shapes(module: nn.Module, group=None) -> None:
-    """Raise naming the first parameter whose shape differs across ranks (instead of hanging).
-
-    Every rank all-gathers a short fingerprint of its parameter list first: the number of
-    parameters and, per parameter, its shape. A mismatch would otherwise make the later
-    broadcasts and all-reduces wait forever for bytes that never come.
-    """
+    """Raise naming the first parameter or buffer whose shape or dtype differs across ranks (all
+    ranks all-gather their lists first), where the later broadcasts would hang."""
     named = [("parameter", n, t) for n, t in module.named_parameters()] + \
             [("buffer", n, t) for n, t in module.named_buffers()]
     shapes = [(f"{kind} {name!r}", tuple(t.shape), str(t.dtype)) for kind, name, t in named]
@@ -119,8 +102,7 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
 
 @torch.no_grad()
 def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
-    """Copy rank 0's values into every rank's tensors, so all ranks start equal. Tensors on the
-    meta device have no values yet: FSDP's deferred initialization broadcasts them once real."""
+    """Copy rank 0's values into every rank's tensors (meta ones: once real, by deferred init)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for t in tensors:
         if not t.is_meta:
@@ -128,8 +110,7 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
 
 
 def prepare_module(strategy: str, module: nn.Module, group=None, params: bool = True, buffers: bool = True) -> None:
-    """The construction steps every wrapper shares: check, then broadcast rank 0's parameters and
-    buffers (either left out: torch DDP's ``init_sync=False`` and ``broadcast_buffers=False``)."""
+    """Check, then broadcast rank 0's parameters and buffers (either left out: torch's ``init_sync``)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
     require_process_group(strategy, group)
@@ -146,16 +127,8 @@ def nbytes(t: torch.Tensor) -> int:
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, sharded: bool = False, group=None,
                     recorder=NULL_RECORDER) -> torch.Tensor:
-    """Scale the ``.grad`` of ``params`` so that the norm of the *whole* gradient is at most
-    ``max_norm``; returns that norm (what every wrapper's ``clip_grad_norm_`` does after the
-    gradients are synchronised, equal to one process's ``torch.nn.utils.clip_grad_norm_``).
-
-    Not ``sharded``: every rank holds the whole averaged gradient (DDP), so torch's own function
-    on it is the answer. ``sharded``: ``params`` are this rank's shards, the ranks of ``group``
-    holding disjoint pieces of the gradient (ZeRO-1/2's bucket shards, FSDP's flat shards; zero
-    padding changes no norm): each rank's norm of its shards, then one all-reduce of one scalar,
-    the sum of p-th powers (the inf-norm: the max), and the p-th root. A shard's local norm alone
-    would clip each rank by a different factor, and not by the whole gradient's."""
+    """Scale ``params``' ``.grad`` so the *whole* gradient's norm is at most ``max_norm``, as one process's
+    ``clip_grad_norm_``; ``sharded``: disjoint shards, local norms combined across ``group``."""
     params = list(params)
     if not sharded:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
@@ -177,10 +150,8 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, sharded: bo
 
 
 def forward_timed(recorder, module: nn.Module, args, kwargs):
-    """``module(*args, **kwargs)``; in a training loop that does not time its own steps (a script of
-    its own, not ``train_step``) also recorded as a "forward" span, and its backward as
-    ``BackwardSpans`` (from the moment the output's gradient arrives): the compute lane of the
-    timeline, whatever loop drives the wrapper. Recording off: just the call."""
+    """``module(*args, **kwargs)``; in a loop that does not time its own steps (not ``train_step``)
+    also a "forward" span, and its backward as ``BackwardSpans``: the compute lane, whatever loop."""
     if recorder.loop_spans:
         return module(*args, **kwargs)
     with recorder.span("forward", cat="compute"):
@@ -192,12 +163,8 @@ def forward_timed(recorder, module: nn.Module, args, kwargs):
 
 
 class BackwardSpans:
-    """One backward on the compute lane: "backward", autograd's work up to its last gradient, then
-    (``train_batch``'s, ``opened``) "sync", the end-of-backward work the wrappers queue (bucketed's
-    and naive's all-reduces, overlapped's wait for its last buckets, FSDP's last reduce-scatters)
-    until ``close()``. "backward" opens now, or when the gradient reaches ``tensor`` (a wrapper's
-    output in a loop of its own); ``tensor``'s hook, the backward's first, queues its end on the
-    autograd engine ahead of the wrappers' work."""
+    """One backward on the compute lane: "backward", then (``opened``: ``train_batch``'s) "sync" until
+    ``close()``; "backward" opens now, or when the gradient reaches ``tensor``."""
 
     def __init__(self, recorder, tensor: torch.Tensor, opened: bool = True):
         self.recorder, self.sync_follows = recorder, opened
@@ -235,8 +202,7 @@ class BackwardSpans:
 
 @contextlib.contextmanager
 def no_sync(wrapper):
-    """``wrapper.no_sync()``: gradients of forwards run inside accumulate locally; the next
-    step outside syncs them. Every wrapper of ours reads ``_require_sync`` (default True)."""
+    """``wrapper.no_sync()``: gradients of forwards inside accumulate locally (``_require_sync``)."""
     previous, wrapper._require_sync = wrapper._require_sync, False
     try:
         yield

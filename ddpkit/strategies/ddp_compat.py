@@ -1,14 +1,10 @@
 """TorchDDPCompat: what torch's DistributedDataParallel has besides the core, composed onto it.
 
-Every public DDP wrapper is ``class NaiveDDP(TorchDDPCompat, DDPModule)``: the core
-(``ddp_module.DDPModule``) averages the gradients; this layer, a subclass of it that leaves the
-step as the core has it, lets the wrapper drop into a script written for torch's DDP:
-torch's arguments (``torch_ddp_args.py``: ``device_ids``, ``broadcast_buffers``, ``device_mesh``,
-...) with torch's meaning; rank 0's buffers before each forward that follows a synchronising one;
-``require_backward_grad_sync``; ``find_unused_parameters`` (the DDP paper, section 3.2.3);
-communication hooks (``comm_hooks.py``); and uneven inputs through torch's ``Join`` protocol, where
-a rank that ran out of batches shadows the others' collectives with zeros instead of leaving them
-waiting. A torch attribute a framework reads of a DDP wrapper belongs here, with torch's meaning.
+Every public DDP wrapper is ``class NaiveDDP(TorchDDPCompat, DDPModule)``: the core averages the
+gradients; this layer lets it drop into a script written for torch's DDP: torch's arguments
+(``torch_ddp_args.py``), rank 0's buffers before a forward after a synchronising one,
+``require_backward_grad_sync``, ``find_unused_parameters`` (DDP paper 3.2.3), comm hooks, and
+uneven inputs through torch's ``Join`` (a rank out of batches shadows the others' collectives).
 """
 from __future__ import annotations
 
@@ -27,13 +23,11 @@ from ddpkit.torch_internals import tensors_to
 
 
 class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
-    """torch DDP's arguments, buffers, unused parameters, comm hooks and Join, on the core; what the
-    frameworks read besides (``TorchDDPSurface``: its flags, logging data, reducer, torch's hook form)."""
+    """torch DDP's arguments, buffers, unused parameters, comm hooks and Join, on the core."""
 
     def __init__(self, module: nn.Module, process_group=None, recorder=None, *, find_unused_parameters: bool = False,
                  comm_hook=None, torch_ddp: dict | None = None, **core):
-        """``torch_ddp``: torch DDP's other keywords, as the user gave them (``device_ids``,
-        ``broadcast_buffers``, ``device_mesh``, ...); ``core``: the core's own (``DDPModule``)."""
+        """``torch_ddp``: torch DDP's other keywords as given; ``core``: ``DDPModule``'s own."""
         strategy = type(self).__name__
         if not isinstance(module, nn.Module):
             raise TypeError(f"{strategy} wraps an nn.Module, got {type(module).__name__}")
@@ -68,8 +62,7 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     @torch.no_grad()
     def _broadcast_buffers(self, joined: bool = False) -> None:
-        """Every buffer from rank 0, or under Join from the highest rank still training (agreed with
-        one all-reduce MAX, as torch's DDP: rank 0 may have stopped with stale statistics)."""
+        """Every buffer from rank 0, or under Join from the highest rank still training (one all-reduce MAX)."""
         src = 0
         if self._join_config.enable:
             mine = torch.tensor([-1 if joined else dist.get_rank(self.process_group)], device=self.join_device)
@@ -83,8 +76,7 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """torch DDP's flag, read by the next forward: False lets that step's gradients accumulate
-        locally (what ``no_sync()`` sets; nanoGPT sets it by hand on all but the last micro-batch)."""
+        """torch DDP's flag for the next forward: False accumulates locally (nanoGPT sets it by hand)."""
         return self._require_sync
 
     @require_backward_grad_sync.setter
@@ -98,9 +90,8 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     @torch.no_grad()
     def _settle_unused(self, has_grad: list[bool]) -> None:
-        """After the gradients were reduced. With ``find_unused_parameters``: one all-reduce of the
-        bitmap ``has_grad`` (int32, one per gradient), and a parameter no rank had a gradient for
-        gets ``.grad`` None back, as one process leaves it. Without: warn once if some is missing."""
+        """After the reduction: with ``find_unused_parameters`` a bitmap all-reduce sets ``.grad`` None
+        where no rank had one; without, warn once if some is missing."""
         if not self.find_unused_parameters:
             if not all(has_grad) and not self._warned_unused:
                 self._warned_unused = True
@@ -119,10 +110,8 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
 
     # ------------------------------------------------------------------ communication hooks
     def _register_hook(self, hook) -> None:
-        """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` instead of
-        an all-reduce (``comm_hooks.py``: e.g. ``fp16_compress_hook``, or its name in
-        ``COMM_HOOKS``, ``"fp16_compress"``). Once, before training. The public
-        ``register_comm_hook`` (``TorchDDPSurface``) takes this form and torch's ``(state, hook)``."""
+        """Reduce each bucket with ``hook(bucket, process_group, recorder) -> Future`` (or its name in
+        ``comm_hooks.COMM_HOOKS``) instead of an all-reduce; once, before training."""
         if not self.buckets:
             raise TypeError(f"{type(self).__name__} has no buckets to hook; use BucketedDDP or OverlappedDDP")
         if isinstance(hook, str):
@@ -134,16 +123,13 @@ class TorchDDPCompat(TorchDDPSurface, DDPModule, Joinable):
         self._comm_hook = hook
 
     # ------------------------------------------------------------------ uneven inputs: Join
-    # torch's protocol (torch.distributed.algorithms.Join): every step, a rank still training
-    # all-reduces a 1 (``notify_join_context``), which the finished ranks' Join loop matches with
-    # a 0 and so learns that a step is coming; then ``main_hook`` below repeats that step's
-    # collectives with zeros on the finished ranks. The gradients are therefore summed over the
-    # ranks still training and divided by the *initial* world size, as torch's DDP does by default.
+    # torch's protocol: every step a rank still training all-reduces a 1 (``notify_join_context``),
+    # which the finished ranks match with a 0; then ``main_hook`` repeats the step's collectives with
+    # zeros there, so gradients are summed over the ranks training, divided by the initial N.
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
-        """torch DDP's ``model.join()``: ``with model.join(): ...`` lets ranks run out of batches at
-        different steps. Gradients are summed over the ranks still training and divided by the
-        initial world size, as torch's default; the other division is not here."""
+        """torch DDP's ``model.join()``: ranks may run out of batches; gradients summed over those still
+        training, divided by the initial world size (torch's default; the other is refused)."""
         if not divide_by_initial_world_size:
             raise ValueError(f"{type(self).__name__}.join: only divide_by_initial_world_size=True (torch's "
                              "default): the gradients are pre-divided by the initial world size")
@@ -194,8 +180,7 @@ class _ShadowSteps(JoinHook):
             p.grad = None
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank has finished. The ones that finished early stopped stepping: copy the
-        parameters and buffers of the last rank to finish (agreed with one all-reduce MAX)."""
+        """All finished: copy the last rank's parameters and buffers to the ones that stopped early."""
         ddp = self.ddp
         rank = dist.get_rank(ddp.process_group)
         last = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)

@@ -1,11 +1,9 @@
 """DDPModule: the core every DDP wrapper shares (naive, bucketed, overlapped; ZeRO-1 and ZeRO-2).
 
-Top to bottom: construction (rank 0's parameters and buffers broadcast so the ranks start equal,
-the gradients to reduce, the flat buckets), the forward, the "does this backward sync?" flag, and
-a hook on every gradient that queues the sync at the end of backward. A strategy file adds how
-the gradients are averaged (``_sync_gradients``) and, for overlapped, what a gradient's hook does.
-What torch's DDP has besides (its arguments, buffers, Join, ``find_unused_parameters``, comm
-hooks) is ``ddp_compat.TorchDDPCompat``, which every public wrapper adds: not needed for a step.
+Top to bottom: construction (rank 0's state broadcast, the gradients, the buckets), the forward,
+the "does this backward sync?" flag, and a hook on every gradient that queues the sync at the end
+of backward. A strategy adds ``_sync_gradients`` (and overlapped its hook); torch DDP's extras are
+``ddp_compat.TorchDDPCompat``, not needed for a step.
 """
 from __future__ import annotations
 
@@ -25,12 +23,9 @@ from ddpkit.trace.seam import recorder as rank_recorder
 class DDPModule(nn.Module):
     """Construction, forward, ``no_sync()``, and the sync at the end of every backward that needs one.
 
-    Which backward syncs? As in torch's DDP, the *forward* decides: a forward with gradients
-    enabled outside ``no_sync()`` marks a sync pending; ``finish_gradient_synchronization()`` does
-    it once and clears the mark (a second call is a no-op). The first gradient of such a backward
-    queues that call on the autograd engine, so ``loss.backward()`` returns with the gradients
-    averaged whether or not the loop calls it. So: the forward through the wrapper (``model(x)``,
-    not ``model.module(x)``), one backward per forward, micro-batches but the last in ``no_sync()``.
+    As in torch's DDP the *forward* decides: one with gradients enabled outside ``no_sync()`` marks
+    a sync pending, which the first gradient of its backward queues at the end of backward. So: the
+    forward through the wrapper, one backward per forward, micro-batches but the last in ``no_sync()``.
     """
 
     buckets: tuple = ()  # a bucketed wrapper's ``buckets.Bucket`` list, in the order they fill
@@ -85,13 +80,9 @@ class DDPModule(nn.Module):
 
     # ------------------------------------------------------------------ backward: the hooks, the end
     def _hook_every_gradient(self) -> None:
-        """Call ``self._grad_ready_hook(i, j)`` each time gradient j of bucket i lands in ``.grad``
-        (``(k,)``: gradient k of ``named_grads``, without buckets): a post-accumulate-grad hook on
-        each parameter, reaching the wrapper through a weak reference.
-
-        Why weak: torch keeps a parameter's hooks in its C++ autograd data, where Python's garbage
-        collector cannot follow them, so a hook holding the wrapper made wrapper -> model -> parameter
-        -> hook -> wrapper a cycle nothing frees (a Cluster's rank kept every run's model and buckets)."""
+        """``self._grad_ready_hook(i, j)`` each time gradient j of bucket i (``(k,)`` without buckets)
+        lands in ``.grad``, through a weak reference: torch keeps hooks in C++, where the garbage
+        collector cannot see the cycle wrapper -> parameter -> hook -> wrapper."""
         owner = weakref.ref(self)
         if self.buckets:
             places = [(p, (i, j)) for i, bucket in enumerate(self.buckets) for j, p in enumerate(bucket.params)]
@@ -101,10 +92,8 @@ class DDPModule(nn.Module):
             p.register_post_accumulate_grad_hook(functools.partial(_call_owner, owner, where))
 
     def _grad_ready_hook(self, i: int, j: int | None = None) -> None:
-        """A gradient landed in ``.grad``: record it (the bucket fill order), and in a backward that
-        syncs queue ``finish_gradient_synchronization`` at the end of backward, once. All this does
-        for the wrappers that reduce after backward (naive, bucketed, ZeRO-1): the communication
-        starts once autograd is done with every gradient."""
+        """A gradient landed: record it (the fill order); in a backward that syncs, queue
+        ``finish_gradient_synchronization`` at its end, once (all naive, bucketed, ZeRO-1 need)."""
         if self.recorder.enabled:
             self.recorder.grad_ready(self._grad_name(i, j), bucket=i)  # naive: its "bucket" is the parameter
         if self._synced:

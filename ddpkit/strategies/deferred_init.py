@@ -1,24 +1,15 @@
 """Deferred initialization: a model built on the ``meta`` device, materialized one FSDP unit at a time.
 
-A model too large for one device cannot be built whole and then sharded. The FSDP paper (section
-3.1, "deferred initialization"; ``docs/papers.md``) builds it on a fake device, where tensors have
-shapes and dtypes but no storage, then replays the initialization *unit by unit* on the real
-device: allocate one unit's parameters, initialize them, keep this rank's shard, free the rest, go
-on to the next. The full model never exists on a rank: the peak is the shards so far plus one unit
-(plus the root's own parameters, which stay until the end).
+A model too large for one device cannot be built whole and then sharded. The FSDP paper (3.1)
+builds it on the ``meta`` device (shapes, no storage), then replays the initialization unit by
+unit: allocate a unit, initialize it, keep this rank's shard, free the rest. The peak is the shards
+so far plus one unit (and the root's own parameters).
 
-torch's ``meta`` device is the fake device; ``with torch.device("meta"): model = MLP()`` builds one.
-Replaying: module by module in registration order (``named_modules()``), each module whose own
-parameters or buffers are still on meta gets them allocated and runs ``param_init_fn(module)``
-(default: the module's ``reset_parameters()``, what its constructor ran). For a model whose
-constructor initializes its layers in registration order from the global RNG (nn.Linear,
-nn.Embedding, nn.LayerNorm, ... and both of the course's models) the same seed therefore gives
-exactly the values the eager constructor gives *on the same device*. On a GPU the values are drawn
-from the CUDA generator, whose stream differs from the CPU's: the same seed then gives other values
-than an eager model built on the CPU and moved (the ranks still agree: rank 0's are broadcast).
-A parameter tied to one materialized earlier (TinyGPT's ``head.weight`` is ``tok.weight``) is left
-alone: the first module to register it initializes it. Each module's fresh values are broadcast
-from rank 0, as for an eager model.
+Replaying goes module by module in registration order: each module with meta tensors of its own
+gets them allocated and runs ``param_init_fn(module)`` (default ``reset_parameters()``), so a model
+initialized in registration order from the global RNG gets the eager values on the same device (a
+GPU's generator differs from the CPU's). A tied parameter is initialized by its first module. Each
+module's values are broadcast from rank 0.
 """
 from __future__ import annotations
 
@@ -46,15 +37,9 @@ def _reset_parameters(module: nn.Module) -> None:
 @torch.no_grad()
 def materialize_by_unit(module: nn.Module, units: list, device, param_init_fn: Callable | None = None,
                         group=None) -> Iterator[tuple]:
-    """Materialize ``module``'s meta parameters and buffers module by module, and yield
-    ``(unit, params)`` as soon as every parameter of a unit is real (the root, unit "", at the
-    end). ``units`` is FSDP's plan (``flat_param.plan_units``): ``UnitPlan``s whose ``params``
-    are ``UnitParam``s of meta parameters; ``params`` yielded are the same with the real ones.
-
-    Nothing here keeps a unit's real parameters once yielded: the caller takes its shard and
-    drops them, so the full unit is freed before the next one is allocated. Frozen parameters
-    (no unit owns them) end up real in the module, where the caller finds them.
-    """
+    """Materialize ``module`` module by module, yielding ``(unit, params)`` (``plan_units``' units,
+    their ``UnitParam``s now real) once a unit is all real, the root last. Nothing is kept once
+    yielded, so each unit is freed before the next; frozen parameters end up real in the module."""
     init = param_init_fn or _reset_parameters
     unit_of = {id(q.param): unit for unit in units for q in unit.params}
     remaining = {unit.name: len(unit.params) for unit in units}

@@ -1,9 +1,7 @@
 """FlatLayout: where each tensor sits in one flat buffer, and which shard of it is this rank's.
 
-Every strategy that moves many tensors in one collective lays them end to end in one flat
-buffer: a DDP bucket (``buckets.py``), a ZeRO-1/2 bucket (``zero_buckets.py``), an FSDP unit's
-flat parameter (``flat_param.py``), each rank's slot of ``ShardedOptimizer``'s all-gather. The
-layout is the same rule every time, decided here once:
+Every flat buffer of the strategies (DDP and ZeRO buckets, FSDP's flat parameters, the sharded
+optimizer's slots) follows one rule, decided here:
 
     tensors   t_0 (shape s_0), t_1, ..., t_{k-1}         numels n_i, T = sum n_i
     offsets   o_0 = 0, o_i = o_{i-1} + n_{i-1}          t_i lives in flat[o_i : o_i + n_i]
@@ -11,16 +9,9 @@ layout is the same rule every time, decided here once:
               reduce-scatter or an all-gather cuts the buffer into N equal shards
     shard r   flat[r*s : (r+1)*s], s = ceil(T/N): what rank r keeps, steps or receives
 
-With N = 1 (a DDP bucket) there is no padding and the one shard is the whole buffer.
-
-A layout holds no tensors, only shapes, so one layout serves every buffer of that shape in any
-dtype (FSDP keeps a shard in fp32, gathers in bf16 and reduces gradients in ``reduce_dtype``).
-
-Buffers that are only needed part of the time (FSDP's gathered flat parameter between forward
-and backward, ZeRO-2's flat gradient while its bucket is reduced) keep their tensor object but
-give their memory back: ``free_storage`` / ``alloc_storage`` below. Views taken of such a
-buffer (the module's parameters, tensors autograd saved) stay valid and see the data again
-once the storage is refilled.
+A layout holds only shapes, so it serves buffers of any dtype. A buffer needed part of the time
+(FSDP's gathered parameter, ZeRO-2's gradient) keeps its tensor but gives its memory back
+(``free_storage`` / ``alloc_storage``): views of it stay valid and see the data once refilled.
 """
 from __future__ import annotations
 
@@ -30,8 +21,7 @@ import torch
 
 
 class FlatLayout:
-    """Offsets of k tensors in one flat buffer padded to a multiple of ``world_size``, and
-    ``rank``'s shard of it."""
+    """Offsets of k tensors in one flat buffer padded to a multiple of ``world_size``; ``rank``'s shard."""
 
     def __init__(self, shapes: Iterable, world_size: int = 1, rank: int = 0):
         if world_size < 1 or not 0 <= rank < world_size:
@@ -65,9 +55,8 @@ class FlatLayout:
         return torch.zeros(self.padded_numel, dtype=dtype, device=device)
 
     def pack(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
-        """Copy each tensor into its place in ``out`` (None: zeros, e.g. an unused parameter's
-        gradient), zero the padding, and return ``out``. ``out`` may be a buffer of this layout's
-        padded size or just big enough for the tensors (its tail past them is zeroed)."""
+        """Copy each tensor (None: zeros) into its place in ``out``, zero the rest, return ``out`` (padded
+        size, or just big enough for the tensors)."""
         with torch.no_grad():
             for t, view in zip(tensors, self.views(out), strict=True):
                 if t is None:

@@ -1,20 +1,11 @@
 """FSDP's units: which unit owns which parameter (the plan), and what a unit holds (its flat parameter).
 
-``FSDP`` (fsdp.py) decides *when* a unit is gathered and its gradient reduced; this file holds
-*what* a unit is, so the story in fsdp.py stays about communication:
-
-- ``plan_units``: a pure function of the module and the chosen units (no communication, nothing
-  changed): for each unit its parameters, every place each is used, in order; which parameters
-  are frozen; the original names in order (each parameter a ``UnitParam``: its name, the tensor,
-  every place the module holds it). Construction then materializes the units one by one.
-- ``FlatParamUnit``: the unit's parameters laid end to end in one flat tensor of T elements,
-  padded to N * ceil(T/N) (a ``FlatLayout``, ``flat_layout.py``); this rank's shard of ceil(T/N)
-  elements (an ``nn.Parameter``, what the optimizer steps); the full gathered buffer whose
-  storage is freed while resharded; and the views that put the original parameters back into
-  the module while it is gathered (built, it has taken the originals out of the module).
-- mixed precision: a unit may gather in ``param_dtype`` (e.g. bf16) and reduce gradients in
-  ``reduce_dtype`` while its shard stays in the parameters' own dtype (fp32), as FSDP's
-  ``MixedPrecision`` does; ``cast_floats`` casts a forward's floating-point inputs to match.
+``FSDP`` (fsdp.py) decides *when* a unit is gathered and reduced; this file holds *what* it is:
+``plan_units`` (which unit owns which parameter, every place each is used; nothing changed),
+``FlatParamUnit`` (the parameters end to end, padded to N * ceil(T/N); this rank's shard, what the
+optimizer steps; the gathered buffer, freed while resharded; the views put back into the module),
+and mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``, the shard in its own
+dtype, as torch's ``MixedPrecision``; ``cast_floats`` casts a forward's inputs).
 """
 from __future__ import annotations
 
@@ -50,8 +41,7 @@ class UnitPlan:
 
 @dataclass
 class Plan:
-    """Which unit owns which parameter: the units (in the order given, the root last), the
-    frozen parameters' names (they stay whole, never reduced) and every original name in order."""
+    """The units (in order, the root last), the frozen parameters' names, every original name in order."""
 
     units: list[UnitPlan]
     frozen: list[str]
@@ -59,13 +49,9 @@ class Plan:
 
 
 def plan_units(module: nn.Module, units: Iterable | None = None) -> Plan:
-    """Decide the units of ``module``: ``units`` as modules or module classes
-    (``common.resolve_units``: every submodule of a class given, e.g. ``{GPT2Block}``), in the
-    module's order; default ``common.default_units`` (the blocks of its largest ModuleList, else
-    each child with trainable parameters). The root keeps whatever no unit claims. Each trainable
-    parameter goes to the innermost unit that contains *every* use of it (tied parameters), so no
-    unit reshards a tensor another still needs; a unit left with no trainable parameter is no
-    unit. Works on the meta device too."""
+    """The units of ``module`` (``units`` via ``resolve_units``, else ``default_units``); the root
+    keeps what no unit claims. Each trainable parameter goes to the innermost unit holding *every*
+    use of it (tied ones), so no unit reshards a tensor another needs. Works on the meta device."""
     module_names = {id(m): name for name, m in module.named_modules()}
     units = default_units(module) if units is None else resolve_units(module, units)
     unit_modules: dict[str, nn.Module] = {module_names[id(u)]: u for u in units}
@@ -122,9 +108,8 @@ class FlatParamUnit:
                 mod._parameters.pop(attr, None)
         self.param_dtype = param_dtype or self.shard.dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        # The full flat parameter, in param_dtype. Its storage is freed while resharded; the
-        # tensor object lives on, so views saved by autograd in forward see the data again
-        # once the backward all-gather refills the same storage.
+        # The full flat parameter, in param_dtype: its storage freed while resharded, the tensor kept,
+        # so views autograd saved in forward see the data again once backward's all-gather refills it.
         self.gathered = self.layout.empty(self.param_dtype, device)
         free_storage(self.gathered)
         self.unsharded = False
@@ -138,11 +123,7 @@ class FlatParamUnit:
         return self.layout.padded_numel * self.gathered.element_size()
 
     def all_gather_input(self) -> torch.Tensor:
-        """What this rank sends in the all-gather: its shard, cast to ``param_dtype`` if needed.
-
-        With mixed precision the cast lands in our own slot of the output buffer, so the
-        all-gather runs in place (no extra send buffer). Call with the storage allocated.
-        """
+        """This rank's shard cast to ``param_dtype`` into its own slot of the output: an in-place all-gather."""
         if self.param_dtype == self.shard.dtype:
             return self.shard.detach()
         send = self.layout.shard(self.gathered)
@@ -150,8 +131,7 @@ class FlatParamUnit:
         return send
 
     def flat_gradient(self, grads) -> torch.Tensor:
-        """The unit's gradients packed into one padded flat buffer (N * ceil(T/N), ``reduce_dtype``),
-        plus what ``no_sync()`` accumulated; a missing gradient (unused parameter) counts as zeros."""
+        """The unit's gradients (and ``no_sync()``'s sum; a missing one zeros), padded, in ``reduce_dtype``."""
         flat = self.layout.pack(grads, self.layout.empty(self.reduce_dtype, self.shard.device))
         if self.no_sync_grad is not None:
             flat.add_(self.no_sync_grad)

@@ -11,17 +11,11 @@ and ``fsdp.parameters()`` are the shards, so the optimizer only ever sees 1/N of
   weight); once its gradients are ready, pack them into one flat gradient, divide by N and
   *reduce-scatter* it: rank r receives the sum of everyone's shard r, the gradient of its shard.
 
-Bytes a rank sends a step, S the flat parameters' bytes: two all-gathers and a reduce-scatter,
-3(N-1)/N S, 1.5x DDP's all-reduce (``reshard_after_forward=False``: no second all-gather, 1x).
-Peak parameter memory: the shards plus the largest gathered units. The root keeps what no unit
-holds, gathered from the start of forward to the end of backward, as in the FSDP paper. Between
-steps the original parameters are views into freed buffers: read them with ``full_state_dict()``.
-
-Reading order: construction (plan which unit owns which parameter, then build the units one by
-one), *forward* (each unit's all-gather from its forward pre-hook), *backward* (the reduce-scatter
-from the autograd function ``_Unshard`` at the bottom), the full state dicts. A unit's flat
-parameter and its mixed precision live in ``flat_param.py``; where a flat buffer puts each tensor,
-in ``flat_layout.py``.
+Bytes a rank sends a step (S the flat parameters' bytes): two all-gathers and a reduce-scatter,
+3(N-1)/N S, 1.5x DDP's (``reshard_after_forward=False``: 1x). The root keeps what no unit holds,
+gathered from forward to the end of backward. Between steps the original parameters view freed
+buffers: read them with ``full_state_dict()``. Reading order: construction, forward (pre-hooks),
+backward (``_Unshard`` at the bottom), state dicts; a unit's flat parameter is ``flat_param.py``'s.
 """
 from __future__ import annotations
 
@@ -55,18 +49,10 @@ class PendingReduce:
 class FSDP(nn.Module):
     """ZeRO-3: each unit is one flat parameter sharded 1/N per rank, gathered just in time.
 
-    The FSDP paper's switches (sections 3.3-3.4 and 4; ``docs/papers.md``), each off or on so its
-    effect can be seen: ``backward_prefetch`` (on: the next unit's all-gather is issued before this
-    unit's gradient computation, so it travels meanwhile); ``forward_prefetch`` (off, as in torch:
-    the next unit's, in the previous forward's order, before this unit computes);
-    ``limit_all_gathers=L``, the rate limiter (None: no limit; True: torch's 2): a prefetch waits
-    while L units (the root not counted) are unsharded or being gathered, which bounds what
-    prefetching holds; the unit about to compute always goes ahead, and L=1 prefetches nothing. A
-    module built on the ``meta`` device is materialized unit by unit on ``device``, each unit
-    sharded at once (``deferred_init.py``). Hybrid sharding (``hsdp.py``): ``process_group`` is the
-    node, ``replicate_group`` the ranks holding the same shard on the other nodes (a unit's gradient
-    shard is all-reduced across them). Frozen parameters stay whole on every rank, never reduced;
-    buffers are broadcast from rank 0 at construction (over every rank with a ``replicate_group``)."""
+    The FSDP paper's switches (3.3-3.4, 4): ``backward_prefetch`` (on), ``forward_prefetch`` (off, as
+    torch's), ``limit_all_gathers=L`` (a prefetch waits while L units are unsharded; True: torch's 2).
+    A ``meta`` module is materialized unit by unit; ``replicate_group``: hybrid sharding's replicas.
+    Frozen parameters stay whole, never reduced; buffers are broadcast from rank 0."""
 
     def __init__(self, module: nn.Module, units: Iterable[nn.Module | type] | None = None,
                  reshard_after_forward: bool = True, backward_prefetch: bool = True,
@@ -120,10 +106,7 @@ class FSDP(nn.Module):
         self._unsharded_bytes = 0
 
     def _build_units(self, plan, device, param_init_fn) -> dict[str, FlatParamUnit]:
-        """``{unit name: FlatParamUnit}``, each unit flattened and sharded as soon as its parameters
-        are real. A module built on the meta device (deferred initialization) becomes real unit by
-        unit, so the whole model never exists on this rank; an eager one is real already. Each
-        unit takes its parameters out of the module (``FlatParamUnit``)."""
+        """``{unit name: FlatParamUnit}``, each sharded as soon as it is real (a meta module unit by unit)."""
         if is_deferred(self.module):
             group = None if self.replicate_group is not None else self.process_group
             ready = materialize_by_unit(self.module, plan.units, device or rank_device(), param_init_fn, group)
@@ -173,8 +156,7 @@ class FSDP(nn.Module):
         return pre_forward
 
     def _prefetch(self, unit: FlatParamUnit) -> None:
-        """Launch ``unit``'s all-gather early, unless it is gathered already or the rate limiter
-        says enough units are unsharded (``limit_all_gathers``)."""
+        """Launch ``unit``'s all-gather early, unless gathered already or ``limit_all_gathers`` says wait."""
         in_flight = sum(u.unsharded for u in self.units if u is not self.root_unit)
         if not unit.unsharded and (self.limit_all_gathers is None or in_flight < self.limit_all_gathers):
             self._unshard(unit, async_op=True)
@@ -251,8 +233,7 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def _post_backward(self, unit: FlatParamUnit, grads) -> None:
-        """This unit's parameter gradients are ready (``_Unshard.backward`` below calls this):
-        reduce-scatter them, or keep them under no_sync()."""
+        """The unit's gradients are ready (``_Unshard.backward``): reduce-scatter them, or keep (no_sync)."""
         if not self._require_sync:
             # no_sync(): accumulate the full unsharded gradient locally (T elements per unit in
             # the parameters' dtype: the whole model's gradient, as much memory as DDP's grads)
@@ -295,20 +276,16 @@ class FSDP(nn.Module):
             self._reshard(unit)
         self._in_backward = False
 
-    # no_sync(): accumulate full (unsharded) gradients locally; the next backward outside syncs
-    # them. Memory: each unit keeps a full gradient in the parameters' dtype (N * ceil(T/N)
-    # elements) until then, i.e. the whole model's gradients on every rank, as much as DDP holds:
-    # gradient accumulation trades FSDP's gradient-memory saving for fewer reduce-scatters.
+    # no_sync(): full gradients accumulate locally (the whole model's, as DDP holds) until the next
+    # backward outside syncs them: accumulation trades FSDP's gradient memory for fewer reduce-scatters
     no_sync = no_sync
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """torch's ``fully_shard`` spelling of ``no_sync()``: False keeps the following backwards'
-        gradients local and unsharded (accumulating), True makes the next one reduce-scatter them."""
+        """torch ``fully_shard``'s spelling of ``no_sync()``: False keeps gradients local and unsharded."""
         self._require_sync = bool(requires_gradient_sync)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Finish the sync, then clip by the norm of the whole gradient, combined from every
-        rank's shards over the shard group (hybrid: a node; its replicas hold the same shards)."""
+        """Finish the sync, then clip by the whole gradient's norm, combined over the shard group."""
         self.finish_gradient_synchronization()
         return clip_grad_norm_([u.shard for u in self.units], max_norm, norm_type, sharded=True,
                                group=self.process_group, recorder=self.recorder)
@@ -355,12 +332,7 @@ class FSDP(nn.Module):
 
 
 class _Unshard(torch.autograd.Function):
-    """Shard -> the unit's full parameters in forward; in backward, their gradients -> FSDP.
-
-    The all-gather's gradient is a reduce-scatter: ``backward`` hands the unit's parameter
-    gradients to ``FSDP._post_backward`` (just above), which launches it asynchronously, so
-    autograd gets None and FSDP writes the shard's .grad itself when the reduce-scatter is done.
-    """
+    """Shard -> the unit's full parameters; backward hands their gradients to ``FSDP._post_backward``."""
 
     @staticmethod
     def forward(ctx, shard, fsdp, unit):

@@ -9,15 +9,10 @@ lays the ranks out in 2-D, nodes x ranks per node (k = ``gpus_per_node``):
     replicate group: the N/k ranks with the same      {0, 2} and {1, 3}
                      ``local`` index, one per node
 
-Inside its node a rank is plain FSDP (all-gathers and reduce-scatters among k ranks, over the fast
-links); across nodes the N/k copies of each shard are replicas, kept equal the way DDP keeps
-models equal: after a unit's reduce-scatter inside the node, its gradient shard is all-reduced in
-the replicate group (``FSDP.finish_gradient_synchronization``, where ``replicate_group`` is set).
-What crosses nodes per step is one all-reduce of 1/k of the model per rank, instead of FSDP's
-three collectives of the whole model; the price is memory: state per rank is everything / k, not
-everything / N.
-
-This file only lays out the ranks and builds the process groups; the sharding is ``FSDP``'s.
+Inside its node a rank is plain FSDP over k ranks; across nodes the N/k copies of a shard are
+replicas kept equal as DDP does: each gradient shard is all-reduced in the replicate group. Across
+nodes goes one all-reduce of 1/k of the model per rank instead of FSDP's three collectives of all
+of it; state per rank is everything / k. This file lays out the ranks; the sharding is ``FSDP``'s.
 """
 from __future__ import annotations
 
@@ -31,9 +26,8 @@ from ddpkit.topology import Topology
 
 
 def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(shard groups, replicate groups) as lists of ranks: node n's shard group is ranks
-    [n*k, ..., n*k + k-1]; replicate group i is ranks [i, i+k, i+2k, ...]. ValueError unless
-    ``gpus_per_node`` is a whole number >= 1 that divides ``world_size`` (``ddpkit.Topology``'s checks)."""
+    """(shard groups, replicate groups): node n's ranks [n*k, ..., n*k + k-1], replicate group i's
+    [i, i+k, ...]; ValueError unless ``gpus_per_node`` divides ``world_size`` (``Topology``'s checks)."""
     topology = Topology(world_size, gpus_per_node)
     shard = [topology.node_ranks(node) for node in range(topology.nodes)]
     replicate = [topology.peer_ranks(local) for local in range(gpus_per_node)]
@@ -41,11 +35,7 @@ def hybrid_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]],
 
 
 def hybrid_groups(gpus_per_node: int):
-    """This rank's (shard group, replicate group) over the default group; the replicate group is
-    None on a single node (then it is plain FSDP). Every rank asks for every group, in the same
-    order (``new_group`` is collective over the default group), after the layout was checked.
-    A layout's groups are made once per process group and reused by every later HSDP
-    (``rankside.subgroup``): each holds communicators (NCCL's: GPU memory) until the group ends."""
+    """This rank's (shard group, replicate group; None on one node), made alike on every rank, once."""
     require_process_group("HSDP")
     topology = Topology(dist.get_world_size(), gpus_per_node)  # ValueError before any collective
     shard_groups = [subgroup(topology.node_ranks(node)) for node in range(topology.nodes)]

@@ -1,24 +1,18 @@
 """NaiveDDP: after backward, all-reduce every gradient, one collective per parameter.
 
-The whole idea of data parallelism in one loop. Every rank holds the full model and runs
-forward and backward on its own slice of the batch; then, for each parameter, the ranks
-average their gradients with an all-reduce, so every rank takes the same optimizer step and
-the replicas stay equal.
+The whole idea of data parallelism in one loop. Every rank holds the full model and runs forward
+and backward on its own slice of the batch; then, for each parameter, the ranks average their
+gradients with an all-reduce, so every rank takes the same step and the replicas stay equal.
 
-Why this is slow: a model with P parameter tensors pays P collectives per step, each with a
-fixed latency (the alpha term of the cost model, 2(N-1) alpha for a ring all-reduce),
-however small the tensor. The default MLP (66 tensors, 2.1 M parameters) spends most of its
-step in those latencies. ``BucketedDDP`` (next file) packs gradients into a few large
-buffers to pay the latency a few times instead of 66.
+Why this is slow: P parameter tensors pay P collectives per step, each with a fixed latency (2(N-1)
+alpha for a ring all-reduce), however small the tensor: the default MLP's 66. ``BucketedDDP``
+(next file) packs gradients into a few large buffers to pay it a few times instead.
 
-When: after backward, all at once. The first gradient of a backward queues
-``finish_gradient_synchronization()`` on the autograd engine, which runs it once every gradient
-is computed, so ``loss.backward()`` returns with the gradients averaged, as with torch's DDP.
-Nothing is communicated while backward computes: that is ``OverlappedDDP``'s idea, two files on.
-
-What every wrapper shares (construction broadcasts rank 0's parameters and buffers, the
-forward, ``no_sync()``, the hook on every gradient) is the core, ``ddp_module.DDPModule``;
-``TorchDDPCompat`` (``ddp_compat.py``) adds what torch's DDP has besides, not needed here.
+When: after backward, all at once (the first gradient queues ``finish_gradient_synchronization()``
+at the end of backward, so ``loss.backward()`` returns with the gradients averaged, as with torch's
+DDP); communicating while backward computes is ``OverlappedDDP``'s idea. The shared core
+(construction, forward, ``no_sync()``, the hooks) is ``ddp_module.DDPModule``; torch DDP's extras
+are ``ddp_compat.TorchDDPCompat``.
 """
 from __future__ import annotations
 

@@ -1,40 +1,22 @@
 """OverlappedDDP: launch each bucket's all-reduce from autograd hooks, during backward.
 
 One idea more than ``BucketedDDP`` (same buckets, same copies): don't wait for the end of
-backward. Backward produces gradients from the last layer to the first, and buckets were
-assigned in that order, so bucket 0 fills first. A hook on every parameter
-(``register_post_accumulate_grad_hook``, run right after the gradient lands in ``.grad``)
-copies the gradient into its bucket slot; when the last gradient of a bucket arrives, the
-bucket's async all-reduce is launched at once, and the network works while autograd keeps
-computing the earlier layers' gradients: the overlap of Li et al. (VLDB 2020).
+backward. A hook on every parameter (run right after its gradient lands in ``.grad``) copies it
+into its bucket slot; when a bucket's last gradient arrives its async all-reduce launches at once,
+and the network works while autograd computes the earlier layers: the overlap of Li et al. (VLDB
+2020).
 
-Rules that keep every rank issuing identical collectives in identical order:
-- buckets are launched strictly in bucket order: a bucket that is complete before an earlier
-  one waits, and is launched right after that one;
-- the end of backward (a callback queued on the autograd engine) launches what is left and
-  waits for every bucket, so when ``loss.backward()`` returns all gradients are averaged and
-  ``finish_gradient_synchronization()`` is a harmless no-op;
-- a parameter that got no gradient in this backward (unused in the forward on this rank)
-  never fires its hook. At the end of backward it is treated as ready: it contributes its
-  locally accumulated ``.grad`` (from ``no_sync()`` steps) or zeros, and its ``.grad`` becomes
-  the ranks' average (zeros if no rank used it; with ``find_unused_parameters=True`` one more
-  all-reduce, of a bitmap, tells which no rank used, and those keep ``.grad`` None). This costs
-  nothing when every parameter is used, but such a bucket can only launch at the end of
-  backward, losing its overlap.
+Every rank must issue the same collectives in the same order:
+- buckets launch strictly in bucket order (a bucket complete early waits for the earlier one);
+- the end of backward launches what is left and waits for every bucket, so ``loss.backward()``
+  returns with all gradients averaged;
+- a parameter unused in this forward never fires its hook: at the end of backward it goes in as
+  its ``.grad`` holds it (``no_sync()``'s sum) or zeros (with ``find_unused_parameters=True`` a
+  bitmap all-reduce tells which no rank used; they keep ``.grad`` None); its bucket loses overlap.
 
-Inside ``no_sync()`` the hooks return at once: gradients accumulate in ``.grad`` and the
-first backward after it syncs the sum.
-
-One backward per forward: a second backward after the sync would add local, unsynchronised
-gradients, so it is a RuntimeError (use ``no_sync()`` for all but the last). Activation checkpointing works with
-``use_reentrant=False`` (torch's recommended mode). The reentrant mode is NOT supported: it
-runs a nested backward per checkpointed region, and when the first gradient of a step
-arrives inside one, the end-of-backward callback joins that nested pass and syncs too early.
-
-Gradients are *copied* into the buckets (as in BucketedDDP): one extra copy of the
-gradients in memory (``comm_buffer_bytes()``), a copy in (in the hook) and a copy out (at the
-end of backward) in time; ``gradient_as_bucket_view=True`` makes each ``.grad`` its bucket slot
-instead (see ``BucketedDDP``).
+Inside ``no_sync()`` the hooks return at once. One backward per forward (a second is a
+RuntimeError). Activation checkpointing works with ``use_reentrant=False``, not the reentrant
+mode: its nested backward would run the end-of-backward callback, and the sync, too early.
 """
 from __future__ import annotations
 

@@ -4,13 +4,9 @@
     TorchFSDP(module, units=None)          torch.distributed.fsdp.fully_shard (FSDP2)
     TorchHSDP(module, gpus_per_node, units=None)   fully_shard on a 2-D (replicate, shard) DeviceMesh
 
-(and torch's ZeroRedundancyOptimizer, an optimizer, built over TorchDDP by the table of strategies)
-
-Both have ``.module``, ``no_sync()``, ``finish_gradient_synchronization()`` (a no-op: torch
-finishes the reduction when ``backward()`` returns), ``clip_grad_norm_()``, ``full_state_dict()``
-and ``comm_buffer_bytes()``; a training forward begins a step in the recorder, as ours do.
-torch's collectives happen inside C++ (DDP's reducer) or inside ``fully_shard``'s hooks; they
-are recorded all the same, by ddpkit's process group, which carries them.
+(torch's ZeroRedundancyOptimizer is built over TorchDDP by the table.) Each has ddpkit's interface
+(``finish_gradient_synchronization()`` a no-op: torch finishes in ``backward()``); torch's
+collectives are recorded all the same, by ddpkit's process group, which carries them.
 """
 from __future__ import annotations
 
@@ -40,23 +36,16 @@ class TorchDDP(nn.Module):
             bucket_cap_bytes(bucket_cap_mb)  # the same checks as ours (negative, NaN, not a number)
         self.recorder = rank_recorder() if recorder is None else recorder  # None: the rank's
         self.process_group = process_group
-        # DDP broadcasts rank 0's parameters and buffers at construction, as ours do. A cap left
-        # at None is torch's default, which caps the first bucket at 1 MiB (the first gradients
-        # start travelling early); a cap given applies to every bucket: ours follow the same rule
-        # (buckets.layout).
+        # DDP broadcasts rank 0's state at construction, as ours do; a cap left at None is torch's
+        # default (the first bucket 1 MiB), a cap given applies to every bucket: ours' rule too
         self.ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group,
                                                        bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         if self.recorder.enabled:
             self._look_inside()
 
     def _look_inside(self) -> None:
-        """Recording: torch's reducer, seen through our records. Gradient hooks note when each
-        gradient is ready (as in our wrappers); a communication hook (torch's public way to
-        replace a bucket's all-reduce) does what the default one does -- divide by N, all-reduce,
-        hand the averaged bucket back -- and labels the collective with torch's bucket index and
-        the parameters in it. So the bucket fill plot shows torch's own buckets: a first bucket
-        capped at 1 MiB, and from the second step the buckets it rebuilt in the order the
-        gradients arrived."""
+        """Recording: gradient hooks mark readiness; a comm hook doing the default's work labels each
+        collective with torch's bucket, so the fill plot shows torch's own buckets."""
         rec, group = self.recorder, self.process_group
         names = {}
         for name, p in unique_named_parameters(self.module):
@@ -94,9 +83,7 @@ class TorchDDP(nn.Module):
     full_state_dict = DDPModule.full_state_dict  # every rank holds the whole model, as in ours
 
     def comm_buffer_bytes(self) -> int:
-        """About the bytes of DDP's buckets: its reducer keeps one flat bucket per group of
-        gradients, covering every trainable parameter once (torch does not expose the exact
-        figure publicly)."""
+        """About DDP's bucket bytes: every trainable parameter once (torch does not expose the figure)."""
         return sum(nbytes(p) for _, p in unique_named_parameters(self.module))
 
 
@@ -130,8 +117,7 @@ class TorchFSDP(nn.Module):
         """Nothing to do: fully_shard waits for its reduce-scatters at the end of backward."""
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch's own ``clip_grad_norm_`` on the DTensor gradients (it reduces the shards' norms
-        over the mesh itself); the total norm comes back as a plain tensor."""
+        """torch's ``clip_grad_norm_`` on the DTensor gradients; the total norm as a plain tensor."""
         total = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
 
@@ -155,8 +141,7 @@ class TorchFSDP(nn.Module):
 
 
 class TorchHSDP(TorchFSDP):
-    """torch's hybrid sharding: ``fully_shard`` on a 2-D DeviceMesh, (replicate, shard) = (nodes,
-    ranks per node), built from the same process groups as our HSDP (``hsdp.hybrid_layout``)."""
+    """torch's hybrid sharding: ``fully_shard`` on a (replicate, shard) DeviceMesh of ``hybrid_layout``'s groups."""
 
     def __init__(self, module: nn.Module, gpus_per_node: int, units: Iterable[nn.Module] | None = None,
                  reshard_after_forward: bool = True, process_group=None, recorder=None):

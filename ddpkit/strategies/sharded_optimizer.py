@@ -1,30 +1,17 @@
 """ShardedOptimizer: each rank keeps and steps the optimizer state of 1/N of the parameters.
 
-The ``sharded_optimizer`` rung of the ZeRO ladder (``docs/papers.md``, ZeRO section). Plain data
-parallelism keeps a full copy of the optimizer state on every rank: with AdamW in fp32 that is 8
-bytes per parameter (exp_avg + exp_avg_sq), twice the parameters themselves. The N copies are
-identical, so split them: rank r *owns* about 1/N of the parameters, keeps optimizer state only for
-those, and after the (already averaged) gradients arrive it updates only its own parameters. Then
-every rank needs everyone's updated parameters back, which costs one all-gather per step:
-
-    DDP step:         all-reduce grads (2(N-1)/N * S per rank) -> every rank steps everything
-    this optimizer:   all-reduce grads (same)                   -> rank r steps its 1/N
-                      -> all-gather the updated parameters ((N-1)/N * S per rank, S = parameter bytes)
-
-That is 1.5x DDP's bytes. It is the design of torch's ``ZeroRedundancyOptimizer`` (and of many
-courses' "ZeRO-1"): an optimizer you put on top of any DDP wrapper, nothing else changes. The ZeRO
-paper's own stage 1 (``zero1.py``) moves only DDP's bytes: it *reduce-scatters* the gradients
-instead of all-reducing them, since each rank only needs the averaged gradient of what it owns.
-
-Use it on top of any DDP wrapper (the wrapper averages the gradients)::
+The ``sharded_optimizer`` rung of the ZeRO ladder (``docs/papers.md``). Every DDP rank keeps the
+same optimizer state (AdamW: 8 bytes per parameter, twice the parameters). Split it: rank r *owns*
+about 1/N of the parameters, keeps their state, and steps only them; one all-gather of the updated
+parameters ((N-1)/N S) then brings everyone's back: 1.5x DDP's bytes. This is torch's
+``ZeroRedundancyOptimizer``, on top of any DDP wrapper::
 
     model = ddpkit.BucketedDDP(module)
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
-Which rank owns what: whole parameters (not slices), balanced by size with the greedy rule
-"largest first, to the least-loaded rank" (ties: the lower rank). Every rank computes the same
-assignment from the same parameter list, so no communication is needed to agree on it. Whole
-parameters mean any per-parameter optimizer works (ZeRO-1/2's flat slices need an elementwise one).
+The ZeRO paper's stage 1 (``zero1.py``) reduce-scatters the gradients instead: DDP's bytes. Owners
+are whole parameters, largest first to the least-loaded rank (ties: the lower), computed alike on
+every rank; so any per-parameter optimizer works (ZeRO-1/2's flat slices need an elementwise one).
 """
 from __future__ import annotations
 
@@ -63,12 +50,7 @@ def _as_param_groups(params) -> list[dict]:
 
 @dataclass
 class GatherLayout:
-    """Where each parameter of one dtype sits in the all-gather's flat buffer.
-
-    Rank r's slot holds the parameters it owns back to back (``slots[r]``, a ``FlatLayout``),
-    padded to the largest rank's load (an all-gather needs equal sizes): the buffer is
-    (N, slot_numel) elements, row r being rank r's slot.
-    """
+    """Where each parameter sits in the (N, slot_numel) all-gather buffer: row r, rank r's, padded."""
 
     dtype: torch.dtype
     params: list          # params[r] = the parameters of this dtype rank r owns
@@ -119,9 +101,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local_groups.append(dict(g, params=mine))
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
 
-        # This object's own param_groups hold *all* parameters with the full hyperparameters
-        # (the optimizer class's defaults included), so an LR scheduler or a user can change
-        # "lr" here; step() copies the hyperparameters into the local optimizer.
+        # param_groups here hold *all* parameters and every hyperparameter, so an LR scheduler can
+        # change "lr" here; step() copies them into the local optimizer.
         super().__init__(groups, dict(self.local_optimizer.defaults))
 
         # The all-gather works on flat buffers, one per dtype (see GatherLayout).
@@ -151,11 +132,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _share_parameters(self) -> None:
-        # One all-gather per dtype of a flat buffer of N * slot elements (S ~ parameter bytes,
-        # plus padding to the largest rank's load). Per rank that is (N-1)/N * S on the wire,
-        # in one message: broadcasting each parameter from its owner moves the same bytes but
-        # costs one collective (and its latency) per parameter. The buffer exists only during
-        # the step, so ZeRO-1 adds no persistent communication memory.
+        # One all-gather per dtype of N * slot elements: (N-1)/N * S per rank in one message (a
+        # broadcast per parameter moves the same bytes, one latency each); the buffer lives only here.
         for layout in self._layouts:
             gathered = torch.empty(self.world_size, layout.slot_numel, dtype=layout.dtype, device=layout.device)
             own = layout.slots[self.rank].pack(layout.params[self.rank], gathered[self.rank])
@@ -189,10 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._consolidated = dict(sorted(state.items()))
 
     def state_dict(self) -> dict:
-        """torch's format. After ``consolidate_state_dict(to=r)``, on rank r: the full state
-        (loadable by a plain optimizer). Otherwise: this rank's shard, the state of its own
-        parameters only, marked ``"zero1_shard"`` so it is only loaded back by the same rank of
-        the same world size (each rank saves and loads its own file)."""
+        """torch's format: the full state after ``consolidate_state_dict(to=r)`` on r, else this rank's shard."""
         groups, start = [], 0
         for g in self.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -205,8 +180,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "zero1_shard": {"rank": self.rank, "world_size": self.world_size}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state dict (a plain optimizer's or a consolidated one) on every rank, or
-        the shard this same rank saved with ``state_dict()``."""
+        """Load a full state dict on every rank, or the shard this rank saved with ``state_dict()``."""
         shard = state_dict.get("zero1_shard")
         if shard is not None and (shard["rank"], shard["world_size"]) != (self.rank, self.world_size):
             raise ValueError(

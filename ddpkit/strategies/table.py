@@ -5,11 +5,9 @@
     strategy(name).cost                               # its step, for the cost model
     strategy(name).shard_group_size(4, topology)      # ranks its state is sharded over
 
-The strategy files know nothing of this table; its *consumers* read it: ``experiment`` (build a
-model and its optimizer by name), ``costmodel`` (simulate a step), ``memory`` and ``viz`` (the
-ZeRO formula beside a measurement), the command line (valid names) and the tests (every strategy
-equals one process). Adding a strategy is its file plus one entry here, and this is the one
-module of the package that spells the strategies' names.
+The strategy files know nothing of it; its consumers (experiment, costmodel, memory, viz, the
+command line, the tests) read it. Adding a strategy is its file plus one row; this is the one
+module that spells the strategies' names.
 """
 from __future__ import annotations
 
@@ -24,18 +22,7 @@ from ddpkit.topology import Topology
 
 @dataclass(frozen=True)
 class CostStep:
-    """How the cost model (``ddpkit.costmodel``) simulates one step: plain data, no code.
-
-    ``algorithm`` "ddp": gradients reduced with ``grad_reduce`` (DDP's "all_reduce", or ZeRO-1/2's
-    "reduce_scatter"), per gradient when ``bucketed`` is False, else in buckets, launched during
-    backward when ``overlap`` (the buckets laid out by ``buckets.layout``, ours and torch's alike); the
-    parameters all-gathered after a sharded optimizer step when ``gather_params``.
-    "fsdp": ZeRO-3, all-gathers before forward and (``reshard``) backward, the next unit's
-    all-gather issued early with ``forward_prefetch`` / ``backward_prefetch``, at most
-    ``limit_all_gathers`` units unsharded when prefetching, a reduce-scatter per unit (and, for
-    hybrid sharding, where ``Strategy.shard_group_size`` is a node's ranks, an all-reduce of each
-    shard across nodes).
-    """
+    """How the cost model simulates one step, as plain data (``costmodel.simulate`` reads it)."""
 
     algorithm: str                    # "ddp" | "fsdp"
     bucketed: bool = True
@@ -86,30 +73,20 @@ class Strategy:
                                       # can replace that (comm_hook=, strategies/comm_hooks.py)
 
     def shard_group_size(self, world_size: int, topology=None) -> int:
-        """Over how many of ``world_size`` ranks its state is sharded: all of them, or for hybrid
-        sharding the ranks of a node of ``topology`` (a ``ddpkit.Topology``, a ``ddpkit.Network``
-        with ``gpus_per_node``, or None: ``Topology.default``). ValueError where hybrid sharding
-        cannot lay the ranks out in whole nodes."""
+        """Over how many of ``world_size`` ranks its state is sharded: all, or for hybrid sharding a node
+        of ``topology`` (a Topology, a Network, None: the default); ValueError without whole nodes."""
         if not self.hybrid:
             return world_size
         return Topology.of(topology, world_size).ranks_per_node
 
     def fits(self, world_size: int, topology=None) -> bool:
         """Whether it can run on ``world_size`` ranks laid out by ``topology`` (as above)."""
-        try:
-            self.shard_group_size(world_size, topology)
-        except ValueError:
-            return False
-        return True
+        return not unfit([self.name], [world_size], topology)
 
 
 # ----------------------------------------------------------------------------- how to build
 def fsdp_units(module, units=None) -> list:
-    """The FSDP units: ``units`` as given (modules or module classes, ``common.resolve_units``),
-    else for the course's models one per Linear of the MLP and one per block of TinyGPT (the root
-    keeps embeddings, final norm and the tied head), and for any other model FSDP's own default
-    (``common.default_units``: the blocks of its largest ModuleList, e.g. a transformer's layers).
-    Used by fsdp, hsdp and torch's alike, and by the cost model's profile."""
+    """The FSDP units: ``units`` as given, a Linear of the MLP or a block of TinyGPT each, else the default."""
     if units is not None:
         return resolve_units(module, units)
     if isinstance(module, MLP):
@@ -120,17 +97,14 @@ def fsdp_units(module, units=None) -> list:
 
 
 def _node_size() -> int:
-    """The ranks per node hybrid sharding shards over when built by name: this rank's layout
-    (``ddpkit.rankside.topology()``: torchrun's nodes, a Cluster network's, or nodes of 2)."""
+    """The ranks per node hybrid sharding shards over: this rank's ``rankside.topology()``."""
     from ddpkit.rankside import topology
 
     return topology().ranks_per_node
 
 
 def _build(home: str, cls: str, cap: bool = True, units: bool = False, hybrid: bool = False) -> Callable:
-    """How a row wraps a module: class ``cls`` of ``ddpkit.strategies.<home>``, imported when first
-    built (the table loads no strategy), given the bucket cap (``cap``), FSDP's units (``units``: as
-    ``fsdp_units`` resolves them) and, for hybrid sharding, this rank's node size."""
+    """How a row wraps: ``ddpkit.strategies.<home>.<cls>``, imported when first built, given what it takes."""
     def wrap(module, bucket_cap_mb, **options):
         wrapper = getattr(importlib.import_module(f"ddpkit.strategies.{home}"), cls)
         if cap:
@@ -227,9 +201,7 @@ def strategy(name: str) -> Strategy:
 
 
 def unfit(names, world_sizes, topology=None) -> dict[str, str]:
-    """``{name: why}`` for those of ``names`` that cannot run at one of ``world_sizes`` laid out by
-    ``topology`` (a Topology, a Network, or None: see ``Strategy.shard_group_size``): hybrid
-    sharding needs whole nodes. Empty when every one can."""
+    """``{name: why}`` for ``names`` that cannot run at one of ``world_sizes`` on ``topology``."""
     why = {}
     for name in names:
         for n in world_sizes:

@@ -1,8 +1,6 @@
 """torch's ``DistributedDataParallel`` arguments that are not about how gradients are reduced.
 
-A script written for torch's DDP builds it as ``DistributedDataParallel(model, device_ids=[rank],
-broadcast_buffers=..., static_graph=...)``. Every ddpkit DDP wrapper takes the same keywords and
-gives them torch's meaning, so the wrapper drops into such a script unchanged:
+Every ddpkit DDP wrapper takes these keywords with torch's meaning, so it drops into a script:
 
     device_ids          None (CPU, or a module already on its device) or [the module's one GPU], a
                         list as torch's takes; a forward then moves its tensor inputs there
@@ -17,9 +15,8 @@ gives them torch's meaning, so the wrapper drops into such a script unchanged:
                         never arrives is reduced as zeros every step, so nothing changes
     check_reduction     accepted and ignored, as torch ignores it (deprecated there)
 
-torch's arguments for features ddpkit does not have (``mixed_precision``, ``delay_all_reduce_named_
-params``, ...) are refused with a ValueError naming the argument, never silently dropped.
-``TorchDDPArgs.parse`` checks them all once, before any rank communicates.
+Arguments for features ddpkit lacks (``mixed_precision``, ...) are a ValueError naming them;
+``TorchDDPArgs.parse`` checks all once, before any rank communicates.
 """
 from __future__ import annotations
 
@@ -106,8 +103,7 @@ def _cuda_device(device_id) -> torch.device:
 
 
 def group_of(strategy: str, process_group, device_mesh):
-    """The process group to reduce over: ``process_group``, or the group of a 1-D ``device_mesh``
-    (torch DDP's two spellings; both at once is an error there too)."""
+    """The group to reduce over: ``process_group`` or a 1-D ``device_mesh``'s (torch's two spellings)."""
     if device_mesh is None:
         return process_group
     if process_group is not None:

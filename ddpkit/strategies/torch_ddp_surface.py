@@ -1,11 +1,8 @@
 """What torch's ``DistributedDataParallel`` shows the frameworks, on ddpkit's DDP wrappers.
 
-accelerate (and the Hugging Face Trainer through it) and Lightning build torch's DDP themselves, then
-read or call things on it beyond a script's ``module`` and ``no_sync()``: its flags, its logging data,
-its C++ reducer, torch's form of ``register_comm_hook``. ``TorchDDPSurface`` answers each with torch's
-meaning, or refuses it with an error naming it and saying what to do instead. The survey of who
-touches what is the table in ``docs/own_script.md`` ("In the frameworks"); ``ddpkit.frameworks.use``
-puts a wrapper where the frameworks build torch's.
+accelerate (so the HF Trainer) and Lightning read or call more of torch's DDP than a script does;
+``TorchDDPSurface`` answers each with torch's meaning, or refuses it naming what to do instead (who
+touches what: ``docs/own_script.md``, "In the frameworks"; ``ddpkit.frameworks.use`` swaps it in).
 
     static_graph, _set_static_graph()   torch's flag (accepted, changes nothing here: torch_ddp_args.py)
     require_forward_param_sync          the last forward synchronised, so the next broadcasts buffers
@@ -16,8 +13,7 @@ puts a wrapper where the frameworks build torch's.
     register_comm_hook(state, hook)     torch's default hooks mapped onto ours; any other refused
     _ddp_params_and_buffers_to_ignore   refused: every trainable parameter is reduced here
 
-It reads the DDP core's state (``torch_args``, ``buckets``, ``named_grads``, ``_require_sync``,
-``_sync_buffers_next``, ``_start_step``, ``_register_hook``): it is a base of ``ddp_compat.TorchDDPCompat``.
+It reads the DDP core's state: it is a base of ``ddp_compat.TorchDDPCompat``.
 """
 from __future__ import annotations
 
@@ -59,8 +55,7 @@ class TorchDDPSurface:
     # ------------------------------------------------------------------ flags
     @property
     def static_graph(self) -> bool:
-        """torch's ``static_graph``: promised the same graph every step (accepted; nothing changes here:
-        buckets are never rebuilt and a missing gradient is handled every step)."""
+        """torch's ``static_graph`` (accepted: buckets are never rebuilt, a missing gradient handled every step)."""
         return self.torch_args.static_graph
 
     def _set_static_graph(self) -> None:
@@ -72,8 +67,7 @@ class TorchDDPSurface:
 
     @property
     def require_forward_param_sync(self) -> bool:
-        """torch's: the last training forward synchronised, so the next forward broadcasts rank 0's buffers
-        first (``broadcast_buffers``). accelerate and Lightning set it beside ``require_backward_grad_sync``."""
+        """torch's: the last training forward synchronised, so the next broadcasts rank 0's buffers."""
         return self._sync_buffers_next
 
     @require_forward_param_sync.setter
@@ -87,8 +81,7 @@ class TorchDDPSurface:
 
     # ------------------------------------------------------------------ logging data
     def _get_ddp_logging_data(self) -> dict:
-        """torch's construction-time logging data, its keys with this wrapper's values (Lightning's
-        ``DDPStrategy.teardown`` reads it; torch adds runtime timings, which the recorder has here)."""
+        """torch's construction-time logging data, its keys with this wrapper's values (Lightning reads it)."""
         params = [p for _, p in self.named_grads]
         if self.buckets:  # in the order they fill, as torch lists them
             sizes = [b.nbytes for b in self.buckets]
@@ -123,10 +116,8 @@ class TorchDDPSurface:
 
     # ------------------------------------------------------------------ communication hooks
     def register_comm_hook(self, *args, **kwargs) -> None:
-        """ddpkit's ``register_comm_hook(hook)`` (a hook of ``comm_hooks.py`` or its name), and torch's
-        ``register_comm_hook(state, hook)``, as accelerate and Lightning call it: torch's ``allreduce_hook``,
-        ``fp16_compress_hook`` and ``bf16_compress_hook`` (state: None or this wrapper's group) become
-        ddpkit's hook of the same meaning; any other torch hook is refused by its name."""
+        """ddpkit's ``register_comm_hook(hook)`` (a ``comm_hooks.py`` hook or name), or torch's
+        ``(state, hook)``: its allreduce, fp16 and bf16 hooks become ours; any other is refused."""
         if "state" not in kwargs and len(args) + len(kwargs) == 1:
             return self._register_hook(*args, **kwargs)  # ddpkit's own form
         try:
@@ -170,9 +161,7 @@ class _Reducer:
         self._ddp = ddp
 
     def prepare_for_backward(self, outputs=()) -> None:
-        """torch's: the next backward synchronises the gradients. Its forward calls it when a sync is due;
-        accelerate's ``trigger_sync_in_backward`` and Lightning's manual optimization call it after forwards
-        run without one. The outputs (torch's search for unused parameters) are not needed here."""
+        """torch's: the next backward synchronises (accelerate's ``trigger_sync_in_backward``, Lightning)."""
         self._ddp._start_step(sync=True)
 
     def _rebuild_buckets(self) -> bool:

@@ -1,34 +1,20 @@
 """ZeRO1: the ZeRO paper's stage 1: reduce-scatter the gradients, step 1/N, all-gather the parameters.
 
-One idea more than ``BucketedDDP``: an all-reduce is a reduce-scatter followed by an all-gather,
-and after the reduce-scatter rank r already holds the *averaged* gradient of its 1/N of the
-elements. If rank r keeps optimizer state only for those elements, it can step them right there,
-and the all-gather then shares the updated *parameters* instead of the gradients:
+One idea more than ``BucketedDDP``: an all-reduce is a reduce-scatter then an all-gather, and after
+the reduce-scatter rank r holds the *averaged* gradient of its 1/N. Keep optimizer state for those
+elements only, step them there, and all-gather the updated *parameters* instead:
 
     DDP:    all-reduce grads  (2(N-1)/N * S)                  -> every rank steps everything
     ZeRO-1: reduce-scatter grads ((N-1)/N * S) -> rank r steps its 1/N -> all-gather parameters ((N-1)/N * S)
 
-Same bytes as DDP (the ZeRO paper, section 7.2.1: P_os "incurs no additional communication"), and
-the optimizer state is 1/N per rank. Compare ``sharded_optimizer`` (ShardedOptimizer over DDP),
-which keeps DDP's all-reduce and adds the all-gather: 1.5x the bytes for the same memory.
-
-How (``zero_buckets.py`` has the buffers): the gradients are packed into DDP-style buckets, each
-one flat buffer padded to a multiple of N; the module's parameters are re-pointed into a flat
-parameter buffer of the same layout. After backward (as in ``BucketedDDP``) each bucket's flat
-gradient is scaled by 1/N and reduce-scattered; rank r's result is the gradient of its shard, which
-the optimizer (``make_optimizer``) steps; a step post-hook then all-gathers every bucket's flat
-parameter, which *is* the module's parameters.
-
-Gradients stay whole (stage 1 shards only the optimizer state): the module's ``.grad`` are views
-into the buckets' flat gradients (as torch DDP's ``gradient_as_bucket_view``: no extra copy, no
-extra memory). After the reduce-scatter only this rank's shard of that buffer holds the average
-(``shard.grad``, a view of it); the rest still holds this rank's own gradients / N. The first
-forward after a synchronised backward starts the gradients from zero (the step has used them);
-accumulate over micro-batches with ``no_sync()``.
-
-A parameter no rank used in a step gets a zero gradient here (its elements share flat shards with
-the others), so momentum or weight decay still move it, unlike one process; FSDP's flat parameters
-do the same. The DDP wrappers' ``find_unused_parameters=True`` leaves it untouched.
+DDP's bytes (ZeRO paper 7.2.1), optimizer state 1/N per rank (``sharded_optimizer``: 1.5x bytes).
+The buffers are ``zero_buckets.py``'s; after backward each bucket's flat gradient is scaled and
+reduce-scattered, the optimizer (``make_optimizer``) steps the shard, a step post-hook all-gathers
+the flat parameters, which *are* the module's. Gradients stay whole, ``.grad`` viewing the buckets
+(only this rank's shard holds the average); the next synchronised forward zeroes them; accumulate
+with ``no_sync()``. A parameter no rank used gets a zero gradient (it shares flat shards), so
+momentum or weight decay still move it, as FSDP's; the DDP wrappers' ``find_unused_parameters``
+leave it untouched.
 """
 from __future__ import annotations
 
@@ -76,6 +62,5 @@ class ZeRO1(ZeroDDPModule):
         self._reduced = True
 
     def comm_buffer_bytes(self) -> int:
-        """0: the flat gradients are the module's ``.grad`` (counted as gradients), and the
-        reduce-scatter's output lives only during the synchronisation."""
+        """0: the flat gradients are the module's ``.grad``; the reduce-scatter's output is transient."""
         return 0

@@ -1,10 +1,8 @@
 """ZeRO2: stage 2: gradients reduce-scattered in buckets *during* backward, full gradients freed.
 
-One idea more than ``ZeRO1`` (the same buckets, shards and step): ZeRO-1 still holds every full
-gradient until backward ends, although each rank only ever uses the averaged gradient of its own
-1/N. So, as ``OverlappedDDP`` does with all-reduce, launch each bucket's reduce-scatter from the
-gradient hooks as soon as the bucket is complete, and free the bucket's full gradient as soon as
-its reduce-scatter is done: what stays is the gradient of this rank's shard, 1/N of the model's.
+One idea more than ``ZeRO1``: each rank only uses its shard's averaged gradient, so, as
+``OverlappedDDP`` does, launch each bucket's reduce-scatter from the hooks once it is complete, and
+free its full gradient once reduced: what stays is 1/N of the model's gradients.
 
     per parameter, when its gradient lands in .grad (the hook):
         copy it, scaled by 1/N, into its bucket's flat gradient; free .grad
@@ -13,16 +11,10 @@ its reduce-scatter is done: what stays is the gradient of this rank's shard, 1/N
     end of backward: launch what is left, wait for every bucket
     optimizer.step(): step our shards (1/N of the optimizer state), then all-gather the parameters
 
-Gradient memory per rank: 1/N of the model's (the shards' ``.grad``), plus the buckets in flight
-during backward. Bytes: reduce-scatter + all-gather = DDP's all-reduce (ZeRO paper, section
-7.2.1; ``docs/papers.md``). The module's ``.grad`` are None after backward.
-
-Rules as in ``OverlappedDDP``: buckets are launched in bucket order; a parameter that got no
-gradient contributes zeros (or what ``no_sync()`` accumulated) at the end of backward, and since
-its elements share flat shards with others, momentum and weight decay still move it (as FSDP's
-flat parameters do); inside ``no_sync()`` the hooks return at once and the full gradients
-accumulate in ``.grad`` (DDP's gradient memory until the next synchronised backward); one
-backward per forward. The optimizer must be elementwise (``zero_buckets.check_elementwise``).
+Gradient memory: 1/N of the model's plus the buckets in flight; DDP's bytes; the module's ``.grad``
+are None after backward. Rules as ``OverlappedDDP``'s (bucket order; an unused parameter goes in as
+zeros or ``no_sync()``'s sum, and moves with momentum as ZeRO-1's; one backward per forward);
+inside ``no_sync()`` full gradients accumulate in ``.grad``. The optimizer must be elementwise.
 """
 from __future__ import annotations
 
@@ -65,8 +57,8 @@ class ZeRO2(ZeroDDPModule):
             self._collect_finished(block=False)  # free what is already reduced
 
     def _collect_finished(self, block: bool) -> None:
-        """Launched buckets, in order, whose reduce-scatter is done (all of them if ``block``):
-        our shard of the sum becomes the shard's gradient, and the full flat gradient is freed."""
+        """Launched buckets, in order, whose reduce-scatter is done (all if ``block``): our shard kept as
+        its gradient, the flat gradient freed."""
         while self._next_done < self._in_order.launched:
             bucket = self.buckets[self._next_done]
             if not block and not bucket.work.is_completed():

@@ -1,26 +1,17 @@
 """Sharded buckets and the sharded step: what ZeRO-1 and ZeRO-2 (``zero1.py``, ``zero2.py``) share.
 
-A ZeRO bucket is a DDP bucket (the same ``make_buckets`` rule: reverse registration order, a cap
-in MiB, one dtype per bucket) whose flat buffers are padded to a multiple of N (a ``FlatLayout``,
-``flat_layout.py``), so that one reduce-scatter or all-gather cuts them into N equal *shards* of
-s = ceil(T/N) elements:
+A ZeRO bucket is a DDP bucket (``make_buckets``' rule) whose flat buffers are padded to a multiple
+of N (``FlatLayout``), so one reduce-scatter or all-gather cuts them into N shards of s elements:
 
-    flat_param  (N*s,)  the bucket's parameters end to end. The module's parameters are re-pointed
-                        into it (``p.data`` = a view), so an all-gather into it updates the model.
-    shard       (s,)    an ``nn.Parameter`` viewing flat_param[r*s:(r+1)*s]: what this rank's
-                        optimizer steps, so its optimizer state is 1/N of the bucket's.
-    gradient    (N*s,)  the bucket's gradients, scaled by 1/N; reduce-scattered, rank r keeps the
-                        averaged gradient of its shard (ZeRO-1 keeps this buffer as the module's
-                        ``.grad``; ZeRO-2 allocates it when the bucket's first gradient arrives and
-                        frees it as soon as its reduce-scatter is done).
+    flat_param  (N*s,)  the bucket's parameters end to end; the module's parameters view it, so an
+                        all-gather into it updates the model.
+    shard       (s,)    an ``nn.Parameter`` viewing flat_param[r*s:(r+1)*s]: what this rank steps.
+    gradient    (N*s,)  the gradients times 1/N, reduce-scattered: rank r keeps its shard's average
+                        (ZeRO-1 keeps it as the module's ``.grad``; ZeRO-2 frees it once reduced).
 
-Per step and rank: reduce-scatter (N-1)/N * S plus all-gather (N-1)/N * S = 2(N-1)/N * S, exactly
-DDP's all-reduce (an all-reduce *is* a reduce-scatter followed by an all-gather; ZeRO puts the
-optimizer step in between). ``docs/papers.md``, ZeRO section.
-
-Slices of a flat buffer only work with an *elementwise* optimizer: each element's update may depend
-only on that element's gradient and state (SGD, Adam, AdamW, ...). ``check_elementwise`` refuses
-the others (LBFGS, Adafactor, Muon, ...) with a ValueError before any rank communicates.
+Reduce-scatter plus all-gather = DDP's all-reduce bytes, the step in between. Slices of a flat
+buffer need an *elementwise* optimizer (SGD, Adam, ...): ``check_elementwise`` refuses the others
+(LBFGS, Adafactor, Muon, ...) before any rank communicates.
 """
 from __future__ import annotations
 
@@ -35,10 +26,8 @@ from ddpkit.strategies.ddp_module import DDPModule
 from ddpkit.strategies.flat_layout import FlatLayout, alloc_storage, free_storage, held_bytes, is_allocated
 from ddpkit.torch_internals import all_gather_flat, reduce_scatter_flat
 
-# Optimizers whose update of one element reads only that element's gradient and state, so that
-# stepping a slice of a flat buffer equals stepping the whole tensors. (Weight decay, momentum,
-# Adam's moments: elementwise. LBFGS's line search, Adafactor's row/column statistics, Muon's
-# orthogonalisation of whole matrices, SparseAdam's sparse gradients: not.)
+# Optimizers whose update of an element reads only its gradient and state, so stepping a slice of a
+# flat buffer equals stepping the whole tensors (not: LBFGS, Adafactor, Muon, SparseAdam).
 ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "Adadelta", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD"))
 
@@ -82,9 +71,7 @@ class ZeroBucket:
         return self.layout.view(self.gradient, j)
 
     def copy_in(self, j: int, scale: float) -> None:
-        """ZeRO-2: gradient j times ``scale`` into its slot of the flat gradient (allocated with
-        the bucket's first; a gradient missing stays zeros) and ``.grad`` freed: the full gradient
-        lives on only in the bucket, until it is reduced."""
+        """ZeRO-2: gradient j times ``scale`` into the flat gradient (allocated with the first), ``.grad`` freed."""
         self.alloc_gradient()
         p = self.params[j]
         if p.grad is not None:
@@ -107,23 +94,20 @@ class ZeroBucket:
         return held_bytes(self.gradient)
 
     def reduce_scatter(self, group, recorder) -> None:
-        """Launch the async reduce-scatter (SUM) of the flat gradient (already scaled by 1/N):
-        ``self.out`` (s,) becomes the sum over ranks of everyone's shard r, i.e. the average."""
+        """Launch the async reduce-scatter (SUM) of the pre-scaled flat gradient: ``self.out`` is our average."""
         self.out = torch.empty(self.layout.shard_numel, dtype=self.gradient.dtype, device=self.gradient.device)
         with recorder.labels(bucket=self.index):
             self.work = reduce_scatter_flat(self.out, self.gradient, group=group, async_op=True)
 
     def all_gather(self, group, recorder):
-        """Launch the async all-gather of every rank's (just stepped) shard into flat_param, in
-        place: our own shard already sits in our slot. Returns the work handle."""
+        """Launch the async all-gather of every rank's stepped shard into flat_param, in place; the handle."""
         with recorder.labels(bucket=self.index):
             return all_gather_flat(self.flat_param, self.shard.detach(), group=group, async_op=True)
 
 
 class ZeroDDPModule(TorchDDPCompat, DDPModule):
-    """What ZeRO-1 and ZeRO-2 share: the sharded buckets, the optimizer over this rank's shards,
-    and the all-gather of the updated parameters after each step. They differ in when the
-    gradients are reduce-scattered (after backward / from the gradient hooks)."""
+    """What ZeRO-1 and ZeRO-2 share: sharded buckets, the optimizer over the shards, the all-gather after
+    each step; they differ in when gradients are reduce-scattered."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None, process_group=None, recorder=None,
                  **torch_ddp):
@@ -140,8 +124,7 @@ class ZeroDDPModule(TorchDDPCompat, DDPModule):
                                     lambda i, params: ZeroBucket(i, params, self.rank, self.world_size))
 
     def join_hook(self, **kwargs):
-        """Uneven inputs are not supported here: a rank that finished early would also have to step
-        and all-gather its shard (torch's ZeroRedundancyOptimizer is Joinable for that)."""
+        """Refused: a finished rank would also have to step and all-gather its shard."""
         raise ValueError(f"{type(self).__name__} does not support Join (uneven inputs): give every rank "
                          "the same number of batches, or use BucketedDDP/OverlappedDDP (+ ShardedOptimizer)")
 
@@ -151,16 +134,14 @@ class ZeroDDPModule(TorchDDPCompat, DDPModule):
                         "use BucketedDDP or OverlappedDDP")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Finish the sync, then clip by the norm of the whole gradient: each rank holds the
-        averaged gradient of its shards only, so their norms are combined across ranks."""
+        """Finish the sync, then clip by the whole gradient's norm, combined across the ranks' shards."""
         self.finish_gradient_synchronization()
         return clip_grad_norm_([b.shard for b in self.buckets], max_norm, norm_type, sharded=True,
                                group=self.process_group, recorder=self.recorder)
 
     # ------------------------------------------------------------------ the step: 1/N, then all-gather
     def make_optimizer(self, optimizer_cls, **defaults) -> torch.optim.Optimizer:
-        """``optimizer_cls`` over this rank's shards only (its state: 1/N of the model's); after
-        each ``step()`` a hook all-gathers the updated parameters. Elementwise optimizers only."""
+        """``optimizer_cls`` over this rank's shards (elementwise only), all-gathering after each ``step()``."""
         check_elementwise(type(self).__name__, optimizer_cls)
         optimizer = optimizer_cls([b.shard for b in self.buckets], **defaults)
         optimizer.register_step_post_hook(lambda *_: self._all_gather_parameters())
@@ -168,8 +149,7 @@ class ZeroDDPModule(TorchDDPCompat, DDPModule):
 
     @torch.no_grad()
     def _all_gather_parameters(self) -> None:
-        # every rank's updated shard to every rank, in place into the flat parameters (which the
-        # module's parameters view): all buckets launched first, so their transfers overlap
+        # every rank's updated shard into the flat parameters in place, all buckets launched first
         works = [bucket.all_gather(self.process_group, self.recorder) for bucket in self.buckets]
         for work in works:
             work.wait()

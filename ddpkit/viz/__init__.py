@@ -12,10 +12,8 @@
     plot_ledger(entries)             # a learner's predictions against the measurements
     plot_class(rows)                 # a class's misses, per question
 
-matplotlib is imported inside the functions, never at import time, so ranks that only
-record never load it. Figures are built with the object API (no pyplot state), so they can
-be drawn from a thread (the widget does) and saved with ``fig.savefig(path)``; in a notebook
-the returned figure displays itself as a PNG.
+matplotlib is imported inside the functions (ranks that only record never load it); figures use
+the object API, so a thread can draw them, and display themselves as PNG in a notebook.
 """
 from ddpkit.viz.buckets import plot_bucket_fill
 from ddpkit.viz.compare import plot_compare

@@ -11,10 +11,8 @@ from ddpkit.viz.style import WAIT_COLOUR, bucket_colour, comm_colour
 
 
 def plot_bucket_fill(trace, rank: int = 0, step: int = -1):
-    """Top: one row per layer (in the order its gradients became ready), a dot per gradient,
-    colour = bucket. Bottom: each bucket's collective, launch to completion. Shaded: backward
-    computing, then (grey) waiting for communication. Time in ms from the start of backward, or
-    from the first collective where one came earlier (FSDP's all-gathers in forward)."""
+    """Top: a row per layer, a dot per gradient when ready, coloured by bucket. Bottom: each bucket's
+    collective. Shaded: backward computing, then waiting (ms from backward's or the first collective's start)."""
     trace = as_trace(trace)
     if not trace.steps:
         fig = new_figure(2.0)

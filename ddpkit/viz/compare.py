@@ -5,13 +5,8 @@ from ddpkit.viz._common import new_figure
 
 
 def plot_compare(records: list[dict]):
-    """Bar charts of ms/step (the median of the timing rounds, as ``format_table`` prints it),
-    comm bytes/step and model state per strategy (a matplotlib Figure).
-
-    ddpkit's strategies in blue, torch's own in grey. A value a strategy did not report (torch's
-    wrappers communicate out of our recorder's sight) gets no bar but the words "not recorded":
-    an empty slot would read as zero.
-    """
+    """Bars of ms/step (``format_table``'s median), comm bytes/step and model state per strategy,
+    ddpkit's in blue, torch's in grey; a value not reported says "not recorded", not zero."""
     ok = [r for r in records if "error" not in r]
     fig = new_figure(3.6)
     axes = fig.subplots(1, 3)

@@ -10,13 +10,9 @@ IDEAL_COLOUR = "#c9d6e8"
 
 
 def plot_scaling_gap(gaps, title: str | None = None):
-    """Stacked bars of ``ddpkit.trace.gap.decompose`` results (a matplotlib Figure): one panel
-    per mode (strong, weak), one bar per world size. Each bar starts with the perfect-scaling time
-    (pale blue), then stacks the parts of the gap (compute contention, host overhead, exposed
-    communication, straggler wait); a part below zero (better than its share of one rank's) is
-    drawn hatched, downwards from where the stack stood. A black line marks the measured step time
-    and the label above gives the efficiency: where the stack ends is where the line is, up to the
-    residual."""
+    """Stacked bars of ``trace.gap.decompose`` results, a panel per mode, a bar per world size: the
+    perfect-scaling time, then the gap's parts (a negative one hatched downwards); a black line at
+    the measured step, the efficiency above."""
     from matplotlib.patches import Patch
 
     gaps = list(gaps)

@@ -9,8 +9,7 @@ from ddpkit.viz.style import CATEGORY_COLOURS, OTHER_COLOUR
 
 
 def _per_rank(value) -> list[dict]:
-    """A {category: bytes} dict, a list of them (one per rank), or a Trace -> list per rank
-    (of a Trace: what each rank held at its peak, ``ddpkit.trace.memory_peak``)."""
+    """A {category: bytes}, a list of them, or a Trace (each rank's peak) -> a list per rank."""
     if isinstance(value, Trace):
         peaks = [memory_peak(value.records, [rank]) for rank in value.ranks]
         return [peak[3] for peak in peaks if peak is not None]
@@ -29,8 +28,7 @@ def _normalise(measured) -> dict[str, list[dict]]:
 
 
 def _stage_of(label: str) -> str | None:
-    """The ZeRO stage a group's label names: a strategy ("fsdp"), a variant whose label starts
-    with one ("fsdp by class", "zero2 (bf16)"), or a stage itself ("ZeRO-3"); else None."""
+    """The ZeRO stage a label names ("fsdp", "fsdp by class", "ZeRO-3"), else None."""
     if label in STAGE_OF_STRATEGY.values():
         return label
     words = label.lower().replace("(", " ").split()
@@ -38,9 +36,8 @@ def _stage_of(label: str) -> str | None:
 
 
 def _prediction_for(label: str, predicted):
-    """(the formula's tick label, its prediction) for a group: ``predicted[label]`` or that of the
-    label's ZeRO stage; (None, None) if none. The tick names the stage ("ZeRO-3"), the group's
-    own name stands under its bars already; a label with no known stage gets "formula"."""
+    """(tick label, prediction) for a group: its own, or its stage's (tick: the stage, else
+    "formula"); (None, None) if none."""
     if not predicted:
         return None, None
     stage = _stage_of(label)
@@ -50,14 +47,9 @@ def _prediction_for(label: str, predicted):
 
 
 def plot_memory(measured, predicted=None, title: str | None = None):
-    """Stacked bars of bytes by category: one bar per rank in each group (e.g. strategy), and,
-    hatched beside them, the ZeRO formula's prediction for that group (model states only).
-
-    ``measured``: a Trace (what each rank held at its peak), a list of per-rank
-    ``{category: bytes}``, or ``{label: that}`` for several strategies. ``predicted``:
-    ``{label: {category: bytes}}``, e.g. ``ddpkit.memory_formulas.zero_predictions(...)``, whose
-    "DDP"/"ZeRO-1"/"ZeRO-3" are matched to labels naive/bucketed/overlapped, zero1, fsdp.
-    """
+    """Stacked bars of bytes by category, a bar per rank in each group, the ZeRO formula's
+    prediction hatched beside. ``measured``: a Trace, per-rank ``{category: bytes}``, or
+    ``{label: that}``; ``predicted``: ``{label or ZeRO stage: {category: bytes}}``."""
     groups = _normalise(measured)
     if not any(groups.values()):  # words, not empty axes that read as "zero bytes"
         fig = new_figure(1.2)
@@ -141,13 +133,9 @@ def plot_memory(measured, predicted=None, title: str | None = None):
 
 
 def plot_memory_against_n(sweep: dict, formulas: dict | None = None, title: str | None = None):
-    """Memory per rank against the number of ranks, one panel per strategy (a matplotlib Figure).
-
-    ``sweep``: ``{n: {strategy: {category: bytes, ...}}}``, e.g. ``ddpkit.memory_sweep.memory_against_n``
-    run on clusters of 1, 2 and 4 ranks (the rank holding the most). Each bar stacks the
-    categories, model states at the bottom; ``formulas`` (``{(strategy, n): bytes}``, e.g.
-    ``memory_sweep.formula_totals``) draws the ZeRO formula's model states as a black line over
-    each bar, so what the formula leaves out is the part of the bar above the line."""
+    """Memory per rank against the number of ranks, a panel per strategy: ``sweep`` is
+    ``{n: memory_sweep.memory_against_n(...)}``; ``formulas`` (``{(strategy, n): bytes}``) draws the
+    ZeRO formula as a line over each bar: what it leaves out is above the line."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

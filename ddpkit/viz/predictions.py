@@ -1,10 +1,7 @@
 """Predictions against measurements: one reveal, one learner's answers, a class's.
 
-Plain records in, a Figure out; nothing here imports ``ddpkit.predictions`` (which calls these):
-a reveal's attributes (``question``, ``measured``, ``prediction``, ``reference``), and the rows its
-tables make (``predictions.tables.points`` and ``class_rows``). Every answer is drawn as predicted
-over measured on one log axis: 1 is right, 2 twice too much; "which is faster" as the predicted
-speed-up over the measured one."""
+Plain records in (a reveal's attributes, ``tables.points``, ``class_rows``), a Figure out; nothing
+here imports ``ddpkit.predictions``. Answers are predicted over measured on a log axis (1: right)."""
 from __future__ import annotations
 
 import math
@@ -18,33 +15,26 @@ LIMIT = 16.0   # factors beyond 1/16 and 16 are drawn at the edge, as an arrow
 
 
 def plot_reveal(reveal):
-    """One reveal: the measurement stacked in its terms, with the prediction (red) and the
-    reference (black) marked. "Which is faster": each option's ms per step, the second's split into
-    the first's time and the parts of the difference, and where the prediction put the second."""
+    """One reveal: the measurement stacked in its terms, the prediction (red) and reference (black)
+    marked; "which is faster": the second bar is the first's time plus the parts of the difference."""
     q, m = reveal.question, reveal.measured
     fig = new_figure(1.9 + 0.22 * len(m.terms), 7.5)
     ax = fig.subplots()
+    scale = 1.0   # "which is faster": a speed-up of the first is the second's time over its own
     if q.options:
-        first, second = q.options
-        t1 = m.times[first]
-        ax.barh(1, t1, color="#c9d6e8", edgecolor="black", lw=0.4)
-        ax.barh(0, t1, color="#c9d6e8", edgecolor="black", lw=0.4)
-        _stack(ax, 0, t1, m.terms)
-        if reveal.prediction is not None:   # the speed-up of the first: the second's time over its own
-            guess = t1 * reveal.prediction
-            ax.plot([guess, guess], [-0.4, 0.4], color=PREDICTED, lw=2.5, label="your prediction")
-        if reveal.reference is not None:
-            ax.plot([t1 * reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                    label=f"reference: {q.reference_from}")
-        ax.set_yticks([1, 0], [first, second])
+        scale = m.times[q.options[0]]
+        for y in (1, 0):
+            ax.barh(y, scale, color="#c9d6e8", edgecolor="black", lw=0.4)
+    _stack(ax, 0, scale if q.options else 0.0, m.terms)
+    if reveal.prediction is not None:
+        ax.plot([scale * reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
+    if reveal.reference is not None:
+        ax.plot([scale * reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
+                label=f"reference: {q.reference_from}")
+    if q.options:
+        ax.set_yticks([1, 0], list(q.options))
         ax.set_xlabel("ms (the second bar: the first's time, then the parts of the difference)")
     else:
-        _stack(ax, 0, 0.0, m.terms)
-        if reveal.prediction is not None:
-            ax.plot([reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
-        if reveal.reference is not None:
-            ax.plot([reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                    label=f"reference: {q.reference_from}")
         ax.set_yticks([0], ["measured"])
         ax.set_xlabel(q.unit)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -92,8 +82,7 @@ def _factor_axis(ax, factors) -> None:
 
 
 def plot_ledger(points):
-    """One learner's answers (``tables.points``): one row each, predicted over measured (green:
-    close, red: not), labelled with both in words."""
+    """One learner's answers (``tables.points``): a row each, predicted over measured, green if close."""
     fig = new_figure(1.3 + 0.32 * max(len(points), 1))
     ax = fig.subplots()
     factors = [factor(p.predicted, p.measured) for p in points]
@@ -109,8 +98,7 @@ def plot_ledger(points):
 
 
 def plot_class(rows):
-    """A class's ledgers (``tables.class_rows``): one row per question, each learner's answer a dot
-    at predicted over measured, the median a bar."""
+    """A class's ledgers (``tables.class_rows``): a row per question, a dot per learner, the median a bar."""
     rows = [r for r in rows if r.misses]
     fig = new_figure(1.3 + 0.32 * max(len(rows), 1))
     ax = fig.subplots()

@@ -10,16 +10,9 @@ from ddpkit.viz._common import new_figure  # shows in a notebook without pyplot
 
 def plot_scaling(profile: Profile, strategies=HEADLINE, networks=("100GbE", "nvlink"),
                  world_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), bucket_cap_mb: float | None = None):
-    """Predicted weak scaling (same per-rank batch at every size) to 256 ranks, one panel per
-    network: scaling efficiency = time of one rank / time of N ranks. A matplotlib Figure. By
-    default the table's headline rungs: overlapped DDP, ZeRO-1 and ZeRO-3. Hybrid sharding runs
-    only on whole nodes (``ddpkit.Topology``): its curve starts at its smallest world size, whose
-    time is its 100% (the label says from where), as papers scale from one node.
-
-    The ring formulas' latency term grows linearly with N ((N-1) alpha per all-gather): at
-    hundreds of ranks NCCL switches to tree algorithms (log N), so for many small collectives
-    (FSDP's per-unit all-gathers) the far right of these curves is pessimistic.
-    """
+    """Predicted weak scaling to 256 ranks, a panel per network (efficiency = one rank's time / N
+    ranks'), the headline rungs by default; hybrid sharding's curve starts at its smallest world
+    size. The ring's (N-1) alpha makes the far right pessimistic (NCCL switches to trees)."""
     fig = new_figure(3.6)
     axes = fig.subplots(1, len(networks), sharey=True, squeeze=False)[0]
     for ax, net in zip(axes, networks, strict=True):

@@ -1,7 +1,5 @@
-"""How every figure looks, in the plots (matplotlib) and in the widget (SVG) alike: the colours.
-
-Plain strings and small functions, no matplotlib: the widget's SVG views read them without
-importing it. A count with its noun (``plural``) is ``ddpkit.units``'s, beside the byte sizes.
+"""The colours of every figure, plots and widget alike: plain strings, no matplotlib, so the widget's
+SVG views read them without importing it.
 """
 from __future__ import annotations
 
@@ -12,10 +10,8 @@ SPAN_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", 
 OVERLAP_COLOUR = "#2ca02c"
 WAIT_COLOUR = "#c9c9c9"  # backward waiting for communication (after its last gradient was ready)
 
-# matplotlib's tab20, as hex, less its two greens and its greys: the timeline draws "communication
-# hidden under backward" in green and "waiting for communication" in grey, and a collective of no
-# bucket is grey, so a bucket in any of these would read as one of them. One colour per bucket (or
-# FSDP unit), cycling.
+# matplotlib's tab20 less its greens and greys (the timeline's "hidden" and "waiting", and no bucket),
+# one colour per bucket or FSDP unit, cycling.
 BUCKET_COLOURS = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#d62728",
                   "#ff9896", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2",
                   "#bcbd22", "#dbdb8d", "#17becf", "#9edae5")

@@ -1,12 +1,8 @@
 """Per-rank timeline: a compute row above a row per bucket, the hidden communication shaded.
 
-It draws ``ddpkit.trace.timeline``'s figure, as the widget's live timeline does
-(``ddpkit/widget/timeline_view.py``), with matplotlib for a notebook or a file: backward is split
-where its computing ended (its last gradient ready) from where it only waited for communication;
-each bucket has its own row and colour (past eight buckets, or for FSDP's units, collectives
-share a few rows by how many were in flight at once, still coloured by bucket or unit, the legend
-saying so); the title's percentage is ``overlap_fraction`` over exactly the steps and ranks
-drawn, so it matches a printout that asks for the same steps.
+The trace's timeline figure, as the widget draws it: backward split where its computing ended;
+a row and colour per bucket (past eight, rows shared by how many were in flight); the title's
+percentage ``overlap_fraction`` over exactly the steps and ranks drawn.
 """
 from __future__ import annotations
 

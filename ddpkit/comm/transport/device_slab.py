@@ -1,31 +1,14 @@
 """The CUDA IPC transport's slab: one GPU buffer per group, which every rank of the group maps.
 
-Ranks sharing a GPU (``Cluster(4, gpus=[0, 0, 0, 0])``, the default transport "cuda-ipc") move
-their bytes the way NCCL does inside a node: through GPU memory they can all reach. Group rank 0
-allocates the slab's data area on the GPU (S slots x N regions, as the shared-memory slab lays it
-out: ``ddpkit.comm.transport.segment``) and posts a CUDA IPC handle for it in the group's store;
-the others map the same memory into their own CUDA contexts. A piece is deposited with a
-device-to-device copy into this rank's region and completed with sums (or copies) on the GPU,
-straight into the caller's tensor; the doorbells, fingerprints and the queue are the shared-memory
-transport's, unchanged (``runner``), and so is every collective's cutting (``shm``).
+Ranks sharing a GPU (transport "cuda-ipc") move bytes as NCCL does inside a node: group rank 0
+allocates the slab's data area on the GPU (``segment``'s layout) and posts a CUDA IPC handle in the
+group's store; the others map it. Deposits are device-to-device copies, completions sums on the
+GPU; doorbells, queue and cutting are the shared-memory transport's (``runner``, ``shm``).
 
-What a GPU adds is *when* bytes are there. A copy or a sum is queued on a stream and done later,
-and a peer process reads the slab without seeing our streams. So:
-- before a rank rings "deposited" (its region is filled) or "freed" (it has read the slot and
-  may let the peers overwrite it), it waits on the host until its stream has done the copy or
-  the sums (``settle``): the peer that takes the ring finds the bytes there, and a result is in
-  the caller's tensor before the collective's future completes;
-- the inputs: a piece may be deposited later than its collective was issued, on another thread
-  (whoever moves the queue, ``runner``), whose stream knows nothing of the kernels that produced
-  the tensor. An event recorded on the issuing thread's stream at the issue (``inputs_ready``)
-  is waited for, on the depositing thread's stream, before the copy (``before_deposit``).
-Waiting on the host is simple and exact, and costs the waiting thread the GPU's queue; events
-shared between the processes (device-side waits, as NCCL's kernels do) would not, and are left
-for a measurement to ask for.
-
-The slab (``DEVICE_SLAB_BYTES`` a group, in 2 slots: big regions, as each piece costs two waits)
-is allocated through the caching allocator of group rank 0: its allocator figures count it, the
-other ranks' do not. It lives as long as that rank's process group.
+A GPU adds *when* bytes are there: before ringing "deposited" or "freed" a rank waits on the host
+for its stream (``settle``); a deposit on another thread first waits for an event recorded at the
+issue (``inputs_ready``, ``before_deposit``). The slab (``DEVICE_SLAB_BYTES``, 2 slots) counts in
+group rank 0's allocator figures and lives as long as its process group.
 """
 from __future__ import annotations
 
@@ -69,14 +52,12 @@ class DeviceSlab:
             torch.cuda.current_stream(self.device).wait_event(ready)
 
     def settle(self) -> None:
-        """Before ringing a doorbell: what this thread queued on the GPU (a deposit's copy, a
-        completion's sums) is done, so the peers see it."""
+        """Before ringing a doorbell: what this thread queued on the GPU is done, so the peers see it."""
         torch.cuda.current_stream(self.device).synchronize()
 
 
 class HostSlab:
-    """The shared-memory slab's data area needs none of the waits: the CPU's copies are done when
-    they return, and the doorbells' semaphores order memory between processes (``segment``)."""
+    """The host slab's data area: no waits (CPU copies are done on return, semaphores order memory)."""
 
     @staticmethod
     def inputs_ready():

@@ -1,27 +1,16 @@
 """A group's queue of pieces, and who moves it: the thread that issues, the one that waits, or the
 group's own thread.
 
-Every collective is a list of ``Piece``s (``ddpkit.comm.transport.shm`` cuts them), each deposited
-into its slot and later completed (``ddpkit.comm.transport.segment``). Every rank deposits and
-completes its pieces in issue order, the same order on every rank, so one queue per group holds
-them, and two counters say how far it got:
+Every collective is a list of ``Piece``s (``shm`` cuts them), deposited and completed in issue
+order on every rank, so one queue per group and two counters say how far it got:
 
     completed <= deposited <= issued,   deposited - completed <= S (a slot per piece in flight)
 
-A piece is deposited as soon as its slot is free (every rank completed the piece S before it),
-and completed once every peer has deposited it too. Both usually happen right where the
-collective is issued: a bucket's all-reduce launched from a gradient hook copies the bucket into
-the slab there and then (a memcpy), and the rank that comes last completes it there too. Only
-what must wait for a peer is left behind, and whoever gets there first moves it on:
-
-- ``Work.wait()`` moves the queue up to its own collective, sleeping on the doorbells, unless
-  another thread is already moving it;
-- otherwise the group's thread does, woken when an asynchronous collective is left unfinished,
-  so a collective launched from a hook progresses while backward goes on.
-
-``running`` (reentrant) is held by whoever moves the queue. A future's callbacks run inside the
-move that completes it; one that issues a collective and waits for it (a comm hook) moves the
-queue further from there, which is why every step re-reads the counters.
+A piece is deposited once its slot is free and completed once every peer deposited it; both
+usually happen where the collective is issued. What waits for a peer is moved on by
+``Work.wait()`` (sleeping on the doorbells) or else by the group's thread, so a collective
+launched from a hook progresses during backward. ``running`` (reentrant) is held by whoever moves
+the queue; a future's callback may issue and wait (a comm hook), so every step re-reads the counters.
 """
 from __future__ import annotations
 
@@ -39,9 +28,7 @@ from ddpkit.comm.transport.segment import Segment, ShmError
 
 @dataclass(eq=False)
 class Piece:
-    """One piece of a collective: what this rank writes into its region of the slot, what it reads
-    out of the slot once every rank has written, and, on the collective's last piece, what then
-    finishes the collective (a copy back) and the future it completes."""
+    """One piece: what this rank deposits, reads once all have, and (the last) finishes and completes."""
 
     deposit: object                      # deposit(views): views is the slot as (N, R / itemsize)
     complete: object                     # complete(views)
@@ -57,10 +44,7 @@ class Piece:
 
 
 class Work(FutureWork):
-    """A collective in flight: ``wait()`` moves the group's queue up to it if no thread is doing
-    so, then blocks until it is done and raises its error. ``ready_s``: once done, when its last
-    bytes were all in the slab (the last rank's deposit, ``time.perf_counter`` seconds): where
-    it could have ended, whichever thread then finished it (the emulator asks)."""
+    """A collective in flight: ``wait()`` moves the queue up to it; ``ready_s``: when its bytes were in."""
 
     def __init__(self, runner: Runner | None, future, last: Piece | None = None, at_wait: bool = False):
         super().__init__(future)
@@ -110,11 +94,9 @@ class Runner:
 
     # ------------------------------------------------------------------ issuing and waiting
     def submit(self, pieces: list, result, waited: bool, at_wait: bool = False) -> Work:
-        """Queue a collective's pieces (the last one completes the returned Work's future with
-        ``result``); deposit and complete what can be, here, without waiting. ``waited``: the
-        caller waits for it next (a synchronous call), so what is left is moved on then, there.
-        ``at_wait``: an emulated link carries it (``ddpkit.comm.emulator``): nothing moves here,
-        nor on the group's thread; whoever waits for it (or for a later one) moves it."""
+        """Queue a collective's pieces (the last completes the Work's future with ``result``) and move
+        what can be, here, without waiting. ``waited``: the caller waits next; ``at_wait``: nothing
+        moves until somebody waits (``comm.emulator``)."""
         future = torch.futures.Future()
         if self._failed is not None:
             future.set_exception(ShmError(f"{pieces[0].what}: this group failed earlier: {self._failed}"))
@@ -137,8 +119,7 @@ class Runner:
         return Work(self, future, last)
 
     def help(self, future) -> None:
-        """From ``Work.wait()``: move the queue here up to ``future`` (once whoever moves it now
-        lets go: it may have finished ``future`` by then)."""
+        """From ``Work.wait()``: move the queue up to ``future`` once whoever moves it now lets go."""
         if not future.done():
             self._running.acquire()
             try:
@@ -183,10 +164,8 @@ class Runner:
 
     # ------------------------------------------------------------------ moving the queue
     def _move(self, until, block: bool, unwaited_only: bool = False) -> None:
-        """Deposit and complete pieces in order until ``until`` (a future) is done, or nothing is
-        left (``unwaited_only``: no collective that nobody will wait for is left); ``block``: sleep
-        on the doorbells for what the peers have not done yet, else stop at the first piece that
-        needs them."""
+        """Move pieces in order until ``until`` is done or nothing (``unwaited_only``: nothing unwaited)
+        is left; ``block``: sleep for the peers, else stop at the first piece that needs them."""
         try:
             while (self._failed is None and (until is None or not until.done()) and self._completed < self._issued
                    and not (unwaited_only and self._unwaited == 0)):
@@ -198,10 +177,8 @@ class Runner:
                 raise  # KeyboardInterrupt in a thread that waited: it stops the job as usual
 
     def _step(self, block: bool) -> bool:
-        """One move: complete the oldest piece if every peer has deposited it, else deposit the next
-        one if its slot is free. Neither without waiting: with ``block``, sleep for the oldest thing
-        the queue needs (the oldest piece's deposits by the peers, or the slot of the next one);
-        else False."""
+        """One move: complete the oldest piece if all deposited it, else deposit the next if its slot is
+        free; else with ``block`` sleep for what the queue needs, without it False."""
         seg = self.seg
         head_deposited = self._completed < self._deposited
         if head_deposited and self._hear(self._heard, seg.deposited_in, self._completed, False, ""):
@@ -225,8 +202,7 @@ class Runner:
         return self._deposited < self._issued and self._deposited - self._completed < self.seg.slots
 
     def _hear(self, counts: dict, bells: dict, q: int, block: bool, late: str) -> bool:
-        """Has every peer rung ``bells`` for piece ``q`` (counts[k] > q)? Takes the rings there are;
-        with ``block`` sleeps for the missing ones (until the group's timeout)."""
+        """Has every peer rung ``bells`` for piece ``q``? ``block``: sleep for the rest (until the timeout)."""
         deadline = time.monotonic() + self.timeout_s if block else None
         what = self._pieces[0].what if self._pieces else self.name
         for k in self.seg.peers:
@@ -265,8 +241,7 @@ class Runner:
             piece.future.set_result(piece.result)  # callbacks run here (they may issue more)
 
     def _fail(self, exc: BaseException) -> None:
-        """The collective in progress fails with ``exc``; every one queued behind it, and every
-        later one, fails at once too."""
+        """The collective in progress fails with ``exc``, and every one queued or issued after it."""
         if self._failed is None:
             what = self._pieces[0].what if self._pieces else self.name
             self._failed = exc if isinstance(exc, ShmError) else ShmError(f"{what}: {type(exc).__name__}: {exc}")

@@ -4,34 +4,19 @@ The slab (N ranks, S slots, R bytes per region), one file mapped by every rank:
 
     [control: N pids, then S slots x N ranks x 4 int64: a fingerprint and when] [data: S slots x N regions of R]
 
-A collective moves through the slab in *pieces* of at most R bytes per rank; piece q uses slot
-q % S. Each rank writes its part of a piece into its own region of that slot (it *deposits* it),
-and reads the others' regions once they have deposited theirs (it *completes* it). So a rank
-never waits for a peer to deposit -- it waits only to complete, and only for the peers not there
-yet: no barrier, and the rank that arrives last completes at once, in the thread that issued.
+A collective moves in *pieces* of at most R bytes per rank, piece q in slot q % S: each rank
+*deposits* its part into its own region, and *completes* the piece by reading the others' once
+they deposited. No barrier: the last rank to arrive completes at once, in the issuing thread.
 
-The doorbells are named POSIX semaphores, one per ordered pair of ranks and per kind of news:
+The doorbells are named POSIX semaphores per ordered pair of ranks: ``deposited[k]`` (rank k
+deposited one more piece) and ``freed[k]`` (rank k completed one, its slot reusable). Pieces go
+in order, so the m-th ring is the m-th piece; post/wait order memory (ARM too); a waiting rank
+sleeps in the kernel, leaving the cores to backward. For CUDA IPC the data area is on the GPU
+(``device_slab``) and the file holds the control words only.
 
-- ``deposited[k]``: rank k deposited one more piece (rank k rings it, this rank takes it);
-- ``freed[k]``: rank k completed one more piece, so its slot may be used again.
-
-Each is a count, and each rank deposits and completes its pieces in order, so the m-th ring from
-rank k means k's m-th piece: no tags needed. A semaphore's post releases and its wait acquires
-memory, so what a rank stored before it rang (its region, its fingerprint) is what the others see
-after they took the ring, on weakly ordered CPUs (ARM) too. Taking a ring that is already there
-costs a fraction of a microsecond; a rank that must wait sleeps in the kernel, so a late peer costs
-no CPU and the cores stay with backward.
-
-For ranks sharing a GPU (the CUDA IPC transport) the data area is on the GPU instead
-(``device_slab``): the file then holds the control words only, and ``data`` is a GPU buffer every
-rank of the group maps; ``data.settle()`` and friends say when its bytes are there.
-
-Life cycle: group rank 0 creates the slab and the semaphores under ``prefix`` and posts their
-name in the group's store; the others attach; once every rank has, rank 0 unlinks the names.
-From then on nothing is left in ``/dev/shm``: the memory lives exactly as long as the processes
-that map it, even when they are killed. A rank that dies in the short window before the unlink
-leaves names behind; whoever chose the prefix (the Cluster's parent) removes them with
-``unlink_segments(prefix)``.
+Life cycle: group rank 0 creates the slab and semaphores under ``prefix``, the others attach, then
+rank 0 unlinks the names, so the memory lives exactly as long as the processes; names left by a
+rank that died before the unlink are removed with ``unlink_segments(prefix)``.
 """
 from __future__ import annotations
 
@@ -60,11 +45,8 @@ class ShmError(dist.DistError):
 
 
 def _semaphore(name: str, create: bool):
-    """A named POSIX semaphore (value 0) by ``name``, created or opened.
-
-    CPython's ``_multiprocessing.SemLock`` (underscored; ``multiprocessing`` itself hands its
-    locks to spawned children this way) binds sem_open/sem_post/sem_timedwait, releasing the GIL
-    while it waits; named, so processes that are not each other's children can share one."""
+    """A named POSIX semaphore (value 0), created or opened: CPython's underscored
+    ``_multiprocessing.SemLock``, which waits without the GIL and can be shared by name."""
     from _multiprocessing import SemLock
 
     if create:
@@ -82,9 +64,8 @@ def _sem_unlink(name: str) -> None:
 
 
 def unlink_segments(prefix: str) -> int:
-    """Remove what groups named under ``prefix`` left in ``/dev/shm`` (slabs and, on Linux,
-    semaphores, which glibc keeps there as ``sem.NAME``); returns how many. For a parent whose
-    ranks died before their groups finished setting up; a healthy group leaves nothing."""
+    """Remove the slabs and semaphores (glibc's ``sem.NAME``) groups under ``prefix`` left in
+    ``/dev/shm`` (ranks that died during setup); returns how many."""
     if not prefix or not os.path.isdir(SHM_DIR):
         return 0
     removed = 0
@@ -102,8 +83,7 @@ class Segment:
     """This rank's view of its group's slab and doorbells."""
 
     def __init__(self, store, rank: int, size: int, slots: int, region_bytes: int, prefix: str, device=None):
-        """``device``: where the data area lives, the CPU (None: here, in the file) or a GPU
-        (``device_slab``: the file holds only the control words)."""
+        """``device``: the data area on the CPU (None: in the file) or a GPU (``device_slab``)."""
         self.rank, self.size, self.slots = rank, size, slots
         self.region = max(64, region_bytes // 64 * 64)  # regions stay 64-byte aligned for every dtype
         self.ctrl_bytes = -(-(size + slots * size * FINGERPRINT) * 8 // 4096) * 4096
@@ -144,8 +124,7 @@ class Segment:
         try:
             if create:
                 _reserve(fd, self.nbytes)  # zero-filled: every pid and fingerprint starts at 0
-            # mapped with every page in place: else each rank's first touch of each page of the slab
-            # faults, and a cluster's first collectives run up to three times slower
+            # every page mapped now: first touches would slow a cluster's first collectives up to 3x
             mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
@@ -179,8 +158,7 @@ class Segment:
         return self.size + (slot * self.size + k) * FINGERPRINT
 
     def stamp(self, slot: int, fingerprint: tuple[int, int, int]) -> None:
-        """Write this rank's fingerprint of the piece it deposits in ``slot`` (``check`` reads it),
-        and when (``time.perf_counter_ns``: the system's monotonic clock, the same in every process)."""
+        """Write this rank's fingerprint of the piece it deposits in ``slot``, and when (``perf_counter_ns``)."""
         at = self._fingerprint_at(slot, self.rank)
         self.ctrl[at], self.ctrl[at + 1], self.ctrl[at + 2] = fingerprint
         self.ctrl[at + 3] = time.perf_counter_ns()
@@ -207,9 +185,8 @@ class Segment:
             bell.release()
 
     def take(self, bell, k: int, deadline: float | None, what: str, late: str) -> bool:
-        """Take one ring of ``bell`` (rank k's). ``deadline`` None: only if it is there already.
-        Else sleep for it until ``deadline`` (``time.monotonic()``): ``ShmError`` if rank k died
-        or the deadline passed first (``late`` says what rank k has not done)."""
+        """Take one ring of rank k's ``bell``: if there (``deadline`` None), else sleeping until
+        ``deadline`` (monotonic); ``ShmError`` (saying ``late``) if k died or time ran out."""
         if bell.acquire(False):
             return True
         if deadline is None:
@@ -232,8 +209,7 @@ class Segment:
 
 
 def _reserve(fd: int, nbytes: int) -> None:
-    """Give the slab its pages now: a tmpfs file only grown by ``ftruncate`` would kill the
-    process with SIGBUS at the first page ``/dev/shm`` has no room for, mid-collective."""
+    """Give the slab its pages now: a tmpfs file grown by ``ftruncate`` would SIGBUS mid-collective."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except AttributeError:  # no posix_fallocate (macOS): a plain size, as before

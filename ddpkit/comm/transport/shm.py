@@ -1,43 +1,21 @@
 """ShmBackend: a gloo process group whose collectives move their bytes through shared memory.
 
-Ranks on one host need not push gradients through the network stack: gloo over loopback costs
-a millisecond or more per collective here, and that copying is CPU work on the cores backward
-needs. NCCL and MPI move intra-node bytes through shared memory instead (DeepSpeed, vLLM and
-SGLang ship the same for CPU all-reduce); so does this backend, for the collectives data
-parallelism issues. Every collective is cut into pieces of at most one region (``chunk_bytes``)
-per rank; each piece is *deposited* by every rank into its own region of a slot of the slab and
-*completed* by every rank once all have deposited it (``ddpkit.comm.transport.segment``, ``runner``):
+gloo over loopback costs a millisecond or more per collective, CPU work on the cores backward
+needs; NCCL and MPI move intra-node bytes through shared memory (DeepSpeed, vLLM and SGLang do for
+CPU all-reduce), and so does this backend. Each collective is cut into pieces of at most
+``chunk_bytes`` per rank, deposited and completed through the slab (``segment``, ``runner``):
 
-- all-reduce (SUM, AVG, PRODUCT, MIN, MAX): deposit my part; complete: reduce all N regions
-  straight into my tensor, in rank order (0 + 1 + ... + N-1, in the tensor's dtype), so every
-  rank computes the same bits (2 ranks summing: my tensor += the peer's region, as a + b is
-  b + a exactly). With 2 ranks that reads no more bytes than a reduce-scatter plus an all-gather
-  would, and needs no second meeting;
-- all-gather: deposit my part; complete: copy every region into its place in the output;
-- reduce-scatter: deposit my input's N blocks; complete: reduce the N ranks' blocks for me;
-- broadcast: the root deposits into the whole slot, the others copy it out; barrier: a piece
-  of nothing (it completes when every rank has deposited it);
-in list, flat-tensor and coalesced forms; a group of one rank exchanges nothing, its collectives
-complete at once (the input copied where the output is another tensor), without the slab. Nobody
-waits to deposit (but for a free slot), so a collective launched from a gradient hook costs that
-thread a memcpy, and the rank that comes last completes it at once; only what waits for a peer
-moves on later, on the thread that waits for it or the group's own thread (``runner``).
+- all-reduce (SUM, AVG, PRODUCT, MIN, MAX): reduce all N regions into my tensor in rank order, so
+  every rank computes the same bits;
+- all-gather: copy every region into its place; reduce-scatter: reduce the N ranks' blocks for me;
+- broadcast: the root deposits, the others copy out; barrier: a piece of nothing;
+in list, flat and coalesced forms; a group of one exchanges nothing. The slab is bounded (S slots
+x N regions, 32 MiB a group by default): big tensors go in as many pieces as they need. The same
+cutting serves ranks sharing a GPU (``device_slab``); a host slab's CUDA tensors are ``staging``'s.
 
-The slab is bounded: S slots (``slots``) x N regions, 32 MiB a group at the defaults (8 slots of 2
-MiB regions for 2 ranks, of 1 MiB for 4); big tensors go through in as many pieces as they need,
-S of them in flight.
-
-The same cutting serves ranks that share a GPU (``device``: the CUDA IPC transport): the slab's
-data area is then on the GPU, every deposit a device-to-device copy and every completion sums on
-the GPU (``device_slab`` says when their bytes are there). CUDA tensors of a host slab are staged
-through pinned host memory around it (``staging``).
-
-It *is* a ``ProcessGroupGloo`` (a Python subclass): whatever is not carried here (send/recv,
-gather, scatter, all-to-all, sparse tensors or another device's, other dtypes or ops) runs on
-gloo, beside it, over the same group. Collectives complete in issue order and return a ``Work`` whose
-``get_future()`` completes with the result; a failure (a peer died, the group's timeout passed,
-ranks issued different collectives) is an ``ShmError`` (a ``DistError``) on ``wait()`` and on
-the future, and every later collective on the group fails at once.
+It *is* a ``ProcessGroupGloo``: what it does not carry (send/recv, other ops, dtypes, devices)
+runs on gloo over the same group. A failure (a peer died, the timeout, mismatched collectives) is
+an ``ShmError`` on ``wait()`` and the future, and every later collective on the group fails.
 """
 from __future__ import annotations
 
@@ -72,8 +50,7 @@ def _reducer(op):
 
 
 def _writable(t: torch.Tensor):
-    """A flat view of ``t`` to write the result into, and what to call afterwards (a
-    non-contiguous tensor is written through a contiguous copy, then copied back)."""
+    """A flat view of ``t`` to write into, and what to call after (a non-contiguous one: a copy back)."""
     if t.is_contiguous():
         return t.view(-1), None
     flat = t.contiguous().view(-1)
@@ -90,9 +67,7 @@ class ShmBackend(dist.ProcessGroupGloo):
     def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), *,
                  prefix: str | None = None, chunk_bytes: int | None = None, slots: int | None = None,
                  device=None):
-        """``device``: where the slab's data area lives and whose tensors this group carries: the CPU
-        (None, the default) or the GPU its ranks share (the CUDA IPC transport, ``device_slab``);
-        tensors elsewhere go to gloo."""
+        """``device``: the CPU (None) or the GPU the ranks share (``device_slab``); other tensors: gloo."""
         super().__init__(store, rank, size, timeout)  # gloo's connections: the fallback
         self._device = torch.device("cpu") if device is None else torch.device(device)
         on_gpu = self._device.type == "cuda"
@@ -119,18 +94,15 @@ class ShmBackend(dist.ProcessGroupGloo):
                    and t.dtype == tensors[0].dtype for t in tensors)
 
     def _carried_op(self, reduce_op, tensors):
-        """The reduction for ``reduce_op`` if this backend carries it on ``tensors``, else None
-        (bitwise ops, AVG of integers, other dtypes or devices: gloo's)."""
+        """The reduction for ``reduce_op`` where this backend carries it on ``tensors``, else None (gloo's)."""
         op = _reducer(reduce_op)
         if op is None or not tensors or not self._carries(tensors) or (op[1] and not tensors[0].is_floating_point()):
             return None
         return op
 
     def _issue(self, opts, name: str, code: int, nbytes: int, dtype, cuts, result, finish=None, at_wait=False):
-        """Queue one collective: ``cuts`` its pieces as (deposit, complete) pairs of functions of
-        the slot's (N, R / itemsize) view; ``finish`` runs after the last piece completes.
-        ``at_wait``: an emulated link carries it (ddpkit's process group says so at the launch):
-        its bytes move when somebody waits for it, not from the issue (``ddpkit.comm.emulator``)."""
+        """Queue one collective: ``cuts``, its (deposit, complete) pairs on the slot's (N, R / itemsize)
+        view; ``finish`` after the last; ``at_wait``: bytes move when somebody waits."""
         if not cuts:  # nothing to move (empty tensors): done, on every rank alike
             if finish is not None:
                 finish()
@@ -144,8 +116,7 @@ class ShmBackend(dist.ProcessGroupGloo):
         return self._runner.submit(pieces, result, waited=not is_async(opts), at_wait=at_wait)
 
     def _alone(self, result, *copies):
-        """A group of one rank has nothing to exchange: the result is the input (copied where the
-        output is another tensor: ``copies`` are (output, input) pairs), done at once, no slab."""
+        """A group of one: the result is the input (``copies``: (output, input) pairs), done, no slab."""
         for out, x in copies:
             out.copy_(x)
         return finished(result)

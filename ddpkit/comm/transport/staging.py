@@ -1,31 +1,13 @@
 """HostStaged: CUDA tensors through a host transport, by way of pinned host memory.
 
-The shared-memory transport (``ShmBackend``) moves host bytes. For ranks that share a GPU
-(``Cluster(4, gpus=[0, 0, 0, 0], transport="shm")``) each collective's CUDA tensors are staged:
+For ranks sharing a GPU over the shared-memory transport each collective's CUDA tensors are
+copied into pinned host buffers at the issue (on the issuing thread's stream, which produced
+them), the host transport runs on those, and the results are copied back before the future
+completes. So a byte crosses PCIe twice, against CUDA IPC's none (``bench_shared_gpu.py``).
 
-1. at the issue, on the issuing thread, each CUDA tensor the collective reads is copied into a
-   pinned host buffer (device to host at the copy engine's speed; torch's caching host allocator
-   hands the same buffers out again), and each one it only writes gets an empty one. The copy runs
-   on the issuing thread's current stream, the one that produced the tensor, and waits for it:
-   the host bytes are the tensor's;
-2. the host transport runs the collective on the host buffers, as for CPU ranks (its pieces, its
-   slab, its doorbells and fingerprints: ``ddpkit.comm.transport.shm``);
-3. when it completes, the results are copied back into the CUDA tensors (host to device), before
-   the collective's future completes: whoever then reads them, on any stream, reads the result.
-
-So a byte crosses the PCIe bus twice per rank (down, then up) and the host's memory three times
-(into the slab, out of it, the sums), against CUDA IPC's none (``device_slab``); measured side by
-side in ``benchmarks/bench_shared_gpu.py``. Every collective still goes through ddpkit's process
-group first: counted, recorded, emulated and desync-checked as on the CPU.
-
-gloo takes CUDA tensors for its collectives but not for ``send`` and ``recv`` (the course's ring
-exercise), so on ranks sharing a GPU every gloo-family transport is wrapped for those at least
-(``POINT_TO_POINT``): the CUDA IPC transport and gloo stage only them, the shared-memory one
-everything (``STAGED``).
-
-It wraps the host transport (``inner``, registered with torch as the group's backend) and passes
-everything it does not stage straight to it. ``devices``: which devices' tensors are staged; the
-tests stage CPU tensors (``devices=("cpu",)``) to prove the staging path without a GPU.
+gloo takes no CUDA tensor for ``send`` and ``recv``, so those are staged on every gloo-family
+transport (``POINT_TO_POINT``), everything on the shared-memory one (``STAGED``). What is not
+staged passes to ``inner``; ``devices=("cpu",)`` proves the path without a GPU in the tests.
 """
 from __future__ import annotations
 
@@ -45,10 +27,8 @@ STAGED = IN_PLACE + OUT_OF_PLACE + POINT_TO_POINT
 
 
 class StagedWork(FutureWork):
-    """A staged collective in flight: done once the host transport's own ``Work`` is and the
-    results are copied back (``finish``). ``wait()`` waits on the inner ``Work`` first (the
-    shared-memory transport moves its queue there). Where the inner ``Work`` has no future (gloo's
-    send, recv and reduce-scatter), the copy back is made by the first ``wait()``."""
+    """A staged collective: done once the inner ``Work`` is and the results are copied back
+    (``finish``; by the first ``wait()`` where the inner Work has no future)."""
 
     def __init__(self, inner, finish, value):
         self._inner, self._finish, self._value = inner, finish, value
@@ -83,8 +63,7 @@ class StagedWork(FutureWork):
 
 
 class HostStaged:
-    """A host transport (``inner``) that also takes CUDA tensors in ``methods``, staged through
-    pinned host memory."""
+    """A host transport (``inner``) that also takes CUDA tensors in ``methods``, staged through pinned memory."""
 
     def __init__(self, inner, devices=("cuda",), methods=STAGED):
         self.inner = inner
@@ -95,8 +74,7 @@ class HostStaged:
         return getattr(self.inner, name)
 
     def _host(self, t, read: bool):
-        """A host buffer for ``t`` (pinned where it stands for a CUDA tensor), holding its bytes if
-        ``read``."""
+        """A host buffer for ``t`` (pinned for a CUDA tensor), holding its bytes if ``read``."""
         if not torch.is_tensor(t) or t.device.type not in self.devices:
             return t
         host = torch.empty_like(t, device="cpu", pin_memory=t.device.type == "cuda")
@@ -105,8 +83,7 @@ class HostStaged:
         return host
 
     def _staged(self, name: str, first, *rest, **at_wait):
-        """``at_wait``: handed to the inner transport (ddpkit's process group passes it, see
-        ``ddpkit.comm.emulator``)."""
+        """``at_wait``: handed on to the inner transport (``ddpkit.comm.emulator``)."""
         if name not in self.methods or not any(t.device.type in self.devices for t in tensors([first, *rest])):
             return getattr(self.inner, name)(first, *rest, **at_wait)
         host_first = map_leaves(lambda t: self._host(t, read=name in IN_PLACE or name == "send"), first)
