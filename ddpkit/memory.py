@@ -35,12 +35,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import weakref
 
 import torch
 
 from ddpkit.nested import tensors
-from ddpkit.torch_internals import TorchDispatchMode, allocator_history, nvml_index
+from ddpkit.torch_internals import StorageWeakRef, TorchDispatchMode, allocator_history, nvml_index, storage_nbytes
 
 # Every category, in the order plots stack them: model states first, then what the ZeRO formulas
 # leave out.
@@ -156,8 +155,8 @@ class TensorWatch(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self._live = weakref.WeakValueDictionary()
-        self.peak = self.largest = 0
+        self._live = {}   # data_ptr -> a weak reference to the storage: a tensor object may die (wrapped
+        self.peak = self.largest = 0   # into an nn.Parameter, say) while its storage lives on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -166,10 +165,10 @@ class TensorWatch(TorchDispatchMode):
         given = {a.untyped_storage().data_ptr() for a in tensors((args, kwargs)) if not a.is_meta}
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if torch.is_tensor(t) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
-                self._live[id(t)] = t
+                self._live[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
-        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
-        self.peak = max(self.peak, sum(live.values()))
+        self._live = {k: r for k, r in self._live.items() if not r.expired()}
+        self.peak = max(self.peak, sum(storage_nbytes(r) for r in self._live.values()))
         return out
 
 

@@ -26,6 +26,7 @@ that a torch below the range warns instead of hanging). Checked: the compatibili
 - ``AllgatherOptions``: the options object a Python process group's ``allgather`` hands to the real
   backend's (not re-exported by ``torch.distributed``);
 - ``queue_at_end_of_backward``: the autograd engine's ``queue_callback`` (strategies);
+- ``StorageWeakRef``, ``storage_nbytes``: a weak reference to a storage and its size now (TensorWatch);
 - ``allocator_history``: the CUDA caching allocator's history recorder (memory snapshots);
 - ``register_real_backend``, ``backend_registered``: what ddpkit's own
   process group (``ddpkit.comm.process_group``) needs to stand in for gloo or NCCL (its ``FutureWork``
@@ -147,6 +148,13 @@ def fully_shard(module, **kwargs):
 # ``__torch_dispatch__`` (``ddpkit.memory.TensorWatch`` counts the tensors operators create). It
 # lives in the underscored ``torch.utils._python_dispatch``.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402,F401
+
+
+def storage_nbytes(ref: StorageWeakRef) -> int:
+    """The bytes a weakly referenced storage holds now (0 once freed or resized to 0): TensorWatch
+    follows storages, since the tensor an operator returned may die while its storage lives on."""
+    return 0 if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
 
 
 def queue_at_end_of_backward(fn) -> bool:
