@@ -61,4 +61,4 @@ def test_the_notebooks_use_most_exercises():
             for t, f in re.findall(r'exercises\.use\(\s*"(\w+)",\s*"(\w+)"', "\n".join(code_cells(name)))}
     every = {f"{t}.{f}" for t in exercises.TOPICS
              for f in exercises.exercise_functions(importlib.import_module(f"exercises.{t}"))}
-    assert every == used, sorted(every - used)   # every graded exercise is met in a notebook (58.5)
+    assert every <= used, sorted(every - used)   # every graded exercise is met in a notebook (58.5)
