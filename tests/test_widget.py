@@ -124,7 +124,7 @@ def test_rank_error_shows_status_and_traceback_then_restart_recovers(widget):
     assert wait_for(lambda: "ValueError: boom from rank 1" in widget.ranks.logs[1].value, 2.0), \
         widget.ranks.logs[1].value
     assert "boom" not in widget.ranks.logs[0].value
-    assert "in job" in widget.ranks.logs[1].value and "/ddpkit/cluster/" not in widget.ranks.logs[1].value  # user frames
+    assert "in job" in widget.ranks.logs[1].value and "/ddpkit/cluster/" not in widget.ranks.logs[1].value  # user code
 
     widget.restart_button.click()
     assert statuses(widget) == ["idle", "idle"]
