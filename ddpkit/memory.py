@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 
 import torch
@@ -148,7 +149,7 @@ def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> di
 class TensorWatch(TorchDispatchMode):
     """Inside ``with TensorWatch() as watch:``, every tensor an operator creates is watched:
     ``watch.peak`` is the most bytes they held at once (their storages' sizes now: a storage FSDP
-    freed counts 0), ``watch.largest`` the largest single one. On any device, CPU included, where
+    freed counts 0; garbage is collected before a new peak counts), ``watch.largest`` the largest single one. On any device, CPU included, where
     there is no allocator to ask. Tensors that existed before the block are not counted.
 
     Shows e.g. that FSDP's deferred initialization never holds the whole model on a rank."""
@@ -167,9 +168,14 @@ class TensorWatch(TorchDispatchMode):
             if torch.is_tensor(t) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
                 self._live[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
-        self._live = {k: r for k, r in self._live.items() if not r.expired()}
-        self.peak = max(self.peak, sum(storage_nbytes(r) for r in self._live.values()))
+        if self._held() > self.peak:
+            gc.collect()   # a new peak? not one of tensors dropped but still in a reference cycle
+            self.peak = max(self.peak, self._held())
         return out
+
+    def _held(self) -> int:
+        self._live = {k: r for k, r in self._live.items() if not r.expired()}
+        return sum(storage_nbytes(r) for r in self._live.values())
 
 
 class ActivationMeter:
