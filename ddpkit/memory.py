@@ -149,8 +149,9 @@ def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> di
 class TensorWatch(TorchDispatchMode):
     """Inside ``with TensorWatch() as watch:``, every tensor an operator creates is watched:
     ``watch.peak`` is the most bytes they held at once (their storages' sizes now: a storage FSDP
-    freed counts 0; garbage is collected before a new peak counts), ``watch.largest`` the largest single one. On any device, CPU included, where
-    there is no allocator to ask. Tensors that existed before the block are not counted.
+    freed counts 0; garbage is collected before a new peak counts), ``watch.largest`` the largest
+    single one. On any device, CPU included, where there is no allocator to ask. Tensors that
+    existed before the block are not counted.
 
     Shows e.g. that FSDP's deferred initialization never holds the whole model on a rank."""
 
