@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
-import weakref
 
 import torch
 
 from ddpkit.nested import tensors
-from ddpkit.torch_internals import TorchDispatchMode, allocator_history, nvml_index
+from ddpkit.torch_internals import StorageWeakRef, TorchDispatchMode, allocator_history, nvml_index, storage_nbytes
 
 # Every category, in the order plots stack them: model states first, then what the ZeRO formulas
 # leave out.
@@ -149,15 +149,16 @@ def step_memory(model, optimizer, inputs, targets, loss_fn, recorder=None) -> di
 class TensorWatch(TorchDispatchMode):
     """Inside ``with TensorWatch() as watch:``, every tensor an operator creates is watched:
     ``watch.peak`` is the most bytes they held at once (their storages' sizes now: a storage FSDP
-    freed counts 0), ``watch.largest`` the largest single one. On any device, CPU included, where
-    there is no allocator to ask. Tensors that existed before the block are not counted.
+    freed counts 0; garbage is collected before a new peak counts), ``watch.largest`` the largest
+    single one. On any device, CPU included, where there is no allocator to ask. Tensors that
+    existed before the block are not counted.
 
     Shows e.g. that FSDP's deferred initialization never holds the whole model on a rank."""
 
     def __init__(self):
         super().__init__()
-        self._live = weakref.WeakValueDictionary()
-        self.peak = self.largest = 0
+        self._live = {}   # data_ptr -> a weak reference to the storage: a tensor object may die (wrapped
+        self.peak = self.largest = 0   # into an nn.Parameter, say) while its storage lives on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -166,11 +167,16 @@ class TensorWatch(TorchDispatchMode):
         given = {a.untyped_storage().data_ptr() for a in tensors((args, kwargs)) if not a.is_meta}
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if torch.is_tensor(t) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
-                self._live[id(t)] = t
+                self._live[t.untyped_storage().data_ptr()] = StorageWeakRef(t.untyped_storage())
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
-        live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._live.values()}
-        self.peak = max(self.peak, sum(live.values()))
+        if self._held() > self.peak:
+            gc.collect()   # a new peak? not one of tensors dropped but still in a reference cycle
+            self.peak = max(self.peak, self._held())
         return out
+
+    def _held(self) -> int:
+        self._live = {k: r for k, r in self._live.items() if not r.expired()}
+        return sum(storage_nbytes(r) for r in self._live.values())
 
 
 class ActivationMeter:

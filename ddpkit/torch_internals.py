@@ -103,6 +103,13 @@ def fully_shard(module, **kwargs):
 
 # torch's dispatch mode (underscored module): ``memory.TensorWatch`` counts the tensors operators create
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402,F401
+
+
+def storage_nbytes(ref: StorageWeakRef) -> int:
+    """The bytes a weakly referenced storage holds now (0 once freed or resized to 0): TensorWatch
+    follows storages, since the tensor an operator returned may die while its storage lives on."""
+    return 0 if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
 
 
 def queue_at_end_of_backward(fn) -> bool:

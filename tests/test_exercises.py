@@ -146,11 +146,12 @@ def mean_mistakes(mean, n: int, local=None) -> list:
     ]
     if local is not None:
         variants += [
-            (local, "the result is this rank's own value, unchanged: the all-reduce ran on a copy, "
-                    "or its result was never written back (x / n makes a new tensor; x.div_(n) "
-                    "divides in place)"),
-            (local / n, "the result is this rank's own value divided by the world size: the "
-                        "all-reduce ran on a copy, or not at all"),
+            (local, "the result is this rank's own value, unchanged: it was never averaged. Was it "
+                    "skipped (only a .grad that is None should be), or did the all-reduce run on a "
+                    "copy whose result was never written back (x / n makes a new tensor; x.div_(n) "
+                    "divides in place)?"),
+            (local / n, "the result is this rank's own value divided by the world size: divided, but "
+                        "never all-reduced (the all-reduce ran on a copy, or not at all)"),
         ]
     return variants
 
@@ -290,6 +291,12 @@ def test_average_gradients_equals_one_process(exercise, cluster_of, world):
             problem = tensor_problem(grads[name], reference[name], mean_mistakes(reference[name], world, local[name]))
             if problem:
                 problems.append(f"rank {rank}, {name}.grad: {problem}")
+        left_out = [name for name in reference if name in grads and not same(grads[name], reference[name])
+                    and same(grads[name], local[name])]
+        if left_out and len(left_out) < len(reference):   # some averaged, these not: skipped by a condition
+            problems.insert(0, f"rank {rank}: averaged some gradients but not {', '.join(left_out)}: they kept this "
+                            f"rank's own values\n  hint: does a condition in your loop skip them? Skip only "
+                            f"parameters whose .grad is None")
     report(f"average_gradients on {world} ranks: the gradients are not one process's gradients on the whole "
            f"batch:", problems)
 

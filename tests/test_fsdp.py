@@ -561,8 +561,9 @@ def test_deferred_init_never_holds_the_full_model_and_equals_one_process(cluster
     for peak, largest, unit_bytes, full in cluster_of(2).run(_deferred, model_name, **kwargs):
         assert max_abs_diff(full, reference) < TOL  # initialized exactly as build_model(seed=0)
         assert largest <= unit_bytes + 64   # no tensor bigger than a unit (a flat unit + padding)
-        if model_name == "mlp":             # six units and a head: never more than half (shards),
-            assert peak < 0.75 * model_bytes, (peak, model_bytes)  # plus a unit or two, at once
+        if model_name == "mlp":             # six units and a head: at most the shards (half on 2 ranks)
+            # plus the unit in hand twice (its tensors, and the flat buffer they are copied into)
+            assert peak <= model_bytes / 2 + 2 * unit_bytes + 4096 and peak < model_bytes, (peak, model_bytes)
 
 
 # ----------------------------------------------------------------------------- hybrid sharding

@@ -61,5 +61,4 @@ def test_the_notebooks_use_most_exercises():
             for t, f in re.findall(r'exercises\.use\(\s*"(\w+)",\s*"(\w+)"', "\n".join(code_cells(name)))}
     every = {f"{t}.{f}" for t in exercises.TOPICS
              for f in exercises.exercise_functions(importlib.import_module(f"exercises.{t}"))}
-    # ring_all_gather_time is graded but only discussed in the notebooks
-    assert every - used <= {"costs.ring_all_gather_time"}, sorted(every - used)
+    assert every <= used, sorted(every - used)   # every graded exercise is met in a notebook (58.5)

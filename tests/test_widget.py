@@ -124,6 +124,7 @@ def test_rank_error_shows_status_and_traceback_then_restart_recovers(widget):
     assert wait_for(lambda: "ValueError: boom from rank 1" in widget.ranks.logs[1].value, 2.0), \
         widget.ranks.logs[1].value
     assert "boom" not in widget.ranks.logs[0].value
+    assert "in job" in widget.ranks.logs[1].value and "/ddpkit/cluster/" not in widget.ranks.logs[1].value  # user code
 
     widget.restart_button.click()
     assert statuses(widget) == ["idle", "idle"]
@@ -645,7 +646,7 @@ def test_the_fill_view_has_a_readable_row_per_layer():
     from ddpkit.widget.fill_view import fill_view
 
     svg = fill_view(bucket_fill(_step_records(4), 0, 0))
-    assert "66 gradients, 4 buckets" in svg
+    assert "66 gradients in 33 layers (a row each), 4 buckets" in svg
     labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', svg)
     assert labels[:3] == ["head", "layers.31.0", "layers.30.0"] and "bucket 3 all_reduce" in labels
     assert len([lb for lb in labels if lb.startswith(("head", "layers"))]) == 33

@@ -49,8 +49,14 @@ def explain(question: Question, prediction: float | None, measured: Measured) ->
     return _explain_number(question, prediction, measured)
 
 
+def _shown(question: Question, value: float) -> str:
+    """``question.format(value)``, but 0 where it rounds to nothing: never "-0.00 MiB"."""
+    words = question.format(value)
+    return question.format(0.0) if not any(d in words for d in "123456789") else words
+
+
 def _terms(question: Question, terms: list[Term]) -> str:
-    return " + ".join(f"{question.format(t.value)} ({t.label})" for t in terms)
+    return " + ".join(f"{_shown(question, t.value)} ({t.label})" for t in terms)
 
 
 def _explain_number(q: Question, p: float | None, m: Measured) -> str:

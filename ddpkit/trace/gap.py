@@ -239,7 +239,8 @@ def format_gaps(gaps) -> str:
     for g in gaps:
         rows.append([g.mode, str(g.world_size), f"{g.one_rank_ms:.1f}", f"{g.ideal_ms:.1f}", f"{g.step_ms:.1f}",
                      f"{g.gap_ms:+.1f}"] + [f"{g.parts[p]:+.1f}" for p in GAP_PARTS]
-                    + [f"{g.residual_ms:+.2f} ({g.residual_fraction:+.1%})", f"{g.efficiency:.0%}"])
+                    + [f"{g.residual_ms:+.2f} ({g.residual_fraction:+.1%})" if abs(g.residual_ms) >= 0.005
+                       else "0.00", f"{g.efficiency:.0%}"])   # never "-0.00 (-0.0%)"
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -68,9 +68,12 @@ def plot_timeline(trace, steps=None, ranks=None):
 
     from matplotlib.patches import Patch
 
+    units = any(r.bucket is None and r.unit is not None for lane in fig_data.lanes for _, rs in lane.comm_rows
+                for r in rs)
+    what = "unit" if units else "bucket"   # FSDP's collectives are its units', the DDP wrappers' their buckets'
     legend = [(SPAN_COLOURS["forward"], "forward"), (SPAN_COLOURS["backward"], "backward computing"),
               (WAIT_COLOUR, "backward waiting for comm"), (SPAN_COLOURS["sync"], "sync"),
-              (SPAN_COLOURS["step"], "optimizer step"), (bucket_colour(0), "collective (colour = bucket)")]
+              (SPAN_COLOURS["step"], "optimizer step"), (bucket_colour(0), f"collective (colour = {what})")]
     handles = [Patch(facecolor=c, edgecolor="black", lw=0.3) for c, _ in legend]
     handles.append(Patch(color=OVERLAP_COLOUR, alpha=0.25))
     labels = [t for _, t in legend] + ["comm hidden under backward"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ddpkit.trace.figures import PACKED_NOTE, BucketFill, bucket_fill
 from ddpkit.units import plural
-from ddpkit.viz.style import WAIT_COLOUR, bucket_colour
+from ddpkit.viz.style import BUCKET_COLOURS, WAIT_COLOUR, bucket_colour
 from ddpkit.widget.svg import Scale, Svg, collective_bars, message, x_axis
 from ddpkit.widget.view import NO_STEPS, NO_STEPS_YET, Frame, View
 
@@ -39,7 +39,9 @@ def fill_view(fig: BucketFill) -> str:
     for (a, b), colour, what in [(iv, "#f6d5bd", "backward computing") for iv in fig.computing] + \
                                 [(iv, WAIT_COLOUR, "backward waiting for communication") for iv in fig.waiting]:
         svg.rect(ms(a), top - 4, ms(b) - ms(a), height - top - 40, colour, title=what, opacity=0.6)
-    what = (f"{plural(len(ready), 'gradient')}, {plural(len(fig.buckets), 'bucket')} (dot colour = bucket)"
+    repeats = f", the {len(BUCKET_COLOURS)} colours repeating" if len(fig.buckets) > len(BUCKET_COLOURS) else ""
+    what = (f"{plural(len(ready), 'gradient')} in {plural(len(rows), 'layer')} (a row each), "
+            f"{plural(len(fig.buckets), 'bucket')} (dot colour = bucket{repeats})"
             if ready else f"{plural(len(comm), 'collective')}, no gradient-ready records")
     svg.text(4, 14, f"Bucket fill · rank {rank} · step {step}: {what}", size=13, weight="bold")
     svg.text(4, 28, "rows: layers, in the order their gradients became ready; shaded: backward computing, "

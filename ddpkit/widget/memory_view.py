@@ -41,10 +41,11 @@ def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | 
     cats = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
     tallest = max(sum(sample.values()) for pts in series.values() for _, _, sample in pts) or 1
     t_end = max(t for pts in series.values() for t, _, _ in pts)
+    t_first = min(pts[0][0] for pts in series.values())   # before it, the model is being built: no sample
     top = 36
     height = top + PANEL * len(series) + 86
     svg = Svg(WIDTH, height, "ddpkit-memory")
-    x = Scale(0.0, max((t_end - t0) / 1e9, 1e-3), LEFT, WIDTH - LEGEND)
+    x = Scale((t_first - t0) / 1e9, max((t_end - t0) / 1e9, (t_first - t0) / 1e9 + 1e-3), LEFT, WIDTH - LEGEND)
     sec = lambda ns: x((ns - t0) / 1e9)  # noqa: E731
     svg.text(4, 14, f"Memory per rank over time, by category (tallest {human_bytes(tallest)})", size=13,
              weight="bold")
@@ -53,8 +54,8 @@ def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | 
         base = top + (i + 1) * PANEL - 8
         y = Scale(0.0, tallest, base, base - PANEL + 16)
         svg.text(LEFT - 6, base - PANEL / 2 + 8, f"rank {rank}", size=11, anchor="end")
-        svg.text(LEFT - 6, base - PANEL / 2 + 22, human_bytes(sum(pts[-1][2].values())), size=11, anchor="end",
-                 fill="#666")
+        svg.text(LEFT - 6, base - PANEL / 2 + 22, "max " + human_bytes(max(sum(p[2].values()) for p in pts)),
+                 size=11, anchor="end", fill="#666")   # this rank's tallest point: one of them is the tallest
         svg.line(LEFT, base, WIDTH - LEGEND, base, stroke="#999")
         pts = _thin(pts)
         # Stacked areas: each category's area reaches from the baseline to the top of its layer,
@@ -77,7 +78,7 @@ def memory_view(series: dict[int, list], t0: int, peak=None, marker_step: int | 
             px, py = sec(peak[1]), y(sum(peak[3].values()))
             svg.circle(px, py, 4, "#d62728", stroke="#000", stroke_width=0.6, title="peak")
             svg.text(px + 6, py + 4, "peak", size=11, fill="#d62728", weight="bold")
-    x_axis(svg, x, top + PANEL * len(series) - 8, "seconds since the run started")
+    x_axis(svg, x, top + PANEL * len(series) - 8, "seconds since the run started (from the first sample)")
     for j, c in enumerate(cats):  # the legend, right of the panels, stacking order bottom first
         ly = top + 12 + 16 * (len(cats) - 1 - j)
         svg.rect(WIDTH - LEGEND + 8, ly - 10, 11, 11, CATEGORY_COLOURS.get(c, "#999"))

@@ -55,8 +55,10 @@ class RunProgress(widgets.HBox):
         if isinstance(results, list) and results and all(isinstance(r, RunResult) for r in results):
             strategy = results[0].strategy
             # as compare times a run: as slow as the slowest rank (each its median over the steps)
+            # one run's figure: a table (compare, interleaved) gives the median of its timed rounds
             self.step_time = (f" &middot; {html.escape(str(strategy))}: "
-                              f"{max(r.ms_per_step for r in results):.2f} ms/step (the slowest rank's)")
+                              f"{max(r.ms_per_step for r in results):.2f} ms/step (this run's slowest rank; "
+                              "a table's figure is the median of several runs)")
             share = outran_share([sum(r.emulated_collectives for r in results),
                                   sum(r.outran_link for r in results)])
             note = outran_note({strategy: share}, getattr(network, "name", None))

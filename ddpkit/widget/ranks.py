@@ -8,10 +8,13 @@ whole log for every line would flood the page, so changed logs are sent at most 
 from __future__ import annotations
 
 import html
+import os
 import threading
 
 import ipywidgets as widgets
+import torch
 
+import ddpkit
 from ddpkit.widget.throttle import Throttle
 
 LOG_INTERVAL_S = 0.1  # at most ~10 log updates per second per widget
@@ -38,6 +41,30 @@ def _snapshot(lines) -> list[str]:
         except RuntimeError:  # "deque mutated during iteration"
             continue
     return []
+
+
+_LIBRARIES = [os.path.dirname(m.__file__) for m in (ddpkit, torch)]   # the packages' own folders
+
+
+def user_frames(tb: str) -> str:
+    """A traceback without the frames inside ddpkit's and torch's own files (the cluster's runner,
+    the process group, ...): the learner's code and the error, where a diagnosis says the rest."""
+    kept, frame, dropped = [], None, 0
+    for line in tb.splitlines():
+        if line.startswith('  File "'):
+            frame = any(f'"{d}{os.sep}' in line for d in _LIBRARIES)
+            dropped += frame
+            if frame:
+                continue
+        elif frame and line.startswith("    "):  # the frame's code line, its ^^^ markers
+            continue
+        else:
+            frame = None
+        kept.append(line)
+    if dropped:
+        kept.insert(1 if kept and kept[0].startswith("Traceback") else 0,
+                    f"  ({dropped} frame{'s' if dropped != 1 else ''} inside ddpkit and torch left out)")
+    return "\n".join(kept)
 
 
 class RankRows(widgets.VBox):
@@ -100,7 +127,7 @@ class RankRows(widgets.VBox):
             text = html.escape("\n".join(lines))
             error = self.errors.get(rank)  # .get: the main thread may clear it meanwhile
             if error:
-                tb = html.escape(error.rstrip())
+                tb = html.escape(user_frames(error.rstrip()))
                 text += f"\n<span class='ddpkit-traceback' style='color:{STATUS_COLOURS['error']}'>{tb}</span>"
             self.logs[rank].value = f"<div style='{_LOG_STYLE}'><div>{text}</div></div>" if text else ""
 

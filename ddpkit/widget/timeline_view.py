@@ -37,12 +37,14 @@ def timeline_view(fig: Timeline) -> str:
     which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
     svg.text(4, 14, f"Timeline · {which} · {plural(len(fig.lanes), 'rank')}: {fig.overlap:.0%} of communication time "
              "hidden under backward computing", size=13, weight="bold")
+    units = any(r.bucket is None and r.unit is not None for lane in fig.lanes for _, rs in lane.comm_rows for r in rs)
+    what = "unit" if units else "bucket"   # FSDP's collectives are its units', the DDP wrappers' their buckets'
     if fig.packed:  # FSDP's units, or more buckets than rows: rows by how many are in flight at once
-        svg.text(4, 29, "compute row above, the collectives below (colour = bucket or unit); green: communication "
+        svg.text(4, 29, f"compute row above, the collectives below (colour = {what}); green: communication "
                  "while backward computes", size=11, fill="#555")
         svg.text(4, 43, f"collective rows: {PACKED_NOTE}", size=11, fill="#555")
     else:
-        svg.text(4, 29, "compute row above, one row per bucket below (colour = bucket); green: communication "
+        svg.text(4, 29, f"compute row above, one row per {what} below (colour = {what}); green: communication "
                  "while backward computes", size=11, fill="#555")
 
     y = top
