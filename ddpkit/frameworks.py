@@ -1,24 +1,14 @@
 """ddpkit's DDP wrappers where accelerate and Lightning build torch's: one call, scoped.
 
-    import ddpkit
-
     with ddpkit.frameworks.use(ddpkit.OverlappedDDP, bucket_cap_mb=5):
         model, opt, loader = accelerator.prepare(model, opt, loader)      # accelerate (the HF Trainer too)
-        ...                                                              # train, save_state, unwrap_model
     with ddpkit.frameworks.use(ddpkit.BucketedDDP):
         trainer.fit(lit_module, loader)                                  # Lightning: Trainer or Fabric
 
-Frameworks build torch's ``DistributedDataParallel`` themselves, by a name: torch's own (accelerate and the
-Trainer read ``torch.nn.parallel.DistributedDataParallel`` at each call) or the one their strategy module
-imported (Lightning's ``strategies/ddp.py``). The same name then answers their ``isinstance`` checks, which
-unwrap the model for saving, choose ``no_sync()`` for accumulation and run ``teardown``. So ``use`` rebinds
-those names, for the block only, to a class made from the wrapper: it takes torch's arguments in torch's
-order (what the framework passes, e.g. ``DDPStrategy(find_unused_parameters=True)``), adds the block's own
-(``bucket_cap_mb=``, ``comm_hook=``...) and answers what the frameworks read beyond a script's ``module``
-(``strategies/torch_ddp_surface.py``). Nothing of the framework's own code or configuration changes, and the
-same line serves both; a strategy subclass per framework would not.
-
-Named ``use`` for how the line reads: "with frameworks.use(OverlappedDDP): fit".
+Frameworks build torch's ``DistributedDataParallel`` by a name (torch's own, or the one Lightning's
+``strategies/ddp.py`` imported) and check ``isinstance`` against it. ``use`` rebinds those names, for
+the block only, to a class made from the wrapper that takes torch's arguments
+(``strategies/torch_ddp_surface.py``); the framework's code and configuration are unchanged.
 """
 from __future__ import annotations
 

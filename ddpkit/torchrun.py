@@ -8,16 +8,9 @@
 
     python -m ddpkit draw run1                  # the widget's pictures and a Perfetto trace, from the files
 
-``init_process_group`` is torch's, with ddpkit's process group between torch and the real backend
-(the one a ``Cluster`` and ``python -m ddpkit.train`` use): every collective, torch's wrappers' too,
-is counted and can be recorded, and ``network=`` makes it take as long as on an emulated link. With
-torch's plain ``init_process_group`` the wrappers still train, but a recording has no collectives.
-
-``record`` makes a ``ddpkit.trace.Recorder`` the rank's recorder inside the block: a wrapper built with
-``recorder=None`` (the default) reports its steps, gradients and memory into it, and the process
-group its collectives; each training forward through a wrapper begins a recorded step (as torch's DDP
-counts iterations). The ranks' clocks are put on rank 0's first, so the merged timeline lines up.
-``draw`` (library code the command calls) merges the ranks' files and writes what the widget draws.
+``init_process_group`` puts ddpkit's process group between torch and the real backend, so every
+collective is counted and can be recorded (``network=``: emulated). ``record`` makes a
+``ddpkit.trace.Recorder`` the rank's recorder inside the block, clocks aligned to rank 0's.
 """
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
 """One ``run()``: send the job to every rank, collect what comes back, and apply the fault policy.
 
-While a job runs, each rank's job channel carries, in order: the lines it printed, the events
-it reported (``ddpkit.progress()``), then its pickled result or its traceback. Lines and
-events go to ``Events`` as they arrive; results are kept until every rank has answered.
-
-Faults. A job that raises on some ranks gives ``RankError`` with each rank's traceback. If
-other ranks are still running two seconds after the first failure they are probably stuck in a
-collective waiting for the failed rank: they get SIGINT, and are killed if that does not stop
-them within two seconds (a rank blocked inside a C++ collective cannot run Python's signal
-handler). Whenever the process group cannot be trusted any more (a rank died or was killed,
-an error came out of torch.distributed or a collective failed or timed out -- gloo's "Timed
-out waiting", "pair closure", "Connection closed by peer", NCCL's errors --, or, on NCCL, any
-failed or interrupted job: NCCL keeps the collectives it had queued, which no other rank will
-match), the cluster restarts its ranks before raising, and says so in the error: the next
-``run()`` works, but what the ranks held is gone. Plain Python errors leave the ranks as they
-were. The caller's own KeyboardInterrupt (the notebook's stop button) is handled the same way:
-interrupt, kill what will not stop, restart only if needed.
-
-Out of GPU memory. A rank on a GPU reports what it held there after every job (``gpu_memory``); a
-job in which a rank ran out (torch's ``OutOfMemoryError``) raises ``GpuOutOfMemoryError``, a
-``RankError`` that says first what every rank sharing that GPU held and how to fit
-(``ddpkit.cluster.gpu_memory``), the fault policy as for any failure.
-
-Desync. While the job runs, the ranks' sequences of collectives are watched (``watch.Watch``):
-once they have parted (``ddpkit.comm.desync``: a rank issued a different collective, finished while
-the others wait in one, or ranks wait in collectives the others never issue), the ranks are
-stopped at once and restarted, and ``run()`` raises ``DesyncError``: which collective, what each
-rank issued there. A rank that failed or died while another waits in a collective it will never
-issue is still that failure's ``RankError``, but the waiting rank is stopped at once.
+Each rank's channel carries, in order, its printed lines, its events, then its result or traceback.
+Faults: a job that raises gives ``RankError`` with each rank's traceback; ranks still running two
+seconds later get SIGINT, then are killed. Whenever the process group cannot be trusted (a rank
+died, an error out of torch.distributed, any failed job on NCCL) the ranks are restarted before
+raising, and the error says so; plain Python errors leave them as they were. A rank out of GPU
+memory gives ``GpuOutOfMemoryError`` (what each rank sharing the GPU held). Ranks whose collectives
+part (``watch.Watch``, ``ddpkit.comm.desync``) are stopped at once and ``run()`` raises ``DesyncError``.
 """
 from __future__ import annotations
 

@@ -1,32 +1,15 @@
 """Where a Cluster's ranks run and what carries their bytes, decided once, before any rank starts.
 
     place(4, "auto", None, "auto")           # one GPU here: ("gloo", (0, 0, 0, 0), "cuda-ipc")
-    place(4, "auto", [0, 0, 0, 0], "shm")    # the same ranks, bytes staged through pinned host memory
     carried_by(4, "gloo", (0, 0, 0, 0), "cuda-ipc")   # "gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC"
 
-Three layouts:
-- **CPU ranks** (no GPU asked for, or none here): gloo underneath; bytes through shared memory
-  (``"shm"``, the default) or gloo's sockets (``"gloo"``);
-- **one GPU per rank**: NCCL, as on a cluster;
-- **ranks sharing a GPU** (``gpus=[0, 0, 0, 0]``, or ``backend="auto"`` with fewer GPUs than ranks:
-  rank r on GPU r % GPUs, as other kits do it). Each rank is its own process on its device, with its
-  own CUDA context and so its own allocator figures; its model, gradients, optimizer state and
-  activations live on the GPU. NCCL before 2.30.3 refuses two ranks on one GPU, so their collectives go
-  through ddpkit's process group (counted, recorded, emulated, desync-checked as on the CPU) over a
-  transport that takes CUDA tensors:
-
-  ``"cuda-ipc"``  the default where every rank is on one GPU: a device buffer per group, in its rank 0's
-                  GPU memory, mapped by every rank of the group (CUDA IPC); bytes never leave the GPU and
-                  sums run there, as NCCL moves bytes inside a node (``ddpkit.comm.transport.device_slab``)
-  ``"shm"``       the shared-memory transport, each CUDA tensor staged through pinned host memory
-                  (``ddpkit.comm.transport.staging``); the default for ranks sharing several GPUs
-  ``"gloo"``      gloo's own CUDA path (it stages through the host itself)
-  ``"nccl"``      NCCL's multi-rank mode (``NCCL_MULTI_RANK_GPU_ENABLE``, NCCL 2.30.3 and later, marked
-                  experimental there): only when asked for by name, and refused where the installed
-                  NCCL lacks it
-
-The default is the one expected fastest (bytes that stay on the GPU); ``benchmarks/bench_shared_gpu.py``
-measures all of them beside one rank's device-to-device copy, and the GPU lab runs it.
+Three layouts: CPU ranks (gloo; bytes through ``"shm"`` or gloo's sockets), one GPU per rank (NCCL),
+and ranks sharing a GPU (rank r on GPU r % GPUs). NCCL before 2.30.3 refuses two ranks on one GPU,
+so theirs go through ddpkit's process group over a transport that takes CUDA tensors:
+``"cuda-ipc"`` (the default on one GPU: a device buffer per group, ``comm.transport.device_slab``),
+``"shm"`` (staged through pinned host memory; the default across several GPUs), ``"gloo"``, or
+``"nccl"`` (its experimental multi-rank mode, only by name, where the installed NCCL has it).
+``benchmarks/bench_shared_gpu.py`` measures them all.
 """
 from __future__ import annotations
 

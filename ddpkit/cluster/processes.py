@@ -1,25 +1,10 @@
 """The rank processes: start them, let them join one process group, stop or kill them.
 
-Each rank is a fresh interpreter (``python -c WORKER_MAIN``), not a multiprocessing child:
-spawn would re-import the caller's ``__main__``, which breaks plain scripts without an
-``if __name__ == "__main__"`` guard. Workers stay alive between jobs, so a notebook pays the
-start-up (importing torch, joining the group) once, not per experiment.
-
-Channels to each worker, all local:
-- the job channel: a socket on loopback that admits only workers that know this start's
-  random key (see ``admission``). It carries jobs, results, tracebacks, printed lines and
-  progress events;
-- the process group's rendezvous: a ``TCPStore`` hosted here in the parent on a loopback
-  port the OS picks (port 0), so there is no race for a "free port". (The store itself has
-  no authentication; gloo's own connections between ranks go to the address the host name
-  resolves to.);
-- its stdin: the configuration (one JSON line), then held open by the parent; when it closes
-  (the parent died, even by SIGKILL) the worker exits;
-- its stdout and stderr pipes: what it writes below Python (C++ warnings, a crash's dump),
-  read by one thread each; the last stderr lines are kept for the note on a rank that died.
-
-Each start is a new generation: a new key, socket, store and processes. Output still arriving
-from an older generation's pipes is dropped.
+Each rank is a fresh interpreter (``python -c WORKER_MAIN``), not a multiprocessing child (spawn
+would re-import a script's unguarded ``__main__``), alive between jobs. Its channels: the job
+socket on loopback (``admission``), a ``TCPStore`` here on an OS-picked port, its stdin (settings,
+then held open: when it closes the worker exits) and its stdout/stderr pipes (read by a thread
+each). Each start is a new generation; an older one's output is dropped.
 """
 from __future__ import annotations
 

@@ -1,28 +1,16 @@
 """The recorder seam: what strategies and ddpkit's process group record through, and the rank's recorder.
 
-Strategies *report* what happens; they never store or draw it. Every wrapper takes
-``recorder=None`` (the rank's recorder, ``recorder()``) and talks to it through a few calls:
-
     with recorder.span("forward", cat="compute"):          # a timed span on this rank
         ...
-    with recorder.labels(bucket=i):                         # label the collectives issued inside:
-        work = dist.all_reduce(flat, async_op=True)         #   bucket i's all-reduce
+    with recorder.labels(bucket=i):                         # label the collectives issued inside
+        work = dist.all_reduce(flat, async_op=True)
     recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
     recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
 
-A strategy never records a collective itself: ddpkit's process group sees every collective
-(torch's wrappers' too) and is the one writer of its record, into the rank's recorder and into
-the recorder of the ``labels()`` block it was issued in (``labelled()``: per *thread*, as
-collectives are issued from autograd's threads too), with the block's fields. So a strategy labels
-what only it knows (the bucket, the FSDP unit). Under a plain torch process group (a torchrun
-script) there is no such writer: spans, gradients and memory are recorded, collectives are not.
-
-``NullRecorder`` is the default: each call does nothing, so recording off costs one attribute
-lookup and an empty ``with``; strategies check ``recorder.enabled`` before work only recording
-needs. ``ddpkit.trace.Recorder`` implements the same calls and keeps plain records. The rank's
-recorder is process-wide on purpose: a process is one rank, and everything in it that records
-must record into one place, also from threads the job did not start. This module imports nothing
-else of ``ddpkit.trace``: strategies and the process group load no records, figures or exports.
+A strategy never records a collective itself: ddpkit's process group is the one writer, into the
+recorder of the ``labels()`` block (per thread) it was issued in. ``NullRecorder``, the default,
+does nothing. The rank's recorder is process-wide on purpose: a process is one rank. This module
+imports nothing else of ``ddpkit.trace``.
 """
 from __future__ import annotations
 
