@@ -9,13 +9,8 @@
     python -m ddpkit ledger ana.jsonl ben.jsonl ...   # a class's: one row per question
     ddpkit lab                                       # JupyterLab on the course's first notebook
 
-Every argument is checked before a rank process starts: a typo costs no start-up time.
-Bad arguments exit with code 2 and a message listing what is valid (argparse's convention).
-This file only parses and calls: the checks and the names (models, strategies, backends) are
-the library's, whose ValueError becomes the parser's error (``cli_args``; ``cli_predict`` is the
-predict command's), and what it calls is library code a notebook imports too (``ddpkit.compare``,
-``ddpkit.costmodel``, ``ddpkit.costmodel.validate``, ``ddpkit.viz``, ``ddpkit.lab``,
-``ddpkit.predictions.report``).
+Every argument is checked before a rank starts; bad ones exit with code 2 and what is valid.
+This file only parses (``cli_args``, ``cli_predict``) and calls library code a notebook imports too.
 """
 from __future__ import annotations
 

@@ -44,21 +44,14 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=None, record_steps=3,
             progress=None, *, model=None, max_norm=None, comm_hook=None) -> list[dict]:
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
-    order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
-    then one short recorded run each for bytes, overlap, memory and equality with one process. One
-    dict per strategy. ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare
-    variants too (as ``costmodel.validate`` takes them), e.g. ``{name: (name, {}), name + " by
-    block": (name, {"units": {GPT2Block}})}`` for FSDP's units by class. ``workload``: what they train, a
-    ``ddpkit.Workload`` (your model, its data and loss), a built-in's name sized by
-    ``model_kwargs`` (``model=`` is the older name of this keyword), or
-    ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
-    gradients to it every step. ``comm_hook``: a communication hook's name
-    (``strategies.comm_hooks.COMM_HOOKS``, e.g. ``"bf16_compress"``) that reduces the buckets of
-    every strategy whose buckets take one (``Strategy.takes_comm_hook``); the others run as they
-    are (a variant's own ``{"comm_hook": ...}`` option works too). Each run is announced to the
-    cluster (``cluster.announce``: the widget labels its progress with the strategy, the round and
-    the run's place in the whole comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar``
-    to follow the comparison on a terminal, or None."""
+    order rotates each round: ``series.timed_rounds``), then one short recorded run each for
+    bytes, overlap, memory and equality with one process. One dict per strategy.
+
+    ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare variants too.
+    ``workload``: a ``ddpkit.Workload``, a built-in's name sized by ``model_kwargs`` (``model=`` is
+    the older name) or ``"package.module:function"``; default the MLP. ``max_norm``: clip the
+    gradients every step. ``comm_hook``: a hook's name (``comm_hooks.COMM_HOOKS``) for every
+    strategy that takes one. ``progress``: a ``ddpkit.progressbar.ProgressBar``, or None."""
     from ddpkit.strategies.table import NAMES
     from ddpkit.strategies.table import strategy as strategy_row
     from ddpkit.workload import resolve

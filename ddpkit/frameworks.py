@@ -40,22 +40,10 @@ WRAPPERS = (NaiveDDP, BucketedDDP, OverlappedDDP)
 def use(wrapper: type, **options):
     """Inside the block, frameworks that build torch's ``DistributedDataParallel`` build ``wrapper`` instead.
 
-    Rebinds, for the block, ``torch.nn.parallel.DistributedDataParallel`` and
-    ``torch.nn.parallel.distributed.DistributedDataParallel`` and, where already imported, the
-    ``DistributedDataParallel`` of ``pytorch_lightning.strategies.ddp``, ``lightning_fabric.strategies.ddp``,
-    ``lightning.pytorch.strategies.ddp`` and ``lightning.fabric.strategies.ddp`` (one imported inside the
-    block takes it from torch's name) to a subclass of ``wrapper`` (ddpkit's ``NaiveDDP``, ``BucketedDDP``,
-    ``OverlappedDDP``, or a subclass) built with ``options`` and the framework's arguments; a clash between
-    the two is a ValueError. On exit every one of those names holding it is torch's class again.
-    ``pytorch_lightning.utilities.types.DistributedDataParallel`` is a Protocol (anything with ``no_sync``)
-    and is left alone. Yields the class.
-
-    Keep the whole training in the block, saving and unwrapping included: outside it, the frameworks'
-    ``isinstance`` checks no longer take the wrapper for DDP (accelerate's ``unwrap_model`` would return it
-    whole). The block acts in this process only: ranks that the framework starts by spawning a fresh
-    interpreter (Lightning's ``strategy="ddp_spawn"``) build torch's; start them with torchrun (or
-    Lightning's ``strategy="ddp"``, which re-runs the script). A block that built no wrapper warns so.
-    """
+    Rebinds torch's ``DistributedDataParallel`` names (``PLACES``) to a subclass of
+    ``wrapper`` built with ``options`` and the framework's arguments (a clash: ValueError), and puts
+    torch's back on exit; yields the class. Keep the whole training, saving included, in the block.
+    It acts in this process only: Lightning's ``strategy="ddp_spawn"`` ranks build torch's."""
     torch_ddp = torch.nn.parallel.distributed.DistributedDataParallel
     if issubclass(torch_ddp, TorchDDPSurface):
         raise RuntimeError("ddpkit.frameworks.use: already inside a use(...) block; one wrapper at a time")
