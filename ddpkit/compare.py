@@ -21,13 +21,10 @@ from ddpkit.units import human_bytes
 
 
 def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: int = 1, **common) -> dict:
-    """Time several configurations fairly on one (shared, noisy) machine: ``rounds`` rounds, each
-    running every configuration once, the order rotated each round; returns ``{label: [ms/step of
-    each round]}`` (each the slowest rank's median over ``steps`` steps). ``runs`` maps a label to
-    ``run_strategy`` keywords (at least ``strategy``), on top of ``common``, on the cluster's
-    network (``cluster.network``). Each run is announced to the cluster (the widget labels its
-    progress). A configuration that fails is warned about and left out. Take the median of the
-    rounds and show their spread: one round on a shared machine proves little."""
+    """Time several configurations fairly on a noisy machine: ``rounds`` rounds, each running every
+    configuration once in a rotated order; ``{label: [ms/step of each round]}`` (the slowest rank's
+    median). ``runs``: label -> ``run_strategy`` keywords on top of ``common``. A failing one is
+    warned about and left out."""
     with Series(cluster, rounds * len(runs)) as series:
         timings = timed_rounds(series, runs, rounds, steps, warmup, **common)
     for err in timings.errors.values():

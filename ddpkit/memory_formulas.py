@@ -20,12 +20,8 @@ def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes
     """Model-state bytes per rank for DDP and ZeRO-1/2/3 (Rajbhandari et al., 2020, section 5;
     ``docs/papers.md``).
 
-    Ψ = ``num_params``, N = ``world_size`` (the ranks the state is sharded over), K =
-    optimizer-state bytes per parameter. The defaults are fp32 with Adam, as on CPU: parameters
-    4Ψ, gradients 4Ψ, Adam's two moments 8Ψ. The paper's mixed-precision case is
-    ``param_bytes=2, grad_bytes=2, k=12`` (K counts the fp32 master copy too), giving DDP 16Ψ,
-    ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3 16Ψ/N.
-    """
+    Ψ = ``num_params``, N = ``world_size``, K = optimizer bytes per parameter; defaults fp32 Adam
+    (4Ψ + 4Ψ + 8Ψ). The paper's mixed precision is ``param_bytes=2, grad_bytes=2, k=12``."""
     if world_size < 1 or num_params < 0:
         raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
     p, g, o, n = param_bytes * num_params, grad_bytes * num_params, k * num_params, world_size

@@ -33,12 +33,8 @@ SUFFIX = ".records"
 
 def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> None:
     """``torch.distributed.init_process_group(backend, **kwargs)`` through ddpkit's process group.
-    Its ``timeout`` defaults to a Cluster's (``cluster.TIMEOUT_S``, 60 s), not torch's 30 minutes: a
-    rank that failed but lives on does not keep the others waiting silently for half an hour.
-
-    ``backend``: the real one underneath, "gloo" or "nccl" (torchrun's environment gives the rest, as
-    for torch's own call). ``network``: an emulated link (a preset's name or a ``ddpkit.Network``);
-    the default adds no time. A NCCL rank uses GPU ``LOCAL_RANK``, as torchrun scripts do."""
+    ``timeout`` defaults to a Cluster's 60 s, not torch's 30 minutes. ``backend``: "gloo" or "nccl"
+    (a NCCL rank uses GPU ``LOCAL_RANK``). ``network``: an emulated link; the default adds no time."""
     from ddpkit.comm import process_group
 
     if backend not in ("gloo", "nccl"):

@@ -48,11 +48,8 @@ def mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
 def handshake(sock: socket.socket, key: bytes, server: bool) -> Connection:
     """Mutual HMAC challenge over a fresh socket; returns it as a multiprocessing Connection.
 
-    The server (parent) sends a nonce; the client answers HMAC(key, b"client"+nonce) and its
-    own nonce; the server checks, then answers HMAC(key, b"server"+client_nonce). The role
-    prefix stops a peer from reflecting one side's challenge back at it. Raises
-    ``PermissionError`` on a wrong answer, ``OSError``/``ConnectionError`` on silence.
-    """
+    Each side answers the other's nonce with HMAC(key, role + nonce); the role prefix stops a
+    reflected challenge. ``PermissionError`` on a wrong answer, ``OSError`` on silence."""
     sock.settimeout(HANDSHAKE_TIMEOUT)
     if server:
         nonce = os.urandom(_NONCE)

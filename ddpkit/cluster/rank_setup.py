@@ -108,14 +108,9 @@ def _pin(cores: list[int]) -> None:
 def _keep_freed_memory() -> None:
     """Keep the memory a step frees in this process, for the next step to reuse.
 
-    glibc's malloc hands big freed blocks back to the kernel (a gradient or an activation of the
-    course's MLP is 256 KiB) and adapts that threshold as it goes; a training step that frees
-    and reallocates the same tensors then faults every page in again, zeroed by the kernel.
-    On a small machine that came and went from run to run: the slow runs took several times the
-    page faults, and a slower step (a rank's ``resource.getrusage(RUSAGE_SELF).ru_minflt`` counts
-    them). Fixed thresholds (freed memory up
-    to 1 GiB stays, blocks below 32 MiB come from the heap) make every run the fast one. glibc
-    only (Linux); elsewhere nothing changes."""
+    glibc's malloc hands big freed blocks back to the kernel and adapts that threshold as it goes,
+    so a step that reallocates the same tensors may fault every page in again (``ru_minflt``): some
+    runs several times slower. Fixed thresholds make every run the fast one. glibc only."""
     import ctypes
     import ctypes.util
 

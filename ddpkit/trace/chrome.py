@@ -24,13 +24,9 @@ _COMM_EXTRA_TID = 10  # overlapping collectives go to extra comm lanes 10, 11, .
 def to_chrome_trace(trace, path=None) -> dict:
     """Chrome trace JSON (``traceEvents``) for Perfetto / chrome://tracing; written if ``path``.
 
-    pid = rank (named "rank N"); tid = lane: compute (forward/backward/sync/step), comm
-    (each collective from launch to completion; collectives in flight at the same time are
-    put on extra lanes, since Chrome's "X" events on one thread must nest; the lanes are named
-    as on the widget's timeline: "collectives", "2nd in flight", ...), buckets (an instant per
-    gradient becoming ready). Memory samples are "C"
-    counters. Times are microseconds since the first record.
-    """
+    pid = rank; tid = lane: compute, comm (collectives in flight at once on extra lanes, as
+    Chrome's "X" events must nest), buckets (gradient-ready instants). Memory samples are "C"
+    counters; times in microseconds since the first record."""
     trace = as_trace(trace)
     t_zero = min((r.start_ns for r in trace.records), default=0)
     us = lambda ns: (ns - t_zero) / 1e3  # noqa: E731

@@ -266,12 +266,8 @@ def timeline(trace, steps=None, ranks=None) -> Timeline:
 def memory_series(records, rank: int, held: dict | None = None) -> list[tuple[int, int | None, dict]]:
     """One rank's memory over time: ``[(ns, step, {category: bytes})]`` in time order.
 
-    A sample sets the categories it names and leaves the others as the last sample set them
-    (a strategy may report one category, e.g. FSDP its unsharded parameters), so each point is
-    everything the rank holds then. The allocator's own ``cuda_*`` figures are left out.
-    ``held``: what the rank held before these records (the last point of an earlier call), for
-    a caller that gets the records in batches, as the live widget does.
-    """
+    A sample sets the categories it names and keeps the others (so each point is everything the
+    rank holds then); ``cuda_*`` figures are left out. ``held``: the last point of an earlier batch."""
     state: dict = dict(held or {})
     out = []
     for r in sorted((r for r in records if r.rank == rank and r.kind == "counter" and r.cat == "memory"),

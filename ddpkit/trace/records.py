@@ -81,10 +81,8 @@ class Trace:
     def steps(self) -> list[int]:
         """Training step indices, in order: steps with a compute span (forward, backward, ...).
 
-        Setup records are not a step, and neither is a step that holds only collectives or
-        memory samples (e.g. an evaluation or state-dict gather after training, which a job
-        puts in a step of its own); a trace without any compute span keeps every step.
-        """
+        A step of only collectives or memory samples (a state-dict gather) is not one; a trace
+        without any compute span keeps every step."""
         stepped = {r.step for r in self.records if r.step is not None}
         trained = {r.step for r in self.records if r.step is not None and r.cat == "compute"}
         return sorted(trained or stepped)
