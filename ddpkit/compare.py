@@ -5,9 +5,7 @@
         records = compare(cluster, names, workload=wl)          # on your own model: a ddpkit.Workload
     print(format_table(records))       # or ddpkit.viz.plot_compare(records)
 
-``python -m ddpkit compare`` is this with arguments; notebook 06 calls it directly. The timing
-loop (rotated rounds, each run announced) is ``ddpkit.series.timed_rounds``; ``interleaved`` here
-is that loop for any set of configurations (the notebooks' sweeps).
+``python -m ddpkit compare`` is this with arguments; ``interleaved`` times any set of configurations.
 """
 from __future__ import annotations
 

@@ -3,9 +3,7 @@
     zero_predictions(psi, n)                              # {DDP, ZeRO-1, ZeRO-2, ZeRO-3: {category: bytes}}
     predicted_model_state("zero2", parameter_count(m), n) # the stage a strategy follows, over its shard group
 
-The formulas count model states only (parameters, gradients, optimizer state), the categories
-``ddpkit.memory`` measures first; beside them a run measures the rest (``ddpkit.memory_sweep``).
-Which stage a strategy is, and over how many ranks it shards, is its row in the table of strategies.
+Model states only; which stage a strategy is, and over how many ranks, is its row in the table.
 """
 from __future__ import annotations
 

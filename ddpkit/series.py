@@ -6,11 +6,8 @@
     timings.per_round["a"]    # [ms/step of each round]: the slowest rank's median over the steps
     timings.errors            # {label: "a failed: <the rank's last error line>"}: skipped after
 
-``compare`` and ``interleaved`` (``compare.py``) and the cost model's ``validate``
-(``costmodel/validate.py``) all time through ``timed_rounds``, so they rotate, skip failures and
-announce alike. Each run is announced to the cluster (``cluster.announce``): the widget's
-progress and a terminal ``ProgressBar`` (both subscribers of the cluster) show its label and
-"run 9 of 28"; they only show what the series counted.
+``compare``, ``interleaved`` and ``costmodel.validate`` all time through ``timed_rounds``, so they
+rotate, skip failures and announce (``cluster.announce``: "run 9 of 28") alike.
 """
 from __future__ import annotations
 

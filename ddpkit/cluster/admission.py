@@ -1,14 +1,9 @@
 """The job channel's door: a loopback socket that lets in only this cluster's own workers.
 
-The job channel carries jobs, results, tracebacks, printed lines and progress events, and
-whatever it unpickles is as good as executed (pickle can call any function). So:
-- the socket listens on loopback (127.0.0.1, port chosen by the OS): nothing off this machine
-  can reach it;
-- each connection must first pass a mutual HMAC challenge with a random key made per cluster
-  start (``handshake``, which the worker runs too), in its own thread with a time limit, so a stranger that
-  connects and says nothing cannot stall the others. Only then is anything unpickled;
-- an admitted worker then says hello: its rank, the start (generation) it belongs to, its pid.
-A connection that fails any of this is refused and logged (logger ``ddpkit.cluster``).
+Whatever the channel unpickles is as good as executed, so the socket listens on loopback only, and
+each connection must first pass a mutual HMAC challenge with a per-start random key (``handshake``,
+in its own thread with a time limit) before anything is unpickled; then the worker says hello
+(rank, generation, pid). A connection that fails is refused and logged (logger ``ddpkit.cluster``).
 """
 from __future__ import annotations
 

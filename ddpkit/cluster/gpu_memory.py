@@ -1,11 +1,7 @@
 """What a rank holds on its GPU, and what to tell a learner when a rank runs out of it.
 
-A Cluster's worker on a GPU reports after every job what it held there (``GpuHeld.now``): the
-caching allocator's live, peak and reserved bytes, what the process holds outside the allocator
-(mostly its CUDA context: ``ddpkit.memory.cuda_context_bytes``) and its cap. Ranks sharing a GPU draw on one
-pool, so when one of them runs out, its own figures say little: the ``GpuOutOfMemoryError`` the
-cluster raises (``ddpkit.cluster.jobs``) names what *each* rank sharing that GPU held, and how to
-fit (``explain_out_of_memory``).
+A worker on a GPU reports after every job what it held (``GpuHeld.now``). Ranks sharing a GPU draw
+on one pool, so the ``GpuOutOfMemoryError`` names what *each* of them held, and how to fit.
 """
 from __future__ import annotations
 

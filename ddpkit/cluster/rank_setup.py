@@ -3,9 +3,6 @@
     settings = RankSettings.from_json(line)   # written by the parent (processes.Workers.rank_settings)
     share_the_cores(settings)                 # freed memory kept, cores pinned, torch's threads
     device = join(settings)                   # its GPU (join_device), then ddpkit's process group
-
-The Cluster's worker (``ddpkit.cluster.worker.main``) runs these in order, between connecting to
-the parent and serving its jobs.
 """
 from __future__ import annotations
 

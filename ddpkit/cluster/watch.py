@@ -1,14 +1,9 @@
 """The parent's side of desync detection: the ranks' ring files, their stuck reports, when to look.
 
-Each rank keeps its last collectives in a ring (``ddpkit.comm.flight``) mapped from a file that the
-parent makes here, one per rank, in a private directory (in ``/dev/shm`` where there is one): the
-parent reads it whenever it diagnoses, even after the rank died. The job message tells the rank
-which file is its own (``Rings.path``) and the job's number.
-
-A ``Watch`` per job decides when to diagnose (``ddpkit.comm.desync.diagnose``): when a rank reports a
-collective stuck longer than ``flight.STALL_S``, when a rank's job ends while others still run
-(then again every ``STALL_S`` while they do), and once more when the job ends in errors. Between
-those nothing is read: a job that goes well costs the parent nothing.
+Each rank keeps its last collectives in a ring (``ddpkit.comm.flight``) in a file made here, which
+the parent reads even after the rank died. A ``Watch`` per job diagnoses (``comm.desync.diagnose``)
+when a rank reports a collective stuck, when a rank's job ends while others run (then every
+``flight.STALL_S``), and when the job ends in errors; a job that goes well costs nothing.
 """
 from __future__ import annotations
 

@@ -9,9 +9,8 @@ parameters ((N-1)/N S) then brings everyone's back: 1.5x DDP's bytes. This is to
     model = ddpkit.BucketedDDP(module)
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
-The ZeRO paper's stage 1 (``zero1.py``) reduce-scatters the gradients instead: DDP's bytes. Owners
-are whole parameters, largest first to the least-loaded rank (ties: the lower), computed alike on
-every rank; so any per-parameter optimizer works (ZeRO-1/2's flat slices need an elementwise one).
+Owners are whole parameters, largest first to the least-loaded rank, so any optimizer works
+(``zero1.py`` reduce-scatters the gradients instead: DDP's bytes, but elementwise optimizers only).
 """
 from __future__ import annotations
 

@@ -2,11 +2,8 @@
 
     to_chrome_trace(trace, "trace.json")
 
-One process per rank (pid = rank, named "rank N"), one thread per lane (``LANES``), complete
-events for spans, instants for gradients becoming ready, counters for memory and the loss; the
-rank list in top-level ``distributedInfo``, as torch's profiler writes it. Flow events (arrows)
-link the same collective across ranks: from the rank that launched it last -- the one the
-others waited for -- to each of the others.
+One process per rank, one thread per lane (``LANES``); flow events (arrows) link the same
+collective across ranks, from the rank that launched it last to each of the others.
 """
 from __future__ import annotations
 

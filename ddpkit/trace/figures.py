@@ -1,9 +1,7 @@
 """Figures derived from records, each computed once for every view that draws it: the bucket
 fill order, the timeline, memory over time and its peak, the loss.
 
-Pure functions of the records (a Trace, a Recorder or a list of Records): nothing here times,
-draws or communicates. One function per figure; the matplotlib plots (``ddpkit.viz``) and the
-widget's SVG views (``ddpkit.widget``) both draw what it returns:
+Pure functions of the records; ``ddpkit.viz`` and ``ddpkit.widget`` both draw what they return:
 
     bucket_fill(trace, rank, step)     # the bucket fill figure: ready order by layer, collectives
     timeline(trace, steps, ranks)      # per rank: compute, backward computing / waiting, comm rows

@@ -1,9 +1,7 @@
 """Records and Traces: what each rank did, as plain data, and all ranks' records merged.
 
-A ``Record`` is one span, instant or counter on one rank (the recorder makes them, see
-``recorder.py``); a ``Trace`` holds the records of one or more ranks with the run's world size
-and backend, and selects them by rank, step, category, kind or name. Everything here is
-picklable: a Cluster job returns it to the notebook, a recorded run streams Records there.
+A ``Record`` is one span, instant or counter on one rank; a ``Trace`` holds the records of one or
+more ranks and selects them by rank, step, category, kind or name. Everything here is picklable.
 
     trace = Trace.merge(cluster.run(job))      # all ranks' records in one Trace
     trace.select(rank=0, step=-1, cat="comm")  # the last step's collectives on rank 0
