@@ -29,21 +29,17 @@ KILL_AFTER_S = 2.0   # after SIGINT, how long before a rank that did not stop is
 TICK_S = 0.1         # "tick" to the observers this often while a job runs
 SETTLE_S = 0.3       # once the ranks parted, how long what they still say may arrive before they are stopped
 
+_FRESH = "the next run() gets a fresh process group, and anything the ranks held (%%ranks variables, models) is gone"
 RESTARTED = ("the process group could not be trusted after this (a rank died or was stopped, or "
-             "a collective failed or timed out), so the cluster restarted its ranks: the next "
-             "run() gets a fresh process group, and anything the ranks held (%%ranks variables, "
-             "models) is gone")
+             f"a collective failed or timed out), so the cluster restarted its ranks: {_FRESH}")
 UNCHANGED = ("the ranks keep running as they were (a Python error leaves the process group "
              "intact); the cluster is ready for the next run()")
 NCCL_RESTARTED = ("on NCCL a failed job leaves collectives queued that no other rank will match, so "
-                  "the cluster restarted its ranks: the next run() gets a fresh process group, and "
-                  "anything the ranks held (%%ranks variables, models) is gone")
+                  f"the cluster restarted its ranks: {_FRESH}")
 DESYNC_RESTARTED = ("the ranks' collectives no longer match, so their process group cannot be "
-                    "trusted: the cluster stopped them and restarted its ranks; the next run() gets a "
-                    "fresh process group, and anything the ranks held (%%ranks variables, models) is gone")
+                    f"trusted: the cluster stopped them and restarted its ranks; {_FRESH}")
 
-# An error whose message says a collective failed or timed out: the process group is broken
-# (gloo reports these as plain RuntimeErrors, often raised below a strategy's own wait()).
+# a collective failed or timed out (gloo raises these as plain RuntimeErrors): the group is broken
 BROKEN_GROUP = ("Timed out waiting", "pair closure", "Connection closed by peer",
                 "Connection reset by peer", "NCCL", "/gloo/", "DistBackendError", "DistNetworkError")
 
@@ -117,8 +113,7 @@ class Job:
         """Wait for every rank's result or error; stop stragglers once a rank has failed."""
         last_tick = 0.0
         while self.pending:
-            for conn in wait(list(self.pending.values()), timeout=0.05):
-                self._receive(self.workers.conns[conn], conn)
+            self._receive_ready()
             self.events.flush_lines()
             if time.monotonic() - last_tick >= TICK_S:  # observers may act in the running cell
                 last_tick = time.monotonic()
@@ -128,7 +123,7 @@ class Job:
                 self._look_for_desync()
             if not (self.failures and self.pending):
                 continue
-            # Some rank failed; the others may be stuck in a collective waiting for it.
+            # some rank failed; the others may be stuck in a collective waiting for it
             now = time.monotonic()
             self.first_failure = self.first_failure or now
             if self.interrupted_at is None and now - self.first_failure > GRACE_S:
@@ -140,6 +135,16 @@ class Job:
                     self._kill(rank, f"rank {rank} did not stop within {KILL_AFTER_S:.0f} s "
                                "of SIGINT (probably blocked in a collective waiting for the "
                                "failed rank), so it was killed")
+
+    def _receive_ready(self) -> None:
+        for conn in wait(list(self.pending.values()), timeout=0.05):
+            self._receive(self.workers.conns[conn], conn)
+
+    def _drain(self, seconds: float) -> None:
+        """Receive what the running ranks say for at most ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while self.pending and time.monotonic() < deadline:
+            self._receive_ready()
 
     def _receive(self, rank: int, conn) -> None:
         """Handle one message from a running rank."""
@@ -205,21 +210,11 @@ class Job:
     # ------------------------------------------------------------------ desync
     def _states(self) -> dict:
         """Each rank's ``ddpkit.comm.desync.RankView.state`` now."""
-        states = {}
-        for rank in range(self.workers.settings.world_size):
-            if rank in self.pending:
-                states[rank] = "running"
-            elif rank in self.died:
-                states[rank] = "died"
-            elif rank in self.distributed:
-                states[rank] = "broken"
-            elif rank in self.failures:
-                states[rank] = "failed"
-            elif rank in self.finished:
-                states[rank] = "finished"
-            else:  # interrupted or killed by us while it was still running
-                states[rank] = "stopped"
-        return states
+        order = (("running", self.pending), ("died", self.died), ("broken", self.distributed),
+                 ("failed", self.failures), ("finished", self.finished))
+        # "stopped": interrupted or killed by us while it was still running
+        return {rank: next((s for s, ranks in order if rank in ranks), "stopped")
+                for rank in range(self.workers.settings.world_size)}
 
     def _diagnose(self):
         pids = {r.rank: r.pid for r in self.events.ranks}
@@ -231,11 +226,7 @@ class Job:
         found = self._diagnose()
         if found is None:
             return
-        # What the ranks are saying now (a rank's death, an error on its way) belongs in the story
-        deadline = time.monotonic() + SETTLE_S
-        while self.pending and time.monotonic() < deadline:
-            for conn in wait(list(self.pending.values()), timeout=0.05):
-                self._receive(self.workers.conns[conn], conn)
+        self._drain(SETTLE_S)  # what the ranks are saying now (a death, an error on its way) ...
         # ... and where the ranks still running are (those that reported stuck said so already)
         self.watch.ask_for_stacks([r for r in self.pending if r not in self.watch.reports], self.workers.signal)
         found = self._diagnose() or found
@@ -276,8 +267,7 @@ class Job:
             self.broken = True
             self.events.notify("desync", None, diagnosis=self.parted)
         elif self.failures.keys() - self.distributed:
-            # A rank raised or died; collectives that then broke on other ranks are a
-            # consequence, not a second cause.
+            # a rank raised or died; collectives that then broke elsewhere are a consequence
             for rank in self.distributed & self.failures.keys():
                 self.affected[rank] = ("its collective failed after another rank failed:\n"
                                        + self.failures.pop(rank))
@@ -299,18 +289,13 @@ class Job:
         return RankError(self.failures, note, self.affected)
 
     def _on_keyboard_interrupt(self) -> None:
-        """The caller pressed stop: interrupt the ranks, kill what will not stop, restart if needed.
-
-        A second KeyboardInterrupt while this runs kills every rank; then call restart().
-        """
+        """The caller pressed stop: interrupt the ranks, kill what will not stop, restart if needed
+        (a second KeyboardInterrupt kills every rank)."""
         try:
             self.interrupted_at = time.monotonic()
             for rank in self.pending:
                 self.workers.signal(rank, signal.SIGINT)
-            deadline = time.monotonic() + KILL_AFTER_S
-            while self.pending and time.monotonic() < deadline:
-                for conn in wait(list(self.pending.values()), timeout=0.05):
-                    self._receive(self.workers.conns[conn], conn)
+            self._drain(KILL_AFTER_S)
             for rank in list(self.pending):
                 self._kill(rank, "did not stop after SIGINT")
             self.events.flush_lines()
