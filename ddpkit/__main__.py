@@ -137,7 +137,6 @@ def _start_cluster(args):
                           network=args.network, gpus=args.gpus, transport=args.transport, pin_cores=args.pin_cores)
 
 
-# --------------------------------------------------------------------------- compare
 def cmd_compare(args, parser) -> int:
     check_run_args(parser, args)
     args.strategies = runnable_strategies(parser, args.strategies, list(NAMES), [args.world_size], args.network)
@@ -175,7 +174,6 @@ def cmd_compare(args, parser) -> int:
     return 1 if all("error" in r for r in records) else 0
 
 
-# --------------------------------------------------------------------------- trace
 def cmd_trace(args, parser) -> int:
     check_run_args(parser, args)
     runnable_strategies(parser, [args.strategy], None, [args.world_size], args.network)
@@ -203,7 +201,6 @@ def cmd_trace(args, parser) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- draw
 def cmd_draw(args, parser) -> int:
     from ddpkit.torchrun import draw
 
@@ -217,7 +214,6 @@ def cmd_draw(args, parser) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- doctor
 def cmd_doctor(args, parser) -> int:
     from ddpkit.doctor import doctor
 
@@ -227,7 +223,6 @@ def cmd_doctor(args, parser) -> int:
         parser.error(str(exc))
 
 
-# --------------------------------------------------------------------------- ledger
 def cmd_ledger(args, parser) -> int:
     from ddpkit.predictions.report import picture_path, report
 
@@ -246,7 +241,6 @@ def cmd_ledger(args, parser) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- lab
 def cmd_lab(args, parser) -> int:
     from ddpkit.lab import lab
 

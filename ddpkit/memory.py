@@ -184,7 +184,6 @@ class ActivationMeter:
         return self.peak_bytes
 
 
-# ----------------------------------------------------------------------------- CUDA only
 def cuda_allocator_bytes(device=None) -> dict[str, int]:
     """The CUDA caching allocator's live, peak and reserved bytes on ``device``, and ``cuda_context``."""
     if not torch.cuda.is_available():

@@ -109,7 +109,6 @@ class Cluster:
     def _alive(self) -> bool:
         return self._workers.alive
 
-    # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
@@ -136,7 +135,6 @@ class Cluster:
         except Exception:
             pass
 
-    # ------------------------------------------------------------------ jobs
     def run(self, fn, /, *args, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order. While
         recording, ``last_trace`` then holds the merged records (also after a failed job)."""
@@ -175,7 +173,6 @@ class Cluster:
             self._events.notify("job", None, phase="end", recorded=collector is not None)
             self._job_lock.release()
 
-    # ------------------------------------------------------------------ recording
     @property
     def record(self) -> bool:
         """Are runs recorded? Set it (the widget's toggle does), or use ``recording()``."""
@@ -202,7 +199,6 @@ class Cluster:
         """Tell the observers what the next runs are part of, e.g. ``announce("overlapped", run=9, runs=28)``."""
         self._events.notify("label", None, label=label, run=run, runs=runs)
 
-    # ------------------------------------------------------------------ observers
     def subscribe(self, callback) -> None:
         """Call ``callback(kind, rank, **fields)`` on every event (see ``cluster.events``)."""
         self._events.subscribe(callback)

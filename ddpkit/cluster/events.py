@@ -58,7 +58,6 @@ class Events:
             except Exception:  # an observer (the widget) must never break a run
                 log.exception("cluster observer failed")
 
-    # ------------------------------------------------------------------ status
     def reset(self, world_size: int) -> None:
         """New ranks are starting: fresh states (empty logs), and the observers are told."""
         self.ranks = [RankState(r) for r in range(world_size)]
@@ -76,7 +75,6 @@ class Events:
             r.status = status
         self.notify("status", None)
 
-    # ------------------------------------------------------------------ what the ranks say
     def line(self, rank: int, stream: str, text: str) -> None:
         """A line a rank printed: keep it in the rank's log and queue it for the caller."""
         if rank < len(self.ranks):

@@ -207,7 +207,6 @@ class Job:
         self.pending.pop(rank)
         self.events.set_status(rank, "dead")
 
-    # ------------------------------------------------------------------ desync
     def _states(self) -> dict:
         """Each rank's ``ddpkit.comm.desync.RankView.state`` now."""
         order = (("running", self.pending), ("died", self.died), ("broken", self.distributed),
