@@ -43,10 +43,8 @@ def parameter_count(model) -> int:
 
 
 def shard_group_size(strategy: str, world_size: int, topology=None) -> int:
-    """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
-    hybrid sharding, which shards inside a node of ``topology`` (a ``ddpkit.Topology``, a
-    ``ddpkit.Network`` with ``gpus_per_node``, or None: nodes of 2) and replicates across nodes,
-    so its state is everything / k, not / N. The table's ``Strategy.shard_group_size``."""
+    """Over how many ranks ``strategy`` shards its state at ``world_size``: all, except hybrid
+    sharding, which shards inside a node of ``topology`` (None: nodes of 2)."""
     return STRATEGIES[strategy].shard_group_size(world_size, topology)
 
 

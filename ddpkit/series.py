@@ -30,10 +30,8 @@ def run_or_fail(cluster, label: str, fn, *args, **kwargs):
 
 
 class Series:
-    """Counts the runs of a series and announces each to the cluster (label, run i of n).
-
-    ``follow``: a callback to subscribe to the cluster for the series (e.g. a ``ProgressBar``);
-    subscribers of the cluster (the widget) hear the announcements anyway."""
+    """Counts the runs of a series and announces each to the cluster (label, run i of n); ``follow``:
+    a callback subscribed to the cluster for the series (e.g. a ``ProgressBar``)."""
 
     def __init__(self, cluster, runs: int, follow=None):
         self.cluster, self.runs, self.done = cluster, runs, 0
@@ -71,11 +69,9 @@ class Timings:
 
 def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: int = 1,
                  each_round=None, **common) -> Timings:
-    """Time several configurations fairly on one (shared, noisy) machine: ``rounds`` rounds,
-    each running every configuration once with recording off, the order rotated by the round
-    so slow spells hit every configuration alike. ``runs`` maps a label to ``run_strategy``
-    keywords (at least ``strategy``), on top of ``common``. ``each_round(r)``, if given, runs
-    first in every round (the cost model calibrates there, in the same slow spells)."""
+    """Time several configurations fairly on a noisy machine: ``rounds`` rounds, each running every
+    configuration once (recording off) in a rotated order. ``runs``: label -> ``run_strategy``
+    keywords on top of ``common``; ``each_round(r)``, if given, runs first in every round."""
     from ddpkit.experiment import run_strategy
 
     timings = series.timings = Timings({label: [] for label in runs})  # also what was timed if interrupted

@@ -48,10 +48,8 @@ def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> N
 
 @contextlib.contextmanager
 def record(folder: str):
-    """Record this rank inside the block; at its end write ``folder/rank<r>.records`` (whole or not
-    at all: a temporary file renamed). Every rank enters it (aligning the clocks is a collective) and
-    every rank leaves it. The folder is checked before the block runs (writable, room for a step's
-    records): a read-only or full disk is an OSError naming it before any training, not after."""
+    """Record this rank inside the block; at its end write ``folder/rank<r>.records`` (atomically).
+    Every rank enters it (aligning the clocks is a collective); the folder is checked first."""
     from ddpkit.trace import Recorder
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -83,11 +83,8 @@ class Events:
         self.notify("log", rank, stream=stream, line=text)
 
     def flush_lines(self) -> None:
-        """Print queued rank output, prefixed ``[rank N]``, from the calling (main) thread.
-
-        Printing here rather than in the reader threads puts the lines into the notebook
-        cell that is running, not into whichever cell happened to start the threads.
-        """
+        """Print queued rank output, prefixed ``[rank N]``, from the calling (main) thread: into the
+        notebook cell that is running, not the one that started the reader threads."""
         while True:
             try:
                 rank, stream, text = self._lines.get_nowait()

@@ -56,10 +56,8 @@ def resolve_backend(backend: str, ranks_here: int) -> str:
 
 
 def check_gpus(gpus, world_size: int) -> tuple[int, ...]:
-    """``gpus`` as a tuple of CUDA device indices, one per rank, or a ValueError saying what is
-    wrong: no CUDA here, not a list of whole numbers, one per rank, a GPU that does not exist. A GPU
-    may be given to several ranks (they share it). Indices count the GPUs this process sees: with
-    ``CUDA_VISIBLE_DEVICES=4,5,6,7`` set, index 0 is physical GPU 4."""
+    """``gpus`` as a tuple of visible CUDA device indices, one per rank (repeats share a GPU), or a
+    ValueError saying what is wrong."""
     if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__"):
         raise ValueError(f"gpus must be a list of CUDA device indices, one per rank, e.g. [4, 5] (or [0, 0] "
                          f"for two ranks sharing GPU 0); got {gpus!r}")

@@ -75,11 +75,8 @@ def join(settings: RankSettings) -> str:
 
 
 def join_device(settings: RankSettings) -> str:
-    """This rank's GPU, before it joins the process group (NCCL binds to the current device, and the
-    transports of ranks sharing a GPU put their buffers there): ``settings.gpu``, the index the
-    Cluster gave it (``gpus=``); None on the CPU. Its cap, if the Cluster set one
-    (``memory_fraction``), goes on the caching allocator before anything is allocated. Returns the
-    device's name for the cluster ("cuda:5", "cpu")."""
+    """Take this rank's GPU (``settings.gpu``) and its ``memory_fraction`` cap before joining the
+    process group (NCCL binds to the current device); the device's name ("cuda:5", "cpu")."""
     from ddpkit import rankside
 
     if settings.gpu is None:

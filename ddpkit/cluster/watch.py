@@ -24,10 +24,8 @@ PREFIX = "ddpkit-flight-"  # then the parent's pid and a random part: ddpkit-fli
 
 
 class Rings:
-    """One ring file per rank, in a private directory, removed when the cluster shuts down
-    (``close``), with this object, or at exit. A parent killed before any of those (a kernel
-    killed by Jupyter) leaves its directory: the next ``Rings`` of any process removes those of
-    parents no longer running (``sweep``)."""
+    """One ring file per rank, in a private directory removed on ``close``, with this object, or at
+    exit; the next ``Rings`` removes those of parents no longer running (``sweep``)."""
 
     def __init__(self):
         self.dir: str | None = None

@@ -75,10 +75,8 @@ def to_chrome_trace(trace, path=None) -> dict:
 
 
 def same_collectives(trace) -> list[list[Record]]:
-    """The collectives of a trace grouped across ranks: each group is one collective as every
-    rank took part in it. Ranks issue a group's collectives in the same order, so the k-th
-    collective named N in step S (on process group G, when a record names one) is the same
-    on every rank. Groups with a single rank are left out."""
+    """The collectives of a trace grouped across ranks, one group per collective: the k-th named N in
+    step S (on group G) is the same on every rank. Groups of a single rank are left out."""
     keyed = defaultdict(list)
     for rank in trace.ranks:
         seen: dict = defaultdict(int)

@@ -68,11 +68,7 @@ def cuda_event(device):
 
 
 class CudaClock:
-    """Converts CUDA event times to host ns: one (event, host time) anchor taken at start.
-
-    ``event.elapsed_time(other)`` gives GPU milliseconds between two events; with an anchor
-    event whose host time we know, any later event's GPU time maps onto the host clock.
-    """
+    """Converts CUDA event times to host ns through one (event, host time) anchor taken at start."""
 
     def __init__(self, device, clock):
         import torch

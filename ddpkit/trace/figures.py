@@ -20,11 +20,8 @@ from ddpkit.trace.records import Record, as_trace
 
 
 def bucket_fill_order(trace, rank: int = 0, step: int = -1) -> list[tuple[str, int | None, int]]:
-    """``[(parameter name, bucket, time ns)]`` in the order the gradients became ready.
-
-    A gradient whose hook did not know its bucket (torch DDP's: the reducer decides, and rebuilds
-    its buckets after the first step) takes it from the step's collective whose ``params`` name
-    it (``TorchDDP`` labels each bucket's all-reduce so while recording)."""
+    """``[(parameter name, bucket, time ns)]`` in the order the gradients became ready (a bucket
+    unknown to the hook, as torch DDP's, from the collective whose ``params`` name it)."""
     trace = as_trace(trace)
     ready = trace.select(rank=rank, step=step, kind="instant", cat="grad_ready")
     bucket_of = {name: r.bucket for r in trace.select(rank=rank, step=step, kind="span", cat="comm")
@@ -46,10 +43,8 @@ def layer_of(param_name: str) -> str:
 
 
 def fill_rows(ready: list[tuple[str, int | None, int]], max_rows: int = 40) -> list[tuple[str, list]]:
-    """``bucket_fill_order``'s gradients grouped by layer, in the order the layers' first
-    gradients became ready: ``[(label, [(name, bucket, ns), ...]), ...]``. More than ``max_rows``
-    layers are merged, neighbours together ("layers.31.0 .. layers.28.0"), so 66 gradients
-    (or 660) stay readable on one screen."""
+    """``bucket_fill_order``'s gradients grouped by layer, in ready order: ``[(label, [(name, bucket,
+    ns), ...])]``; past ``max_rows``, neighbours merge ("layers.31.0 .. layers.28.0")."""
     rows: dict[str, list] = {}
     for item in ready:
         rows.setdefault(layer_of(item[0]), []).append(item)
@@ -132,11 +127,9 @@ def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS)
 
 
 def comm_rows(comm, by_op: bool = False) -> list[tuple[str, list]]:
-    """One rank's collectives in rows, ``[(label, [Record])]``, for both figures. While there are
-    few, a row per bucket ("bucket 2": the timeline, ``TIMELINE_BUCKET_ROWS``, where each collective
-    must be a bucket's) or, ``by_op``, per bucket's or unit's collective ("bucket 2 all_reduce",
-    "layers.0 all_gather": the bucket fill figure, ``FILL_COMM_ROWS``); else packed rows
-    (``pack_rows``: each collective in the first row free when it launched), so 66 fit a screen."""
+    """One rank's collectives in rows, ``[(label, [Record])]``, for both figures: while few, a row
+    per bucket ("bucket 2") or, ``by_op``, per bucket's or unit's collective ("layers.0 all_gather");
+    else packed rows (``pack_rows``)."""
     comm = sorted(comm, key=lambda r: r.start_ns)
     if by_op:
         key = lambda r: (r.bucket if r.bucket is not None else r.unit, r.name)  # noqa: E731

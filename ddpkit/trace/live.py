@@ -58,9 +58,7 @@ class Streamer:
 
 
 def run_recorded(fn, args, kwargs, send, interval_s: float = INTERVAL_S):
-    """A Cluster job that runs ``fn(*args, **kwargs)`` with recording on (see the module
-    docstring), sends each batch of records as ``send(records=..., final=...)``, and returns
-    exactly what ``fn`` returned."""
+    """A Cluster job: ``fn(*args, **kwargs)`` recorded, each batch sent as ``send(records=..., final=...)``."""
     from ddpkit.trace.recorder import Recorder
     from ddpkit.trace.seam import recording
 

@@ -71,9 +71,8 @@ def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
 
 
 def comm_after_backward_ms(trace, rank: int = 0, step: int = -1) -> float:
-    """Milliseconds of communication still going when backward's compute has ended: what the step
-    waits for after its last gradient is ready (0: every collective finished under backward). The
-    overlap a strategy achieved, read off the trace rather than from step times."""
+    """Milliseconds of communication still going after backward's last gradient is ready (0: every
+    collective finished under backward)."""
     trace = as_trace(trace)
     s = trace.resolve_step(step)
     comm, busy, _ = overlap_intervals(trace.records, rank, s)

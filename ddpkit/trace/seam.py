@@ -28,9 +28,8 @@ _ISSUING = _Issuing()
 
 
 class Labels:
-    """``with recorder.labels(bucket=i): ...``: the collectives this thread issues inside the
-    block are recorded (by ddpkit's process group) into ``recorder``, with ``fields`` added.
-    Blocks nest: the innermost one labels (a recorder that is off opens no block at all)."""
+    """``with recorder.labels(bucket=i): ...``: the collectives this thread issues inside are recorded
+    into ``recorder`` with ``fields``; the innermost block labels."""
 
     __slots__ = ("recorder", "fields", "_outer")
 
@@ -110,9 +109,7 @@ _CURRENT = _Current()
 
 
 def recorder():
-    """The recorder this rank records into now: a ``ddpkit.trace.Recorder`` while recording is on
-    (``with recording(rec):``, or ``cluster.recording()`` in the notebook), else the do-nothing
-    ``NullRecorder``. A strategy built with ``recorder=None`` takes this one."""
+    """The recorder this rank records into now (``with recording(rec):``), else ``NullRecorder``."""
     return _CURRENT.recorder
 
 
