@@ -1,10 +1,8 @@
 """ShardedOptimizer: each rank keeps and steps the optimizer state of 1/N of the parameters.
 
-The ``sharded_optimizer`` rung of the ZeRO ladder (``docs/papers.md``). Every DDP rank keeps the
-same optimizer state (AdamW: 8 bytes per parameter, twice the parameters). Split it: rank r *owns*
-about 1/N of the parameters, keeps their state, and steps only them; one all-gather of the updated
-parameters ((N-1)/N S) then brings everyone's back: 1.5x DDP's bytes. This is torch's
-``ZeroRedundancyOptimizer``, on top of any DDP wrapper::
+Every DDP rank keeps the same optimizer state (AdamW: 8 bytes per parameter). Split it: rank r
+*owns* about 1/N of the parameters and steps only them; one all-gather of the updated parameters
+((N-1)/N S) brings everyone's back: 1.5x DDP's bytes. torch's ``ZeroRedundancyOptimizer``::
 
     model = ddpkit.BucketedDDP(module)
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
