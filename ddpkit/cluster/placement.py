@@ -38,8 +38,7 @@ def visible_gpus() -> int:
 
 def resolve_backend(backend: str, ranks_here: int) -> str:
     """``backend="auto"``: NCCL when this machine has a GPU for each of its ``ranks_here`` ranks,
-    else gloo; a named one is checked. Every rank of a machine decides alike (a Cluster: all its
-    ranks; torchrun: a node's, ``Topology.ranks_per_node``)."""
+    else gloo; a named one is checked."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     gpus = visible_gpus()
@@ -87,9 +86,8 @@ def shares(gpus) -> bool:
 
 
 def place(world_size: int, backend: str, gpus, transport: str) -> tuple[str, tuple[int, ...] | None, str]:
-    """``(backend, gpus, transport)`` resolved: the real backend under ddpkit's process group
-    ("gloo" or "nccl"), each rank's GPU (None: the CPU), and what moves the bytes. A ValueError
-    naming the argument where they do not fit together (see the module docstring)."""
+    """``(backend, gpus, transport)`` resolved (gpus None: the CPU), or a ValueError naming the
+    argument where they do not fit together."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if transport not in TRANSPORTS:
@@ -148,8 +146,7 @@ def nccl_version() -> tuple[int, int, int] | None:
 
 
 def rank_environment(gpus, transport: str) -> dict[str, str]:
-    """What a rank's environment needs for its transport: NCCL's multi-rank switch, set only where
-    ranks share a GPU and NCCL was asked for by name (``place`` checked the NCCL has it)."""
+    """A rank's environment for its transport: NCCL's multi-rank switch where ranks share a GPU."""
     return {NCCL_SHARE_SWITCH: "1"} if transport == "nccl" and shares(gpus) else {}
 
 
@@ -171,9 +168,7 @@ def check_memory_fraction(fraction, gpus) -> float | None:
 
 
 def carried_by(world_size: int, backend: str, gpus, transport: str) -> str:
-    """What the ranks' collectives go through, in words: "gloo, bytes through shared memory" (the
-    CPU default), "gloo" (its sockets), "nccl" (a GPU each), or for ranks sharing GPUs "gloo, 4
-    ranks sharing GPU 0, bytes through CUDA IPC"."""
+    """What the ranks' collectives go through, in words ("gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC")."""
     if gpus is None or (transport == "nccl" and not shares(gpus)):  # the CPU, or a GPU each on NCCL
         return f"{backend}, bytes through shared memory" if transport == "shm" else backend
     on = sorted(set(gpus))

@@ -68,8 +68,7 @@ START_S = 3.0  # a rank's start-up on one core (importing torch, joining the gro
 
 
 def check_room(world_size: int, transport: str) -> None:
-    """Can this machine start ``world_size`` ranks? A ValueError with the numbers where it cannot: the
-    processes this user may run, the memory available, the room the shared-memory transport needs."""
+    """Can this machine start ``world_size`` ranks (processes, memory, /dev/shm)? Else a ValueError."""
     import resource
 
     from ddpkit.comm.transport.segment import SHM_DIR
@@ -95,8 +94,7 @@ LIVE: weakref.WeakSet = weakref.WeakSet()  # the Workers with ranks running, kil
 
 @atexit.register
 def _kill_at_exit() -> None:
-    """A script that ends with a Cluster still up: kill its ranks and join their pipe readers now,
-    while Python still runs threads (at finalisation a reader blocked on its pipe aborts Python)."""
+    """Kill a Cluster left up at exit while Python still runs threads (its pipe readers must join)."""
     for workers in list(LIVE):
         workers.kill()
 
@@ -273,8 +271,7 @@ class Workers:
 
     # ------------------------------------------------------------------ stopping
     def stop(self) -> None:
-        """Ask every rank to stop, kill those still running after 3 s, release the ports, remove
-        the flight rings."""
+        """Ask every rank to stop, kill those still running after 3 s, release ports and rings."""
         for conn in list(self.conns):
             try:
                 conn.send(("stop",))

@@ -114,9 +114,8 @@ class BucketFill:
 
 
 def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS) -> BucketFill:
-    """The bucket fill figure of one rank's step: when each gradient became ready (by layer,
-    coloured by bucket), each collective from launch to completion, backward computing then
-    waiting. ``step`` as in ``Trace.select`` (-1: the last training step)."""
+    """The bucket fill figure of one rank's step (-1: the last): gradients ready by layer, coloured
+    by bucket, each collective from launch to completion, backward computing then waiting."""
     trace = as_trace(trace)
     s = trace.resolve_step(step)
     comm = launch_order(trace, rank, s)
@@ -152,8 +151,7 @@ PACKED_NOTE = "a row below holds the collectives launched while the rows above w
 
 
 def packed_label(i: int, last: bool = False) -> str:
-    """A packed timeline row's label: "collectives", then "2nd in flight", "3rd in flight", ...
-    (a collective launched while the rows above were busy); ``last``: the row that takes the rest."""
+    """A packed timeline row's label: "collectives", then "2nd in flight", ...; ``last``: the rest."""
     if i == 0:
         return "collectives"
     nth = {1: "2nd", 2: "3rd"}.get(i, f"{i + 1}th")
@@ -217,9 +215,8 @@ class Timeline:
 
 
 def timeline(trace, steps=None, ranks=None) -> Timeline:
-    """The timeline of ``steps`` (None: every training step; an int, -1 the last; a list) on
-    ``ranks`` (None: all): per rank, compute spans, backward split where its computing ended,
-    the communication hidden under it, its collectives in rows; the overlap fraction drawn."""
+    """The timeline of ``steps`` (None: all; -1 the last; a list) on ``ranks`` (None: all): compute,
+    backward split where its computing ended, hidden communication, collectives in rows."""
     trace = as_trace(trace)
     ranks = trace.ranks if ranks is None else list(ranks)
     if steps is None:
@@ -269,8 +266,7 @@ def memory_series(records, rank: int, held: dict | None = None) -> list[tuple[in
 
 
 def memory_peak(records, ranks=None) -> tuple[int, int, int | None, dict] | None:
-    """The largest point of ``memory_series`` over ``ranks`` (default all): ``(rank, ns, step,
-    {category: bytes})``, i.e. the peak and what was live at it; None without memory samples."""
+    """The largest point of ``memory_series`` over ``ranks``: ``(rank, ns, step, {category: bytes})``."""
     ranks = sorted({r.rank for r in records}) if ranks is None else ranks
     return peak_of({rank: memory_series(records, rank) for rank in ranks})
 
@@ -286,8 +282,7 @@ def peak_of(series: dict[int, list]) -> tuple[int, int, int | None, dict] | None
 
 
 def loss_per_step(records) -> dict[int, float]:
-    """``{step: loss}``, the mean over the ranks that reported one (each rank's loss is the mean
-    over its slice of the global batch, so with equal slices this is the global batch's loss)."""
+    """``{step: loss}``, the mean over the ranks (with equal slices, the global batch's loss)."""
     sums: dict = defaultdict(lambda: [0.0, 0])
     for r in records:
         if r.kind == "counter" and r.cat == "loss" and r.step is not None:

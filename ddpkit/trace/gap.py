@@ -94,9 +94,8 @@ def _rank_step(by_rank_step, comm_of, latest, rank: int, steps, a: int, b: int) 
 
 
 def step_ends(trace) -> dict[int, int]:
-    """``{step: ns}``: when each training step ended for the whole run -- the latest completion,
-    over the ranks, of the step's last collective (no rank has its gradients before; at 1 rank
-    the collective is trivial), or of its last compute span where it has no collective."""
+    """``{step: ns}``: when each step ended for the whole run -- the latest completion, over the
+    ranks, of its last collective (or of its last compute span where it has none)."""
     trace = as_trace(trace)
     ends: dict = {}
     for r in trace.records:
