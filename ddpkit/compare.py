@@ -139,9 +139,7 @@ def _hook_name(hook) -> str | None:
 
 
 def torch_reference(strategy: str) -> str:
-    """The torch wrapper a strategy is compared with: the table's torch-native row of the same
-    ``family`` (DDP-like rows against torch's DDP, the ZeRO optimizers against its
-    ZeroRedundancyOptimizer, ...)."""
+    """The torch wrapper a strategy is compared with: the table's torch-native row of its ``family``."""
     from ddpkit.strategies.table import STRATEGIES
 
     family = STRATEGIES[strategy].family
@@ -149,9 +147,8 @@ def torch_reference(strategy: str) -> str:
 
 
 def _add_ratios(records: list[dict]) -> None:
-    """ms_per_step over torch's own wrapper of the same family, where it ran: ``vs_torch`` (and
-    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster.
-    A variant (``name`` its table row, ``strategy`` its label) is compared with its row's."""
+    """``vs_torch`` (and ``vs_<its name>``): ms_per_step over torch's wrapper of the same family,
+    where it ran (1.20 = 20% slower than torch's); a variant is compared with its row's."""
     ok = {r["strategy"]: r for r in records if "error" not in r}
     for r in ok.values():
         ref = ok.get(torch_reference(r.get("name", r["strategy"])))

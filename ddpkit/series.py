@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 
 def run_or_fail(cluster, label: str, fn, *args, **kwargs):
-    """Run a job; a failing one (e.g. a strategy not written yet) is reported, not fatal:
-    ``(results, None)`` or ``(None, "<label> failed: <the rank's last error line>")``. A rank
-    that died is restarted, so the cluster is usable for the next run."""
+    """Run a job, a failing one reported, not fatal: ``(results, None)`` or ``(None, "<label>
+    failed: <the rank's last error line>")``."""
     from ddpkit.cluster import RankError
 
     try:
@@ -58,8 +57,7 @@ class Series:
 
 @dataclass
 class Timings:
-    """What ``timed_rounds`` measured: per label, the ms/step of each round it ran (the slowest
-    rank's median over the steps), and the labels that failed (skipped from then on)."""
+    """What ``timed_rounds`` measured: per label, each round's ms/step, and the labels that failed."""
 
     per_round: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)

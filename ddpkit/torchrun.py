@@ -78,9 +78,8 @@ def record(folder: str):
 
 
 def load(folder: str):
-    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace``. A file that is not
-    one ``record`` wrote (damaged, empty, text, any other pickle) is a ValueError naming it: files
-    are read with ``weights_only=True``, so nothing in them can run code."""
+    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace`` (read with
+    ``weights_only=True``: nothing in them can run code; a bad file is a ValueError naming it)."""
     from ddpkit.trace import Trace
 
     paths = sorted(glob.glob(os.path.join(folder, f"rank*{SUFFIX}")))
@@ -104,9 +103,8 @@ def load(folder: str):
 
 
 def draw(folder: str, step: int = -1) -> dict[str, str]:
-    """From the recording in ``folder``: ``trace.json`` (Perfetto), ``timeline.png`` (every rank's
-    compute and collectives in ``step``, by default the last) and ``bucket_fill.png`` (rank 0's
-    gradients as they became ready, by bucket). Returns {what: path}."""
+    """From the recording in ``folder``: ``trace.json``, ``timeline.png`` and ``bucket_fill.png`` of
+    ``step`` (default the last); returns {what: path}."""
     from ddpkit.trace import to_chrome_trace
     from ddpkit.viz import plot_bucket_fill, plot_timeline
 

@@ -51,9 +51,8 @@ HOW_TO_FIT = ("to fit: fewer ranks on the GPU (each holds its own model states, 
 
 
 def explain_out_of_memory(out_of_memory: dict[int, str], held: dict[int, GpuHeld], devices: dict[int, str]) -> str:
-    """The head of a ``GpuOutOfMemoryError``: which rank(s) ran out (``out_of_memory``: rank -> the
-    error's last line), what every rank on the same GPU held (``held``: what they reported;
-    ``devices``: each rank's device, for those that did not), and how to fit."""
+    """The head of a ``GpuOutOfMemoryError``: which rank(s) ran out, what every rank on that GPU held
+    (``held``; ``devices`` for those that did not report), and how to fit."""
     def where(rank: int) -> str:
         return held[rank].device if rank in held else devices.get(rank, "?")
 

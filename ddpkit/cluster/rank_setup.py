@@ -16,8 +16,7 @@ from datetime import timedelta
 
 @dataclass(frozen=True)
 class RankSettings:
-    """What one rank is told when it starts, one JSON line on its stdin: the parent writes it
-    (``processes.Workers.rank_settings``), the rank's worker reads it (``worker.main``)."""
+    """What one rank is told when it starts, one JSON line on its stdin."""
 
     rank: int
     world_size: int
@@ -57,8 +56,7 @@ def share_the_cores(settings: RankSettings) -> None:
 
 
 def join(settings: RankSettings) -> str:
-    """Join the ranks' process group (ddpkit's, over the real backend: it counts, records and, on an
-    emulated network, delays every collective, torch's wrappers' included); this rank's device."""
+    """Join the ranks' process group (ddpkit's, over the real backend); this rank's device."""
     import torch.distributed as dist
 
     from ddpkit.comm import process_group
@@ -90,8 +88,7 @@ def join_device(settings: RankSettings) -> str:
 
 
 def _pin(cores: list[int]) -> None:
-    """Bind this process, every thread it has and (inherited) every one it starts, to ``cores``
-    (``Cluster(pin_cores=True)``)."""
+    """Bind this process and every thread it has or starts to ``cores`` (``Cluster(pin_cores=True)``)."""
     for task in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(task), cores)

@@ -58,8 +58,7 @@ class Rings:
 
 
 def sweep(base: str) -> list[str]:
-    """Remove the ring directories under ``base`` whose parent process is no longer running;
-    the names removed."""
+    """Remove (and name) the ring directories under ``base`` whose parent process has gone."""
     removed = []
     for name in os.listdir(base):
         pid = name[len(PREFIX):].split("-", 1)[0]
@@ -120,8 +119,7 @@ class Watch:
         return self.reports.get(rank, {}).get("stack", "") or self.asked.get(rank, "")
 
     def ask_for_stacks(self, ranks, send_signal) -> None:
-        """Ask running ranks for their job thread's stack (faulthandler answers SIGUSR1 into the
-        file beside the rank's ring, even while the rank is blocked in a C++ collective)."""
+        """Ask running ranks for their stacks (faulthandler answers SIGUSR1, even inside a C++ collective)."""
         import signal
 
         if self.rings.dir is None or not hasattr(signal, "SIGUSR1"):

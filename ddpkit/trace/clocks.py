@@ -47,9 +47,7 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
 
 
 def probe_device(device):
-    """Where the clock probe lives: the rank's GPU (``device``) under NCCL, which moves CUDA
-    tensors only, else the CPU. Asked of the *real* backend (``rankside.backend``): the process
-    group's own name is "ddpkit" in a Cluster, whatever runs underneath."""
+    """Where the clock probe lives: the rank's GPU under a *real* NCCL backend (CUDA tensors only), else the CPU."""
     import torch
 
     from ddpkit import rankside
