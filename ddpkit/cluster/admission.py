@@ -74,8 +74,7 @@ class Admission:
         self.address = self._sock.getsockname()
         self.hellos: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        # The thread gets only what it needs: no reference to this object or to the cluster,
-        # so a cluster the caller drops is collected and its __del__ stops the ranks.
+        # no reference to this object or the cluster: a dropped cluster is collected, its __del__ stops the ranks
         threading.Thread(target=_accept_loop, daemon=True, name="ddpkit-accept",
                          args=(self._sock, self.key, self.hellos, generation, world_size,
                                self._stop)).start()
@@ -88,8 +87,7 @@ class Admission:
 
 def _accept_loop(sock, key: bytes, hellos: queue.Queue, generation: int, world_size: int,
                  stop: threading.Event) -> None:
-    # accept() with a short timeout so that close() ends this thread (closing a socket
-    # does not wake a thread blocked in accept() on every platform).
+    # accept() with a short timeout: closing a socket does not wake a blocked accept() everywhere
     sock.settimeout(0.25)
     while not stop.is_set():
         try:
@@ -98,8 +96,7 @@ def _accept_loop(sock, key: bytes, hellos: queue.Queue, generation: int, world_s
             continue
         except OSError:
             return  # the socket was closed: close()
-        # One thread per connection: a client that connects and says nothing only
-        # stalls its own thread, for at most HANDSHAKE_TIMEOUT seconds.
+        # a thread per connection: a silent client stalls only its own, for HANDSHAKE_TIMEOUT at most
         threading.Thread(target=_admit, daemon=True, name="ddpkit-handshake",
                          args=(peer, addr, key, hellos, generation, world_size)).start()
 

@@ -39,9 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ddpkit.cluster")
 
-# Not ``-m ddpkit.cluster.worker``: that runs the file as ``__main__``, a second copy of the module
-# beside the ``ddpkit.cluster.worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
-# The parent has already warned about a torch outside the tested range: its ranks stay quiet.
+# not ``-m`` (a second copy of the module as ``__main__``); the parent already warned about torch's version
 WORKER_MAIN = ("import warnings; warnings.filterwarnings('ignore', message='ddpkit is tested with torch'); "
                "from ddpkit.cluster.worker import main; main()")
 STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
@@ -128,8 +126,7 @@ class Workers:
         self.admission = Admission(self.generation, settings.world_size)
         self.store = loopback_store(settings.timeout)
         self.events.reset(settings.world_size)
-        # The workers run the same ddpkit as this process, wherever it was imported from: this
-        # file is <root>/ddpkit/cluster/processes.py, and <root> goes on their PYTHONPATH.
+        # the workers run the same ddpkit as this process: <root>/ddpkit/cluster/processes.py's <root>
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath,
@@ -147,8 +144,7 @@ class Workers:
 
     def _spawn(self, rank: int, env: dict) -> None:
         """One worker: its process, its configuration on stdin, its two pipe readers."""
-        # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
-        # parent decides which ranks to interrupt.
+        # start_new_session: a terminal's Ctrl-C goes to the parent only, which decides what to interrupt
         proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 cwd=os.getcwd(), start_new_session=True)
@@ -157,8 +153,7 @@ class Workers:
         self.procs.append(proc)
         self.events.ranks[rank].pid = proc.pid
         self.stderr_tail.append(collections.deque(maxlen=40))
-        # The readers hold only a weak reference to this object (and so none to the Cluster),
-        # so a cluster the caller drops is collected and its __del__ stops the ranks.
+        # the readers hold a weak reference only, so a dropped cluster is collected and its __del__ stops the ranks
         readers = [threading.Thread(target=_read_pipe, daemon=True,
                                     args=(weakref.ref(self), rank, name, pipe, self.generation,
                                           self.stderr_tail[rank]),
@@ -328,8 +323,7 @@ def loopback_store(timeout: float):
     """The rendezvous TCPStore, hosted here, listening on loopback only."""
     from ddpkit.torch_internals import loopback_tcp_store
 
-    # Left to itself, TCPStore listens on every interface, so we bind its socket to loopback.
-    # The store owns (and closes) the fd we give it.
+    # TCPStore would listen on every interface: give it (to own and close) a socket bound to loopback
     store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     store_sock.bind(("127.0.0.1", 0))
     store_sock.listen(128)

@@ -78,15 +78,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         groups = _as_param_groups(params)
 
-        # Global index of every parameter = its position across groups, as in torch's
-        # optimizer state_dict format ({"state": {index: ...}, "param_groups": [...]}).
+        # global index = position across groups, as in torch's optimizer state_dict format
         all_params = [p for g in groups for p in g["params"]]
         if len({id(p) for p in all_params}) != len(all_params):
             raise ValueError("a parameter appears more than once in ShardedOptimizer's params")
         self.owner = partition_by_size([p.numel() for p in all_params], self.world_size)
 
-        # The local optimizer sees only this rank's parameters, group by group (groups may be
-        # empty here); its state therefore exists only for them.
+        # the local optimizer sees only this rank's parameters, group by group (maybe empty)
         local_groups, self._local_to_global, i = [], [], 0
         for g in groups:
             mine = []
@@ -98,8 +96,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local_groups.append(dict(g, params=mine))
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
 
-        # param_groups here hold *all* parameters and every hyperparameter, so an LR scheduler can
-        # change "lr" here; step() copies them into the local optimizer.
+        # *all* parameters and hyperparameters (an LR scheduler changes "lr" here; step() copies them)
         super().__init__(groups, dict(self.local_optimizer.defaults))
 
         # The all-gather works on flat buffers, one per dtype (see GatherLayout).
