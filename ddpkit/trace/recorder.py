@@ -86,8 +86,7 @@ class Recorder:
         self._watched = None  # works without a future, waited on by a thread (see _watch)
 
     def _watch(self, work, on_done) -> None:
-        """Call ``on_done`` when ``work`` (a Work without a future) finishes: one daemon thread
-        per recorder waits on them in launch order, the order a backend runs them in."""
+        """Call ``on_done`` when ``work`` (without a future) finishes: a daemon thread waits in launch order."""
         if self._watched is None:
             import queue
             import threading
@@ -112,8 +111,7 @@ class Recorder:
         return _Span(self, cat, name, fields)
 
     def labels(self, **fields):
-        """``with rec.labels(bucket=i): work = dist.all_reduce(...)``: the collectives issued inside
-        are recorded with ``fields`` (by ddpkit's process group, ``seam.Labels``)."""
+        """``with rec.labels(bucket=i): work = dist.all_reduce(...)``: record those with ``fields``."""
         return Labels(self, fields)
 
     def launch_mark(self):

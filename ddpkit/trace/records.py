@@ -86,8 +86,7 @@ class Trace:
         return sorted(trained or stepped)
 
     def select(self, rank=None, step=None, cat=None, kind=None, name=None) -> list[Record]:
-        """Records matching every given field. ``step``: an index (negative counts from the
-        last step, -1 = the last), or ``"setup"`` for records made before the first step."""
+        """Records matching every given field; ``step``: an index (-1 = the last) or ``"setup"``."""
         want = None if step is None else (None if step == "setup" else self.resolve_step(step))
         return [r for r in self.records
                 if (rank is None or r.rank == rank) and (step is None or r.step == want)

@@ -47,8 +47,7 @@ class Labels:
 
 
 def labelled():
-    """The ``Labels`` block this thread is issuing collectives in (its ``recorder`` and
-    ``fields``), or None: what ddpkit's process group asks of each collective."""
+    """The ``Labels`` block this thread is issuing collectives in, or None (asked by the process group)."""
     return _ISSUING.labels
 
 
@@ -61,13 +60,11 @@ class NullRecorder:
         return _NO_SPAN
 
     def labels(self, **fields):
-        """Label the collectives issued inside the block (bucket, unit, ...). Off: a shared empty
-        ``with``. A recorder that is on (a subclass, e.g. a test's counting recorder) gets them."""
+        """Label the collectives issued inside the block (bucket, unit, ...); off: a shared empty ``with``."""
         return Labels(self, fields) if self.enabled else _NO_SPAN
 
     def launch_mark(self):
-        """What ddpkit's process group takes just *before* launching a collective it will record
-        (``collective(..., launched=mark)``); None here: nothing to mark."""
+        """What the process group takes just *before* a launch (``collective(..., launched=mark)``); None here."""
         return None
 
     def collective(self, name: str, work, nbytes: int, **fields) -> None:
