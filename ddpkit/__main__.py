@@ -9,13 +9,8 @@
     python -m ddpkit ledger ana.jsonl ben.jsonl ...   # a class's: one row per question
     ddpkit lab                                       # JupyterLab on the course's first notebook
 
-Every argument is checked before a rank process starts: a typo costs no start-up time.
-Bad arguments exit with code 2 and a message listing what is valid (argparse's convention).
-This file only parses and calls: the checks and the names (models, strategies, backends) are
-the library's, whose ValueError becomes the parser's error (``cli_args``; ``cli_predict`` is the
-predict command's), and what it calls is library code a notebook imports too (``ddpkit.compare``,
-``ddpkit.costmodel``, ``ddpkit.costmodel.validate``, ``ddpkit.viz``, ``ddpkit.lab``,
-``ddpkit.predictions.report``).
+Every argument is checked before a rank starts; bad ones exit with code 2 and what is valid.
+This file only parses (``cli_args``, ``cli_predict``) and calls library code a notebook imports too.
 """
 from __future__ import annotations
 
@@ -142,7 +137,6 @@ def _start_cluster(args):
                           network=args.network, gpus=args.gpus, transport=args.transport, pin_cores=args.pin_cores)
 
 
-# --------------------------------------------------------------------------- compare
 def cmd_compare(args, parser) -> int:
     check_run_args(parser, args)
     args.strategies = runnable_strategies(parser, args.strategies, list(NAMES), [args.world_size], args.network)
@@ -180,7 +174,6 @@ def cmd_compare(args, parser) -> int:
     return 1 if all("error" in r for r in records) else 0
 
 
-# --------------------------------------------------------------------------- trace
 def cmd_trace(args, parser) -> int:
     check_run_args(parser, args)
     runnable_strategies(parser, [args.strategy], None, [args.world_size], args.network)
@@ -208,7 +201,6 @@ def cmd_trace(args, parser) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- draw
 def cmd_draw(args, parser) -> int:
     from ddpkit.torchrun import draw
 
@@ -222,7 +214,6 @@ def cmd_draw(args, parser) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- doctor
 def cmd_doctor(args, parser) -> int:
     from ddpkit.doctor import doctor
 
@@ -232,7 +223,6 @@ def cmd_doctor(args, parser) -> int:
         parser.error(str(exc))
 
 
-# --------------------------------------------------------------------------- ledger
 def cmd_ledger(args, parser) -> int:
     from ddpkit.predictions.report import picture_path, report
 
@@ -251,7 +241,6 @@ def cmd_ledger(args, parser) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- lab
 def cmd_lab(args, parser) -> int:
     from ddpkit.lab import lab
 

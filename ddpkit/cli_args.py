@@ -19,8 +19,7 @@ from ddpkit.workload import samples_per_rank
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """argparse's, but a help text wraps between words only: a strategy name like
-    ``sharded_optimizer`` is never cut in two at the edge of the terminal."""
+    """argparse's, but a help text wraps between words only (``sharded_optimizer`` is never cut)."""
 
     def _split_lines(self, text, width):
         return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
@@ -75,8 +74,7 @@ def check_writable(parser, option: str, path: str | None) -> None:
 
 
 def parser_checked(parser, call, *args, **kwargs):
-    """``call(*args, **kwargs)``; a ValueError from the library becomes the parser's error (exit
-    2). Its message names the library's keyword, e.g. gpus_per_node= for --gpus-per-node."""
+    """``call(*args, **kwargs)``; a ValueError from the library becomes the parser's error (exit 2)."""
     try:
         return call(*args, **kwargs)
     except ValueError as exc:
@@ -84,8 +82,7 @@ def parser_checked(parser, call, *args, **kwargs):
 
 
 def parse_network(parser, args, world_sizes):
-    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, its nodes checked against
-    every world size as a Cluster checks them."""
+    """``--network`` and ``--gpus-per-node`` as a ``ddpkit.Network``, checked at every world size."""
     from ddpkit.network import Network
 
     network = parser_checked(parser, Network.of, args.network, gpus_per_node=args.gpus_per_node)
@@ -115,9 +112,8 @@ def check_comm_hook(parser, comm_hook: str | None, strategies) -> None:
 
 
 def check_run_args(parser, args) -> None:
-    """Checks shared by compare and trace, before any process starts: the Cluster's own (world
-    size, backend, threads, network), the workload (``--model``), then whether the global batch
-    splits over the ranks."""
+    """Checks shared by compare and trace, before any process starts: the Cluster's own, the
+    workload (``--model``), and whether the global batch splits over the ranks."""
     args.network = parse_network(parser, args, [args.world_size])
     settings = parser_checked(parser, check_arguments, args.world_size, args.backend,
                               threads_per_rank=args.threads_per_rank, network=args.network, gpus=args.gpus,

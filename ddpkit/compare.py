@@ -5,9 +5,7 @@
         records = compare(cluster, names, workload=wl)          # on your own model: a ddpkit.Workload
     print(format_table(records))       # or ddpkit.viz.plot_compare(records)
 
-``python -m ddpkit compare`` is this with arguments; notebook 06 calls it directly. The timing
-loop (rotated rounds, each run announced) is ``ddpkit.series.timed_rounds``; ``interleaved`` here
-is that loop for any set of configurations (the notebooks' sweeps).
+``python -m ddpkit compare`` is this with arguments; ``interleaved`` times any set of configurations.
 """
 from __future__ import annotations
 
@@ -21,13 +19,10 @@ from ddpkit.units import human_bytes
 
 
 def interleaved(cluster, runs: dict, rounds: int = 7, steps: int = 5, warmup: int = 1, **common) -> dict:
-    """Time several configurations fairly on one (shared, noisy) machine: ``rounds`` rounds, each
-    running every configuration once, the order rotated each round; returns ``{label: [ms/step of
-    each round]}`` (each the slowest rank's median over ``steps`` steps). ``runs`` maps a label to
-    ``run_strategy`` keywords (at least ``strategy``), on top of ``common``, on the cluster's
-    network (``cluster.network``). Each run is announced to the cluster (the widget labels its
-    progress). A configuration that fails is warned about and left out. Take the median of the
-    rounds and show their spread: one round on a shared machine proves little."""
+    """Time several configurations fairly on a noisy machine: ``rounds`` rounds, each running every
+    configuration once in a rotated order; ``{label: [ms/step of each round]}`` (the slowest rank's
+    median). ``runs``: label -> ``run_strategy`` keywords on top of ``common``. A failing one is
+    warned about and left out."""
     with Series(cluster, rounds * len(runs)) as series:
         timings = timed_rounds(series, runs, rounds, steps, warmup, **common)
     for err in timings.errors.values():
@@ -44,21 +39,14 @@ def compare(cluster, strategies, workload=None, model_kwargs=None, steps=10, rou
             global_batch_size=32, optimizer="sgd", bucket_cap_mb=None, record_steps=3,
             progress=None, *, model=None, max_norm=None, comm_hook=None) -> list[dict]:
     """Every strategy on one cluster: ``rounds`` interleaved timing runs with recording off (the
-    order rotates each round, so slow spells hit every strategy alike: ``series.timed_rounds``),
-    then one short recorded run each for bytes, overlap, memory and equality with one process. One
-    dict per strategy. ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare
-    variants too (as ``costmodel.validate`` takes them), e.g. ``{name: (name, {}), name + " by
-    block": (name, {"units": {GPT2Block}})}`` for FSDP's units by class. ``workload``: what they train, a
-    ``ddpkit.Workload`` (your model, its data and loss), a built-in's name sized by
-    ``model_kwargs`` (``model=`` is the older name of this keyword), or
-    ``"package.module:function"``; default the course's MLP. ``max_norm``: clip the
-    gradients to it every step. ``comm_hook``: a communication hook's name
-    (``strategies.comm_hooks.COMM_HOOKS``, e.g. ``"bf16_compress"``) that reduces the buckets of
-    every strategy whose buckets take one (``Strategy.takes_comm_hook``); the others run as they
-    are (a variant's own ``{"comm_hook": ...}`` option works too). Each run is announced to the
-    cluster (``cluster.announce``: the widget labels its progress with the strategy, the round and
-    the run's place in the whole comparison); ``progress``: a ``ddpkit.progressbar.ProgressBar``
-    to follow the comparison on a terminal, or None."""
+    order rotates each round: ``series.timed_rounds``), then one short recorded run each for
+    bytes, overlap, memory and equality with one process. One dict per strategy.
+
+    ``strategies``: names, or ``{label: (name, {wrapper options})}`` to compare variants too.
+    ``workload``: a ``ddpkit.Workload``, a built-in's name sized by ``model_kwargs`` (``model=`` is
+    the older name) or ``"package.module:function"``; default the MLP. ``max_norm``: clip the
+    gradients every step. ``comm_hook``: a hook's name (``comm_hooks.COMM_HOOKS``) for every
+    strategy that takes one. ``progress``: a ``ddpkit.progressbar.ProgressBar``, or None."""
     from ddpkit.strategies.table import NAMES
     from ddpkit.strategies.table import strategy as strategy_row
     from ddpkit.workload import resolve
@@ -151,9 +139,7 @@ def _hook_name(hook) -> str | None:
 
 
 def torch_reference(strategy: str) -> str:
-    """The torch wrapper a strategy is compared with: the table's torch-native row of the same
-    ``family`` (DDP-like rows against torch's DDP, the ZeRO optimizers against its
-    ZeroRedundancyOptimizer, ...)."""
+    """The torch wrapper a strategy is compared with: the table's torch-native row of its ``family``."""
     from ddpkit.strategies.table import STRATEGIES
 
     family = STRATEGIES[strategy].family
@@ -161,9 +147,8 @@ def torch_reference(strategy: str) -> str:
 
 
 def _add_ratios(records: list[dict]) -> None:
-    """ms_per_step over torch's own wrapper of the same family, where it ran: ``vs_torch`` (and
-    ``vs_<that wrapper's name>``). A ratio of times: 1.20 = 20% slower than torch's, 0.80 = faster.
-    A variant (``name`` its table row, ``strategy`` its label) is compared with its row's."""
+    """``vs_torch`` (and ``vs_<its name>``): ms_per_step over torch's wrapper of the same family,
+    where it ran (1.20 = 20% slower than torch's); a variant is compared with its row's."""
     ok = {r["strategy"]: r for r in records if "error" not in r}
     for r in ok.values():
         ref = ok.get(torch_reference(r.get("name", r["strategy"])))

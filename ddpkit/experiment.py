@@ -1,13 +1,9 @@
 """The harness: build a strategy by name, run it, time it, and read back what it recorded.
 
-``wrap`` (a name -> wrapper + optimizer, from ``ddpkit.strategies.table``), the single-process
-twin every strategy must equal (``train_single_process``, ``max_abs_diff``), and ``run_strategy``,
-the Cluster job behind ``compare`` and ``python -m ddpkit compare`` and ``trace``: build the
-workload's model, train with the one training step (``ddpkit.step.train_batch``, also importable
-from here), time each step (perf_counter on CPU, CUDA events on GPU), and optionally record,
-reading bytes, overlap and memory back from ``ddpkit.trace``'s records; what it measured is a
-``ddpkit.run_result.RunResult``. Where a model drops out (``active_dropout``), it differs from one
-process by design.
+``wrap`` (a name -> wrapper + optimizer), the single-process twin every strategy must equal
+(``train_single_process``, ``max_abs_diff``), and ``run_strategy``, the Cluster job behind
+``compare`` and ``trace``: build, train with ``ddpkit.step.train_batch``, time, optionally record,
+and return a ``ddpkit.run_result.RunResult``.
 """
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from ddpkit.workload import resolve, shard_batch
 
 
 def optimizer_class(name: str):
-    """(class, defaults) for an optimizer name: SGD (lr 0.05, momentum 0.9) or AdamW (lr 1e-3),
-    the two the tests and benchmarks use (a ShardedOptimizer takes them in this form)."""
+    """(class, defaults) for an optimizer name: SGD (lr 0.05, momentum 0.9) or AdamW (lr 1e-3)."""
     if name == "sgd":
         return torch.optim.SGD, dict(lr=0.05, momentum=0.9)
     if name == "adamw":
@@ -45,11 +40,7 @@ def local_batch(module, global_batch_size: int, step: int, rank: int, world_size
 def train_single_process(workload="mlp", optimizer: str = "sgd", steps: int = 5, global_batch_size: int = 16,
                          seed: int = 0, max_norm: float | None = None, **model_kwargs) -> dict:
     """Train on the whole batch in this process: the reference every strategy must equal.
-
-    ``workload``: a ``ddpkit.Workload``, or a built-in's name sized by ``model_kwargs``. With
-    ``max_norm``, gradients are clipped to it (``torch.nn.utils.clip_grad_norm_``) before each
-    step. Returns ``{parameter name: tensor}`` after ``steps`` steps.
-    """
+    Returns ``{parameter name: tensor}`` after ``steps`` steps (clipped to ``max_norm`` if given)."""
     wl = resolve(workload, model_kwargs=model_kwargs, seed=seed)
     model = wl.build(seed)
     opt = make_optimizer(model.parameters(), optimizer)
@@ -71,9 +62,8 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float | None = None,
          recorder=None, process_group=None, options: dict | None = None):
-    """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them; the
-    model is moved to this rank's device first. Nothing else in a training loop depends on the name.
-    ``options``: more keywords for the wrapper (e.g. FSDP's ``forward_prefetch=True``)."""
+    """(wrapped model, optimizer) for ``strategy``, as the table of strategies builds them, on this
+    rank's device; ``options``: more keywords for the wrapper (e.g. FSDP's ``forward_prefetch=True``)."""
     from ddpkit.rankside import device
 
     row = strategy_row(strategy)
@@ -83,12 +73,8 @@ def wrap(strategy: str, module, optimizer: str = "sgd", bucket_cap_mb: float | N
     return model, row.optimizer(model, cls, defaults, **common)
 
 
-# ---------------------------------------------------------------------------------------------
-# What one recorded run measures, read back from the recorder's plain records.
-# ---------------------------------------------------------------------------------------------
 def summarize_records(records, world_size: int, steps: list[int]) -> RecordSummary:
-    """Per-step averages over ``steps`` of one rank's records: bytes sent (ring cost), collective
-    counts, comm time and the share of it hidden under backward (``ddpkit.trace``'s definitions)."""
+    """Per-step averages over ``steps`` of one rank's records (``ddpkit.trace``'s definitions)."""
     from ddpkit import trace as tr
 
     t = tr.Trace(list(records), world_size)
@@ -122,11 +108,8 @@ _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, to
 
 
 def active_dropout(module) -> list[str]:
-    """Where ``module`` drops activations out in training: each of its modules in training mode
-    that is a dropout layer with p > 0, or that keeps a float ``*dropout*`` attribute > 0 (Hugging
-    Face's attention hands ``attention_dropout`` to a function, no module), as ``"name (p=0.1)"``.
-    N ranks draw other masks than one process on the whole batch, so with any of these a
-    strategy's parameters differ from one process's by design (``DROPOUT_NOTE``)."""
+    """Where ``module`` drops out in training, as ``"name (p=0.1)"``: dropout layers with p > 0 and
+    float ``*dropout*`` attributes > 0 (Hugging Face's ``attention_dropout``); see ``DROPOUT_NOTE``."""
     found = []
     for name, m in module.named_modules():
         if not m.training:
@@ -188,18 +171,10 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     """A Cluster job: build ``workload``'s model, train ``warmup + steps`` steps, report on this rank.
 
     ``workload``: a ``ddpkit.Workload``, a built-in's name (sized by ``model_kwargs``) or
-    ``"package.module:function"``; default the MLP. ``seed``: the model's initialization (and a
-    built-in's data). Timing covers the ``steps`` steps after the warmup (which pays one-off costs:
-    allocating buckets, torch DDP's bucket rebuild). With ``record=True`` a recorder is attached
-    and bytes, overlap and memory are measured too — use a separate run for timing, recording
-    costs a little. ``reference`` ({name: tensor} after warmup + steps single-process steps) adds
-    ``max_param_diff``, and ``dropout``: where the model drops out (``active_dropout``; then the
-    two differ by design). ``options``: more keywords for the wrapper (``wrap``, e.g. FSDP's
-    ``units={GPT2Block}``, the DDP family's ``comm_hook="bf16_compress"``); ``max_norm``: clip
-    gradients to it every step. Returns a ``RunResult`` (picklable, for ``Cluster.run``).
-
-    Five steps, top to bottom: build, train and time, summarise the records, compare with one
-    process, measure memory.
+    ``"package.module:function"``; default the MLP. Timing covers the steps after the warmup.
+    ``record=True`` also measures bytes, overlap and memory (time in a separate run).
+    ``reference`` ({name: tensor} single-process) adds ``max_param_diff`` and ``dropout``.
+    ``options``: more keywords for the wrapper (``wrap``); ``max_norm``: clip gradients every step.
     """
     import torch.distributed as dist
 
@@ -215,17 +190,16 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
     module = wl.build(seed)
     dropout = active_dropout(module) if reference is not None else []  # before the wrapper moves it
     recorder = _run_recorder(record, rank, world, dev)
-    # everything the job builds records into it: the strategy, and ddpkit's process group
     with recording(recorder):
         wrapped, opt = wrap(strategy, module, optimizer, bucket_cap_mb, recorder, options=options)
         result, gpu_peak = _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup,
                                            global_batch_size, max_norm, report_progress, dev)
         if record:
-            # Averages over the steps after the warmup (the warmup can hold one-off work, e.g.
-            # torch DDP rebuilding its buckets); what follows (full_state_dict's all-gathers, the
-            # memory pass) is put in a step of its own so it is not counted.
+            # averages over the timed steps; what follows is put in a step of its own, not counted
             summary = summarize_records(recorder.records, world, list(range(warmup, warmup + steps)))
-            _take_summary(result, summary)
+            for k, v in vars(summary).items():
+                if k != "peak_memory_sample":  # goes to _measure_memory
+                    setattr(result, k, v)
             recorder.next_step()
         if reference is not None:
             result.max_param_diff, result.dropout = _diff_to(reference, wrapped), dropout
@@ -239,8 +213,7 @@ def run_strategy(strategy: str, workload=None, steps: int = 10, global_batch_siz
 
 
 def _run_recorder(record: bool, rank: int, world: int, dev):
-    """The run's recorder: one of its own when it records, else the rank's (off unless the
-    cluster is recording: ``cluster.recording()``)."""
+    """The run's recorder: one of its own when it records, else the rank's."""
     if not record:
         return rank_recorder()
     from ddpkit.trace import Recorder
@@ -252,8 +225,7 @@ def _run_recorder(record: bool, rank: int, world: int, dev):
 
 def _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup, global_batch_size, max_norm,
                     report_progress, dev) -> tuple[RunResult, int | None]:
-    """Train ``warmup + steps`` steps, timing those after the warmup, and count what the emulated
-    network did meanwhile; (the result so far, the GPU allocator's peak over the timed steps)."""
+    """Train, timing the steps after the warmup; (the result so far, the GPU peak over those steps)."""
     import torch.distributed as dist
 
     from ddpkit import rankside
@@ -283,8 +255,7 @@ def _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup,
             progress(step + 1, total)
     times = timer.result()
     emulated = [b - a for a, b in zip(emulated_before, comm.emulation_counts(), strict=True)]
-    # the allocator's peak over the timed steps: read now, before what follows (gathering the
-    # full model for the comparison, the memory pass) allocates more than a step does
+    # read now, before the comparison's gather and the memory pass allocate more than a step
     gpu_peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
     result = RunResult(
         strategy, rank, world, wl.name, steps, step_ms=times,
@@ -294,26 +265,15 @@ def _train_and_time(strategy, wrapped, opt, wl, recorder, record, steps, warmup,
     return result, gpu_peak
 
 
-def _take_summary(result: RunResult, summary: RecordSummary) -> None:
-    """The recorded averages into the result (the memory sample's peak goes to ``_measure_memory``)."""
-    result.comm_bytes_per_step = summary.comm_bytes_per_step
-    result.inter_node_bytes_per_step = summary.inter_node_bytes_per_step
-    result.collectives_per_step = summary.collectives_per_step
-    result.comm_ms_per_step = summary.comm_ms_per_step
-    result.overlap_fraction = summary.overlap_fraction
-
-
 def _measure_memory(result: RunResult, wrapped, opt, batch, loss, recorder, gpu_peak: int | None,
                     peak_sample: int) -> None:
-    """Memory, measured in one more forward/backward/sync (no optimizer step), with the gradients
-    present as in the middle of a step (``train_batch`` ends by dropping them)."""
+    """Memory, measured in one more forward/backward/sync with the gradients present (no step)."""
     from ddpkit.memory import MODEL_STATES, measure_step
 
     sample = measure_step(wrapped, opt, batch, loss, recorder)
     opt.zero_grad(set_to_none=True)
     result.memory = sample
     result.model_state_bytes = sum(sample[c] for c in MODEL_STATES)
-    # GPU: the allocator's peak over the timed steps; CPU: what one step holds at once, or the
-    # largest sample a strategy reported
+    # GPU: the allocator's peak over the timed steps; CPU: one step's sample, or a strategy's largest
     result.peak_bytes = gpu_peak if gpu_peak is not None else max(
         sum(v for k, v in sample.items() if not k.startswith("cuda")), peak_sample)

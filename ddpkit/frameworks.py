@@ -1,24 +1,14 @@
 """ddpkit's DDP wrappers where accelerate and Lightning build torch's: one call, scoped.
 
-    import ddpkit
-
     with ddpkit.frameworks.use(ddpkit.OverlappedDDP, bucket_cap_mb=5):
         model, opt, loader = accelerator.prepare(model, opt, loader)      # accelerate (the HF Trainer too)
-        ...                                                              # train, save_state, unwrap_model
     with ddpkit.frameworks.use(ddpkit.BucketedDDP):
         trainer.fit(lit_module, loader)                                  # Lightning: Trainer or Fabric
 
-Frameworks build torch's ``DistributedDataParallel`` themselves, by a name: torch's own (accelerate and the
-Trainer read ``torch.nn.parallel.DistributedDataParallel`` at each call) or the one their strategy module
-imported (Lightning's ``strategies/ddp.py``). The same name then answers their ``isinstance`` checks, which
-unwrap the model for saving, choose ``no_sync()`` for accumulation and run ``teardown``. So ``use`` rebinds
-those names, for the block only, to a class made from the wrapper: it takes torch's arguments in torch's
-order (what the framework passes, e.g. ``DDPStrategy(find_unused_parameters=True)``), adds the block's own
-(``bucket_cap_mb=``, ``comm_hook=``...) and answers what the frameworks read beyond a script's ``module``
-(``strategies/torch_ddp_surface.py``). Nothing of the framework's own code or configuration changes, and the
-same line serves both; a strategy subclass per framework would not.
-
-Named ``use`` for how the line reads: "with frameworks.use(OverlappedDDP): fit".
+Frameworks build torch's ``DistributedDataParallel`` by a name (torch's own, or the one Lightning's
+``strategies/ddp.py`` imported) and check ``isinstance`` against it. ``use`` rebinds those names, for
+the block only, to a class made from the wrapper that takes torch's arguments
+(``strategies/torch_ddp_surface.py``); the framework's code and configuration are unchanged.
 """
 from __future__ import annotations
 
@@ -50,22 +40,10 @@ WRAPPERS = (NaiveDDP, BucketedDDP, OverlappedDDP)
 def use(wrapper: type, **options):
     """Inside the block, frameworks that build torch's ``DistributedDataParallel`` build ``wrapper`` instead.
 
-    Rebinds, for the block, ``torch.nn.parallel.DistributedDataParallel`` and
-    ``torch.nn.parallel.distributed.DistributedDataParallel`` and, where already imported, the
-    ``DistributedDataParallel`` of ``pytorch_lightning.strategies.ddp``, ``lightning_fabric.strategies.ddp``,
-    ``lightning.pytorch.strategies.ddp`` and ``lightning.fabric.strategies.ddp`` (one imported inside the
-    block takes it from torch's name) to a subclass of ``wrapper`` (ddpkit's ``NaiveDDP``, ``BucketedDDP``,
-    ``OverlappedDDP``, or a subclass) built with ``options`` and the framework's arguments; a clash between
-    the two is a ValueError. On exit every one of those names holding it is torch's class again.
-    ``pytorch_lightning.utilities.types.DistributedDataParallel`` is a Protocol (anything with ``no_sync``)
-    and is left alone. Yields the class.
-
-    Keep the whole training in the block, saving and unwrapping included: outside it, the frameworks'
-    ``isinstance`` checks no longer take the wrapper for DDP (accelerate's ``unwrap_model`` would return it
-    whole). The block acts in this process only: ranks that the framework starts by spawning a fresh
-    interpreter (Lightning's ``strategy="ddp_spawn"``) build torch's; start them with torchrun (or
-    Lightning's ``strategy="ddp"``, which re-runs the script). A block that built no wrapper warns so.
-    """
+    Rebinds torch's ``DistributedDataParallel`` names (``PLACES``) to a subclass of
+    ``wrapper`` built with ``options`` and the framework's arguments (a clash: ValueError), and puts
+    torch's back on exit; yields the class. Keep the whole training, saving included, in the block.
+    It acts in this process only: Lightning's ``strategy="ddp_spawn"`` ranks build torch's."""
     torch_ddp = torch.nn.parallel.distributed.DistributedDataParallel
     if issubclass(torch_ddp, TorchDDPSurface):
         raise RuntimeError("ddpkit.frameworks.use: already inside a use(...) block; one wrapper at a time")

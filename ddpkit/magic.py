@@ -9,10 +9,8 @@
     dist.all_reduce(t)
     t                       # a trailing expression: shown once per rank
 
-Each rank keeps its own namespace across cells (``t`` above still exists in the next
-``%%ranks`` cell, on each rank), until the cluster restarts. The cell runs on the most recently
-created running Cluster in the notebook's namespace, or on the one named: ``%%ranks cluster``.
-Printed lines appear live, prefixed ``[rank N]``; an error on any rank raises ``RankError``.
+Each rank keeps its own namespace across cells until the cluster restarts. The cell runs on the
+newest running Cluster, or the one named (``%%ranks cluster``); an error raises ``RankError``.
 """
 from __future__ import annotations
 

@@ -3,9 +3,7 @@
     zero_predictions(psi, n)                              # {DDP, ZeRO-1, ZeRO-2, ZeRO-3: {category: bytes}}
     predicted_model_state("zero2", parameter_count(m), n) # the stage a strategy follows, over its shard group
 
-The formulas count model states only (parameters, gradients, optimizer state), the categories
-``ddpkit.memory`` measures first; beside them a run measures the rest (``ddpkit.memory_sweep``).
-Which stage a strategy is, and over how many ranks it shards, is its row in the table of strategies.
+Model states only; which stage a strategy is, and over how many ranks, is its row in the table.
 """
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ def zero_predictions(num_params: int, world_size: int, k: float = 8, param_bytes
     """Model-state bytes per rank for DDP and ZeRO-1/2/3 (Rajbhandari et al., 2020, section 5;
     ``docs/papers.md``).
 
-    Ψ = ``num_params``, N = ``world_size`` (the ranks the state is sharded over), K =
-    optimizer-state bytes per parameter. The defaults are fp32 with Adam, as on CPU: parameters
-    4Ψ, gradients 4Ψ, Adam's two moments 8Ψ. The paper's mixed-precision case is
-    ``param_bytes=2, grad_bytes=2, k=12`` (K counts the fp32 master copy too), giving DDP 16Ψ,
-    ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2+K)Ψ/N, ZeRO-3 16Ψ/N.
-    """
+    Ψ = ``num_params``, N = ``world_size``, K = optimizer bytes per parameter; defaults fp32 Adam
+    (4Ψ + 4Ψ + 8Ψ). The paper's mixed precision is ``param_bytes=2, grad_bytes=2, k=12``."""
     if world_size < 1 or num_params < 0:
         raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
     p, g, o, n = param_bytes * num_params, grad_bytes * num_params, k * num_params, world_size
@@ -49,10 +43,8 @@ def parameter_count(model) -> int:
 
 
 def shard_group_size(strategy: str, world_size: int, topology=None) -> int:
-    """Over how many ranks ``strategy`` shards its state at ``world_size``: all of them, except
-    hybrid sharding, which shards inside a node of ``topology`` (a ``ddpkit.Topology``, a
-    ``ddpkit.Network`` with ``gpus_per_node``, or None: nodes of 2) and replicates across nodes,
-    so its state is everything / k, not / N. The table's ``Strategy.shard_group_size``."""
+    """Over how many ranks ``strategy`` shards its state at ``world_size``: all, except hybrid
+    sharding, which shards inside a node of ``topology`` (None: nodes of 2)."""
     return STRATEGIES[strategy].shard_group_size(world_size, topology)
 
 

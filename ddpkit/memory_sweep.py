@@ -3,12 +3,9 @@
     sweep = {n: memory_against_n(cluster_of_n, strategies) for n in (1, 2, 4)}   # names from strategies.table
     ddpkit.viz.plot_memory_against_n(sweep)       # stacked by category, the ZeRO formula beside
 
-The ZeRO formulas (``memory_formulas.zero_predictions``) count model states only; what does not
-shrink with N is the rest: activations, DDP's buckets, FSDP's gathered units, and the optimizer
-state before the first step (torch allocates it lazily). ``memory_job`` (a Cluster job) trains a
-few AdamW steps and measures per rank every ``memory.CATEGORIES`` of a steady step before its
-optimizer step (``memory.measure_step``), plus ``unsharded_parameters`` (FSDP's most gathered at
-once) and ``optimizer_state_before_first_step``.
+The ZeRO formulas count model states only; activations, DDP's buckets and FSDP's gathered units
+do not shrink with N. ``memory_job`` (a Cluster job) trains a few AdamW steps and measures every
+``memory.CATEGORIES`` of a steady step, plus ``optimizer_state_before_first_step``.
 """
 from __future__ import annotations
 

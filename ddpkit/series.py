@@ -6,11 +6,8 @@
     timings.per_round["a"]    # [ms/step of each round]: the slowest rank's median over the steps
     timings.errors            # {label: "a failed: <the rank's last error line>"}: skipped after
 
-``compare`` and ``interleaved`` (``compare.py``) and the cost model's ``validate``
-(``costmodel/validate.py``) all time through ``timed_rounds``, so they rotate, skip failures and
-announce alike. Each run is announced to the cluster (``cluster.announce``): the widget's
-progress and a terminal ``ProgressBar`` (both subscribers of the cluster) show its label and
-"run 9 of 28"; they only show what the series counted.
+``compare``, ``interleaved`` and ``costmodel.validate`` all time through ``timed_rounds``, so they
+rotate, skip failures and announce (``cluster.announce``: "run 9 of 28") alike.
 """
 from __future__ import annotations
 
@@ -18,9 +15,8 @@ from dataclasses import dataclass, field
 
 
 def run_or_fail(cluster, label: str, fn, *args, **kwargs):
-    """Run a job; a failing one (e.g. a strategy not written yet) is reported, not fatal:
-    ``(results, None)`` or ``(None, "<label> failed: <the rank's last error line>")``. A rank
-    that died is restarted, so the cluster is usable for the next run."""
+    """Run a job, a failing one reported, not fatal: ``(results, None)`` or ``(None, "<label>
+    failed: <the rank's last error line>")``."""
     from ddpkit.cluster import RankError
 
     try:
@@ -33,10 +29,8 @@ def run_or_fail(cluster, label: str, fn, *args, **kwargs):
 
 
 class Series:
-    """Counts the runs of a series and announces each to the cluster (label, run i of n).
-
-    ``follow``: a callback to subscribe to the cluster for the series (e.g. a ``ProgressBar``);
-    subscribers of the cluster (the widget) hear the announcements anyway."""
+    """Counts the runs of a series and announces each to the cluster (label, run i of n); ``follow``:
+    a callback subscribed to the cluster for the series (e.g. a ``ProgressBar``)."""
 
     def __init__(self, cluster, runs: int, follow=None):
         self.cluster, self.runs, self.done = cluster, runs, 0
@@ -63,8 +57,7 @@ class Series:
 
 @dataclass
 class Timings:
-    """What ``timed_rounds`` measured: per label, the ms/step of each round it ran (the slowest
-    rank's median over the steps), and the labels that failed (skipped from then on)."""
+    """What ``timed_rounds`` measured: per label, each round's ms/step, and the labels that failed."""
 
     per_round: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
@@ -74,11 +67,9 @@ class Timings:
 
 def timed_rounds(series: Series, runs: dict, rounds: int, steps: int, warmup: int = 1,
                  each_round=None, **common) -> Timings:
-    """Time several configurations fairly on one (shared, noisy) machine: ``rounds`` rounds,
-    each running every configuration once with recording off, the order rotated by the round
-    so slow spells hit every configuration alike. ``runs`` maps a label to ``run_strategy``
-    keywords (at least ``strategy``), on top of ``common``. ``each_round(r)``, if given, runs
-    first in every round (the cost model calibrates there, in the same slow spells)."""
+    """Time several configurations fairly on a noisy machine: ``rounds`` rounds, each running every
+    configuration once (recording off) in a rotated order. ``runs``: label -> ``run_strategy``
+    keywords on top of ``common``; ``each_round(r)``, if given, runs first in every round."""
     from ddpkit.experiment import run_strategy
 
     timings = series.timings = Timings({label: [] for label in runs})  # also what was timed if interrupted

@@ -8,16 +8,9 @@
 
     python -m ddpkit draw run1                  # the widget's pictures and a Perfetto trace, from the files
 
-``init_process_group`` is torch's, with ddpkit's process group between torch and the real backend
-(the one a ``Cluster`` and ``python -m ddpkit.train`` use): every collective, torch's wrappers' too,
-is counted and can be recorded, and ``network=`` makes it take as long as on an emulated link. With
-torch's plain ``init_process_group`` the wrappers still train, but a recording has no collectives.
-
-``record`` makes a ``ddpkit.trace.Recorder`` the rank's recorder inside the block: a wrapper built with
-``recorder=None`` (the default) reports its steps, gradients and memory into it, and the process
-group its collectives; each training forward through a wrapper begins a recorded step (as torch's DDP
-counts iterations). The ranks' clocks are put on rank 0's first, so the merged timeline lines up.
-``draw`` (library code the command calls) merges the ranks' files and writes what the widget draws.
+``init_process_group`` puts ddpkit's process group between torch and the real backend, so every
+collective is counted and can be recorded (``network=``: emulated). ``record`` makes a
+``ddpkit.trace.Recorder`` the rank's recorder inside the block, clocks aligned to rank 0's.
 """
 from __future__ import annotations
 
@@ -40,12 +33,8 @@ SUFFIX = ".records"
 
 def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> None:
     """``torch.distributed.init_process_group(backend, **kwargs)`` through ddpkit's process group.
-    Its ``timeout`` defaults to a Cluster's (``cluster.TIMEOUT_S``, 60 s), not torch's 30 minutes: a
-    rank that failed but lives on does not keep the others waiting silently for half an hour.
-
-    ``backend``: the real one underneath, "gloo" or "nccl" (torchrun's environment gives the rest, as
-    for torch's own call). ``network``: an emulated link (a preset's name or a ``ddpkit.Network``);
-    the default adds no time. A NCCL rank uses GPU ``LOCAL_RANK``, as torchrun scripts do."""
+    ``timeout`` defaults to a Cluster's 60 s, not torch's 30 minutes. ``backend``: "gloo" or "nccl"
+    (a NCCL rank uses GPU ``LOCAL_RANK``). ``network``: an emulated link; the default adds no time."""
     from ddpkit.comm import process_group
 
     if backend not in ("gloo", "nccl"):
@@ -59,10 +48,8 @@ def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> N
 
 @contextlib.contextmanager
 def record(folder: str):
-    """Record this rank inside the block; at its end write ``folder/rank<r>.records`` (whole or not
-    at all: a temporary file renamed). Every rank enters it (aligning the clocks is a collective) and
-    every rank leaves it. The folder is checked before the block runs (writable, room for a step's
-    records): a read-only or full disk is an OSError naming it before any training, not after."""
+    """Record this rank inside the block; at its end write ``folder/rank<r>.records`` (atomically).
+    Every rank enters it (aligning the clocks is a collective); the folder is checked first."""
     from ddpkit.trace import Recorder
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -91,9 +78,8 @@ def record(folder: str):
 
 
 def load(folder: str):
-    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace``. A file that is not
-    one ``record`` wrote (damaged, empty, text, any other pickle) is a ValueError naming it: files
-    are read with ``weights_only=True``, so nothing in them can run code."""
+    """The ranks' files in ``folder`` merged into one ``ddpkit.trace.Trace`` (read with
+    ``weights_only=True``: nothing in them can run code; a bad file is a ValueError naming it)."""
     from ddpkit.trace import Trace
 
     paths = sorted(glob.glob(os.path.join(folder, f"rank*{SUFFIX}")))
@@ -117,9 +103,8 @@ def load(folder: str):
 
 
 def draw(folder: str, step: int = -1) -> dict[str, str]:
-    """From the recording in ``folder``: ``trace.json`` (Perfetto), ``timeline.png`` (every rank's
-    compute and collectives in ``step``, by default the last) and ``bucket_fill.png`` (rank 0's
-    gradients as they became ready, by bucket). Returns {what: path}."""
+    """From the recording in ``folder``: ``trace.json``, ``timeline.png`` and ``bucket_fill.png`` of
+    ``step`` (default the last); returns {what: path}."""
     from ddpkit.trace import to_chrome_trace
     from ddpkit.viz import plot_bucket_fill, plot_timeline
 

@@ -11,22 +11,9 @@
     cluster.restart(); cluster.shutdown()         # also usable as a context manager
 
 A rank that raises gives ``RankError`` naming the rank(s) and carrying their tracebacks.
-
-This file is the public face; the work is done by the pieces beside it, one job each:
-- ``processes``: start the rank processes, let them join one process group, stop or kill them;
-- ``placement``: where the ranks run (CPU, a GPU each, or sharing GPUs) and what carries their bytes;
-- ``admission``: the loopback job socket, which admits only this cluster's own workers;
-- ``jobs``: one ``run()``: send the job, collect the results, and the fault policy;
-- ``pickling``: turn a notebook's function into bytes a rank can run;
-- ``events``: what the parent knows about each rank, and the observers (the widget) told of it;
-- ``errors``: ``RankError`` (and ``DesyncError``, ``GpuOutOfMemoryError``);
-- ``gpu_memory``: what a rank holds on its GPU, and what to say when one runs out.
-The other end of the job channel is ``ddpkit.cluster.worker`` (what a job reports through:
-``report``, ``ddpkit.progress``); what a job can ask of its rank is ``ddpkit.rankside``.
-
-Recording is the one place the cluster reaches into a later layer, the recorder's: the switch
-must live on the cluster (``cluster.recording()``), and what it runs on the ranks and collects
-here is ``ddpkit.trace.live``, imported only when a run is recorded.
+This file is the public face; ``processes``, ``placement``, ``admission``, ``jobs``, ``pickling``,
+``events``, ``errors`` and ``gpu_memory`` beside it do the work, ``worker`` is the ranks' end.
+Recording reaches into a later layer (``ddpkit.trace.live``), imported only when a run is recorded.
 """
 from __future__ import annotations
 
@@ -54,33 +41,19 @@ __all__ = ["BACKENDS", "TRANSPORTS", "Cluster", "RankError", "RankState", "TIMEO
 class Cluster:
     """``world_size`` persistent ranks in one process group; ``run(fn)`` runs fn on all of them.
 
-    ``gpus``: which CUDA device each rank uses (rank r on ``cuda:gpus[r]``), so that several notebooks
-    share one multi-GPU machine. A GPU each: NCCL. A GPU named for several ranks (``[0, 0, 0, 0]``):
-    they share it, each its own process with its own CUDA context. Default (``backend="auto"``): the
-    first ``world_size`` visible GPUs, one each; with fewer GPUs than ranks, rank r on GPU r % GPUs,
-    sharing them (the course on CUDA ranks for a learner with one GPU); without a GPU, the CPU.
-    Checked before any rank starts (``ddpkit.cluster.placement``).
+    ``gpus``: rank r on ``cuda:gpus[r]``; a GPU named for several ranks (``[0, 0, 0, 0]``) is shared.
+    Default (``backend="auto"``): the visible GPUs, one each, shared round-robin when fewer than
+    ranks; without a GPU, the CPU (``ddpkit.cluster.placement`` checks, before any rank starts).
 
-    ``transport``: what moves the bytes between the ranks. CPU ranks: ``"auto"`` (and ``"shm"``):
-    shared memory (``ddpkit.comm.transport``), as NCCL and MPI move bytes inside a node; ``"gloo"``:
-    gloo's sockets over loopback, as across hosts and under torchrun. A GPU each: NCCL. Ranks sharing
-    a GPU: ``"cuda-ipc"`` (the default: a device buffer per group, on the GPU), ``"shm"`` (staged
-    through pinned host memory), ``"gloo"``, or ``"nccl"`` where NCCL has its multi-rank switch
-    (``placement``'s docstring). ``carried_by`` says which, in words.
+    ``transport``: what moves the bytes. CPU ranks: ``"auto"``/``"shm"`` (shared memory, as NCCL
+    inside a node) or ``"gloo"`` (loopback sockets, as across hosts). A GPU each: NCCL. Ranks
+    sharing a GPU: ``"cuda-ipc"`` (default), ``"shm"``, ``"gloo"`` or ``"nccl"``; ``carried_by`` says.
 
-    ``memory_fraction``: cap each GPU rank's caching allocator at this fraction of its GPU's memory
-    (``torch.cuda.set_per_process_memory_fraction``), so that ranks sharing a GPU cannot starve one
-    another: a rank that outgrows its share runs out of memory alone, and the ``RankError`` says what
-    each rank held. The CUDA context (hundreds of MiB per process) is outside the cap.
+    ``memory_fraction``: cap each GPU rank's caching allocator at this fraction of its GPU, so
+    that a rank that outgrows its share runs out of memory alone (the CUDA context is outside it).
 
-    ``pin_cores``: bind each rank, every thread of it, to cores of its own (rank r to the r-th of
-    ``world_size`` equal slices of the cores this process may use; a ValueError with fewer cores
-    than ranks). Left free (the default), Linux may move a rank that its peer woke onto the
-    peer's core, two ranks then share a core while another idles, and a step with many
-    collectives (FSDP, naive DDP) runs slower and changes speed from one round to the next
-    (``python -m ddpkit compare --pin-cores`` shows it on your machine). Pinned, a rank cannot
-    move off a core that something else on the machine keeps busy (a browser, a second job):
-    pin on a quiet machine, for steady timings."""
+    ``pin_cores``: bind rank r to the r-th of ``world_size`` equal slices of the usable cores, for
+    steady timings on a quiet machine (``python -m ddpkit compare --pin-cores`` shows the effect)."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = TIMEOUT_S,
                  threads_per_rank: int | None = None, network=None, gpus=None, transport: str = "auto",
@@ -116,15 +89,12 @@ class Cluster:
 
     @property
     def carried_by(self) -> str:
-        """What the ranks' collectives go through, in words: "gloo, bytes through shared memory"
-        (the CPU default), "gloo" (its sockets), "nccl" (a GPU each), or for ranks sharing a GPU
-        e.g. "gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC"."""
+        """What the ranks' collectives go through, in words ("gloo, bytes through shared memory")."""
         return carried_by(self.world_size, self.backend, self.gpus, self.transport)
 
     @property
     def network(self):
-        """The network the ranks' collectives are emulated on (a ``ddpkit.Network``). Assign a
-        ``Network`` or a preset name to switch it between runs, without restarting the ranks."""
+        """The emulated ``ddpkit.Network``; assign one (or a preset name) between runs."""
         return self._network
 
     @network.setter
@@ -139,7 +109,6 @@ class Cluster:
     def _alive(self) -> bool:
         return self._workers.alive
 
-    # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Start the ranks (done by the constructor; call again after ``shutdown()``)."""
         self._workers.start(Settings(self.world_size, self.backend, self.timeout, self.threads_per_rank,
@@ -166,14 +135,9 @@ class Cluster:
         except Exception:
             pass
 
-    # ------------------------------------------------------------------ jobs
     def run(self, fn, /, *args, **kwargs) -> list:
-        """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order. Every
-        keyword goes to ``fn`` (``fn`` itself is positional only, so even ``fn=`` does).
-
-        While recording is on (``recording()``), each rank records what the job does and
-        streams it here as it goes; ``last_trace`` then holds the merged records (also after
-        a job that failed: what the ranks recorded until then)."""
+        """Run ``fn(*args, **kwargs)`` on every rank at once; the results in rank order. While
+        recording, ``last_trace`` then holds the merged records (also after a failed job)."""
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         return self._run(fn, args, kwargs, record=self._record)
@@ -209,7 +173,6 @@ class Cluster:
             self._events.notify("job", None, phase="end", recorded=collector is not None)
             self._job_lock.release()
 
-    # ------------------------------------------------------------------ recording
     @property
     def record(self) -> bool:
         """Are runs recorded? Set it (the widget's toggle does), or use ``recording()``."""
@@ -223,12 +186,8 @@ class Cluster:
 
     @contextlib.contextmanager
     def recording(self):
-        """``with cluster.recording(): cluster.run(job)``: the runs inside are recorded.
-
-        Each rank runs the job with a fresh ``ddpkit.trace.Recorder`` as its recorder (clocks
-        aligned to rank 0's), so every strategy built in the job records into it, and streams
-        its records here while the job runs. ``run`` still returns what the job returned;
-        the merged records are ``cluster.last_trace``."""
+        """``with cluster.recording(): cluster.run(job)``: the runs inside are recorded into
+        ``cluster.last_trace`` (each rank records with a fresh ``ddpkit.trace.Recorder``)."""
         previous = self._record
         self.record = True
         try:
@@ -237,14 +196,11 @@ class Cluster:
             self.record = previous
 
     def announce(self, label: str | None, run: int | None = None, runs: int | None = None) -> None:
-        """Tell the observers (the widget, a terminal progress bar) what the next runs are part
-        of, e.g. ``announce("overlapped, timing round 2 of 3", run=9, runs=28)``; None: nothing."""
+        """Tell the observers what the next runs are part of, e.g. ``announce("overlapped", run=9, runs=28)``."""
         self._events.notify("label", None, label=label, run=run, runs=runs)
 
-    # ------------------------------------------------------------------ observers
     def subscribe(self, callback) -> None:
-        """Call ``callback(kind, rank, **fields)`` on every event (see ``cluster.events``): a
-        rank's status, log and progress, a job's start and end, streamed records, ..."""
+        """Call ``callback(kind, rank, **fields)`` on every event (see ``cluster.events``)."""
         self._events.subscribe(callback)
 
     def unsubscribe(self, callback) -> None:
@@ -267,8 +223,7 @@ def _set_network(network: dict) -> None:
 def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float = TIMEOUT_S,
                     threads_per_rank: int | None = None, network=None, gpus=None,
                     transport: str = "auto", pin_cores: bool = False, memory_fraction: float | None = None) -> Settings:
-    """A Cluster's arguments, checked and resolved, with nothing started (the Cluster and the
-    command line both check with this): a ValueError naming the bad argument and what is valid."""
+    """A Cluster's arguments, checked and resolved, with nothing started (also the CLI's check)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or
@@ -281,10 +236,8 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
     backend, gpus, transport = place(world_size, backend, gpus, transport)  # where the ranks run, what carries bytes
     check_room(world_size, transport)  # processes, memory, /dev/shm: what this machine can start
     memory_fraction = check_memory_fraction(memory_fraction, gpus)
-    # torch's CPU threads per rank. torch starts one per core in every process, so N ranks
-    # on C cores would run N*C threads and fight over the cores (a step many times slower:
-    # `compare --threads-per-rank 0` shows it); torchrun avoids this with OMP_NUM_THREADS=1.
-    # Default: C / N.
+    # torch starts a thread per core in every process: N ranks on C cores get C / N each, or they
+    # fight over the cores (as torchrun's OMP_NUM_THREADS=1 avoids).
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     return Settings(world_size, backend, float(timeout), threads_per_rank, network, gpus, transport,
@@ -292,8 +245,7 @@ def check_arguments(world_size: int = 2, backend: str = "auto", timeout: float =
 
 
 def cores_per_rank(world_size: int) -> tuple[tuple[int, ...], ...]:
-    """``Cluster(pin_cores=True)``'s cores for each rank: the cores this process may use, cut in
-    ``world_size`` equal slices in order; a ValueError where there are fewer cores than ranks."""
+    """``Cluster(pin_cores=True)``'s cores: the usable cores cut in ``world_size`` equal slices."""
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not usable:
         raise ValueError("pinning ranks to cores (pin_cores=True, --pin-cores) needs os.sched_getaffinity, which "
@@ -306,8 +258,7 @@ def cores_per_rank(world_size: int) -> tuple[tuple[int, ...], ...]:
 
 
 def check_network(network, world_size: int):
-    """A ``ddpkit.Network`` for ``network`` (None: loopback); its nodes, if it has some, must lay
-    out ``world_size`` ranks (``ddpkit.Topology`` checks)."""
+    """A ``ddpkit.Network`` for ``network`` (None: loopback) whose nodes can lay out ``world_size`` ranks."""
     from ddpkit.network import Network
     from ddpkit.topology import Topology
 

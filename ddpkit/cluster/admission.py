@@ -1,14 +1,9 @@
 """The job channel's door: a loopback socket that lets in only this cluster's own workers.
 
-The job channel carries jobs, results, tracebacks, printed lines and progress events, and
-whatever it unpickles is as good as executed (pickle can call any function). So:
-- the socket listens on loopback (127.0.0.1, port chosen by the OS): nothing off this machine
-  can reach it;
-- each connection must first pass a mutual HMAC challenge with a random key made per cluster
-  start (``handshake``, which the worker runs too), in its own thread with a time limit, so a stranger that
-  connects and says nothing cannot stall the others. Only then is anything unpickled;
-- an admitted worker then says hello: its rank, the start (generation) it belongs to, its pid.
-A connection that fails any of this is refused and logged (logger ``ddpkit.cluster``).
+Whatever the channel unpickles is as good as executed, so the socket listens on loopback only, and
+each connection must first pass a mutual HMAC challenge with a per-start random key (``handshake``,
+in its own thread with a time limit) before anything is unpickled; then the worker says hello
+(rank, generation, pid). A connection that fails is refused and logged (logger ``ddpkit.cluster``).
 """
 from __future__ import annotations
 
@@ -48,11 +43,8 @@ def mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
 def handshake(sock: socket.socket, key: bytes, server: bool) -> Connection:
     """Mutual HMAC challenge over a fresh socket; returns it as a multiprocessing Connection.
 
-    The server (parent) sends a nonce; the client answers HMAC(key, b"client"+nonce) and its
-    own nonce; the server checks, then answers HMAC(key, b"server"+client_nonce). The role
-    prefix stops a peer from reflecting one side's challenge back at it. Raises
-    ``PermissionError`` on a wrong answer, ``OSError``/``ConnectionError`` on silence.
-    """
+    Each side answers the other's nonce with HMAC(key, role + nonce); the role prefix stops a
+    reflected challenge. ``PermissionError`` on a wrong answer, ``OSError`` on silence."""
     sock.settimeout(HANDSHAKE_TIMEOUT)
     if server:
         nonce = os.urandom(_NONCE)
@@ -82,8 +74,7 @@ class Admission:
         self.address = self._sock.getsockname()
         self.hellos: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        # The thread gets only what it needs: no reference to this object or to the cluster,
-        # so a cluster the caller drops is collected and its __del__ stops the ranks.
+        # no reference to this object or the cluster: a dropped cluster is collected, its __del__ stops the ranks
         threading.Thread(target=_accept_loop, daemon=True, name="ddpkit-accept",
                          args=(self._sock, self.key, self.hellos, generation, world_size,
                                self._stop)).start()
@@ -96,8 +87,7 @@ class Admission:
 
 def _accept_loop(sock, key: bytes, hellos: queue.Queue, generation: int, world_size: int,
                  stop: threading.Event) -> None:
-    # accept() with a short timeout so that close() ends this thread (closing a socket
-    # does not wake a thread blocked in accept() on every platform).
+    # accept() with a short timeout: closing a socket does not wake a blocked accept() everywhere
     sock.settimeout(0.25)
     while not stop.is_set():
         try:
@@ -106,8 +96,7 @@ def _accept_loop(sock, key: bytes, hellos: queue.Queue, generation: int, world_s
             continue
         except OSError:
             return  # the socket was closed: close()
-        # One thread per connection: a client that connects and says nothing only
-        # stalls its own thread, for at most HANDSHAKE_TIMEOUT seconds.
+        # a thread per connection: a silent client stalls only its own, for HANDSHAKE_TIMEOUT at most
         threading.Thread(target=_admit, daemon=True, name="ddpkit-handshake",
                          args=(peer, addr, key, hellos, generation, world_size)).start()
 

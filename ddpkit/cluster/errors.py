@@ -5,13 +5,9 @@ from __future__ import annotations
 
 
 class RankError(RuntimeError):
-    """One or more ranks failed; ``.failures`` maps each failed rank to its traceback text.
-
-    ``.affected`` maps the ranks that went down *because* of those failures to what happened
-    to them: interrupted or killed by the cluster while still running (usually stuck in a
-    collective waiting for a failed rank), or thrown out of a collective by torch.distributed
-    when a peer died. ``.note`` says what happened to the cluster afterwards.
-    """
+    """One or more ranks failed; ``.failures`` maps each failed rank to its traceback text,
+    ``.affected`` the ranks that went down *because* of them to what happened to them (interrupted,
+    killed, thrown out of a collective); ``.note`` says what happened to the cluster afterwards."""
 
     def __init__(self, failures: dict[int, str], note: str = "", affected: dict[int, str] | None = None):
         self.failures = dict(sorted(failures.items()))
@@ -39,13 +35,8 @@ class RankError(RuntimeError):
 class DesyncError(RankError):
     """The ranks' sequences of collectives parted (``ddpkit.comm.desync``): they will never meet again.
 
-    ``.diagnosis`` (a ``ddpkit.comm.desync.Diagnosis``) says where: the collective's index (``.index``)
-    in the sequence of its group (``.group``: the group's ranks), and for each rank what it
-    issued there, or that it finished its job, or that it is still computing. The message says
-    that first; the cluster's note (its ranks were restarted: a parted process group cannot be
-    trusted) and each rank's traceback or stack follow. ``.failures`` holds the ranks of the
-    parted group, ``.affected`` the others.
-    """
+    ``.diagnosis`` (a ``ddpkit.comm.desync.Diagnosis``) says where (``.group``, ``.index``) and what
+    each rank issued there; ``.failures`` holds the ranks of the parted group, ``.affected`` the others."""
 
     def __init__(self, diagnosis, failures: dict[int, str], note: str = "",
                  affected: dict[int, str] | None = None):
@@ -62,10 +53,8 @@ class DesyncError(RankError):
 
 
 class GpuOutOfMemoryError(RankError):
-    """A rank ran out of GPU memory (torch's ``OutOfMemoryError``). ``.out_of_memory``: those ranks;
-    ``.held``: what each rank reported holding on its GPU when its job ended (rank ->
-    ``ddpkit.cluster.gpu_memory.GpuHeld``). The message says that first -- what every rank sharing
-    the GPU held, and how to fit -- then the cluster's note and each rank's traceback."""
+    """A rank ran out of GPU memory. ``.out_of_memory``: those ranks; ``.held``: rank -> ``GpuHeld``,
+    what each held on its GPU when its job ended (the message says it first, and how to fit)."""
 
     def __init__(self, explanation: str, out_of_memory: list[int], held: dict, failures: dict[int, str],
                  note: str = "", affected: dict[int, str] | None = None):

@@ -1,28 +1,10 @@
 """What the parent knows about each rank, and who is told when it changes.
 
-Everything the ranks say reaches the notebook through here: a status change, a line a rank
-printed, an event it reported from inside a job (``cluster.worker.report(kind, **payload)``, e.g.
-``ddpkit.progress()``). Each updates the rank's ``RankState`` and is passed on to the
-observers as ``callback(kind, rank, **fields)``; the widget is one such observer. Observers are
-called on whichever thread the news arrived on (the main thread while ``run()`` waits, a
-pipe reader's thread for output written below Python), so they must be quick and must not
-raise; one that raises is logged and skipped, it never breaks a run.
-
-The kinds, ``rank`` None where it is about the whole cluster:
-- ``status`` (a rank's, or all of them), ``log`` (a printed line: ``stream``, ``line``);
-- what jobs report: ``progress`` (``done``, ``total``), ``records`` (a recorded run's batch:
-  ``records``, ``final``; see ``ddpkit.trace.live``);
-- around a ``run()``: ``job`` (``phase`` "start" / "end", ``recorded``), ``tick`` about ten
-  times a second from the thread that waits for it (the cell that is running), ``results``
-  after a job that succeeded, ``trace`` once a recorded run's ``last_trace`` is set,
-  ``desync`` (``diagnosis``: a ``ddpkit.comm.desync.Diagnosis``) when the ranks' collectives parted;
-- what a rank's flight recorder reports (``ddpkit.comm.flight``): ``stuck`` (a collective pending for
-  seconds: ``group``, ``index``, ``waited``, ``stack``), ``unstuck`` (it completed after all);
-- from the caller: ``recording`` (``on``: the switch moved), ``label`` (``label``, ``run``,
-  ``runs``: what the next runs are part of, e.g. a comparison's strategy and round).
-
-Printed lines are also queued, to be printed ``[rank N] ...`` by ``flush_lines()`` from the
-thread that is running a cell.
+Every status change, printed line and reported event updates the rank's ``RankState`` and goes to
+the observers as ``callback(kind, rank, **fields)`` (``rank`` None: the whole cluster), on whatever
+thread it arrived; an observer that raises is logged and skipped. Kinds: ``status``, ``log``,
+``progress``, ``records``, ``job``, ``tick``, ``results``, ``trace``, ``desync``, ``stuck``,
+``unstuck``, ``recording``, ``label``. Printed lines are also queued for ``flush_lines()``.
 """
 from __future__ import annotations
 
@@ -76,7 +58,6 @@ class Events:
             except Exception:  # an observer (the widget) must never break a run
                 log.exception("cluster observer failed")
 
-    # ------------------------------------------------------------------ status
     def reset(self, world_size: int) -> None:
         """New ranks are starting: fresh states (empty logs), and the observers are told."""
         self.ranks = [RankState(r) for r in range(world_size)]
@@ -94,7 +75,6 @@ class Events:
             r.status = status
         self.notify("status", None)
 
-    # ------------------------------------------------------------------ what the ranks say
     def line(self, rank: int, stream: str, text: str) -> None:
         """A line a rank printed: keep it in the rank's log and queue it for the caller."""
         if rank < len(self.ranks):
@@ -103,11 +83,8 @@ class Events:
         self.notify("log", rank, stream=stream, line=text)
 
     def flush_lines(self) -> None:
-        """Print queued rank output, prefixed ``[rank N]``, from the calling (main) thread.
-
-        Printing here rather than in the reader threads puts the lines into the notebook
-        cell that is running, not into whichever cell happened to start the threads.
-        """
+        """Print queued rank output, prefixed ``[rank N]``, from the calling (main) thread: into the
+        notebook cell that is running, not the one that started the reader threads."""
         while True:
             try:
                 rank, stream, text = self._lines.get_nowait()

@@ -1,11 +1,7 @@
 """What a rank holds on its GPU, and what to tell a learner when a rank runs out of it.
 
-A Cluster's worker on a GPU reports after every job what it held there (``GpuHeld.now``): the
-caching allocator's live, peak and reserved bytes, what the process holds outside the allocator
-(mostly its CUDA context: ``ddpkit.memory.cuda_context_bytes``) and its cap. Ranks sharing a GPU draw on one
-pool, so when one of them runs out, its own figures say little: the ``GpuOutOfMemoryError`` the
-cluster raises (``ddpkit.cluster.jobs``) names what *each* rank sharing that GPU held, and how to
-fit (``explain_out_of_memory``).
+A worker on a GPU reports after every job what it held (``GpuHeld.now``). Ranks sharing a GPU draw
+on one pool, so the ``GpuOutOfMemoryError`` names what *each* of them held, and how to fit.
 """
 from __future__ import annotations
 
@@ -55,9 +51,8 @@ HOW_TO_FIT = ("to fit: fewer ranks on the GPU (each holds its own model states, 
 
 
 def explain_out_of_memory(out_of_memory: dict[int, str], held: dict[int, GpuHeld], devices: dict[int, str]) -> str:
-    """The head of a ``GpuOutOfMemoryError``: which rank(s) ran out (``out_of_memory``: rank -> the
-    error's last line), what every rank on the same GPU held (``held``: what they reported;
-    ``devices``: each rank's device, for those that did not), and how to fit."""
+    """The head of a ``GpuOutOfMemoryError``: which rank(s) ran out, what every rank on that GPU held
+    (``held``; ``devices`` for those that did not report), and how to fit."""
     def where(rank: int) -> str:
         return held[rank].device if rank in held else devices.get(rank, "?")
 

@@ -1,33 +1,12 @@
 """One ``run()``: send the job to every rank, collect what comes back, and apply the fault policy.
 
-While a job runs, each rank's job channel carries, in order: the lines it printed, the events
-it reported (``ddpkit.progress()``), then its pickled result or its traceback. Lines and
-events go to ``Events`` as they arrive; results are kept until every rank has answered.
-
-Faults. A job that raises on some ranks gives ``RankError`` with each rank's traceback. If
-other ranks are still running two seconds after the first failure they are probably stuck in a
-collective waiting for the failed rank: they get SIGINT, and are killed if that does not stop
-them within two seconds (a rank blocked inside a C++ collective cannot run Python's signal
-handler). Whenever the process group cannot be trusted any more (a rank died or was killed,
-an error came out of torch.distributed or a collective failed or timed out -- gloo's "Timed
-out waiting", "pair closure", "Connection closed by peer", NCCL's errors --, or, on NCCL, any
-failed or interrupted job: NCCL keeps the collectives it had queued, which no other rank will
-match), the cluster restarts its ranks before raising, and says so in the error: the next
-``run()`` works, but what the ranks held is gone. Plain Python errors leave the ranks as they
-were. The caller's own KeyboardInterrupt (the notebook's stop button) is handled the same way:
-interrupt, kill what will not stop, restart only if needed.
-
-Out of GPU memory. A rank on a GPU reports what it held there after every job (``gpu_memory``); a
-job in which a rank ran out (torch's ``OutOfMemoryError``) raises ``GpuOutOfMemoryError``, a
-``RankError`` that says first what every rank sharing that GPU held and how to fit
-(``ddpkit.cluster.gpu_memory``), the fault policy as for any failure.
-
-Desync. While the job runs, the ranks' sequences of collectives are watched (``watch.Watch``):
-once they have parted (``ddpkit.comm.desync``: a rank issued a different collective, finished while
-the others wait in one, or ranks wait in collectives the others never issue), the ranks are
-stopped at once and restarted, and ``run()`` raises ``DesyncError``: which collective, what each
-rank issued there. A rank that failed or died while another waits in a collective it will never
-issue is still that failure's ``RankError``, but the waiting rank is stopped at once.
+Each rank's channel carries, in order, its printed lines, its events, then its result or traceback.
+Faults: a job that raises gives ``RankError`` with each rank's traceback; ranks still running two
+seconds later get SIGINT, then are killed. Whenever the process group cannot be trusted (a rank
+died, an error out of torch.distributed, any failed job on NCCL) the ranks are restarted before
+raising, and the error says so; plain Python errors leave them as they were. A rank out of GPU
+memory gives ``GpuOutOfMemoryError`` (what each rank sharing the GPU held). Ranks whose collectives
+part (``watch.Watch``, ``ddpkit.comm.desync``) are stopped at once and ``run()`` raises ``DesyncError``.
 """
 from __future__ import annotations
 
@@ -50,21 +29,17 @@ KILL_AFTER_S = 2.0   # after SIGINT, how long before a rank that did not stop is
 TICK_S = 0.1         # "tick" to the observers this often while a job runs
 SETTLE_S = 0.3       # once the ranks parted, how long what they still say may arrive before they are stopped
 
+_FRESH = "the next run() gets a fresh process group, and anything the ranks held (%%ranks variables, models) is gone"
 RESTARTED = ("the process group could not be trusted after this (a rank died or was stopped, or "
-             "a collective failed or timed out), so the cluster restarted its ranks: the next "
-             "run() gets a fresh process group, and anything the ranks held (%%ranks variables, "
-             "models) is gone")
+             f"a collective failed or timed out), so the cluster restarted its ranks: {_FRESH}")
 UNCHANGED = ("the ranks keep running as they were (a Python error leaves the process group "
              "intact); the cluster is ready for the next run()")
 NCCL_RESTARTED = ("on NCCL a failed job leaves collectives queued that no other rank will match, so "
-                  "the cluster restarted its ranks: the next run() gets a fresh process group, and "
-                  "anything the ranks held (%%ranks variables, models) is gone")
+                  f"the cluster restarted its ranks: {_FRESH}")
 DESYNC_RESTARTED = ("the ranks' collectives no longer match, so their process group cannot be "
-                    "trusted: the cluster stopped them and restarted its ranks; the next run() gets a "
-                    "fresh process group, and anything the ranks held (%%ranks variables, models) is gone")
+                    f"trusted: the cluster stopped them and restarted its ranks; {_FRESH}")
 
-# An error whose message says a collective failed or timed out: the process group is broken
-# (gloo reports these as plain RuntimeErrors, often raised below a strategy's own wait()).
+# a collective failed or timed out (gloo raises these as plain RuntimeErrors): the group is broken
 BROKEN_GROUP = ("Timed out waiting", "pair closure", "Connection closed by peer",
                 "Connection reset by peer", "NCCL", "/gloo/", "DistBackendError", "DistNetworkError")
 
@@ -138,8 +113,7 @@ class Job:
         """Wait for every rank's result or error; stop stragglers once a rank has failed."""
         last_tick = 0.0
         while self.pending:
-            for conn in wait(list(self.pending.values()), timeout=0.05):
-                self._receive(self.workers.conns[conn], conn)
+            self._receive_ready()
             self.events.flush_lines()
             if time.monotonic() - last_tick >= TICK_S:  # observers may act in the running cell
                 last_tick = time.monotonic()
@@ -149,7 +123,7 @@ class Job:
                 self._look_for_desync()
             if not (self.failures and self.pending):
                 continue
-            # Some rank failed; the others may be stuck in a collective waiting for it.
+            # some rank failed; the others may be stuck in a collective waiting for it
             now = time.monotonic()
             self.first_failure = self.first_failure or now
             if self.interrupted_at is None and now - self.first_failure > GRACE_S:
@@ -161,6 +135,16 @@ class Job:
                     self._kill(rank, f"rank {rank} did not stop within {KILL_AFTER_S:.0f} s "
                                "of SIGINT (probably blocked in a collective waiting for the "
                                "failed rank), so it was killed")
+
+    def _receive_ready(self) -> None:
+        for conn in wait(list(self.pending.values()), timeout=0.05):
+            self._receive(self.workers.conns[conn], conn)
+
+    def _drain(self, seconds: float) -> None:
+        """Receive what the running ranks say for at most ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while self.pending and time.monotonic() < deadline:
+            self._receive_ready()
 
     def _receive(self, rank: int, conn) -> None:
         """Handle one message from a running rank."""
@@ -223,24 +207,13 @@ class Job:
         self.pending.pop(rank)
         self.events.set_status(rank, "dead")
 
-    # ------------------------------------------------------------------ desync
     def _states(self) -> dict:
         """Each rank's ``ddpkit.comm.desync.RankView.state`` now."""
-        states = {}
-        for rank in range(self.workers.settings.world_size):
-            if rank in self.pending:
-                states[rank] = "running"
-            elif rank in self.died:
-                states[rank] = "died"
-            elif rank in self.distributed:
-                states[rank] = "broken"
-            elif rank in self.failures:
-                states[rank] = "failed"
-            elif rank in self.finished:
-                states[rank] = "finished"
-            else:  # interrupted or killed by us while it was still running
-                states[rank] = "stopped"
-        return states
+        order = (("running", self.pending), ("died", self.died), ("broken", self.distributed),
+                 ("failed", self.failures), ("finished", self.finished))
+        # "stopped": interrupted or killed by us while it was still running
+        return {rank: next((s for s, ranks in order if rank in ranks), "stopped")
+                for rank in range(self.workers.settings.world_size)}
 
     def _diagnose(self):
         pids = {r.rank: r.pid for r in self.events.ranks}
@@ -252,11 +225,7 @@ class Job:
         found = self._diagnose()
         if found is None:
             return
-        # What the ranks are saying now (a rank's death, an error on its way) belongs in the story
-        deadline = time.monotonic() + SETTLE_S
-        while self.pending and time.monotonic() < deadline:
-            for conn in wait(list(self.pending.values()), timeout=0.05):
-                self._receive(self.workers.conns[conn], conn)
+        self._drain(SETTLE_S)  # what the ranks are saying now (a death, an error on its way) ...
         # ... and where the ranks still running are (those that reported stuck said so already)
         self.watch.ask_for_stacks([r for r in self.pending if r not in self.watch.reports], self.workers.signal)
         found = self._diagnose() or found
@@ -297,8 +266,7 @@ class Job:
             self.broken = True
             self.events.notify("desync", None, diagnosis=self.parted)
         elif self.failures.keys() - self.distributed:
-            # A rank raised or died; collectives that then broke on other ranks are a
-            # consequence, not a second cause.
+            # a rank raised or died; collectives that then broke elsewhere are a consequence
             for rank in self.distributed & self.failures.keys():
                 self.affected[rank] = ("its collective failed after another rank failed:\n"
                                        + self.failures.pop(rank))
@@ -320,18 +288,13 @@ class Job:
         return RankError(self.failures, note, self.affected)
 
     def _on_keyboard_interrupt(self) -> None:
-        """The caller pressed stop: interrupt the ranks, kill what will not stop, restart if needed.
-
-        A second KeyboardInterrupt while this runs kills every rank; then call restart().
-        """
+        """The caller pressed stop: interrupt the ranks, kill what will not stop, restart if needed
+        (a second KeyboardInterrupt kills every rank)."""
         try:
             self.interrupted_at = time.monotonic()
             for rank in self.pending:
                 self.workers.signal(rank, signal.SIGINT)
-            deadline = time.monotonic() + KILL_AFTER_S
-            while self.pending and time.monotonic() < deadline:
-                for conn in wait(list(self.pending.values()), timeout=0.05):
-                    self._receive(self.workers.conns[conn], conn)
+            self._drain(KILL_AFTER_S)
             for rank in list(self.pending):
                 self._kill(rank, "did not stop after SIGINT")
             self.events.flush_lines()

@@ -1,16 +1,9 @@
 """Turn a notebook's job into bytes a rank can run: cloudpickle, the learner's own modules by value.
 
-A job is a function pickled by value with cloudpickle, so functions, lambdas and closures
-defined in a notebook cell work on the ranks. Plain pickle would send them by name, and a rank
-has no notebook to look the name up in.
-
-Modules are normally pickled by reference (the rank imports them itself). That breaks for the
-learner's own files: workers persist, so a module they imported once stays as it was, and
-after the learner edits ``exercises/foo.py`` and reloads it here, a by-reference job would
-still run the old code on the ranks. Shipping modules that live under the working directory
-(not installed packages, not ddpkit) by value makes the ranks run exactly the code this
-process has now. They are registered with cloudpickle for the one ``dumps`` only:
-cloudpickle's registry is process-wide.
+Functions defined in a notebook cell are pickled by value (a rank has no notebook to look them up
+in). So are modules under the working directory (not installed packages, not ddpkit): workers
+persist, and a module they imported by reference would stay as it was after the learner edits it.
+They are registered with cloudpickle for the one ``dumps`` only (its registry is process-wide).
 """
 from __future__ import annotations
 

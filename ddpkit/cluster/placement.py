@@ -1,32 +1,15 @@
 """Where a Cluster's ranks run and what carries their bytes, decided once, before any rank starts.
 
     place(4, "auto", None, "auto")           # one GPU here: ("gloo", (0, 0, 0, 0), "cuda-ipc")
-    place(4, "auto", [0, 0, 0, 0], "shm")    # the same ranks, bytes staged through pinned host memory
     carried_by(4, "gloo", (0, 0, 0, 0), "cuda-ipc")   # "gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC"
 
-Three layouts:
-- **CPU ranks** (no GPU asked for, or none here): gloo underneath; bytes through shared memory
-  (``"shm"``, the default) or gloo's sockets (``"gloo"``);
-- **one GPU per rank**: NCCL, as on a cluster;
-- **ranks sharing a GPU** (``gpus=[0, 0, 0, 0]``, or ``backend="auto"`` with fewer GPUs than ranks:
-  rank r on GPU r % GPUs, as other kits do it). Each rank is its own process on its device, with its
-  own CUDA context and so its own allocator figures; its model, gradients, optimizer state and
-  activations live on the GPU. NCCL before 2.30.3 refuses two ranks on one GPU, so their collectives go
-  through ddpkit's process group (counted, recorded, emulated, desync-checked as on the CPU) over a
-  transport that takes CUDA tensors:
-
-  ``"cuda-ipc"``  the default where every rank is on one GPU: a device buffer per group, in its rank 0's
-                  GPU memory, mapped by every rank of the group (CUDA IPC); bytes never leave the GPU and
-                  sums run there, as NCCL moves bytes inside a node (``ddpkit.comm.transport.device_slab``)
-  ``"shm"``       the shared-memory transport, each CUDA tensor staged through pinned host memory
-                  (``ddpkit.comm.transport.staging``); the default for ranks sharing several GPUs
-  ``"gloo"``      gloo's own CUDA path (it stages through the host itself)
-  ``"nccl"``      NCCL's multi-rank mode (``NCCL_MULTI_RANK_GPU_ENABLE``, NCCL 2.30.3 and later, marked
-                  experimental there): only when asked for by name, and refused where the installed
-                  NCCL lacks it
-
-The default is the one expected fastest (bytes that stay on the GPU); ``benchmarks/bench_shared_gpu.py``
-measures all of them beside one rank's device-to-device copy, and the GPU lab runs it.
+Three layouts: CPU ranks (gloo; bytes through ``"shm"`` or gloo's sockets), one GPU per rank (NCCL),
+and ranks sharing a GPU (rank r on GPU r % GPUs). NCCL before 2.30.3 refuses two ranks on one GPU,
+so theirs go through ddpkit's process group over a transport that takes CUDA tensors:
+``"cuda-ipc"`` (the default on one GPU: a device buffer per group, ``comm.transport.device_slab``),
+``"shm"`` (staged through pinned host memory; the default across several GPUs), ``"gloo"``, or
+``"nccl"`` (its experimental multi-rank mode, only by name, where the installed NCCL has it).
+``benchmarks/bench_shared_gpu.py`` measures them all.
 """
 from __future__ import annotations
 
@@ -55,8 +38,7 @@ def visible_gpus() -> int:
 
 def resolve_backend(backend: str, ranks_here: int) -> str:
     """``backend="auto"``: NCCL when this machine has a GPU for each of its ``ranks_here`` ranks,
-    else gloo; a named one is checked. Every rank of a machine decides alike (a Cluster: all its
-    ranks; torchrun: a node's, ``Topology.ranks_per_node``)."""
+    else gloo; a named one is checked."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     gpus = visible_gpus()
@@ -73,10 +55,8 @@ def resolve_backend(backend: str, ranks_here: int) -> str:
 
 
 def check_gpus(gpus, world_size: int) -> tuple[int, ...]:
-    """``gpus`` as a tuple of CUDA device indices, one per rank, or a ValueError saying what is
-    wrong: no CUDA here, not a list of whole numbers, one per rank, a GPU that does not exist. A GPU
-    may be given to several ranks (they share it). Indices count the GPUs this process sees: with
-    ``CUDA_VISIBLE_DEVICES=4,5,6,7`` set, index 0 is physical GPU 4."""
+    """``gpus`` as a tuple of visible CUDA device indices, one per rank (repeats share a GPU), or a
+    ValueError saying what is wrong."""
     if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__"):
         raise ValueError(f"gpus must be a list of CUDA device indices, one per rank, e.g. [4, 5] (or [0, 0] "
                          f"for two ranks sharing GPU 0); got {gpus!r}")
@@ -106,9 +86,8 @@ def shares(gpus) -> bool:
 
 
 def place(world_size: int, backend: str, gpus, transport: str) -> tuple[str, tuple[int, ...] | None, str]:
-    """``(backend, gpus, transport)`` resolved: the real backend under ddpkit's process group
-    ("gloo" or "nccl"), each rank's GPU (None: the CPU), and what moves the bytes. A ValueError
-    naming the argument where they do not fit together (see the module docstring)."""
+    """``(backend, gpus, transport)`` resolved (gpus None: the CPU), or a ValueError naming the
+    argument where they do not fit together."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if transport not in TRANSPORTS:
@@ -167,8 +146,7 @@ def nccl_version() -> tuple[int, int, int] | None:
 
 
 def rank_environment(gpus, transport: str) -> dict[str, str]:
-    """What a rank's environment needs for its transport: NCCL's multi-rank switch, set only where
-    ranks share a GPU and NCCL was asked for by name (``place`` checked the NCCL has it)."""
+    """A rank's environment for its transport: NCCL's multi-rank switch where ranks share a GPU."""
     return {NCCL_SHARE_SWITCH: "1"} if transport == "nccl" and shares(gpus) else {}
 
 
@@ -190,9 +168,7 @@ def check_memory_fraction(fraction, gpus) -> float | None:
 
 
 def carried_by(world_size: int, backend: str, gpus, transport: str) -> str:
-    """What the ranks' collectives go through, in words: "gloo, bytes through shared memory" (the
-    CPU default), "gloo" (its sockets), "nccl" (a GPU each), or for ranks sharing GPUs "gloo, 4
-    ranks sharing GPU 0, bytes through CUDA IPC"."""
+    """What the ranks' collectives go through, in words ("gloo, 4 ranks sharing GPU 0, bytes through CUDA IPC")."""
     if gpus is None or (transport == "nccl" and not shares(gpus)):  # the CPU, or a GPU each on NCCL
         return f"{backend}, bytes through shared memory" if transport == "shm" else backend
     on = sorted(set(gpus))

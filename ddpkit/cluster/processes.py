@@ -1,25 +1,10 @@
 """The rank processes: start them, let them join one process group, stop or kill them.
 
-Each rank is a fresh interpreter (``python -c WORKER_MAIN``), not a multiprocessing child:
-spawn would re-import the caller's ``__main__``, which breaks plain scripts without an
-``if __name__ == "__main__"`` guard. Workers stay alive between jobs, so a notebook pays the
-start-up (importing torch, joining the group) once, not per experiment.
-
-Channels to each worker, all local:
-- the job channel: a socket on loopback that admits only workers that know this start's
-  random key (see ``admission``). It carries jobs, results, tracebacks, printed lines and
-  progress events;
-- the process group's rendezvous: a ``TCPStore`` hosted here in the parent on a loopback
-  port the OS picks (port 0), so there is no race for a "free port". (The store itself has
-  no authentication; gloo's own connections between ranks go to the address the host name
-  resolves to.);
-- its stdin: the configuration (one JSON line), then held open by the parent; when it closes
-  (the parent died, even by SIGKILL) the worker exits;
-- its stdout and stderr pipes: what it writes below Python (C++ warnings, a crash's dump),
-  read by one thread each; the last stderr lines are kept for the note on a rank that died.
-
-Each start is a new generation: a new key, socket, store and processes. Output still arriving
-from an older generation's pipes is dropped.
+Each rank is a fresh interpreter (``python -c WORKER_MAIN``), not a multiprocessing child (spawn
+would re-import a script's unguarded ``__main__``), alive between jobs. Its channels: the job
+socket on loopback (``admission``), a ``TCPStore`` here on an OS-picked port, its stdin (settings,
+then held open: when it closes the worker exits) and its stdout/stderr pipes (read by a thread
+each). Each start is a new generation; an older one's output is dropped.
 """
 from __future__ import annotations
 
@@ -54,9 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ddpkit.cluster")
 
-# Not ``-m ddpkit.cluster.worker``: that runs the file as ``__main__``, a second copy of the module
-# beside the ``ddpkit.cluster.worker`` that ``ddpkit.progress()`` and ``%%ranks`` import.
-# The parent has already warned about a torch outside the tested range: its ranks stay quiet.
+# not ``-m`` (a second copy of the module as ``__main__``); the parent already warned about torch's version
 WORKER_MAIN = ("import warnings; warnings.filterwarnings('ignore', message='ddpkit is tested with torch'); "
                "from ddpkit.cluster.worker import main; main()")
 STARTING = ("while the ranks were starting: the cluster is not running; fix the cause, then "
@@ -83,8 +66,7 @@ START_S = 3.0  # a rank's start-up on one core (importing torch, joining the gro
 
 
 def check_room(world_size: int, transport: str) -> None:
-    """Can this machine start ``world_size`` ranks? A ValueError with the numbers where it cannot: the
-    processes this user may run, the memory available, the room the shared-memory transport needs."""
+    """Can this machine start ``world_size`` ranks (processes, memory, /dev/shm)? Else a ValueError."""
     import resource
 
     from ddpkit.comm.transport.segment import SHM_DIR
@@ -110,8 +92,7 @@ LIVE: weakref.WeakSet = weakref.WeakSet()  # the Workers with ranks running, kil
 
 @atexit.register
 def _kill_at_exit() -> None:
-    """A script that ends with a Cluster still up: kill its ranks and join their pipe readers now,
-    while Python still runs threads (at finalisation a reader blocked on its pipe aborts Python)."""
+    """Kill a Cluster left up at exit while Python still runs threads (its pipe readers must join)."""
     for workers in list(LIVE):
         workers.kill()
 
@@ -145,8 +126,7 @@ class Workers:
         self.admission = Admission(self.generation, settings.world_size)
         self.store = loopback_store(settings.timeout)
         self.events.reset(settings.world_size)
-        # The workers run the same ddpkit as this process, wherever it was imported from: this
-        # file is <root>/ddpkit/cluster/processes.py, and <root> goes on their PYTHONPATH.
+        # the workers run the same ddpkit as this process: <root>/ddpkit/cluster/processes.py's <root>
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath,
@@ -164,8 +144,7 @@ class Workers:
 
     def _spawn(self, rank: int, env: dict) -> None:
         """One worker: its process, its configuration on stdin, its two pipe readers."""
-        # start_new_session: a Ctrl-C in the terminal goes to the parent only; the
-        # parent decides which ranks to interrupt.
+        # start_new_session: a terminal's Ctrl-C goes to the parent only, which decides what to interrupt
         proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 cwd=os.getcwd(), start_new_session=True)
@@ -174,8 +153,7 @@ class Workers:
         self.procs.append(proc)
         self.events.ranks[rank].pid = proc.pid
         self.stderr_tail.append(collections.deque(maxlen=40))
-        # The readers hold only a weak reference to this object (and so none to the Cluster),
-        # so a cluster the caller drops is collected and its __del__ stops the ranks.
+        # the readers hold a weak reference only, so a dropped cluster is collected and its __del__ stops the ranks
         readers = [threading.Thread(target=_read_pipe, daemon=True,
                                     args=(weakref.ref(self), rank, name, pipe, self.generation,
                                           self.stderr_tail[rank]),
@@ -288,8 +266,7 @@ class Workers:
 
     # ------------------------------------------------------------------ stopping
     def stop(self) -> None:
-        """Ask every rank to stop, kill those still running after 3 s, release the ports, remove
-        the flight rings."""
+        """Ask every rank to stop, kill those still running after 3 s, release ports and rings."""
         for conn in list(self.conns):
             try:
                 conn.send(("stop",))
@@ -346,8 +323,7 @@ def loopback_store(timeout: float):
     """The rendezvous TCPStore, hosted here, listening on loopback only."""
     from ddpkit.torch_internals import loopback_tcp_store
 
-    # Left to itself, TCPStore listens on every interface, so we bind its socket to loopback.
-    # The store owns (and closes) the fd we give it.
+    # TCPStore would listen on every interface: give it (to own and close) a socket bound to loopback
     store_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     store_sock.bind(("127.0.0.1", 0))
     store_sock.listen(128)

@@ -3,9 +3,6 @@
     settings = RankSettings.from_json(line)   # written by the parent (processes.Workers.rank_settings)
     share_the_cores(settings)                 # freed memory kept, cores pinned, torch's threads
     device = join(settings)                   # its GPU (join_device), then ddpkit's process group
-
-The Cluster's worker (``ddpkit.cluster.worker.main``) runs these in order, between connecting to
-the parent and serving its jobs.
 """
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from datetime import timedelta
 
 @dataclass(frozen=True)
 class RankSettings:
-    """What one rank is told when it starts, one JSON line on its stdin: the parent writes it
-    (``processes.Workers.rank_settings``), the rank's worker reads it (``worker.main``)."""
+    """What one rank is told when it starts, one JSON line on its stdin."""
 
     rank: int
     world_size: int
@@ -60,8 +56,7 @@ def share_the_cores(settings: RankSettings) -> None:
 
 
 def join(settings: RankSettings) -> str:
-    """Join the ranks' process group (ddpkit's, over the real backend: it counts, records and, on an
-    emulated network, delays every collective, torch's wrappers' included); this rank's device."""
+    """Join the ranks' process group (ddpkit's, over the real backend); this rank's device."""
     import torch.distributed as dist
 
     from ddpkit.comm import process_group
@@ -78,11 +73,8 @@ def join(settings: RankSettings) -> str:
 
 
 def join_device(settings: RankSettings) -> str:
-    """This rank's GPU, before it joins the process group (NCCL binds to the current device, and the
-    transports of ranks sharing a GPU put their buffers there): ``settings.gpu``, the index the
-    Cluster gave it (``gpus=``); None on the CPU. Its cap, if the Cluster set one
-    (``memory_fraction``), goes on the caching allocator before anything is allocated. Returns the
-    device's name for the cluster ("cuda:5", "cpu")."""
+    """Take this rank's GPU (``settings.gpu``) and its ``memory_fraction`` cap before joining the
+    process group (NCCL binds to the current device); the device's name ("cuda:5", "cpu")."""
     from ddpkit import rankside
 
     if settings.gpu is None:
@@ -96,8 +88,7 @@ def join_device(settings: RankSettings) -> str:
 
 
 def _pin(cores: list[int]) -> None:
-    """Bind this process, every thread it has and (inherited) every one it starts, to ``cores``
-    (``Cluster(pin_cores=True)``)."""
+    """Bind this process and every thread it has or starts to ``cores`` (``Cluster(pin_cores=True)``)."""
     for task in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(task), cores)
@@ -108,14 +99,9 @@ def _pin(cores: list[int]) -> None:
 def _keep_freed_memory() -> None:
     """Keep the memory a step frees in this process, for the next step to reuse.
 
-    glibc's malloc hands big freed blocks back to the kernel (a gradient or an activation of the
-    course's MLP is 256 KiB) and adapts that threshold as it goes; a training step that frees
-    and reallocates the same tensors then faults every page in again, zeroed by the kernel.
-    On a small machine that came and went from run to run: the slow runs took several times the
-    page faults, and a slower step (a rank's ``resource.getrusage(RUSAGE_SELF).ru_minflt`` counts
-    them). Fixed thresholds (freed memory up
-    to 1 GiB stays, blocks below 32 MiB come from the heap) make every run the fast one. glibc
-    only (Linux); elsewhere nothing changes."""
+    glibc's malloc hands big freed blocks back to the kernel and adapts that threshold as it goes,
+    so a step that reallocates the same tensors may fault every page in again (``ru_minflt``): some
+    runs several times slower. Fixed thresholds make every run the fast one. glibc only."""
     import ctypes
     import ctypes.util
 

@@ -1,14 +1,9 @@
 """The parent's side of desync detection: the ranks' ring files, their stuck reports, when to look.
 
-Each rank keeps its last collectives in a ring (``ddpkit.comm.flight``) mapped from a file that the
-parent makes here, one per rank, in a private directory (in ``/dev/shm`` where there is one): the
-parent reads it whenever it diagnoses, even after the rank died. The job message tells the rank
-which file is its own (``Rings.path``) and the job's number.
-
-A ``Watch`` per job decides when to diagnose (``ddpkit.comm.desync.diagnose``): when a rank reports a
-collective stuck longer than ``flight.STALL_S``, when a rank's job ends while others still run
-(then again every ``STALL_S`` while they do), and once more when the job ends in errors. Between
-those nothing is read: a job that goes well costs the parent nothing.
+Each rank keeps its last collectives in a ring (``ddpkit.comm.flight``) in a file made here, which
+the parent reads even after the rank died. A ``Watch`` per job diagnoses (``comm.desync.diagnose``)
+when a rank reports a collective stuck, when a rank's job ends while others run (then every
+``flight.STALL_S``), and when the job ends in errors; a job that goes well costs nothing.
 """
 from __future__ import annotations
 
@@ -29,10 +24,8 @@ PREFIX = "ddpkit-flight-"  # then the parent's pid and a random part: ddpkit-fli
 
 
 class Rings:
-    """One ring file per rank, in a private directory, removed when the cluster shuts down
-    (``close``), with this object, or at exit. A parent killed before any of those (a kernel
-    killed by Jupyter) leaves its directory: the next ``Rings`` of any process removes those of
-    parents no longer running (``sweep``)."""
+    """One ring file per rank, in a private directory removed on ``close``, with this object, or at
+    exit; the next ``Rings`` removes those of parents no longer running (``sweep``)."""
 
     def __init__(self):
         self.dir: str | None = None
@@ -65,8 +58,7 @@ class Rings:
 
 
 def sweep(base: str) -> list[str]:
-    """Remove the ring directories under ``base`` whose parent process is no longer running;
-    the names removed."""
+    """Remove (and name) the ring directories under ``base`` whose parent process has gone."""
     removed = []
     for name in os.listdir(base):
         pid = name[len(PREFIX):].split("-", 1)[0]
@@ -127,8 +119,7 @@ class Watch:
         return self.reports.get(rank, {}).get("stack", "") or self.asked.get(rank, "")
 
     def ask_for_stacks(self, ranks, send_signal) -> None:
-        """Ask running ranks for their job thread's stack (faulthandler answers SIGUSR1 into the
-        file beside the rank's ring, even while the rank is blocked in a C++ collective)."""
+        """Ask running ranks for their stacks (faulthandler answers SIGUSR1, even inside a C++ collective)."""
         import signal
 
         if self.rings.dir is None or not hasattr(signal, "SIGUSR1"):

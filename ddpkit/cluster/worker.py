@@ -1,28 +1,10 @@
 """The rank side of a Cluster: ``main()``, run in one fresh interpreter per rank.
 
-Start-up, in order:
-1. read its ``RankSettings`` from stdin, one JSON line (rank, world size, backend, the parent's
-   job address and its random key, the TCPStore port, the parent's sys.path);
-2. keep reading stdin in a thread: the parent holds the other end, so end-of-file means the
-   parent is gone (even after SIGKILL) and the worker exits at once (no orphans);
-3. connect back to the parent over loopback and prove, both ways, that each side knows the
-   cluster's random key (HMAC challenges, ``admission.handshake``), then say hello;
-4. take its device and its share of the host, join the process group through the parent's
-   TCPStore (``rank_setup``), then report ready.
-Then loop: receive a job (a function pickled by value with cloudpickle), run it, send back
-the pickled result or the formatted traceback. With each job comes the file where this rank's
-flight recorder keeps its last collectives (``ddpkit.comm.flight``), which the parent reads if the
-ranks' collectives part; its watchdog reports a collective stuck during the job. On a GPU, after
-each job, it also tells the parent what it held there (``gpu_memory``: ranks sharing a GPU draw on
-one pool, and a rank that runs out is told what each held).
-
-Signals: SIGINT means "stop the job you are running" (the parent sends it when the notebook's
-stop button is pressed, or when another rank failed and this one may be stuck). Between jobs
-a stray SIGINT is ignored, so it cannot kill an idle rank.
-
-A worker is a whole process, so it holds a little process-wide state (``_context``): the
-connection to the parent, which ``report`` (and ``ddpkit.progress()``) send through from inside a
-job, and the namespace ``%%ranks`` cells run in.
+Start-up: read its ``RankSettings`` (a JSON line on stdin), exit when stdin closes (the parent
+is gone), connect back with the HMAC handshake (``admission``), join the process group
+(``rank_setup``), report ready. Then loop: receive a cloudpickled job, run it, send back the
+pickled result or the traceback (and, on a GPU, what it held: ``gpu_memory``). SIGINT stops a
+running job and is ignored between jobs. ``_context`` is the channel ``report`` sends through.
 """
 from __future__ import annotations
 
@@ -62,8 +44,7 @@ _context: _Context | None = None  # set once in main(); None outside a Cluster w
 
 
 def report(kind: str, **payload) -> None:
-    """Send a side message (progress, records, a stuck collective, ...) to the cluster while a job
-    runs; nothing happens outside a Cluster worker."""
+    """Send a side message (progress, records, ...) to the cluster; nothing outside a Cluster worker."""
     if _context is not None:
         _context.send(("event", kind, payload))
 
@@ -74,12 +55,7 @@ def progress(done: int, total: int) -> None:
 
 
 class _ChannelWriter(io.TextIOBase):
-    """sys.stdout/sys.stderr of a worker: each line goes to the parent over the job channel.
-
-    Sharing the channel with results keeps order: everything a job printed reaches the parent
-    before the job's result does. Output written below Python (C++ warnings to fd 1/2, a
-    segfault's dump) still goes to the process's pipes, which the parent also reads.
-    """
+    """sys.stdout/sys.stderr of a worker: each line goes over the job channel, ahead of the result."""
 
     encoding = "utf-8"  # some libraries ask; the text travels as str anyway
 
@@ -104,9 +80,7 @@ class _ChannelWriter(io.TextIOBase):
 
 
 def _on_sigint(signum, frame) -> None:
-    # The parent interrupts a job with SIGINT; an idle rank ignores it (a stray Ctrl-C, or an
-    # interrupt that arrived just after the job ended). A rank blocked inside a C++
-    # collective only sees this when the call returns; the parent kills it if that is too late.
+    # an idle rank ignores a stray interrupt; one blocked in a C++ collective sees it only on return
     if _context is not None and _context.running:
         raise KeyboardInterrupt
 
@@ -118,12 +92,8 @@ def _exit_when_parent_dies(stdin) -> None:
 
 
 def _is_distributed_failure(exc: BaseException) -> bool:
-    """Did the error come out of torch.distributed (a timed-out or broken collective)?
-
-    Then the process group is suspect and the parent restarts the ranks. gloo reports a
-    timeout as a plain RuntimeError, so besides ``DistError`` look at where it was raised:
-    any frame of the traceback inside torch/distributed (an interrupt that landed there too).
-    """
+    """Did the error come out of torch.distributed (then the parent restarts the ranks)? gloo's
+    timeout is a plain RuntimeError, so any traceback frame inside torch/distributed counts too."""
     import torch.distributed as dist
 
     if isinstance(exc, dist.DistError):
@@ -138,11 +108,7 @@ def _is_distributed_failure(exc: BaseException) -> bool:
 
 
 def run_cell(source: str):
-    """Run a ``%%ranks`` cell in this rank's persistent namespace; repr of a trailing expression.
-
-    Like IPython: the statements run in order, and if the last one is an expression its
-    value comes back (as text, so any object can be shown, picklable or not).
-    """
+    """Run a ``%%ranks`` cell in this rank's persistent namespace; repr of a trailing expression."""
     _context.cells += 1
     filename = f"<%%ranks cell {_context.cells}>"
     # linecache lets tracebacks show the cell's lines, as they do for files.
@@ -158,10 +124,7 @@ def run_cell(source: str):
 
 
 def pickle_result(obj, devices=("cuda",)) -> bytes:
-    """A job's result as bytes for the notebook, every tensor on ``devices`` (CUDA) in it copied
-    to the CPU: the notebook holds results on the CPU, so unpickling them there creates no CUDA
-    context of its own (hundreds of MiB, on GPU 0 of a shared machine) and works on a machine
-    without a GPU."""
+    """A job's result as bytes, every CUDA tensor copied to the CPU (so the notebook needs no CUDA context)."""
     import cloudpickle
     import torch
 
@@ -180,13 +143,9 @@ def pickle_result(obj, devices=("cuda",)) -> bytes:
     return buf.getvalue()
 
 
-
-
 # ---------------------------------------------------------------------- start-up, step by step
 def _listen_to_the_parent(stdin) -> None:
-    """End this process when the parent goes (its end of stdin closes, even after SIGKILL); SIGINT
-    stops a running job; a segfault's Python stack, or one the parent asks for with SIGUSR1
-    (``ddpkit.comm.flight``), goes to the stderr pipe."""
+    """Exit when the parent goes; SIGINT stops a job; faulthandler's stacks (SIGUSR1 too) to stderr."""
     threading.Thread(target=_exit_when_parent_dies, args=(stdin,), daemon=True).start()
     sys.stdin = open(os.devnull)  # input() in a job gets end-of-file, not the parent's pipe
     signal.signal(signal.SIGINT, _on_sigint)
@@ -196,8 +155,7 @@ def _listen_to_the_parent(stdin) -> None:
 
 
 def _connect(settings: RankSettings):
-    """The job channel: the handshake with the parent, hello, and this rank's printed lines sent
-    over it from now on."""
+    """The job channel: the handshake with the parent, hello, and this rank's prints over it."""
     global _context
     for path in reversed(settings.sys_path):
         if path not in sys.path:
@@ -212,11 +170,7 @@ def _connect(settings: RankSettings):
 
 # ---------------------------------------------------------------------- each job
 def before_job() -> None:
-    """What each job starts from, on a GPU: what earlier jobs left in reference cycles (a wrapper
-    and its model) freed now rather than at the garbage collector's next pass, and the allocator's
-    peak counted afresh (a rank outlives its jobs; ``memory.reset_cuda_peak``): each run's
-    allocator figures are its own. On the CPU the figures are counted by category, and the
-    collector's own passes free those cycles."""
+    """On a GPU: free earlier jobs' reference cycles now and count the allocator's peak afresh."""
     from ddpkit import rankside
 
     dev = rankside.device()
@@ -228,9 +182,7 @@ def before_job() -> None:
 
 
 def after_job(send, failed: BaseException | None, fraction: float | None) -> None:
-    """On a GPU, after every job: tell the parent (``send``) what this rank held there (``GpuHeld``),
-    so that a rank out of memory can be told what each rank sharing its GPU held (``jobs``). A rank
-    that ran out gives back what its allocator cached: ranks sharing the GPU may need it."""
+    """On a GPU: tell the parent what this rank held (``GpuHeld``); after running out, free the cache."""
     import torch
 
     from ddpkit import rankside
@@ -250,8 +202,7 @@ def after_job(send, failed: BaseException | None, fraction: float | None) -> Non
 
 
 def _run_job(msg, settings: RankSettings, flight):
-    """One job: run it and say how it went (the pickled result, or the traceback from the job's own
-    frame: this loop's frames are noise to a learner)."""
+    """One job: the pickled result, or the traceback from the job's own frame on."""
     import cloudpickle
 
     if len(msg) > 2:  # the file to keep this rank's last collectives in, where the parent reads them
@@ -312,9 +263,7 @@ def main() -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    # What the rank holds from its start (torch, the process group) is never garbage: frozen out
-    # of every collection (before_job's on a GPU, the collector's own passes), which then walk
-    # only what jobs made, not the hundreds of thousands of objects torch's import left
+    # what torch's import and the process group made is never garbage: keep it out of every collection
     gc.collect()
     gc.freeze()
     _serve(conn, settings)
@@ -327,9 +276,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # The Cluster starts workers with ``-c "from ddpkit.cluster.worker import main; main()"``; under
-    # ``python -m`` this file would be ``__main__``, a second copy of the module, so run the
-    # importable copy's main(), whose ``_context`` ``%%ranks`` cells see.
+    # run the importable copy's main(), whose ``_context`` ``%%ranks`` cells see (not ``__main__``'s)
     from ddpkit.cluster.worker import main as _main
 
     _main()

@@ -111,8 +111,7 @@ def profile_job(workload="mlp", batch_per_rank: int = 32, optimizer: str = "sgd"
 
 def profile_for(workload, batch_per_rank: int, optimizer: str = "sgd", model_kwargs: dict | None = None,
                 ranks: int | None = None, threads: int | None = None) -> Profile:
-    """One rank's compute: profiled here, or with ``ranks`` inside that many ranks at once (``threads``
-    torch threads each; the slowest rank), sharing this machine's cores as in a real run."""
+    """One rank's compute: profiled here, or inside ``ranks`` ranks at once (the slowest), sharing the cores."""
     if ranks is None:
         return profile_job(workload, batch_per_rank, optimizer, model_kwargs)
     from ddpkit.cluster import Cluster
@@ -235,8 +234,7 @@ def _time_collectives(ops, sizes, repeats: int, calls_bytes: float, dev, n: int,
 
 
 def compute_chunk(seconds: float):
-    """Inside a rank: a function computing about ``seconds`` on one core (256 x 256 matrix products,
-    counted one rank at a time), the compute between ``measure_emulated``'s collectives."""
+    """Inside a rank: a function computing about ``seconds`` on one core (256 x 256 matrix products)."""
     import torch
     import torch.distributed as dist
 

@@ -1,12 +1,9 @@
 """The cost model proper: a profile of one rank's compute, and one training step simulated on it.
 
-Compute comes from a ``Profile`` (per layer: parameter bytes, forward and backward time; one
-pass over gradient memory); a collective costs what ``ddpkit.network`` says. Overlap is simulated,
-not assumed: backward runs the layers in reverse, a bucket launches when its last gradient is
-ready, buckets go in order, the step ends when compute and communication are both done. So a
-small bucket pays alpha too often, a large one waits for the whole backward (the DDP paper's U),
-and overlap hides no more than the backward there is. Where each collective lands on the rank's
-timeline is ``stream.py``'s; how each strategy communicates is the table's ``strategy(name).cost``.
+Compute comes from a ``Profile``; a collective costs what ``ddpkit.network`` says. Overlap is
+simulated, not assumed: backward runs the layers in reverse, a bucket launches when its last
+gradient is ready, buckets go in order. So a small bucket pays alpha too often and a large one
+waits for the whole backward (the DDP paper's U). Placement on the timeline is ``stream.py``'s.
 """
 from __future__ import annotations
 

@@ -11,11 +11,9 @@ and ``fsdp.parameters()`` are the shards, so the optimizer only ever sees 1/N of
   weight); once its gradients are ready, pack them into one flat gradient, divide by N and
   *reduce-scatter* it: rank r receives the sum of everyone's shard r, the gradient of its shard.
 
-Bytes a rank sends a step (S the flat parameters' bytes): two all-gathers and a reduce-scatter,
-3(N-1)/N S, 1.5x DDP's (``reshard_after_forward=False``: 1x). The root keeps what no unit holds,
-gathered from forward to the end of backward. Between steps the original parameters view freed
-buffers: read them with ``full_state_dict()``. Reading order: construction, forward (pre-hooks),
-backward (``_Unshard`` at the bottom), state dicts; a unit's flat parameter is ``flat_param.py``'s.
+Bytes a rank sends a step: two all-gathers and a reduce-scatter, 3(N-1)/N S, 1.5x DDP's
+(``reshard_after_forward=False``: 1x). Between steps the parameters view freed buffers: read them
+with ``full_state_dict()``. A unit's flat parameter is ``flat_param.py``'s.
 """
 from __future__ import annotations
 

@@ -9,10 +9,9 @@ lays the ranks out in 2-D, nodes x ranks per node (k = ``gpus_per_node``):
     replicate group: the N/k ranks with the same      {0, 2} and {1, 3}
                      ``local`` index, one per node
 
-Inside its node a rank is plain FSDP over k ranks; across nodes the N/k copies of a shard are
-replicas kept equal as DDP does: each gradient shard is all-reduced in the replicate group. Across
-nodes goes one all-reduce of 1/k of the model per rank instead of FSDP's three collectives of all
-of it; state per rank is everything / k. This file lays out the ranks; the sharding is ``FSDP``'s.
+Inside its node a rank is plain FSDP over k ranks; each gradient shard is then all-reduced in the
+replicate group, so across nodes goes one all-reduce of 1/k of the model instead of FSDP's three
+collectives of all of it. This file lays out the ranks; the sharding is ``FSDP``'s.
 """
 from __future__ import annotations
 

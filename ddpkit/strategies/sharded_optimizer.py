@@ -1,17 +1,14 @@
 """ShardedOptimizer: each rank keeps and steps the optimizer state of 1/N of the parameters.
 
-The ``sharded_optimizer`` rung of the ZeRO ladder (``docs/papers.md``). Every DDP rank keeps the
-same optimizer state (AdamW: 8 bytes per parameter, twice the parameters). Split it: rank r *owns*
-about 1/N of the parameters, keeps their state, and steps only them; one all-gather of the updated
-parameters ((N-1)/N S) then brings everyone's back: 1.5x DDP's bytes. This is torch's
-``ZeroRedundancyOptimizer``, on top of any DDP wrapper::
+Every DDP rank keeps the same optimizer state (AdamW: 8 bytes per parameter). Split it: rank r
+*owns* about 1/N of the parameters and steps only them; one all-gather of the updated parameters
+((N-1)/N S) brings everyone's back: 1.5x DDP's bytes. torch's ``ZeroRedundancyOptimizer``::
 
     model = ddpkit.BucketedDDP(module)
     opt = ddpkit.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
-The ZeRO paper's stage 1 (``zero1.py``) reduce-scatters the gradients instead: DDP's bytes. Owners
-are whole parameters, largest first to the least-loaded rank (ties: the lower), computed alike on
-every rank; so any per-parameter optimizer works (ZeRO-1/2's flat slices need an elementwise one).
+Owners are whole parameters, largest first to the least-loaded rank, so any optimizer works
+(``zero1.py`` reduce-scatters the gradients instead: DDP's bytes, but elementwise optimizers only).
 """
 from __future__ import annotations
 
@@ -81,15 +78,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         groups = _as_param_groups(params)
 
-        # Global index of every parameter = its position across groups, as in torch's
-        # optimizer state_dict format ({"state": {index: ...}, "param_groups": [...]}).
+        # global index = position across groups, as in torch's optimizer state_dict format
         all_params = [p for g in groups for p in g["params"]]
         if len({id(p) for p in all_params}) != len(all_params):
             raise ValueError("a parameter appears more than once in ShardedOptimizer's params")
         self.owner = partition_by_size([p.numel() for p in all_params], self.world_size)
 
-        # The local optimizer sees only this rank's parameters, group by group (groups may be
-        # empty here); its state therefore exists only for them.
+        # the local optimizer sees only this rank's parameters, group by group (maybe empty)
         local_groups, self._local_to_global, i = [], [], 0
         for g in groups:
             mine = []
@@ -101,8 +96,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local_groups.append(dict(g, params=mine))
         self.local_optimizer = optimizer_cls(local_groups, **defaults)
 
-        # param_groups here hold *all* parameters and every hyperparameter, so an LR scheduler can
-        # change "lr" here; step() copies them into the local optimizer.
+        # *all* parameters and hyperparameters (an LR scheduler changes "lr" here; step() copies them)
         super().__init__(groups, dict(self.local_optimizer.defaults))
 
         # The all-gather works on flat buffers, one per dtype (see GatherLayout).

@@ -7,14 +7,10 @@ elements only, step them there, and all-gather the updated *parameters* instead:
     DDP:    all-reduce grads  (2(N-1)/N * S)                  -> every rank steps everything
     ZeRO-1: reduce-scatter grads ((N-1)/N * S) -> rank r steps its 1/N -> all-gather parameters ((N-1)/N * S)
 
-DDP's bytes (ZeRO paper 7.2.1), optimizer state 1/N per rank (``sharded_optimizer``: 1.5x bytes).
-The buffers are ``zero_buckets.py``'s; after backward each bucket's flat gradient is scaled and
-reduce-scattered, the optimizer (``make_optimizer``) steps the shard, a step post-hook all-gathers
-the flat parameters, which *are* the module's. Gradients stay whole, ``.grad`` viewing the buckets
-(only this rank's shard holds the average); the next synchronised forward zeroes them; accumulate
-with ``no_sync()``. A parameter no rank used gets a zero gradient (it shares flat shards), so
-momentum or weight decay still move it, as FSDP's; the DDP wrappers' ``find_unused_parameters``
-leave it untouched.
+DDP's bytes (ZeRO paper 7.2.1), optimizer state 1/N per rank. The buffers are ``zero_buckets.py``'s;
+a step post-hook all-gathers the flat parameters, which *are* the module's. ``.grad`` views the
+buckets (only this rank's shard holds the average); accumulate with ``no_sync()``. A parameter no
+rank used gets a zero gradient, so momentum still moves it, as FSDP's.
 """
 from __future__ import annotations
 

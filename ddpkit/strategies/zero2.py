@@ -11,10 +11,9 @@ free its full gradient once reduced: what stays is 1/N of the model's gradients.
     end of backward: launch what is left, wait for every bucket
     optimizer.step(): step our shards (1/N of the optimizer state), then all-gather the parameters
 
-Gradient memory: 1/N of the model's plus the buckets in flight; DDP's bytes; the module's ``.grad``
-are None after backward. Rules as ``OverlappedDDP``'s (bucket order; an unused parameter goes in as
-zeros or ``no_sync()``'s sum, and moves with momentum as ZeRO-1's; one backward per forward);
-inside ``no_sync()`` full gradients accumulate in ``.grad``. The optimizer must be elementwise.
+Gradient memory: 1/N of the model's plus the buckets in flight; ``.grad`` is None after backward.
+Rules as ``OverlappedDDP``'s; inside ``no_sync()`` full gradients accumulate in ``.grad``. The
+optimizer must be elementwise.
 """
 from __future__ import annotations
 

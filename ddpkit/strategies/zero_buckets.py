@@ -9,9 +9,7 @@ of N (``FlatLayout``), so one reduce-scatter or all-gather cuts them into N shar
     gradient    (N*s,)  the gradients times 1/N, reduce-scattered: rank r keeps its shard's average
                         (ZeRO-1 keeps it as the module's ``.grad``; ZeRO-2 frees it once reduced).
 
-Reduce-scatter plus all-gather = DDP's all-reduce bytes, the step in between. Slices of a flat
-buffer need an *elementwise* optimizer (SGD, Adam, ...): ``check_elementwise`` refuses the others
-(LBFGS, Adafactor, Muon, ...) before any rank communicates.
+Slices of a flat buffer need an *elementwise* optimizer: ``check_elementwise`` refuses the others.
 """
 from __future__ import annotations
 

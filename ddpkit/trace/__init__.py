@@ -10,9 +10,8 @@
     bucket_fill(trace), timeline(trace)        # what the plots and the widget draw (figures.py)
     decompose(trace_at_1, trace_at_n)          # the gap to perfect scaling, in parts (gap.py)
 
-Nothing here draws: plots (``ddpkit.viz``) and the widget read these records. What strategies and
-ddpkit's process group record through is the seam, ``ddpkit.trace.seam`` (``NullRecorder``, the rank's
-recorder): importing it loads none of the modules below, which load on first use of their names.
+Nothing here draws (``ddpkit.viz`` and the widget read these records). The modules load on first
+use of their names; the seam (``ddpkit.trace.seam``) loads none of them.
 """
 from ddpkit import lazy_names
 

@@ -2,11 +2,8 @@
 
     to_chrome_trace(trace, "trace.json")
 
-One process per rank (pid = rank, named "rank N"), one thread per lane (``LANES``), complete
-events for spans, instants for gradients becoming ready, counters for memory and the loss; the
-rank list in top-level ``distributedInfo``, as torch's profiler writes it. Flow events (arrows)
-link the same collective across ranks: from the rank that launched it last -- the one the
-others waited for -- to each of the others.
+One process per rank, one thread per lane (``LANES``); flow events (arrows) link the same
+collective across ranks, from the rank that launched it last to each of the others.
 """
 from __future__ import annotations
 
@@ -24,13 +21,9 @@ _COMM_EXTRA_TID = 10  # overlapping collectives go to extra comm lanes 10, 11, .
 def to_chrome_trace(trace, path=None) -> dict:
     """Chrome trace JSON (``traceEvents``) for Perfetto / chrome://tracing; written if ``path``.
 
-    pid = rank (named "rank N"); tid = lane: compute (forward/backward/sync/step), comm
-    (each collective from launch to completion; collectives in flight at the same time are
-    put on extra lanes, since Chrome's "X" events on one thread must nest; the lanes are named
-    as on the widget's timeline: "collectives", "2nd in flight", ...), buckets (an instant per
-    gradient becoming ready). Memory samples are "C"
-    counters. Times are microseconds since the first record.
-    """
+    pid = rank; tid = lane: compute, comm (collectives in flight at once on extra lanes, as
+    Chrome's "X" events must nest), buckets (gradient-ready instants). Memory samples are "C"
+    counters; times in microseconds since the first record."""
     trace = as_trace(trace)
     t_zero = min((r.start_ns for r in trace.records), default=0)
     us = lambda ns: (ns - t_zero) / 1e3  # noqa: E731
@@ -82,10 +75,8 @@ def to_chrome_trace(trace, path=None) -> dict:
 
 
 def same_collectives(trace) -> list[list[Record]]:
-    """The collectives of a trace grouped across ranks: each group is one collective as every
-    rank took part in it. Ranks issue a group's collectives in the same order, so the k-th
-    collective named N in step S (on process group G, when a record names one) is the same
-    on every rank. Groups with a single rank are left out."""
+    """The collectives of a trace grouped across ranks, one group per collective: the k-th named N in
+    step S (on group G) is the same on every rank. Groups of a single rank are left out."""
     keyed = defaultdict(list)
     for rank in trace.ranks:
         seen: dict = defaultdict(int)

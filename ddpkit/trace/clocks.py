@@ -9,14 +9,10 @@ from __future__ import annotations
 def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
     """(this rank's clock minus rank 0's, the bound on that estimate's error), in ns.
 
-    Each round: a barrier, then every rank reads its clock (t_a), joins an all-gather, and reads
-    it again (t_b). The all-gather ends on every rank at about the same real time: every rank's
-    window [t_a, t_b] contains the moment the last rank entered (no one can leave before that).
-    So the midpoints (t_a + t_b) / 2 are readings of one instant, each off by at most half its
-    round trip. We keep the round whose slowest rank had the smallest round trip and take
-    offset = my midpoint - rank 0's midpoint; its error is at most that round trip. Every rank of
-    ``group`` must call it; outside a process group the offset is 0.
-    """
+    Each round every rank reads its clock before (t_a) and after (t_b) an all-gather; every window
+    contains the moment the last rank entered, so the midpoints read one instant, each off by at
+    most half its round trip. The round with the smallest worst round trip gives offset = my
+    midpoint - rank 0's. Every rank of ``group`` calls it; outside a process group: 0."""
     import torch
     import torch.distributed as dist
 
@@ -51,9 +47,7 @@ def align_clocks(clock, device, group=None, rounds: int = 8) -> tuple[int, int]:
 
 
 def probe_device(device):
-    """Where the clock probe lives: the rank's GPU (``device``) under NCCL, which moves CUDA
-    tensors only, else the CPU. Asked of the *real* backend (``rankside.backend``): the process
-    group's own name is "ddpkit" in a Cluster, whatever runs underneath."""
+    """Where the clock probe lives: the rank's GPU under a *real* NCCL backend (CUDA tensors only), else the CPU."""
     import torch
 
     from ddpkit import rankside
@@ -72,11 +66,7 @@ def cuda_event(device):
 
 
 class CudaClock:
-    """Converts CUDA event times to host ns: one (event, host time) anchor taken at start.
-
-    ``event.elapsed_time(other)`` gives GPU milliseconds between two events; with an anchor
-    event whose host time we know, any later event's GPU time maps onto the host clock.
-    """
+    """Converts CUDA event times to host ns through one (event, host time) anchor taken at start."""
 
     def __init__(self, device, clock):
         import torch

@@ -1,9 +1,7 @@
 """Figures derived from records, each computed once for every view that draws it: the bucket
 fill order, the timeline, memory over time and its peak, the loss.
 
-Pure functions of the records (a Trace, a Recorder or a list of Records): nothing here times,
-draws or communicates. One function per figure; the matplotlib plots (``ddpkit.viz``) and the
-widget's SVG views (``ddpkit.widget``) both draw what it returns:
+Pure functions of the records; ``ddpkit.viz`` and ``ddpkit.widget`` both draw what they return:
 
     bucket_fill(trace, rank, step)     # the bucket fill figure: ready order by layer, collectives
     timeline(trace, steps, ranks)      # per rank: compute, backward computing / waiting, comm rows
@@ -22,11 +20,8 @@ from ddpkit.trace.records import Record, as_trace
 
 
 def bucket_fill_order(trace, rank: int = 0, step: int = -1) -> list[tuple[str, int | None, int]]:
-    """``[(parameter name, bucket, time ns)]`` in the order the gradients became ready.
-
-    A gradient whose hook did not know its bucket (torch DDP's: the reducer decides, and rebuilds
-    its buckets after the first step) takes it from the step's collective whose ``params`` name
-    it (``TorchDDP`` labels each bucket's all-reduce so while recording)."""
+    """``[(parameter name, bucket, time ns)]`` in the order the gradients became ready (a bucket
+    unknown to the hook, as torch DDP's, from the collective whose ``params`` name it)."""
     trace = as_trace(trace)
     ready = trace.select(rank=rank, step=step, kind="instant", cat="grad_ready")
     bucket_of = {name: r.bucket for r in trace.select(rank=rank, step=step, kind="span", cat="comm")
@@ -48,10 +43,8 @@ def layer_of(param_name: str) -> str:
 
 
 def fill_rows(ready: list[tuple[str, int | None, int]], max_rows: int = 40) -> list[tuple[str, list]]:
-    """``bucket_fill_order``'s gradients grouped by layer, in the order the layers' first
-    gradients became ready: ``[(label, [(name, bucket, ns), ...]), ...]``. More than ``max_rows``
-    layers are merged, neighbours together ("layers.31.0 .. layers.28.0"), so 66 gradients
-    (or 660) stay readable on one screen."""
+    """``bucket_fill_order``'s gradients grouped by layer, in ready order: ``[(label, [(name, bucket,
+    ns), ...])]``; past ``max_rows``, neighbours merge ("layers.31.0 .. layers.28.0")."""
     rows: dict[str, list] = {}
     for item in ready:
         rows.setdefault(layer_of(item[0]), []).append(item)
@@ -121,9 +114,8 @@ class BucketFill:
 
 
 def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS) -> BucketFill:
-    """The bucket fill figure of one rank's step: when each gradient became ready (by layer,
-    coloured by bucket), each collective from launch to completion, backward computing then
-    waiting. ``step`` as in ``Trace.select`` (-1: the last training step)."""
+    """The bucket fill figure of one rank's step (-1: the last): gradients ready by layer, coloured
+    by bucket, each collective from launch to completion, backward computing then waiting."""
     trace = as_trace(trace)
     s = trace.resolve_step(step)
     comm = launch_order(trace, rank, s)
@@ -134,11 +126,9 @@ def bucket_fill(trace, rank: int = 0, step: int = -1, max_rows: int = FILL_ROWS)
 
 
 def comm_rows(comm, by_op: bool = False) -> list[tuple[str, list]]:
-    """One rank's collectives in rows, ``[(label, [Record])]``, for both figures. While there are
-    few, a row per bucket ("bucket 2": the timeline, ``TIMELINE_BUCKET_ROWS``, where each collective
-    must be a bucket's) or, ``by_op``, per bucket's or unit's collective ("bucket 2 all_reduce",
-    "layers.0 all_gather": the bucket fill figure, ``FILL_COMM_ROWS``); else packed rows
-    (``pack_rows``: each collective in the first row free when it launched), so 66 fit a screen."""
+    """One rank's collectives in rows, ``[(label, [Record])]``, for both figures: while few, a row
+    per bucket ("bucket 2") or, ``by_op``, per bucket's or unit's collective ("layers.0 all_gather");
+    else packed rows (``pack_rows``)."""
     comm = sorted(comm, key=lambda r: r.start_ns)
     if by_op:
         key = lambda r: (r.bucket if r.bucket is not None else r.unit, r.name)  # noqa: E731
@@ -161,8 +151,7 @@ PACKED_NOTE = "a row below holds the collectives launched while the rows above w
 
 
 def packed_label(i: int, last: bool = False) -> str:
-    """A packed timeline row's label: "collectives", then "2nd in flight", "3rd in flight", ...
-    (a collective launched while the rows above were busy); ``last``: the row that takes the rest."""
+    """A packed timeline row's label: "collectives", then "2nd in flight", ...; ``last``: the rest."""
     if i == 0:
         return "collectives"
     nth = {1: "2nd", 2: "3rd"}.get(i, f"{i + 1}th")
@@ -226,9 +215,8 @@ class Timeline:
 
 
 def timeline(trace, steps=None, ranks=None) -> Timeline:
-    """The timeline of ``steps`` (None: every training step; an int, -1 the last; a list) on
-    ``ranks`` (None: all): per rank, compute spans, backward split where its computing ended,
-    the communication hidden under it, its collectives in rows; the overlap fraction drawn."""
+    """The timeline of ``steps`` (None: all; -1 the last; a list) on ``ranks`` (None: all): compute,
+    backward split where its computing ended, hidden communication, collectives in rows."""
     trace = as_trace(trace)
     ranks = trace.ranks if ranks is None else list(ranks)
     if steps is None:
@@ -266,12 +254,8 @@ def timeline(trace, steps=None, ranks=None) -> Timeline:
 def memory_series(records, rank: int, held: dict | None = None) -> list[tuple[int, int | None, dict]]:
     """One rank's memory over time: ``[(ns, step, {category: bytes})]`` in time order.
 
-    A sample sets the categories it names and leaves the others as the last sample set them
-    (a strategy may report one category, e.g. FSDP its unsharded parameters), so each point is
-    everything the rank holds then. The allocator's own ``cuda_*`` figures are left out.
-    ``held``: what the rank held before these records (the last point of an earlier call), for
-    a caller that gets the records in batches, as the live widget does.
-    """
+    A sample sets the categories it names and keeps the others (so each point is everything the
+    rank holds then); ``cuda_*`` figures are left out. ``held``: the last point of an earlier batch."""
     state: dict = dict(held or {})
     out = []
     for r in sorted((r for r in records if r.rank == rank and r.kind == "counter" and r.cat == "memory"),
@@ -282,8 +266,7 @@ def memory_series(records, rank: int, held: dict | None = None) -> list[tuple[in
 
 
 def memory_peak(records, ranks=None) -> tuple[int, int, int | None, dict] | None:
-    """The largest point of ``memory_series`` over ``ranks`` (default all): ``(rank, ns, step,
-    {category: bytes})``, i.e. the peak and what was live at it; None without memory samples."""
+    """The largest point of ``memory_series`` over ``ranks``: ``(rank, ns, step, {category: bytes})``."""
     ranks = sorted({r.rank for r in records}) if ranks is None else ranks
     return peak_of({rank: memory_series(records, rank) for rank in ranks})
 
@@ -299,8 +282,7 @@ def peak_of(series: dict[int, list]) -> tuple[int, int, int | None, dict] | None
 
 
 def loss_per_step(records) -> dict[int, float]:
-    """``{step: loss}``, the mean over the ranks that reported one (each rank's loss is the mean
-    over its slice of the global batch, so with equal slices this is the global batch's loss)."""
+    """``{step: loss}``, the mean over the ranks (with equal slices, the global batch's loss)."""
     sums: dict = defaultdict(lambda: [0.0, 0])
     for r in records:
         if r.kind == "counter" and r.cat == "loss" and r.step is not None:

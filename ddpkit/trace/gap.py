@@ -1,8 +1,6 @@
 """Why N ranks are slower than perfect scaling: the gap, taken apart into where the time went.
 
-Pure functions of recorded traces (a Trace, a Recorder or a list of Records): the same workload
-recorded at 1 rank and at N ranks, e.g. with ``cluster.recording()`` around
-``ddpkit.experiment.run_strategy``. Nothing here runs, times or draws.
+Pure functions of the same workload's traces recorded at 1 rank and at N ranks.
 
     one = step_breakdown(trace_at_1)              # every rank's step time in STEP_PARTS
     gap = decompose(trace_at_1, trace_at_4, "strong")
@@ -10,9 +8,8 @@ recorded at 1 rank and at N ranks, e.g. with ``cluster.recording()`` around
     gap.residual_ms, gap.efficiency
     print(format_gaps([gap2, gap4]))             # ddpkit.viz.plot_scaling_gap draws them
 
-Why it adds up: the parts partition every rank's time between the same two moments (a step's
-end and the next's), so the residual is zero up to rounding. Printing it checks the bookkeeping
-(nothing counted twice or missed); noise shows between runs (record each size twice).
+The parts partition every rank's time between a step's end and the next's, so the residual is
+zero up to rounding (a check on the bookkeeping); noise shows between runs.
 """
 from __future__ import annotations
 
@@ -97,9 +94,8 @@ def _rank_step(by_rank_step, comm_of, latest, rank: int, steps, a: int, b: int) 
 
 
 def step_ends(trace) -> dict[int, int]:
-    """``{step: ns}``: when each training step ended for the whole run -- the latest completion,
-    over the ranks, of the step's last collective (no rank has its gradients before; at 1 rank
-    the collective is trivial), or of its last compute span where it has no collective."""
+    """``{step: ns}``: when each step ended for the whole run -- the latest completion, over the
+    ranks, of its last collective (or of its last compute span where it has none)."""
     trace = as_trace(trace)
     ends: dict = {}
     for r in trace.records:
@@ -115,20 +111,11 @@ def step_ends(trace) -> dict[int, int]:
 def step_breakdown(trace, steps=None, skip: int = 1) -> StepBreakdown:
     """Partition every rank's steps into STEP_PARTS and average them.
 
-    Step s lasts from the end of step s-1 to its own end (``step_ends``): the same two moments
-    on every rank. Each instant of it is the first of these that holds:
-    - *compute*: inside a compute span (``forward``, the optimizer ``step``, any other), or inside
-      ``backward`` up to its last gradient-ready event (``measures.backward_phases``); not ``sync``;
-    - *straggler wait*: a collective of this rank in flight that some other rank has not issued
-      yet (collectives matched across ranks by step, group and order in it);
-    - *exposed communication*: a collective in flight that every rank has issued;
-    - *host overhead*: the rest (the loop, ``zero_grad``, launching collectives, bucket copies).
-    Work inside a compute span counts as compute even when it is not arithmetic: DDP's gradient
-    hooks in ``backward``, FSDP's waits for its all-gathers in ``forward``.
-
-    ``steps``: training steps to use (each needs the step before it); default every step after the
-    first ``skip`` (warm-up: allocations, bucket rebuilds) and the next one (whose interval holds the
-    warm-up's optimizer step, the first, which allocates its state)."""
+    Step s lasts from the end of step s-1 to its own end (``step_ends``). Each instant of it is the
+    first that holds: *compute* (inside a compute span, ``backward`` up to its last gradient-ready
+    event; not ``sync``), *straggler wait* (a collective in flight that another rank has not issued
+    yet), *exposed communication* (one every rank has issued), *host overhead* (the rest).
+    ``steps``: default every step after the first ``skip`` warm-up steps and the next one."""
     trace = as_trace(trace)
     trained = trace.steps
     ends = step_ends(trace)
@@ -210,11 +197,8 @@ def decompose(one_rank, n_ranks, mode: str = "strong", skip: int = 1) -> Gap:
     workload recorded at 1 rank), in parts. ``mode``: "strong" (the same global batch at both) or
     "weak" (the same batch per rank). Either may be a ``StepBreakdown``.
 
-    With T(n) the measured step time and f = 1/N (strong) or 1 (weak): ideal = f T(1), and
-    gap = T(N) - f T(1) = contention + host_overhead + exposed_comm + straggler_wait + residual,
-    each the ``step_breakdown`` part at N minus f times it at 1: contention is compute longer than
-    its share of one rank's (ranks sharing cores, memory bandwidth, caches), host overhead the
-    per-step costs that do not shrink with N; at 1 rank nobody waits for a straggler. Efficiency
+    With f = 1/N (strong) or 1 (weak): gap = T(N) - f T(1) = contention + host_overhead +
+    exposed_comm + straggler_wait + residual, each part at N minus f times it at 1; efficiency
     is f T(1) / T(N)."""
     if mode not in ("strong", "weak"):
         raise ValueError(f"mode must be 'strong' or 'weak', got {mode!r}")

@@ -1,23 +1,10 @@
 """A recorded Cluster run: each rank records into its own Recorder and streams the records to
 the notebook while the job goes; the notebook merges them into one Trace.
 
-    with cluster.recording():          # the switch (ddpkit.Cluster); it uses the two halves below
-        cluster.run(job)
-    cluster.last_trace                 # every rank's records, merged
-
-Rank side, ``run_recorded(fn, args, kwargs, send, interval_s)``: a fresh ``Recorder`` with its clock
-aligned to rank 0's, made the rank's recorder (``trace.seam.recording``) while ``fn`` runs, so
-every strategy built inside the job records into it; a daemon thread drains it every
-``interval_s`` and sends what is new as one "records" event over the job channel
-(``send``: the Cluster's worker's ``report``). One message per interval however many records: a chatty run cannot flood
-the channel. The last batch (``final=True``) leaves before the job's result or error, on the
-same ordered channel, so the notebook has every record when ``run`` returns.
-
-Notebook side, ``Collector``: a cluster observer that keeps the records of each batch, in
-arrival order, until ``trace()``. A batch is a list of the ``Record`` objects the rank's recorder
-made (``Record`` pickles as its values, compactly); the cluster unpickles each once, and the
-Collector and the widget hold those same objects: a record changes form once, tuple to Record,
-on its rank, on its way to the notebook.
+Rank side, ``run_recorded``: a fresh ``Recorder`` (clock aligned to rank 0's) is the rank's recorder
+while ``fn`` runs; a daemon thread drains it every ``interval_s`` into one "records" event, the
+last (``final=True``) before the job's result. Notebook side, ``Collector``: a cluster observer
+that keeps each batch's records, in arrival order, until ``trace()``.
 """
 from __future__ import annotations
 
@@ -71,9 +58,7 @@ class Streamer:
 
 
 def run_recorded(fn, args, kwargs, send, interval_s: float = INTERVAL_S):
-    """A Cluster job that runs ``fn(*args, **kwargs)`` with recording on (see the module
-    docstring), sends each batch of records as ``send(records=..., final=...)``, and returns
-    exactly what ``fn`` returned."""
+    """A Cluster job: ``fn(*args, **kwargs)`` recorded, each batch sent as ``send(records=..., final=...)``."""
     from ddpkit.trace.recorder import Recorder
     from ddpkit.trace.seam import recording
 

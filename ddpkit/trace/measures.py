@@ -56,11 +56,7 @@ def collective_bytes(trace) -> dict[int, dict[int, int]]:
 def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
     """(comm union, ``compute`` union, their intersection) for one rank and step, in ns.
 
-    A backward span ends when ``loss.backward()`` returns, which for OverlappedDDP includes
-    waiting for the last buckets (the wait runs in an end-of-backward callback). Waiting is
-    not compute, so a backward span is cut at the last gradient that became ready inside it
-    (the last ``grad_ready`` instant) when there are any: that is where autograd's work ended.
-    """
+    A backward span is cut at its last ``grad_ready`` (``backward_phases``): after it, it waits."""
     mine = [r for r in records if r.rank == rank and r.step == step]
     comm = union((r.start_ns, r.end_ns) for r in mine
                   if r.kind == "span" and r.cat == "comm" and r.end_ns is not None)
@@ -75,9 +71,8 @@ def overlap_intervals(records, rank: int, step: int, compute: str = "backward"):
 
 
 def comm_after_backward_ms(trace, rank: int = 0, step: int = -1) -> float:
-    """Milliseconds of communication still going when backward's compute has ended: what the step
-    waits for after its last gradient is ready (0: every collective finished under backward). The
-    overlap a strategy achieved, read off the trace rather than from step times."""
+    """Milliseconds of communication still going after backward's last gradient is ready (0: every
+    collective finished under backward)."""
     trace = as_trace(trace)
     s = trace.resolve_step(step)
     comm, busy, _ = overlap_intervals(trace.records, rank, s)
@@ -89,11 +84,8 @@ def comm_after_backward_ms(trace, rank: int = 0, step: int = -1) -> float:
 def backward_phases(records, rank: int, step: int) -> tuple[list, list]:
     """(computing, waiting) intervals of one rank's backward in one step, in ns.
 
-    Backward computes until its last gradient is ready (the last ``grad_ready`` inside the
-    span); what remains of the span is waiting for communication (OverlappedDDP waits for its
-    last buckets in an end-of-backward callback). Without ``grad_ready`` records it is all
-    computing. ``overlap_intervals`` counts hidden communication against the same cut.
-    """
+    Backward computes until its last ``grad_ready`` inside the span; the rest is waiting for
+    communication (all computing without ``grad_ready`` records)."""
     _, busy, _ = overlap_intervals(records, rank, step)
     spans = union((r.start_ns, r.end_ns) for r in records
                    if r.rank == rank and r.step == step and r.kind == "span" and r.cat == "compute"
@@ -111,12 +103,9 @@ def overlap_fraction(trace, rank: int | None = None, step: int | None = None,
                      compute: str = "backward", steps=None, ranks=None) -> float:
     """Share of communication time hidden under backward compute (0 = none, 1 = all).
 
-    Communication time is the union of every collective's launch -> completion interval
-    (several may be in flight at once); hidden time is the part of it inside backward's
-    compute (see ``overlap_intervals``). Over all ranks and training steps unless given
-    (``rank``/``step`` one of each, ``ranks``/``steps`` several): a plot and a printout that
-    pass the same steps get the same number.
-    """
+    Communication time is the union of the collectives' launch -> completion intervals; hidden
+    is its part inside backward's compute (``overlap_intervals``). Over all ranks and steps unless
+    given (``rank``/``step``, ``ranks``/``steps``)."""
     trace = as_trace(trace)
     ranks = list(ranks) if ranks is not None else (trace.ranks if rank is None else [rank])
     if steps is not None:

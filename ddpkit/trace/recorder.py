@@ -1,16 +1,9 @@
 """The Recorder: each rank's hot path of appending tuples, resolved into Records when read.
 
-Strategies talk to a recorder through the seam (``ddpkit/trace/seam.py``): ``span``,
-``labels`` (around the collectives they issue), ``grad_ready``, ``memory`` and ``begin_forward``
-(a training forward through a wrapper begins a step, unless the loop began it); the training step
-adds ``loss`` and ``begin_step``. ddpkit's process group, the one writer of collective records,
-calls ``collective`` for every collective it carries, with the labels of the ``labels()`` block
-it was issued in. ``Recorder`` implements them by appending a tuple to a list -- nothing else
-happens on the hot path. Turning tuples into ``Record`` dataclasses (completion times, CUDA
-event times, the clock offset to rank 0) is done later, when ``.records`` is read, or a batch
-at a time by ``drain()`` (what a recorded Cluster run streams to the notebook while it goes).
-That is the one change of form a record makes on its way to the notebook: the Record made here
-is the one the notebook's trace and widget hold (``Record`` pickles compactly, see records.py).
+Strategies talk to it through the seam (``seam.py``); ddpkit's process group calls
+``collective`` for every collective it carries. Each call appends a tuple -- nothing else happens
+on the hot path; tuples become ``Record``s (completion and CUDA event times, rank 0's clock) when
+``.records`` is read, or a batch at a time by ``drain()`` (what a recorded Cluster run streams).
 
     rec = Recorder()                   # inside a rank; rank/world size from the process group
     rec.align_clocks()                 # optional: put every rank on rank 0's clock
@@ -70,8 +63,7 @@ class Recorder:
         self.world_size = world_size if world_size is not None else (
             dist.get_world_size() if initialized else 1)
         self.backend = (rankside.backend() or "none") if initialized else "none"
-        # always with its index: events and the clock anchor must be on the rank's own GPU, also
-        # when made on a thread whose current device is another one (every new thread's is 0)
+        # with its index: events must be on the rank's own GPU, whatever a thread's current device
         self.device = torch.device(device) if device is not None else rankside.device()
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -90,18 +82,11 @@ class Recorder:
         self._memory_due_at = None  # clock reading after which the next memory sample is due
         self._fresh = False    # next_step() was called and no train_step or forward has begun it yet
         self._loop_began = False  # train_step began this step and its forward has not run yet
-        # train_step times the step's forward and backward itself; in a loop of its own (a user's
-        # script) the wrappers do (``strategies.common.forward_timed``)
         self.loop_spans = False
         self._watched = None  # works without a future, waited on by a thread (see _watch)
 
     def _watch(self, work, on_done) -> None:
-        """Call ``on_done`` when ``work`` finishes, for collectives whose Work has no future.
-
-        One daemon thread per recorder waits on them in launch order (a backend runs a group's
-        collectives in that order). ``wait`` blocks without spinning, so watching costs no CPU;
-        a collective that fails is the strategy's to report, so the watcher just moves on.
-        """
+        """Call ``on_done`` when ``work`` (without a future) finishes: a daemon thread waits in launch order."""
         if self._watched is None:
             import queue
             import threading
@@ -126,34 +111,18 @@ class Recorder:
         return _Span(self, cat, name, fields)
 
     def labels(self, **fields):
-        """``with rec.labels(bucket=i): work = dist.all_reduce(...)``: the collectives this thread
-        issues inside the block are recorded into this recorder with ``fields`` (bucket, unit,
-        ...) by ddpkit's process group, their one writer (``seam.Labels``)."""
+        """``with rec.labels(bucket=i): work = dist.all_reduce(...)``: record those with ``fields``."""
         return Labels(self, fields)
 
     def launch_mark(self):
-        """The start of a collective about to be launched: (host ns, CUDA event on the current
-        stream). ddpkit's process group takes it *before* launching, and passes it as
-        ``collective(..., launched=mark)``: a synchronous NCCL op runs on the current stream,
-        so an event recorded after the launch would fire after the collective (a span of 0)."""
+        """(host ns, CUDA event on the current stream), taken *before* a launch: an event recorded
+        after a synchronous NCCL op would fire after it (a span of 0)."""
         return self._clock(), (self._cuda_event() if self._cuda else None)
 
     def collective(self, name: str, work, nbytes: int, launched=None, **fields) -> None:
-        """Note an async collective launched just now; its completion is noted by a callback.
-        ddpkit's process group calls this for every collective it carries (``fields``: the
-        strategy's labels, the link and the group; ``launched``: the ``launch_mark()`` it took
-        before launching, else the start is now).
-
-        What "completion" means depends on the backend:
-        - gloo: the future completes when the collective has finished on gloo's own worker
-          thread, so the callback's host time is when the bytes had all arrived.
-        - NCCL: ``work.get_future()`` completes once NCCL's stream has been made to wait for
-          the collective -- right after launch, *not* when the GPU has finished it (torch's
-          docs for ``Work.get_future``). The host time is then meaningless, so on CUDA we
-          also record CUDA events: one on the current stream at launch, one on the stream the
-          callback runs on (which is synchronised with NCCL's stream, so it fires after the
-          collective ends). Their GPU times are resolved lazily in ``.records``.
-        """
+        """Note a collective launched just now; a callback notes its completion. gloo's future
+        completes when the bytes have arrived; NCCL's right after launch, so on CUDA two events
+        (at launch, and on the callback's stream, after the collective) give its GPU times."""
         t0, ev0 = launched if launched is not None else self.launch_mark()
         done = [None, None]  # [host ns at completion, CUDA event after the collective]
         if work is None:     # a synchronous call: it has finished (gloo), or is queued on this stream (NCCL)
@@ -175,8 +144,7 @@ class Recorder:
         self._raw.append(("comm", name, self._step, t0, done, int(nbytes), fields, ev0))
 
     def grad_ready(self, param_name: str, **fields) -> None:
-        # On CUDA the hook runs when autograd *queued* the gradient's kernels; an event on
-        # the current stream marks when the GPU actually produced it.
+        # on CUDA the hook runs when the kernels are queued; the event marks when the GPU ran them
         ev = self._cuda_event() if self._cuda else None
         self._raw.append(("ready", param_name, self._step, self._clock(), fields, ev))
 
@@ -184,10 +152,8 @@ class Recorder:
         self._raw.append(("mem", self._step, self._clock(), bytes_by_category))
 
     def memory_due(self) -> bool:
-        """Is it time for another memory sample? ``train_step`` asks once a step: measuring memory
-        (walking every parameter, optimizer state and saved activation) costs about as much as
-        a twentieth of the default MLP's step, so samples are taken at most every
-        ``memory_interval_ns`` (250 ms: every step of a slow model, every tenth of a fast one)."""
+        """Is it time for another memory sample (at most every ``memory_interval_ns``, 250 ms:
+        measuring costs about a twentieth of the default MLP's step)?"""
         now = self._clock()
         if self._memory_due_at is not None and now < self._memory_due_at:
             return False
@@ -195,8 +161,7 @@ class Recorder:
         return True
 
     def loss(self, value) -> None:
-        """This step's loss on this rank: a float or a 0-dim tensor (read only when resolved,
-        so a GPU tensor costs no synchronisation here)."""
+        """This step's loss: a float or a 0-dim tensor (read only when resolved: no sync here)."""
         self._raw.append(("loss", self._step, self._clock(), value))
 
     # --- steps and clocks ------------------------------------------------------------
@@ -209,8 +174,7 @@ class Recorder:
         return self._step
 
     def begin_step(self) -> int:
-        """What ``train_step`` calls first: start the next step, unless the caller has just
-        started one with ``next_step()`` (jobs written before recording was a switch do)."""
+        """What ``train_step`` calls first: start the next step, unless ``next_step()`` just did."""
         if not self._fresh:
             self.next_step()
         self._fresh = False
@@ -219,11 +183,8 @@ class Recorder:
         return self._step
 
     def begin_forward(self) -> int:
-        """What a wrapper's training forward calls (every ddpkit wrapper, and torch's as the kit
-        builds them): start the next step, unless the loop began this one and no forward has run
-        in it yet (``train_step``, or ``next_step()`` by hand). So any loop gets numbered steps,
-        as torch's DDP counts its iterations by forward calls (each micro-batch under
-        ``no_sync()`` is one)."""
+        """What a wrapper's training forward calls: start the next step, unless the loop began this
+        one and no forward has run in it yet (as torch's DDP counts iterations by forwards)."""
         if self._fresh or self._loop_began:
             self._fresh = self._loop_began = False
         else:
@@ -236,8 +197,7 @@ class Recorder:
         return self._step
 
     def align_clocks(self, group=None, rounds: int = 8) -> int:
-        """Estimate this rank's clock offset to rank 0 of ``group`` (``clocks.align_clocks``; its
-        error bound goes to ``clock_rtt_ns``); returns it in ns. Every rank must call it."""
+        """Estimate (and return) this rank's clock offset in ns to rank 0 of ``group``; every rank calls it."""
         self.clock_offset_ns, self.clock_rtt_ns = align_clocks(self._clock, self.device, group, rounds)
         return self.clock_offset_ns
 
@@ -254,20 +214,14 @@ class Recorder:
             self._cuda_anchor.synchronize()
         raw = self._raw[:]  # other threads (autograd's, a collective's) may append meanwhile
         out = [self._resolve(r) for r in raw]
-        # Keep the result only if no collective is still waiting for its completion callback
-        # (gloo runs it on its own thread, a moment after work.wait() may have returned).
+        # kept only once no collective awaits its completion callback (gloo's thread runs it late)
         if all(r.end_ns is not None for r in out if r.kind == "span"):
             self._resolved, self._resolved_len = out, len(raw)
         return out
 
     def drain(self, final: bool = False) -> list[Record]:
-        """The records made since the last ``drain()``, resolved; each is handed out once.
-
-        A collective still in flight (or, on CUDA, an event the GPU has not reached) stops the
-        batch just before it, so its completion time is known when it is handed out: records
-        leave in call order, a step at most late. ``final=True`` hands out everything left
-        (a collective that never completed has ``end_ns`` None, as in ``.records``).
-        """
+        """The records made since the last ``drain()``, resolved, in call order, up to the first
+        still in flight; ``final=True``: everything left (unfinished: ``end_ns`` None)."""
         raw, i = self._raw, self._drained
         stop = len(raw)
         if not final:

@@ -1,9 +1,7 @@
 """Records and Traces: what each rank did, as plain data, and all ranks' records merged.
 
-A ``Record`` is one span, instant or counter on one rank (the recorder makes them, see
-``recorder.py``); a ``Trace`` holds the records of one or more ranks with the run's world size
-and backend, and selects them by rank, step, category, kind or name. Everything here is
-picklable: a Cluster job returns it to the notebook, a recorded run streams Records there.
+A ``Record`` is one span, instant or counter on one rank; a ``Trace`` holds the records of one or
+more ranks and selects them by rank, step, category, kind or name. Everything here is picklable.
 
     trace = Trace.merge(cluster.run(job))      # all ranks' records in one Trace
     trace.select(rank=0, step=-1, cat="comm")  # the last step's collectives on rank 0
@@ -81,17 +79,14 @@ class Trace:
     def steps(self) -> list[int]:
         """Training step indices, in order: steps with a compute span (forward, backward, ...).
 
-        Setup records are not a step, and neither is a step that holds only collectives or
-        memory samples (e.g. an evaluation or state-dict gather after training, which a job
-        puts in a step of its own); a trace without any compute span keeps every step.
-        """
+        A step of only collectives or memory samples (a state-dict gather) is not one; a trace
+        without any compute span keeps every step."""
         stepped = {r.step for r in self.records if r.step is not None}
         trained = {r.step for r in self.records if r.step is not None and r.cat == "compute"}
         return sorted(trained or stepped)
 
     def select(self, rank=None, step=None, cat=None, kind=None, name=None) -> list[Record]:
-        """Records matching every given field. ``step``: an index (negative counts from the
-        last step, -1 = the last), or ``"setup"`` for records made before the first step."""
+        """Records matching every given field; ``step``: an index (-1 = the last) or ``"setup"``."""
         want = None if step is None else (None if step == "setup" else self.resolve_step(step))
         return [r for r in self.records
                 if (rank is None or r.rank == rank) and (step is None or r.step == want)

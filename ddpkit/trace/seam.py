@@ -1,28 +1,16 @@
 """The recorder seam: what strategies and ddpkit's process group record through, and the rank's recorder.
 
-Strategies *report* what happens; they never store or draw it. Every wrapper takes
-``recorder=None`` (the rank's recorder, ``recorder()``) and talks to it through a few calls:
-
     with recorder.span("forward", cat="compute"):          # a timed span on this rank
         ...
-    with recorder.labels(bucket=i):                         # label the collectives issued inside:
-        work = dist.all_reduce(flat, async_op=True)         #   bucket i's all-reduce
+    with recorder.labels(bucket=i):                         # label the collectives issued inside
+        work = dist.all_reduce(flat, async_op=True)
     recorder.grad_ready("layers.3.weight", bucket=i)        # a gradient just became ready
     recorder.memory(parameters=..., gradients=..., ...)     # a memory sample, bytes by category
 
-A strategy never records a collective itself: ddpkit's process group sees every collective
-(torch's wrappers' too) and is the one writer of its record, into the rank's recorder and into
-the recorder of the ``labels()`` block it was issued in (``labelled()``: per *thread*, as
-collectives are issued from autograd's threads too), with the block's fields. So a strategy labels
-what only it knows (the bucket, the FSDP unit). Under a plain torch process group (a torchrun
-script) there is no such writer: spans, gradients and memory are recorded, collectives are not.
-
-``NullRecorder`` is the default: each call does nothing, so recording off costs one attribute
-lookup and an empty ``with``; strategies check ``recorder.enabled`` before work only recording
-needs. ``ddpkit.trace.Recorder`` implements the same calls and keeps plain records. The rank's
-recorder is process-wide on purpose: a process is one rank, and everything in it that records
-must record into one place, also from threads the job did not start. This module imports nothing
-else of ``ddpkit.trace``: strategies and the process group load no records, figures or exports.
+A strategy never records a collective itself: ddpkit's process group is the one writer, into the
+recorder of the ``labels()`` block (per thread) it was issued in. ``NullRecorder``, the default,
+does nothing. The rank's recorder is process-wide on purpose: a process is one rank. This module
+imports nothing else of ``ddpkit.trace``.
 """
 from __future__ import annotations
 
@@ -40,9 +28,8 @@ _ISSUING = _Issuing()
 
 
 class Labels:
-    """``with recorder.labels(bucket=i): ...``: the collectives this thread issues inside the
-    block are recorded (by ddpkit's process group) into ``recorder``, with ``fields`` added.
-    Blocks nest: the innermost one labels (a recorder that is off opens no block at all)."""
+    """``with recorder.labels(bucket=i): ...``: the collectives this thread issues inside are recorded
+    into ``recorder`` with ``fields``; the innermost block labels."""
 
     __slots__ = ("recorder", "fields", "_outer")
 
@@ -60,8 +47,7 @@ class Labels:
 
 
 def labelled():
-    """The ``Labels`` block this thread is issuing collectives in (its ``recorder`` and
-    ``fields``), or None: what ddpkit's process group asks of each collective."""
+    """The ``Labels`` block this thread is issuing collectives in, or None (asked by the process group)."""
     return _ISSUING.labels
 
 
@@ -74,13 +60,11 @@ class NullRecorder:
         return _NO_SPAN
 
     def labels(self, **fields):
-        """Label the collectives issued inside the block (bucket, unit, ...). Off: a shared empty
-        ``with``. A recorder that is on (a subclass, e.g. a test's counting recorder) gets them."""
+        """Label the collectives issued inside the block (bucket, unit, ...); off: a shared empty ``with``."""
         return Labels(self, fields) if self.enabled else _NO_SPAN
 
     def launch_mark(self):
-        """What ddpkit's process group takes just *before* launching a collective it will record
-        (``collective(..., launched=mark)``); None here: nothing to mark."""
+        """What the process group takes just *before* a launch (``collective(..., launched=mark)``); None here."""
         return None
 
     def collective(self, name: str, work, nbytes: int, **fields) -> None:
@@ -122,9 +106,7 @@ _CURRENT = _Current()
 
 
 def recorder():
-    """The recorder this rank records into now: a ``ddpkit.trace.Recorder`` while recording is on
-    (``with recording(rec):``, or ``cluster.recording()`` in the notebook), else the do-nothing
-    ``NullRecorder``. A strategy built with ``recorder=None`` takes this one."""
+    """The recorder this rank records into now (``with recording(rec):``), else ``NullRecorder``."""
     return _CURRENT.recorder
 
 
