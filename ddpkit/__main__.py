@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the model on this machine: per world size, fit each collective and profile "
                         "compute on the ranks, time every strategy as compare does (interleaved), and "
                         "print predicted against measured ms/step")
-    p.add_argument("--rounds", type=positive_int, default=5, help="with --validate: interleaved rounds, each strategy the median (default 5)")
+    p.add_argument("--rounds", type=positive_int, default=5,
+                   help="with --validate: interleaved rounds, each strategy's median (default 5)")
     p.add_argument("--steps", type=positive_int, default=10, help="with --validate: timed steps per run (default 10)")
     p.add_argument("--json", metavar="PATH", help="with --validate: write one record per strategy and size here")
     p.set_defaults(func=cmd_predict)
