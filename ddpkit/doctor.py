@@ -234,15 +234,29 @@ def last_line(exc: BaseException) -> str:
     return lines[-1].strip() if lines else type(exc).__name__
 
 
+# the hosted notebooks, known by the environment variables their kernels are given
+RUNTIMES = {"Colab": ("COLAB_RELEASE_TAG", "COLAB_GPU"), "Kaggle": ("KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE")}
+
+
+def runtime(environ=None) -> str:
+    """Where this kernel runs: a hosted notebook recognised by its variables, or none."""
+    env = os.environ if environ is None else environ
+    for name, keys in RUNTIMES.items():
+        if any(k in env for k in keys):
+            return f"{name} ({', '.join(k for k in keys if k in env)} set)"
+    return "no hosted notebook (Colab, Kaggle) recognised"
+
+
 def machine() -> str:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     where = f"{gpus} CUDA GPU(s): {torch.cuda.get_device_name(0)}" if gpus else "no CUDA GPU"
     inside = "in" if torch_problem() is None else "OUTSIDE"
+    shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None  # the shm transport's segments
+    free = f", /dev/shm {human_bytes(shm.f_bavail * shm.f_frsize, 0)} free" if shm else ""
     return (f"torch {torch.__version__} ({inside} the tested range {supported_range()}), "
-            f"Python {platform.python_version()}, "
-            f"{os.cpu_count()} CPU cores, {where}")
+            f"Python {platform.python_version()}, {os.cpu_count()} CPU cores, {where}{free}; runtime: {runtime()}")
 
 
 def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None, out=print) -> int:
@@ -275,7 +289,9 @@ def doctor(world_size: int = 2, gpus=None, only=None, cluster=None, checks=None,
         if one_gpu_short:
             out(f"  note: {visible} GPU(s) for {ws} ranks: backend='auto' lets the ranks share the GPU(s), "
                 f"each its own process with its own CUDA context ({_sharing(ws)}); NCCL refuses two ranks on "
-                "one GPU, so it is checked at 1 rank")
+                "one GPU, so it is checked at 1 rank. Not known from here: whether this runtime lets a process "
+                "map another's GPU memory (CUDA IPC); if the rows below fail on it, Cluster(..., transport='shm') "
+                "stages the bytes through pinned host memory instead")
         try:
             t0 = time.perf_counter()
             cluster = ddpkit.Cluster(world_size, gpus=gpus)

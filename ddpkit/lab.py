@@ -17,6 +17,7 @@ interpreter's scripts directory (a venv's ``bin/``, where ``torchrun`` is) put f
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def start_page(root: Path | None = None) -> Path:
         raise FileNotFoundError(
             f"ddpkit lab opens the course's notebooks from a checkout of the repository, and there is no "
             f"{START} next to the installed package (looked in {root}). Clone the repository and install "
-            "it from there: pip install -e . && ddpkit lab; or start JupyterLab yourself on its notebooks/.")
+            "it from there: pip install -e '.[lab]' && ddpkit lab; or start JupyterLab yourself on its notebooks/.")
     return page
 
 
@@ -82,6 +83,9 @@ def lab(extra=(), out=print) -> int:
     """Start JupyterLab on the first notebook, in the checkout; returns jupyter lab's exit status
     (on POSIX this process *becomes* jupyter lab, so Ctrl-C reaches it as it would directly)."""
     root = checkout_root()
+    if importlib.util.find_spec("jupyterlab") is None:  # the kernel side needs none of it (Colab, Kaggle)
+        out("ddpkit lab: JupyterLab is not installed; it comes with the lab extra: pip install -e '.[lab]'")
+        return 1
     argv, note = lab_command(extra, root)
     if note:
         out(note)

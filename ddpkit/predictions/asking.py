@@ -226,9 +226,6 @@ def _show(asked: Ask, shell) -> None:
         return
     from IPython.display import display
 
-    from ddpkit.predictions.form import form
+    from ddpkit.predictions.form import form, view_bundle
 
-    box = form(asked)
-    bundle = box._repr_mimebundle_()
-    bundle["text/plain"] = asked.text()   # what a front end without widgets shows
-    display(bundle, raw=True)
+    display(view_bundle(form(asked), asked.text()), raw=True)   # the text: a front end without widgets

@@ -9,6 +9,14 @@ import html
 MUTED = "color:#555"
 
 
+def view_bundle(widget, text: str) -> dict:
+    """What ``display(bundle, raw=True)`` shows for ``widget``: its view where widgets render, ``text``
+    elsewhere. Built from the public ``model_id``, as ipywidgets 7 (no ``_repr_mimebundle_``: Colab's
+    7.7.1) and 8 both build it themselves."""
+    return {"text/plain": text, "application/vnd.jupyter.widget-view+json":
+            {"version_major": 2, "version_minor": 0, "model_id": widget.model_id}}
+
+
 def parse_number(text: str) -> float:
     """A typed answer: "8", "8.04", "1,024", "1.5x", "1.5 x"; a ValueError for anything else."""
     text = text.strip().rstrip("x×").strip().replace(",", "")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import html
 
+from ddpkit.predictions.form import view_bundle
+
 NOTE = "color:#555;font-style:italic"
 
 
@@ -83,9 +85,8 @@ class HeldCell:
         self.box = w.VBox([self.note, self.out])
         self.box.add_class("ddpkit-held")
         self._say()
-        bundle = self.box._repr_mimebundle_()
-        bundle["text/plain"] = f"[ddpkit] {self._words()} (where widgets render, it is held back until then)"
-        display(bundle, raw=True)
+        display(view_bundle(self.box, f"[ddpkit] {self._words()} (where widgets render, it is held back until "
+                                      "then)"), raw=True)
         for a in self.waiting:
             a.follow(self)
 
@@ -156,6 +157,4 @@ class PendingReveal:
                 "cell prints it, scored against this run's measurement.")
 
     def _repr_mimebundle_(self, **kwargs):
-        bundle = self.html._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = self.text()
-        return bundle
+        return view_bundle(self.html, self.text())

@@ -36,6 +36,7 @@ from ddpkit.liveness import alive
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 FINGERPRINT = 4          # int64 words per rank and slot: (collective number, op code, bytes, deposited at ns)
 AGREED = 3               # ... the first of them, which every rank's must equal (``check``)
+MIN_REGION = 64 << 10    # where /dev/shm is short, regions are halved down to this (1 MiB a group of 2)
 PEER_CHECK_S = 0.25      # while waiting, look this often whether a peer has died
 _KEY = "ddpkit_shm"      # the group's store keys (beside gloo's own, in the same prefix store)
 
@@ -85,26 +86,26 @@ class Segment:
     def __init__(self, store, rank: int, size: int, slots: int, region_bytes: int, prefix: str, device=None):
         """``device``: the data area on the CPU (None: in the file) or a GPU (``device_slab``)."""
         self.rank, self.size, self.slots = rank, size, slots
-        self.region = max(64, region_bytes // 64 * 64)  # regions stay 64-byte aligned for every dtype
         self.ctrl_bytes = -(-(size + slots * size * FINGERPRINT) * 8 // 4096) * 4096
-        on_gpu = device is not None and torch.device(device).type == "cuda"
-        self.nbytes = self.ctrl_bytes + (0 if on_gpu else slots * size * self.region)
+        self.on_gpu = device is not None and torch.device(device).type == "cuda"
+        self._size_regions(max(64, region_bytes // 64 * 64))  # regions stay 64-byte aligned for every dtype
         self.peers = [k for k in range(size) if k != rank]
         if rank == 0:
             token = prefix + secrets.token_hex(4)
-            self.mm = self._open(token, create=True)
+            self.mm = self._open(token, create=True)   # regions halved where /dev/shm is short (a container's)
             try:
-                store.set(f"{_KEY}/token", token)
+                store.set(f"{_KEY}/token", f"{token} {self.region}")
                 store.wait([f"{_KEY}/attached/{k}" for k in range(1, size)])
             finally:  # every rank holds them now (or setup failed): no name stays behind
                 self._unlink(token)
         else:
-            token = store.get(f"{_KEY}/token").decode()
+            token, region = store.get(f"{_KEY}/token").decode().split()
+            self._size_regions(int(region))
             self.mm = self._open(token, create=False)
             store.set(f"{_KEY}/attached/{rank}", "1")
         self.ctrl = memoryview(self.mm)[: self.ctrl_bytes].cast("q")
         self.ctrl[rank] = os.getpid()
-        if on_gpu:
+        if self.on_gpu:
             self.data = DeviceSlab(store, rank, slots * size * self.region, device)
             self._data = self.data.buffer
         else:
@@ -113,6 +114,10 @@ class Segment:
         self._views: dict = {}
 
     # ------------------------------------------------------------------ setup
+    def _size_regions(self, region: int) -> None:
+        self.region = region
+        self.nbytes = self.ctrl_bytes + (0 if self.on_gpu else self.slots * self.size * region)
+
     def _bell_names(self, token: str):
         """(receiver, sender, name) of every doorbell: ``d`` deposited, ``f`` freed."""
         return [(r, k, f"/{token}{kind}{r}_{k}") for kind in "df"
@@ -122,8 +127,15 @@ class Segment:
         path = os.path.join(SHM_DIR, token + "m")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600) if create else os.open(path, os.O_RDWR)
         try:
-            if create:
-                _reserve(fd, self.nbytes)  # zero-filled: every pid and fingerprint starts at 0
+            while create:  # zero-filled: every pid and fingerprint starts at 0
+                try:
+                    _reserve(fd, self.nbytes)
+                    break
+                except ShmError:  # no room: the same slots with half the region, down to MIN_REGION
+                    if self.on_gpu or self.region < 2 * MIN_REGION:
+                        raise
+                    os.ftruncate(fd, 0)
+                    self._size_regions(self.region // 128 * 64)
             # every page mapped now: first touches would slow a cluster's first collectives up to 3x
             mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
