@@ -21,9 +21,9 @@ milliseconds, before any Python could report. So the ring is a file mapped into 
 (``attach``; the Cluster's parent makes one per rank and reads it after the rank is gone, like an
 aircraft's recorder). Outside a Cluster (torchrun, a test) the ring is a plain bytearray.
 
-Cost. Per collective: a dict look-up (its text's number), one ``struct.pack_into`` of 32 bytes
-into a preallocated slot and a weak reference to the ``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong one: holding a Work
-holds its tensors, which would change what ``ddpkit.memory`` sees.
+Cost. Per collective: a dict look-up (its text's number), one ``struct.pack_into`` of 32 bytes and
+a weak reference to the ``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong
+one: holding a Work holds its tensors, which would change what ``ddpkit.memory`` sees.
 
 The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
 collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
@@ -35,6 +35,7 @@ rule (a rank that finished while this one issued more, see ``ddpkit.comm.desync`
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import os
 import re
@@ -54,10 +55,8 @@ WATCH_S = 0.25       # how often the watchdog looks (so a report comes STALL_S t
 _MAGIC = b"DDPKFLT2"
 _HEADER = struct.Struct("<8sqqq")            # magic, pid, job, slots
 _HEADER_SIZE = 64
-# A slot, 32 bytes: seq (1, 2, ... on this rank; 0: empty), bytes, index in the group, the number
-# of its text, seq again (a reader that finds the two seqs different read the slot while it was
-# being written). The texts ("op\x1fdtype\x1franks\x1fordinal[\x1flabels]") follow the slots, each
-# written once, the first time it is used: a program's collectives use a few dozen
+# A slot, 32 bytes: seq (1, 2, ... on this rank; 0: empty), bytes, index in the group, its text's
+# number, seq again (a reader that finds the two differ read it half written). The texts follow
 _SLOT = struct.Struct("<qqIIq")
 TEXTS = 512
 _TEXT = struct.Struct("<H254s")              # its length, the text
@@ -133,7 +132,7 @@ class FlightRecorder:
     groups: list = field(default_factory=list)   # group number -> (its global ranks, ordinal)
     _seq: int = 0
     _pending: collections.deque = field(default_factory=collections.deque, repr=False)
-    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) or text -> its number
+    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) or text -> number
     _written: int = 0              # texts written into the ring
     path: str | None = None
     job: int = 0                   # the job running now (0: none), as the parent numbers them
@@ -166,7 +165,10 @@ class FlightRecorder:
         try:
             text = self._texts[key]
         except (KeyError, TypeError):  # new, or a label that cannot be hashed (a list of names)
-            text = self._number(key, op, dtype, group, fields)
+            text = self._number(op, dtype, group, fields)
+            if len(self._texts) < 4096:
+                with contextlib.suppress(TypeError):
+                    self._texts[key] = text
         _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * 32, seq, nbytes, index, text, seq)
         if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
             return None
@@ -174,26 +176,18 @@ class FlightRecorder:
         self._pending.append(p)
         return p
 
-    def _number(self, key, op: str, dtype, group: int, fields) -> int:
-        """The number of a slot's text ``op\x1fdtype\x1franks\x1fordinal[\x1flabels]``, written into
-        the ring the first time it is used. Near the table's end, labels are left out; past it (some
-        thousand groups and ops), the last text is overwritten."""
+    def _number(self, op: str, dtype, group: int, fields) -> int:
+        """The number of the text ``op\x1fdtype\x1franks\x1fordinal[\x1flabels]``, written into the ring
+        the first time it is used (labels left out near the table's end; past it, the last is reused)."""
         ranks, ordinal = self.groups[group]
         parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, ranks)), str(ordinal)]
         if fields and self._written < TEXTS - 64:
             parts.append(" ".join(f"{k}={v}" for k, v in fields.items())[:60])
         text = _SEP.join(p.encode() for p in parts)[:_TEXT.size - 2]
-        number = self._texts.get(text)
-        if number is None:
-            number, self._written = min(self._written, TEXTS - 1), self._written + 1
-            _TEXT.pack_into(self.buf, _HEADER_SIZE + self.slots * _SLOT.size + number * _TEXT.size, len(text), text)
-            self._texts[text] = number
-        if len(self._texts) < 4096:
-            try:
-                self._texts[key] = number
-            except TypeError:
-                pass
-        return number
+        if text not in self._texts:
+            self._texts[text], self._written = min(self._written, TEXTS - 1), self._written + 1
+            _TEXT.pack_into(self.buf, ring_size(self.slots, self._texts[text]), len(text), text)
+        return self._texts[text]
 
     @staticmethod
     def launched(p: list | None, work) -> None:
@@ -321,7 +315,7 @@ def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
         if seq <= 0 or seq != seq2:
             continue
         if number not in texts:
-            at = _HEADER_SIZE + slots * _SLOT.size + number * _TEXT.size
+            at = ring_size(slots, number)
             n, text = _TEXT.unpack_from(data, at) if at + _TEXT.size <= len(data) else (0, b"")
             texts[number] = (text[:n].decode(errors="replace").split("\x1f") + [""] * 5)[:5]
         op, dtype, ranks, ordinal, labels = texts[number]
@@ -366,9 +360,9 @@ def blocked_in_a_wait(stack: str) -> bool:
     return function == "wait" or os.path.join("torch", "distributed") + os.sep in file
 
 
-def ring_size(slots: int = SLOTS) -> int:
-    """Bytes of a ring file (the parent makes each one this big)."""
-    return _HEADER_SIZE + slots * _SLOT.size + TEXTS * _TEXT.size
+def ring_size(slots: int = SLOTS, texts: int = TEXTS) -> int:
+    """Bytes of a ring file (the parent makes each one this big); with ``texts`` < TEXTS, where that text is."""
+    return _HEADER_SIZE + slots * _SLOT.size + texts * _TEXT.size
 
 
 __all__ = ["Entry", "FlightRecorder", "STALL_S", "blocked_in_a_wait", "job_thread", "read", "ring_size",
