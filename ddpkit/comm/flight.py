@@ -301,22 +301,17 @@ def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
             data = f.read()
     except OSError:
         return None
-    if len(data) < _HEADER_SIZE:
-        return None
-    magic, owner, job, slots = _HEADER.unpack_from(data, 0)
+    magic, owner, job, slots = _HEADER.unpack_from(data.ljust(_HEADER_SIZE, b"\0"), 0)
     if magic != _MAGIC or (pid is not None and owner != pid):
         return None
     texts, entries = {}, []
-    for i in range(slots):
-        off = _HEADER_SIZE + i * _SLOT.size
-        if off + _SLOT.size > len(data):
-            break
+    for off in range(_HEADER_SIZE, min(ring_size(slots, 0), len(data) - _SLOT.size + 1), _SLOT.size):
         seq, nbytes, index, number, seq2 = _SLOT.unpack_from(data, off)
         if seq <= 0 or seq != seq2:
             continue
         if number not in texts:
-            at = ring_size(slots, number)
-            n, text = _TEXT.unpack_from(data, at) if at + _TEXT.size <= len(data) else (0, b"")
+            n, text = _TEXT.unpack_from(data, ring_size(slots, number)) if ring_size(slots, number + 1) <= len(data) \
+                else (0, b"")
             texts[number] = (text[:n].decode(errors="replace").split("\x1f") + [""] * 5)[:5]
         op, dtype, ranks, ordinal, labels = texts[number]
         entries.append(Entry(seq, int(ordinal or 0), index, nbytes, op, dtype,
