@@ -157,6 +157,8 @@ def main(argv=None) -> int:
         for m in models:
             for w in wrappers if r % 2 == 0 else wrappers[::-1]:
                 times[m, w].append(run_one(m, w, args))
+                print(f"round {r}: {m} {w} {times[m, w][-1]:.2f} ms/step (load {os.getloadavg()[0]:.1f})",
+                      file=sys.stderr, flush=True)  # kept if a long run is cut short
         loads.append(os.getloadavg()[0])
     for m in models:
         spec = MODELS[m]
