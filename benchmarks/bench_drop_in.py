@@ -109,7 +109,7 @@ def rank_main(args) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, times)
     if dist.get_rank() == 0:
-        print("RESULT", json.dumps(statistics.median(max(step) for step in zip(*gathered))))
+        print("RESULT", json.dumps(statistics.median(max(step) for step in zip(*gathered, strict=True))))
     dist.destroy_process_group()
 
 
