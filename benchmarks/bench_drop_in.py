@@ -1,87 +1,61 @@
 """ddpkit's DDP wrappers against torch's DistributedDataParallel on a stock process group, as in a
-user's own script: torchrun, ``init_process_group("gloo")``, torch's default buckets.
+user's own script: one wrapper in a fresh process group, ``init_process_group("gloo")``, defaults.
 
-    python benchmarks/bench_drop_in.py [--world-size 2] [--rounds 5] [--steps 10] [--models many,few]
+    python benchmarks/bench_drop_in.py [--world-size 2] [--rounds 5] [--steps 20] [--models many,few]
+                                       [--wrappers torch_ddp,bucketed,overlapped] [--profile DIR]
 
-It starts torchrun on itself. Each rank builds every wrapper once, each on its own copy of the model,
-then times them in rounds that alternate them (a small machine's speed drifts from minute to minute):
-``--steps`` training steps each (forward, backward, SGD step), after two warm-up steps. Two models:
+Each round starts, for every model and wrapper, ``--world-size`` fresh processes (the environment
+torchrun gives: ``RANK``, ``MASTER_PORT``, ...) that build that one wrapper and train ``--steps``
+steps (forward, backward, SGD step) after 3 warm-up steps; a step lasts as long as its slowest
+rank, and the round's figure is the median step. Wrappers alternate within a round (their order
+reversed every other round: a small machine's speed drifts from minute to minute). In one shared
+process instead, what ddpkit adds to a process (a thread, a first-use cost) slows torch's steps too
+and hides itself. Two models:
 
     many   an MLP of 33 Linear layers 256 wide: 66 small parameter tensors (2.1 M parameters)
     few    an MLP of 4 Linear layers 1024 wide: 8 tensors, 4 of them 4 MiB (4.2 M parameters)
 
-Printed per model: ms per step (the median over rounds of the slowest rank's median step) and the
-ratio to torch's DDP, and for ddpkit's wrappers their gradient hooks, timed inside the steps: how
-many a step, µs per hook, and of it the hook's own Python (less the gradient's copy into its bucket
-and the all-reduce launches it makes, which torch's C++ reducer makes too). The goal (issue 45):
-overlapped <= 1.05x torch's DDP, bucketed <= 1.10x.
+Printed per model and wrapper: ms per step (median over rounds) and the ratio to torch's DDP of the
+same round (median, and the rounds' range), with the load average. ``fsdp`` and ``torch_fsdp``
+(``fully_shard`` on every Linear, then the root) compare the sharded wrappers; their ratio is
+ours over ``torch_fsdp``. ``--profile DIR``: rank 0 of each run writes cProfile's stats of its timed
+steps there. Goals (issue 57): overlapped <= 1.05x torch's DDP, bucketed <= 1.10x.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
 
 MODELS = {"many": dict(width=256, depth=33), "few": dict(width=1024, depth=4)}
-WRAPPERS = ("torch_ddp", "naive", "bucketed", "overlapped")
-BATCH = 32  # rows per rank
+WRAPPERS = ("torch_ddp", "naive", "bucketed", "overlapped", "fsdp", "torch_fsdp")
+WARMUP, BATCH = 3, 32  # warm-up steps; rows per rank
 
 
 def build(name: str, module):
+    from torch import nn
+
+    if name == "torch_fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in module:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        return fully_shard(module)
+    if name == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module)
     import ddpkit
-    from torch.nn.parallel import DistributedDataParallel
 
-    cls = {"torch_ddp": DistributedDataParallel, "naive": ddpkit.NaiveDDP, "bucketed": ddpkit.BucketedDDP,
-           "overlapped": ddpkit.OverlappedDDP}[name]
-    return cls(module)  # every one at its defaults: torch's buckets (25 MiB, the first 1 MiB)
-
-
-class PythonCost:
-    """Time spent in ddpkit's gradient hooks (the wrapper method every hook calls), and inside them
-    in copying gradients into buckets (``Bucket.copy_in``) and launching all-reduces
-    (``Bucket.all_reduce``): what is left of a hook is its own Python, the wrapper's bookkeeping."""
-
-    def __init__(self):
-        from ddpkit.strategies import buckets, ddp_module
-
-        self.ns = {"hook": 0, "copy": 0, "launch": 0}
-        self.calls = {"hook": 0, "copy": 0, "launch": 0}
-        self.in_hook = False
-        self._patch(ddp_module, "_call_owner", "hook")
-        self._patch(buckets.Bucket, "copy_in", "copy")
-        self._patch(buckets.Bucket, "all_reduce", "launch")
-
-    def _patch(self, owner, name: str, what: str) -> None:
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            outer = what == "hook"
-            if not (outer or self.in_hook):  # a copy or launch after backward: not a hook's
-                return original(*args, **kwargs)
-            self.in_hook = True
-            t0 = time.perf_counter_ns()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.ns[what] += time.perf_counter_ns() - t0
-                self.calls[what] += 1
-                self.in_hook = not outer
-
-        setattr(owner, name, timed)
-
-    def per_step(self, steps: int) -> dict:
-        """Hooks a step, and µs per hook: all of it, and its own Python (less copies and launches)."""
-        hooks = max(self.calls["hook"], 1)
-        own = self.ns["hook"] - self.ns["copy"] - self.ns["launch"]
-        return {"hooks": self.calls["hook"] / steps, "hook": self.ns["hook"] / hooks / 1e3, "python": own / hooks / 1e3}
-
-    def reset(self) -> None:
-        for d in (self.ns, self.calls):
-            for k in d:
-                d[k] = 0
+    if name == "fsdp":
+        return ddpkit.FSDP(module, units=[nn.Linear])
+    return {"naive": ddpkit.NaiveDDP, "bucketed": ddpkit.BucketedDDP, "overlapped": ddpkit.OverlappedDDP}[name](module)
 
 
 def mlp(width: int, depth: int):
@@ -100,103 +74,109 @@ def train_step(model, opt, x, y) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def time_model(spec: dict, args, cost) -> tuple[dict, dict]:
-    """({wrapper: this rank's median ms per round}, {wrapper: its Python costs})."""
-    import torch
-    import torch.distributed as dist
-
-    runs = {}
-    for name in WRAPPERS:
-        torch.manual_seed(0)
-        model = build(name, mlp(spec["width"], spec["depth"]))
-        runs[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x, y = torch.randn(BATCH, spec["width"], generator=g), torch.randn(BATCH, spec["width"], generator=g)
-    times = {name: [] for name in WRAPPERS}
-    python = {name: [] for name in WRAPPERS}  # each round's PythonCost.per_step
-    for _ in range(args.rounds):
-        for name in WRAPPERS:  # alternated, round after round
-            model, opt = runs[name]
-            for _ in range(2):
-                train_step(model, opt, x, y)
-            dist.barrier()
-            if cost:
-                cost.reset()
-            per_step = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter_ns()
-                train_step(model, opt, x, y)
-                per_step.append((time.perf_counter_ns() - t0) / 1e6)
-            times[name].append(statistics.median(per_step))
-            if cost and name != "torch_ddp":
-                python[name].append(cost.per_step(args.steps))
-    return times, python
-
-
 def rank_main(args) -> None:
+    """One rank of one run: one wrapper, fresh; rank 0 prints the slowest rank's step times."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # plain gloo: no ddpkit process group, as in a user's script
-    cost = PythonCost() if args.costs else None
-    results = {}
-    for model_name in args.models.split(","):
-        times, python = time_model(MODELS[model_name], args, cost)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, times)
-        # the slowest rank's median, round by round
-        slowest = {name: [max(r[name][i] for r in gathered) for i in range(args.rounds)] for name in WRAPPERS}
-        results[model_name] = (slowest, python)
+    spec = MODELS[args.models]
+    torch.manual_seed(0)
+    model = build(args.wrappers, mlp(spec["width"], spec["depth"]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(BATCH, spec["width"], generator=g), torch.randn(BATCH, spec["width"], generator=g)
+    for _ in range(WARMUP):
+        train_step(model, opt, x, y)
+    profile = None
+    if args.profile and dist.get_rank() == 0:
+        import cProfile
+
+        profile = cProfile.Profile()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()  # start every step together, as in training
+        if profile:
+            profile.enable()
+        t0 = time.perf_counter()
+        train_step(model, opt, x, y)
+        times.append((time.perf_counter() - t0) * 1e3)
+        if profile:
+            profile.disable()
+    if profile:
+        profile.dump_stats(os.path.join(args.profile, f"{args.models}_{args.wrappers}.prof"))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
     if dist.get_rank() == 0:
-        report(results, args)
+        print("RESULT", json.dumps(statistics.median(max(step) for step in zip(*gathered, strict=True))))
     dist.destroy_process_group()
 
 
-def report(results: dict, args) -> None:
-    for model_name, (slowest, python) in results.items():
-        spec = MODELS[model_name]
-        print(f"\n{model_name}: MLP of {spec['depth']} Linear layers {spec['width']} wide, {args.world_size} ranks "
-              f"on plain gloo, {args.rounds} rounds x {args.steps} steps (ms/step: median over rounds of the "
-              "slowest rank)")
-        ref = statistics.median(slowest["torch_ddp"])
-        print(f"{'wrapper':>11} {'ms/step':>8} {'vs torch':>9} {'rounds (ratio)':>24}   hooks/step  us/hook  "
-              "of it Python")
-        for name in WRAPPERS:
-            med = statistics.median(slowest[name])
-            per_round = " ".join(f"{a / b:.2f}" for a, b in zip(slowest[name], slowest["torch_ddp"], strict=True))
-            line = f"{name:>11} {med:8.2f} {med / ref:8.2f}x {per_round:>24}"
-            if python[name]:  # medians over the rounds
-                hooks, whole, own = (statistics.median(r[k] for r in python[name]) for k in ("hooks", "hook", "python"))
-                line += f"   {hooks:10.0f} {whole:8.1f} {own:13.1f}"
-            print(line)
+def run_one(model: str, wrapper: str, args) -> float:
+    """Median ms per step of one fresh run of ``wrapper`` on ``model``."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, os.path.abspath(__file__), "--rank", "--models", model, "--wrappers", wrapper,
+           "--steps", str(args.steps)] + (["--profile", args.profile] if args.profile else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE=str(args.world_size))
+    ranks = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), text=True,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL)
+             for r in range(args.world_size)]
+    out = ranks[0].communicate()[0]
+    codes = [r.wait() for r in ranks]
+    if any(codes):
+        raise SystemExit(f"{wrapper} on {model}: ranks exited with {codes}")
+    return json.loads(out.split("RESULT", 1)[1])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--models", default="many,few", help="comma-separated, from: " + ",".join(MODELS))
-    p.add_argument("--no-costs", dest="costs", action="store_false",
-                   help="do not time the hooks and launches (their timers cost a little)")
-    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # set when torchrun starts us
+    p.add_argument("--wrappers", default="torch_ddp,bucketed,overlapped", help="from: " + ",".join(WRAPPERS))
+    p.add_argument("--profile", help="a folder: rank 0 writes cProfile stats of its timed steps there")
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # one rank of one run
     args = p.parse_args(argv)
-    for m in args.models.split(","):
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}; valid: {', '.join(MODELS)}")
     if args.rank:
         rank_main(args)
         return 0
-    import socket
-
-    with socket.socket() as s:  # a free port for torchrun's rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world_size),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__), "--rank",
-           *(argv if argv is not None else sys.argv[1:])]
-    return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    models, wrappers = args.models.split(","), args.wrappers.split(",")
+    for name, valid in [(m, MODELS) for m in models] + [(w, WRAPPERS) for w in wrappers]:
+        if name not in valid:
+            p.error(f"unknown {name!r}; valid: {', '.join(valid)}")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    times = {(m, w): [] for m in models for w in wrappers}
+    loads = []
+    for r in range(args.rounds):
+        for m in models:
+            for w in wrappers if r % 2 == 0 else wrappers[::-1]:
+                times[m, w].append(run_one(m, w, args))
+                print(f"round {r}: {m} {w} {times[m, w][-1]:.2f} ms/step (load {os.getloadavg()[0]:.1f})",
+                      file=sys.stderr, flush=True)  # kept if a long run is cut short
+        loads.append(os.getloadavg()[0])
+    for m in models:
+        spec = MODELS[m]
+        print(f"\n{m}: MLP of {spec['depth']} Linear layers {spec['width']} wide, {args.world_size} ranks on plain "
+              f"gloo, a fresh group per wrapper and round, {args.rounds} rounds x {args.steps} steps (after "
+              f"{WARMUP}); load average {min(loads):.1f}-{max(loads):.1f}")
+        print(f"{'wrapper':>11} {'ms/step':>8} {'ratio':>7}  rounds (ratio)")
+        for w in wrappers:
+            ref = "torch_fsdp" if w == "fsdp" else "torch_ddp"
+            med = statistics.median(times[m, w])
+            if ref in wrappers and w != ref:
+                ratios = [a / b for a, b in zip(times[m, w], times[m, ref], strict=True)]
+                line = (f"{statistics.median(ratios):6.2f}x  {min(ratios):.2f}-{max(ratios):.2f} of {ref}: "
+                        + " ".join(f"{q:.2f}" for q in ratios))
+            else:
+                line = ""
+            print(f"{w:>11} {med:8.2f} {line}".rstrip())
+    return 0
 
 
 if __name__ == "__main__":

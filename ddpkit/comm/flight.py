@@ -21,9 +21,9 @@ milliseconds, before any Python could report. So the ring is a file mapped into 
 (``attach``; the Cluster's parent makes one per rank and reads it after the rank is gone, like an
 aircraft's recorder). Outside a Cluster (torchrun, a test) the ring is a plain bytearray.
 
-Cost. Per collective: a cached byte string, one ``struct.pack_into`` and a weak reference to the
-``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong one: holding a Work
-holds its tensors, which would change what ``ddpkit.memory`` sees.
+Cost. Per collective: a dict look-up (its text's number), one ``struct.pack_into`` of 32 bytes and
+a weak reference to the ``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong
+one: holding a Work holds its tensors, which would change what ``ddpkit.memory`` sees.
 
 The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
 collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
@@ -35,7 +35,7 @@ rule (a rank that finished while this one issued more, see ``ddpkit.comm.desync`
 from __future__ import annotations
 
 import collections
-import itertools
+import contextlib
 import mmap
 import os
 import re
@@ -52,14 +52,14 @@ SLOTS = 512          # collectives kept per rank: the newest ones (a ring)
 STALL_S = 1.0        # a collective pending this long during a job is reported as stuck
 WATCH_S = 0.25       # how often the watchdog looks (so a report comes STALL_S to STALL_S + WATCH_S late)
 
-_MAGIC = b"DDPKFLT1"
+_MAGIC = b"DDPKFLT2"
 _HEADER = struct.Struct("<8sqqq")            # magic, pid, job, slots
 _HEADER_SIZE = 64
-# seq (1, 2, ... on this rank; 0: empty), group id, index in the group, bytes, text length, text
-# ("op\x1fdtype\x1franks[\x1flabels]"), seq again: a reader that finds the two seqs different read
-# the slot while it was being written
-_SLOT = struct.Struct("<qiqqH218sq")
-_TEXT = 218
+# A slot, 32 bytes: seq (1, 2, ... on this rank; 0: empty), bytes, index in the group, its text's
+# number, seq again (a reader that finds the two differ read it half written). The texts follow
+_SLOT = struct.Struct("<qqIIq")
+TEXTS = 512
+_TEXT = struct.Struct("<H254s")              # its length, the text
 _SEP = b"\x1f"
 
 
@@ -130,16 +130,17 @@ class FlightRecorder:
     enabled: bool = True           # False only to measure what it costs (benchmarks/bench_desync.py)
     buf: object = field(default=None, repr=False)
     groups: list = field(default_factory=list)   # group number -> (its global ranks, ordinal)
-    _seq: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
+    _seq: int = 0
     _pending: collections.deque = field(default_factory=collections.deque, repr=False)
-    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) -> bytes
+    _texts: dict = field(default_factory=dict, repr=False)    # (op, dtype, group, *labels) or text -> number
+    _written: int = 0              # texts written into the ring
     path: str | None = None
     job: int = 0                   # the job running now (0: none), as the parent numbers them
     watchdog: threading.Thread | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.buf is None:
-            self.buf = bytearray(_HEADER_SIZE + self.slots * _SLOT.size)
+            self.buf = bytearray(ring_size(self.slots))
             _HEADER.pack_into(self.buf, 0, _MAGIC, os.getpid(), 0, self.slots)
 
     # ------------------------------------------------------------------ the hot path
@@ -158,31 +159,35 @@ class FlightRecorder:
         watchdog watches, None when there is none)."""
         if not self.enabled:
             return None
-        seq = next(self._seq)
+        self._seq = seq = self._seq + 1
         fields = labels.fields if labels is not None else None
         key = (op, dtype, group, *fields.items()) if fields else (op, dtype, group)
         try:
-            text = self._texts.get(key)
-        except TypeError:  # a label that cannot be hashed (a list of names): formatted every time
-            text, key = None, None
-        if text is None:
-            text = self._text(op, dtype, group, fields)
-            if key is not None and len(self._texts) < 4096:
-                self._texts[key] = text
-        _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * _SLOT.size,
-                        seq, self.groups[group][1], index, nbytes, min(len(text), _TEXT), text, seq)
+            text = self._texts[key]
+        except (KeyError, TypeError):  # new, or a label that cannot be hashed (a list of names)
+            text = self._number(op, dtype, group, fields)
+            if len(self._texts) < 4096:
+                with contextlib.suppress(TypeError):
+                    self._texts[key] = text
+        _SLOT.pack_into(self.buf, _HEADER_SIZE + (seq % self.slots) * 32, seq, nbytes, index, text, seq)
         if self.watchdog is None:  # nobody watches (outside a Cluster): keep nothing pending
             return None
         p = [seq, group, index, None, 0.0, False]
         self._pending.append(p)
         return p
 
-    def _text(self, op: str, dtype, group: int, fields) -> bytes:
-        """What a slot says besides the numbers: ``op\x1fdtype\x1franks[\x1flabels]``."""
-        parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, self.groups[group][0]))]
-        if fields:
+    def _number(self, op: str, dtype, group: int, fields) -> int:
+        """The number of the text ``op\x1fdtype\x1franks\x1fordinal[\x1flabels]``, written into the ring
+        the first time it is used (labels left out near the table's end; past it, the last is reused)."""
+        ranks, ordinal = self.groups[group]
+        parts = [op, str(dtype or "").removeprefix("torch."), ",".join(map(str, ranks)), str(ordinal)]
+        if fields and self._written < TEXTS - 64:
             parts.append(" ".join(f"{k}={v}" for k, v in fields.items())[:60])
-        return _SEP.join(p.encode() for p in parts)
+        text = _SEP.join(p.encode() for p in parts)[:_TEXT.size - 2]
+        if text not in self._texts:
+            self._texts[text], self._written = min(self._written, TEXTS - 1), self._written + 1
+            _TEXT.pack_into(self.buf, ring_size(self.slots, self._texts[text]), len(text), text)
+        return self._texts[text]
 
     @staticmethod
     def launched(p: list | None, work) -> None:
@@ -296,22 +301,20 @@ def read(path: str, pid: int | None = None) -> tuple[int, list[Entry]] | None:
             data = f.read()
     except OSError:
         return None
-    if len(data) < _HEADER_SIZE:
-        return None
-    magic, owner, job, slots = _HEADER.unpack_from(data, 0)
+    magic, owner, job, slots = _HEADER.unpack_from(data.ljust(_HEADER_SIZE, b"\0"), 0)
     if magic != _MAGIC or (pid is not None and owner != pid):
         return None
-    entries = []
-    for i in range(slots):
-        off = _HEADER_SIZE + i * _SLOT.size
-        if off + _SLOT.size > len(data):
-            break
-        seq, group, index, nbytes, n, text, seq2 = _SLOT.unpack_from(data, off)
+    texts, entries = {}, []
+    for off in range(_HEADER_SIZE, min(ring_size(slots, 0), len(data) - _SLOT.size + 1), _SLOT.size):
+        seq, nbytes, index, number, seq2 = _SLOT.unpack_from(data, off)
         if seq <= 0 or seq != seq2:
             continue
-        parts = text[:n].decode(errors="replace").split("\x1f")
-        op, dtype, ranks, labels = (parts + [""] * 4)[:4]
-        entries.append(Entry(seq, group, index, nbytes, op, dtype,
+        if number not in texts:
+            n, text = _TEXT.unpack_from(data, ring_size(slots, number)) if ring_size(slots, number + 1) <= len(data) \
+                else (0, b"")
+            texts[number] = (text[:n].decode(errors="replace").split("\x1f") + [""] * 5)[:5]
+        op, dtype, ranks, ordinal, labels = texts[number]
+        entries.append(Entry(seq, int(ordinal or 0), index, nbytes, op, dtype,
                              tuple(int(r) for r in ranks.split(",") if r), labels))
     entries.sort(key=lambda e: e.seq)
     return job, entries
@@ -352,9 +355,9 @@ def blocked_in_a_wait(stack: str) -> bool:
     return function == "wait" or os.path.join("torch", "distributed") + os.sep in file
 
 
-def ring_size(slots: int = SLOTS) -> int:
-    """Bytes of a ring file (the parent makes each one this big)."""
-    return _HEADER_SIZE + slots * _SLOT.size
+def ring_size(slots: int = SLOTS, texts: int = TEXTS) -> int:
+    """Bytes of a ring file (the parent makes each one this big); with ``texts`` < TEXTS, where that text is."""
+    return _HEADER_SIZE + slots * _SLOT.size + texts * _TEXT.size
 
 
 __all__ = ["Entry", "FlightRecorder", "STALL_S", "blocked_in_a_wait", "job_thread", "read", "ring_size",

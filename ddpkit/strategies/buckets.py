@@ -82,6 +82,7 @@ class Bucket:
         self.flat = self.layout.empty(first.dtype, first.device)
         self.slots = self.layout.views(self.flat)
         self.grads_as_views = grads_as_views  # torch DDP's gradient_as_bucket_view: .grad becomes its slot
+        self._scale = (None, None)  # (copy_in's scale, as a 0-dim tensor)
         self.reset()
 
     @property
@@ -105,8 +106,11 @@ class Bucket:
             slot.zero_()
         elif self.grads_as_views and self.is_slot(j):
             slot.mul_(scale)  # the gradient was accumulated in its slot: scaled in place, no copy
-        else:
-            torch.mul(p.grad.detach(), scale, out=slot)
+        else:  # scale as a 0-dim tensor, made once: a Python float costs a wrapped scalar per call
+            if self._scale[0] != scale:
+                self._scale = (scale, torch.tensor(scale, dtype=slot.dtype))
+            grad = p.grad
+            torch.mul(grad.detach() if grad.requires_grad else grad, self._scale[1], out=slot)
             if self.grads_as_views and p.grad.grad_fn is None:
                 p.grad = slot  # from now on backward accumulates into the slot itself
         self.ready[j] = True
