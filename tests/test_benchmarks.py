@@ -18,7 +18,9 @@ TINY = {
     "bench_contention.py": (["--world-sizes", "2", "--chunks-ms", "0.5", "--iters", "10", "--repeats", "1"],
                             "sync cost per iteration"),
     "bench_desync.py": (["--rounds", "2", "--steps", "1", "--strategies", "overlapped"], "detection costs"),
-    "bench_drop_in.py": (["--rounds", "1", "--steps", "1", "--models", "few"], "ranks on plain gloo"),
+    # fresh processes per wrapper (the user's case): torch and one wrapper of ours keep it short
+    "bench_drop_in.py": (["--rounds", "1", "--steps", "1", "--models", "few", "--wrappers", "torch_ddp,overlapped"],
+                         "ranks on plain gloo"),
     "bench_live.py": (["--rounds", "2", "--steps", "2"], "recording + streaming + live widget"),
     "bench_overlap.py": (["--networks", "10GbE", "--rounds", "1", "--steps", "1"], "overlapped's gradient hooks"),
     "bench_process_group.py": (["--rounds", "2", "--steps", "2"], "the layer costs"),
