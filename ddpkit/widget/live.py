@@ -260,8 +260,9 @@ class LivePlots(widgets.VBox):
                      "but no training step to draw (no forward or backward recorded; cluster.last_trace holds "
                      "it): this is the last run that trained</i>")
         of = f" of {self.label}" if self.label else ""
+        over = f"{span:.1f} s" if span >= 1 else f"{span * 1e3:.0f} ms"
         return (f"<b>recorded run</b>{of}: {plural(len(rp['steps']), 'step')} on "
-                f"{plural(len(trace.ranks), 'rank')}, {len(trace.records):,} records over {span:.1f} s &middot; "
+                f"{plural(len(trace.ranks), 'rank')}, {len(trace.records):,} records over {over} &middot; "
                 f"{html.escape(where)}{later}")
 
     def close(self) -> None:
