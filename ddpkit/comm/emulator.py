@@ -22,7 +22,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ddpkit.nested import tensors
 from ddpkit.network import LinkClock
 from ddpkit.torch_internals import FutureWork
 
@@ -205,7 +204,9 @@ class Emulator:
 
 def _device_of(result):
     """The device of the first tensor in ``result`` (nested lists too), or None."""
-    return next((t.device for t in tensors(result)), None)
+    if isinstance(result, (list, tuple)):
+        return next((d for d in map(_device_of, result) if d is not None), None)
+    return getattr(result, "device", None)
 
 
 class EmulatedWork(FutureWork):
