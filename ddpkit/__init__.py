@@ -23,30 +23,11 @@ Before a measurement, the course asks for a prediction: ``q = ddpkit.ask("02.nai
 Every name here, and every submodule (``ddpkit.viz``, ``ddpkit.widget``, ...), is imported on
 first use, so a rank never pays for the cluster, the course, matplotlib or ipywidgets.
 """
-import importlib
-import importlib.util
 import sys
 
-
-def lazy_names(namespace: dict, homes: dict, submodules: bool = False):
-    """PEP 562 for a package (``namespace``: its globals) that hands on each name of ``homes`` from
-    its home module (absolute, or relative to the package: ".naive"), imported on first use; with
-    ``submodules`` an unknown name may be a submodule, imported too. Its (``__getattr__``, ``__dir__``)."""
-    package = namespace["__name__"]
-
-    def __getattr__(name: str):
-        if name in homes:
-            namespace[name] = getattr(importlib.import_module(homes[name], package), name)  # looked up once
-            return namespace[name]
-        if submodules and not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
-            return importlib.import_module(f"{package}.{name}")
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    return __getattr__, lambda: sorted(set(namespace) | set(homes))
-
-
-from ddpkit import strategies  # noqa: E402 - a face of names only: no strategy is imported before it is asked for
-from ddpkit.torch_internals import check_torch  # noqa: E402
+from ddpkit import strategies  # a face of names only: no strategy is imported before it is asked for
+from ddpkit.lazy import lazy_names
+from ddpkit.torch_internals import check_torch
 
 __version__ = "0.1.0"
 

@@ -46,7 +46,7 @@ def test_one_ddp_strategy_loads_its_reading_path_and_little_else():
     assert {"ddpkit.strategies.naive", "ddpkit.strategies.ddp_module", "ddpkit.strategies.ddp_compat",
             "ddpkit.strategies.buckets"} <= set(loaded)
     assert not {"ddpkit.strategies.fsdp", "ddpkit.strategies.zero1", "ddpkit.strategies.table"} & set(loaded)
-    assert len(loaded) <= 14, loaded
+    assert len(loaded) <= 15, loaded  # ddpkit.lazy included
 
 
 @pytest.mark.parametrize("face", [ddpkit, ddpkit.strategies, ddpkit.trace], ids=lambda m: m.__name__)

@@ -19,7 +19,7 @@ Shared: ``ddp_module.py`` (the DDP core), ``ddp_compat.py`` (torch DDP's extras)
 
 The names below are imported on first use: importing one strategy loads only what it needs.
 """
-from ddpkit import lazy_names
+from ddpkit.lazy import lazy_names
 
 _HOMES = {"NaiveDDP": ".naive", "BucketedDDP": ".bucketed", "OverlappedDDP": ".overlapped",
           "ShardedOptimizer": ".sharded_optimizer", "ZeRO1": ".zero1", "ZeRO2": ".zero2", "FSDP": ".fsdp",

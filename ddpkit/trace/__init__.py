@@ -13,7 +13,7 @@
 Nothing here draws (``ddpkit.viz`` and the widget read these records). The modules load on first
 use of their names; the seam (``ddpkit.trace.seam``) loads none of them.
 """
-from ddpkit import lazy_names
+from ddpkit.lazy import lazy_names
 
 # Where each name lives (its one public home is that module; this package hands it on, loaded on
 # first use). Every public function and class of these modules is here (tests/test_package_face.py).

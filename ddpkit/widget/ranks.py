@@ -14,7 +14,6 @@ import threading
 import ipywidgets as widgets
 import torch
 
-import ddpkit
 from ddpkit.widget.throttle import Throttle
 
 LOG_INTERVAL_S = 0.1  # at most ~10 log updates per second per widget
@@ -43,7 +42,7 @@ def _snapshot(lines) -> list[str]:
     return []
 
 
-_LIBRARIES = [os.path.dirname(m.__file__) for m in (ddpkit, torch)]   # the packages' own folders
+_LIBRARIES = [os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__)]  # ddpkit's, torch's folders
 
 
 def user_frames(tb: str) -> str:
