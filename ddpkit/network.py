@@ -168,7 +168,9 @@ class Network:
         Network("loopback", gpus_per_node=2)   # nodes of 2 (hybrid sharding's), no emulated link
 
     ``inter``/``intra``: the links between and inside nodes; ``floor``: the real transport underneath
-    (None for a real cluster); ``emulation_s``: the emulator's wake-ups per waited collective."""
+    (None for a real cluster); ``emulation_s``: the emulator's wake-ups per waited collective, the ranks
+    arriving apart (after compute); ``emulation_step_s``: the same for a collective issued right after
+    the last one was waited for, the ranks in step (``costmodel.measure.emulation_overhead``)."""
 
     name: str = "loopback"
     gpus_per_node: int | None = None
@@ -177,6 +179,7 @@ class Network:
     intra: Link | None = field(default=None, compare=False)
     floor: Link | None = field(default=None, compare=False)
     emulation_s: float = field(default=0.0, compare=False)
+    emulation_step_s: float = field(default=0.0, compare=False)
 
     def __post_init__(self):
         if self.inter is None and self.name != "loopback":
@@ -238,9 +241,11 @@ class Network:
         emulated link (run side by side from the issue)."""
         return max(self.transport_time(op, nbytes, world_size), self.emulated_time(op, nbytes, range(world_size)))
 
-    def with_floor(self, floor: Link | None, emulation_s: float | None = None) -> Network:
-        """The same network over another real transport, with ``emulation_s`` if given."""
-        return replace(self, floor=floor, emulation_s=self.emulation_s if emulation_s is None else emulation_s)
+    def with_floor(self, floor: Link | None, emulation_s: float | None = None,
+                   emulation_step_s: float | None = None) -> Network:
+        """The same network over another real transport, with ``emulation_s``, ``emulation_step_s`` if given."""
+        return replace(self, floor=floor, emulation_s=self.emulation_s if emulation_s is None else emulation_s,
+                       emulation_step_s=self.emulation_step_s if emulation_step_s is None else emulation_step_s)
 
     @property
     def emulated(self) -> bool:

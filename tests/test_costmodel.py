@@ -229,6 +229,25 @@ def test_a_fitted_link_keeps_its_timings_to_print_beside_its_lines_and_prices_by
         Link("bad", 1e-6, 1e-9, measured={"all_reduce": ((1, 1.0), (2, 2.0))})
 
 
+def test_naive_pays_the_apart_wake_once_and_the_in_step_wake_after():
+    """Naive DDP waits for each gradient's all-reduce before issuing the next: only the first follows
+    compute (the ranks arrive apart, ``emulation_s``); the rest follow a wait, in step
+    (``emulation_step_s``, measured with calls back to back). Bucketed's buckets all follow compute."""
+    p = _mlp_like()
+    floor = Link("shm", 50e-6, 1 / 2e9, host=True, transport="shm")
+    apart, step = 0.4e-3, 0.05e-3
+
+    def ms(name, emulation_s, emulation_step_s):
+        net = Network("10GbE").with_floor(floor, emulation_s, emulation_step_s)
+        return cm.simulate(name, p, 2, net, None if name == "naive" else 1).ms_per_step
+
+    collectives = sum(len(layer.param_bytes) for layer in p.layers)  # one all-reduce per gradient
+    base = ms("naive", 0.0, 0.0)
+    assert ms("naive", apart, 0.0) - base == pytest.approx(apart * 1e3)
+    assert ms("naive", apart, step) - base == pytest.approx((apart + (collectives - 1) * step) * 1e3)
+    assert ms("bucketed", apart, step) == pytest.approx(ms("bucketed", apart, 0.0))
+
+
 def test_calibration_sizes_reach_the_largest_collective():
     assert cm.calibration_sizes(8.4e6) == (1024, 16384, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
     assert cm.calibration_sizes(1000) == cm.CALIBRATION_SIZES[:3]  # at least three sizes

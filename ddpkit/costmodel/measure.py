@@ -262,12 +262,13 @@ def measure_emulated(ops=("all_reduce", "all_gather", "reduce_scatter"), sizes=(
                      repeats: int = 3, compute_s: float = 0.5e-3) -> dict:
     """A Cluster job: ``{op: [(bytes, median seconds per call)]}`` on the emulated network, each call
     after ``compute_s`` of compute (taken off), so ranks reach it apart as in training and pay the
-    emulator's wake-ups, which ``emulation_overhead`` compares with the model."""
+    emulator's wake-ups, which ``emulation_overhead`` compares with the model. ``compute_s=0``: calls
+    back to back, the ranks in step (as naive DDP's, each issued when the last is waited for)."""
     import torch.distributed as dist
 
     from ddpkit.rankside import device
 
-    between = compute_chunk(compute_s) if device().type == "cpu" else None
+    between = compute_chunk(compute_s) if compute_s > 0 and device().type == "cpu" else None
     return _time_collectives(ops, sizes, repeats, 4 * MiB, device(), dist.get_world_size(), between)
 
 

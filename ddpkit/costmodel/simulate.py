@@ -108,8 +108,8 @@ def _ddp_step(profile: Profile, stream: Stream, cap_bytes: float, overlap: bool,
     t = profile.forward_s
     if cap_bytes == 0:  # naive: in place, one collective per gradient, each awaited
         t += profile.backward_s
-        for b in reversed(flat):
-            t = stream.wait(*stream.launch("all_reduce", b, t + profile.copy_s(b)))
+        for k, b in enumerate(reversed(flat)):  # after the first, each right after the last's wait: in step
+            t = stream.wait(*stream.launch("all_reduce", b, t + profile.copy_s(b), in_step=k > 0))
         return t
     buckets = assign_buckets(flat, cap_bytes, first_cap_bytes=first_cap_bytes)
     sizes = [sum(flat[i] for i in b) for b in buckets]

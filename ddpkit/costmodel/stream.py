@@ -42,8 +42,9 @@ class Stream:
         self.bytes = 0.0
         self.count = 0
 
-    def issue(self, name: str, nbytes: float, at: float, ranks=None) -> Pending:
-        """Launch at ``at`` (or when its link frees up) among ``ranks`` (default all)."""
+    def issue(self, name: str, nbytes: float, at: float, ranks=None, in_step: bool = False) -> Pending:
+        """Launch at ``at`` (or when its link frees up) among ``ranks`` (default all); ``in_step``: right
+        after the last collective was waited for, no compute between (the ranks meet in step)."""
         ranks = range(self.n) if ranks is None else ranks
         if len(ranks) == 1:
             return Pending(at)
@@ -54,7 +55,7 @@ class Stream:
         self.bytes += ring_bytes(name, nbytes, len(ranks))
         self.count += 1
         # the emulator hands the result over a little after the link frees: on this machine's timeline
-        wake = self.net.emulation_s if link > 0 else 0.0
+        wake = (self.net.emulation_step_s if in_step else self.net.emulation_s) if link > 0 else 0.0
         clock = self.clocks.setdefault(route.kind, LinkClock())
         link_end = clock.delivers(at, link)
         if route.at_wait:
@@ -82,9 +83,9 @@ class Stream:
             return 0.0
         return self.net.transport_time(name, nbytes, len(ranks))
 
-    def launch(self, name: str, nbytes: float, at: float, ranks=None) -> tuple[float, Pending]:
+    def launch(self, name: str, nbytes: float, at: float, ranks=None, in_step: bool = False) -> tuple[float, Pending]:
         """``issue`` from the rank's timeline at ``at``: (when the rank goes on, the collective)."""
-        return at + self.host_s(name, nbytes, ranks), self.issue(name, nbytes, at, ranks)
+        return at + self.host_s(name, nbytes, ranks), self.issue(name, nbytes, at, ranks, in_step)
 
     def wait(self, t: float, done: Pending) -> float:
         """The rank, at ``t``, waits for ``done``: when it goes on (under ``at_wait`` after moving its

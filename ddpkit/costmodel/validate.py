@@ -43,14 +43,15 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     sizes = model_calibration_sizes(wl)
     common = dict(workload=wl, global_batch_size=global_batch_size, optimizer=optimizer,
                   bucket_cap_mb=bucket_cap_mb)
-    calibrations, emulations, profiles, alone = [], [], [], []
+    calibrations, emulations, in_step, profiles, alone = [], [], [], [], []
 
     def calibrate_and_profile(r: int) -> None:  # first in each timing round, in its slow spells
         if n > 1:
             series.next(f"calibrating collectives (round {r + 1} of {rounds})")
             calibrations.append(slowest_rank(cluster.run(measure_collectives, sizes=sizes)))
-            if cluster.network.emulated:  # and what the emulation adds to them, waited for
+            if cluster.network.emulated:  # and what the emulation adds to them, waited for: ranks apart, in step
                 emulations.append(slowest_rank(cluster.run(measure_emulated)))
+                in_step.append(slowest_rank(cluster.run(measure_emulated, compute_s=0.0)))
         series.next(f"profiling compute (round {r + 1} of {rounds})")
         ranks = cluster.run(profile_job, wl, global_batch_size // n, optimizer)
         profiles.append(slowest_profile(ranks))
@@ -80,8 +81,9 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     profile = median_profile(profiles)
     emulated = cluster.network  # the cluster's own (emulated) links, known exactly
     if emulations:
-        overhead = emulation_overhead(_median_over_rounds(emulations), emulated.with_floor(transport), n)
-        emulated = emulated.with_floor(None, overhead)
+        floored = emulated.with_floor(transport)
+        emulated = emulated.with_floor(None, emulation_overhead(_median_over_rounds(emulations), floored, n),
+                                       emulation_overhead(_median_over_rounds(in_step), floored, n))
     records = []
     for label, (name, options) in runs.items():
         if label in errors:
@@ -97,6 +99,7 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
                             measured_ms=measured, rel_error=pred.ms_per_step / measured - 1,
                             measured_ms_rounds=per_round[label], compute_ms=pred.compute_ms, host_ms=host_s * 1e3,
                             exposed_comm_ms=pred.exposed_comm_ms, emulation_ms=emulated.emulation_s * 1e3,
+                            emulation_in_step_ms=emulated.emulation_step_s * 1e3,
                             outran_link=outran_share(timings.emulated.get(label))))
     return records, transport, profile
 

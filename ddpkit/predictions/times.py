@@ -128,7 +128,7 @@ def read_rounds_and_parts(setting: Setting, rounds: dict[str, list[float]], part
 OVERLAP = Question(
     key="04.overlapped_vs_bucketed", unit="x", quantity="time", options=(OVERLAPPED, BUCKETED),
     setting=Setting(world_size=2, network="matched"),
-    text="On the \"{network}\" link with 1 MiB buckets: OverlappedDDP or BucketedDDP, which step is faster, "
+    text="On the \"{network}\" link with 0.5 MiB buckets: OverlappedDDP or BucketedDDP, which step is faster, "
          "and how many times?",
     hint="What can hide under backward, and what does the hook add to backward on these cores?",
     read=read_rounds_and_parts, reference=from_the_run,
