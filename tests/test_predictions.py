@@ -164,6 +164,22 @@ def test_which_is_faster_is_an_option_and_a_ratio():
         a.answer(1.5)
 
 
+def test_a_reveals_picture_draws_without_a_warning():
+    """The longest reference line (04's) once collapsed the axes beside its legend: matplotlib's
+    "constrained_layout not applied" warning showed in red under the learner's reveal."""
+    import warnings
+
+    a = ask("04.overlapped_vs_bucketed", ledger=False, show=False)
+    a.answer("overlapped", 1.3)
+    parts = {"compute": 254.0, "exposed_comm": 10.0, "straggler_wait": 24.1, "host": 7.3}
+    r = a.reveal({"bucketed": [460.0, 450.0, 470.0], "overlapped": [295.0, 280.0, 390.0]},
+                 {"overlapped": parts, "bucketed": {**parts, "exposed_comm": 158.1}},
+                 {"bucketed": 426.1, "overlapped": 271.6})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "data:image/png;base64," in r._repr_html_()
+
+
 def test_references_land_exactly_for_bytes_and_within_the_tolerance_for_time():
     b = question("02.naive_bytes")
     assert b.lands(S, S) and not b.lands(8.04, S)                   # 1 KiB off is not the byte count

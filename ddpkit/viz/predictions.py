@@ -5,6 +5,7 @@ here imports ``ddpkit.predictions``. Answers are predicted over measured on a lo
 from __future__ import annotations
 
 import math
+import textwrap
 
 from ddpkit.viz._common import new_figure
 
@@ -30,7 +31,7 @@ def plot_reveal(reveal):
         ax.plot([scale * reveal.prediction] * 2, [-0.45, 0.45], color=PREDICTED, lw=2.5, label="your prediction")
     if reveal.reference is not None:
         ax.plot([scale * reveal.reference] * 2, [-0.45, 0.45], color=REFERENCE, lw=1.2, ls="--",
-                label=f"reference: {q.reference_from}")
+                label=textwrap.fill(f"reference: {q.reference_from}", 48))  # a long one collapsed the axes
     if q.options:
         ax.set_yticks([1, 0], list(q.options))
         ax.set_xlabel("ms (the second bar: the first's time, then the parts of the difference)")
