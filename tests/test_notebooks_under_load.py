@@ -3,10 +3,12 @@
 A learner runs the course in JupyterLab, whose browser shares the machine's cores with the ranks:
 on a 2-vCPU machine that is about one core's worth while cells render. The sentences of the
 notebooks that time something must hold there too (each is computed from what its cell printed,
-or states a range that holds under such load), and their checks must pass. The plain nbval run
-of the suite (``testpaths``) checks them on a quiet machine; this one checks them under load, and
-runs a second time the notebooks whose checks and sentences are about a timing effect (``AGAIN``):
-one lucky run proves little about a check that noise can break.
+or states a range that holds under such load), and their checks must pass. This test runs them
+under load, and a second time the notebooks whose checks and sentences are about a timing effect
+(``AGAIN``): one lucky run proves little about a check that noise can break. In a run that holds
+this test, nbval's own items for these notebooks are left out (``tests/conftest.py``: each runs
+once, here, the harder case); on a quiet machine they run in the cloud kernels' job (``.ci/cloud``)
+and whenever they are named without this test (``python -m pytest notebooks/04_overlap.ipynb``).
 """
 from __future__ import annotations
 
