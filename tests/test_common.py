@@ -96,6 +96,43 @@ def test_broadcast_from_rank0_of_an_explicit_group(cluster_of):
     assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3, [1.0] * 3]
 
 
+def _broadcast_coalesced(bucket_bytes):
+    """Rank-dependent tensors of three dtypes (one of them a non-contiguous view) broadcast from
+    rank 0; returns them and the broadcasts issued (dist.broadcast counted)."""
+    from ddpkit.strategies import common
+
+    rank = dist.get_rank()
+    tensors = [torch.full((4, 3), rank + 0.5), torch.full((5,), rank, dtype=torch.int64),
+               torch.full((2, 2), rank + 0.25, dtype=torch.float64), torch.full((6, 2), rank + 1.5).t(),
+               torch.full((3,), rank + 2.5), torch.empty(7, device="meta")]
+    calls = []
+    real = dist.broadcast
+    common.dist.broadcast = lambda t, *args, **kwargs: calls.append((t.dtype, t.numel())) or real(t, *args, **kwargs)
+    try:
+        broadcast_from_rank0(tensors, bucket_bytes=bucket_bytes)
+    finally:
+        common.dist.broadcast = real
+    return [t for t in tensors if not t.is_meta], calls
+
+
+@pytest.mark.parametrize("bucket_bytes, broadcasts", [
+    (250 * 1024 * 1024, [(torch.float32, 27), (torch.int64, 5), (torch.float64, 4)]),
+    (80, [(torch.float32, 12), (torch.float32, 15), (torch.int64, 5), (torch.float64, 4)]),
+    (0, [(torch.float32, 12), (torch.float32, 12), (torch.float32, 3), (torch.int64, 5), (torch.float64, 4)]),
+])
+def test_broadcast_from_rank0_is_coalesced_by_dtype_within_the_cap(cluster_of, bucket_bytes, broadcasts):
+    """torch DDP's construction: one flat broadcast per dtype (and device) of up to 250 MiB; a smaller
+    cap cuts a kind's tensors into runs (a tensor over it alone); 0: one broadcast per tensor."""
+    for rank, (tensors, calls) in enumerate(cluster_of(2).run(_broadcast_coalesced, bucket_bytes)):
+        assert calls == broadcasts, rank  # meta tensors are left for deferred init
+        assert [t.tolist() for t in tensors] == [t.tolist() for t in _broadcast_coalesced_expected()], rank
+
+
+def _broadcast_coalesced_expected():
+    return [torch.full((4, 3), 0.5), torch.full((5,), 0, dtype=torch.int64),
+            torch.full((2, 2), 0.25, dtype=torch.float64), torch.full((6, 2), 1.5).t(), torch.full((3,), 2.5)]
+
+
 def _train_in_subgroup(strategy):
     # Ranks 1 and 2 train as a world of 2 over their own group; rank 0 is not involved.
     rank = dist.get_rank()

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.torch_internals import first_tensor, queue_at_end_of_backward
+from ddpkit.strategies.flat_layout import FlatLayout
+from ddpkit.torch_internals import copy_all, first_tensor, queue_at_end_of_backward
 from ddpkit.trace.seam import NULL_RECORDER
 
 
@@ -100,13 +101,58 @@ def check_same_shapes(module: nn.Module, group=None) -> None:
                 )
 
 
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch DDP's broadcast_bucket_size at construction
+
+
 @torch.no_grad()
-def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None) -> None:
-    """Copy rank 0's values into every rank's tensors (meta ones: once real, by deferred init)."""
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None,
+                         bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Copy rank 0's values into every rank's tensors (meta ones: once real, by deferred init),
+    coalesced as torch's DDP does at construction: the tensors of one dtype and device packed into
+    one flat buffer of up to ``bucket_bytes`` (250 MiB), one broadcast each, copied back; not a
+    broadcast per tensor (``bucket_bytes=0``: one each, no flat copy, as deferred init wants).
+
+    Besides the collectives saved, the flat buffer leaves the process's allocator as torch's DDP
+    leaves it. glibc's malloc serves a large request with mmap and, once such a block is freed,
+    raises its mmap threshold to that block's size and its trim threshold to twice that. With
+    the model's whole state freed once here, each gradient of a step (no larger) comes from the
+    heap, and the step's gradients freed by ``zero_grad()`` stay there for the next backward.
+    Without it, a model of a few 4 MiB tensors had its heap trimmed and refaulted every step:
+    backward 35 ms instead of torch's 29 (``benchmarks/bench_drop_in.py``, issue 57).
+    """
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    mine = dist.get_rank() == src
+    for chunk in _same_kind_chunks([t.data for t in tensors if not t.is_meta], bucket_bytes):
+        if len(chunk) == 1:
+            dist.broadcast(chunk[0], src=src, group=group)
+            continue
+        layout = FlatLayout.of(chunk)
+        flat = layout.empty(chunk[0].dtype, chunk[0].device)
+        views = layout.views(flat)
+        if mine:
+            copy_all(views, chunk)
+        dist.broadcast(flat, src=src, group=group)
+        if not mine:
+            copy_all(chunk, views)
+
+
+def _same_kind_chunks(tensors: list, cap_bytes: int) -> list[list]:
+    """``tensors`` grouped by (dtype, device), in order, each group cut into runs of at most
+    ``cap_bytes`` (a tensor larger than that on its own)."""
+    kinds: dict = {}
     for t in tensors:
-        if not t.is_meta:
-            dist.broadcast(t.data, src=src, group=group)
+        kinds.setdefault((t.dtype, t.device), []).append(t)
+    chunks = []
+    for group in kinds.values():
+        run, size = [], 0
+        for t in group:
+            if run and size + nbytes(t) > cap_bytes:
+                chunks.append(run)
+                run, size = [], 0
+            run.append(t)
+            size += nbytes(t)
+        chunks.append(run)
+    return chunks
 
 
 def prepare_module(strategy: str, module: nn.Module, group=None, params: bool = True, buffers: bool = True) -> None:

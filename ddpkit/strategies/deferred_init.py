@@ -67,7 +67,7 @@ def materialize_by_unit(module: nn.Module, units: list, device, param_init_fn: C
         if not fresh:
             continue
         init(m)  # this module's own parameters and buffers, as its constructor did
-        broadcast_from_rank0([t for _, t in fresh], group)
+        broadcast_from_rank0([t for _, t in fresh], group, bucket_bytes=0)  # a tensor at a time: no flat copy
         for meta, _ in fresh:
             unit = unit_of.get(id(meta)) if meta is not None else None
             if unit is None:
