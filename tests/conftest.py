@@ -112,10 +112,10 @@ class _TimingNotebooksOnce:
         if not under_load:
             return
         names = {f"{name}.ipynb" for name in under_load[0].module.TIMING_NOTEBOOKS}
-        twice = [item for item in items if item.path.suffix == ".ipynb" and item.path.name in names]
+        twice = {item for item in items if item.path.suffix == ".ipynb" and item.path.name in names}
         if twice:
-            config.hook.pytest_deselected(items=twice)
-            items[:] = [item for item in items if item.path.name not in names or item.path.suffix != ".ipynb"]
+            config.hook.pytest_deselected(items=list(twice))
+            items[:] = [item for item in items if item not in twice]
 
 
 # ----------------------------------------------------------------------------- the grader's summary

@@ -117,8 +117,8 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group=None,
     raises its mmap threshold to that block's size and its trim threshold to twice that. With
     the model's whole state freed once here, each gradient of a step (no larger) comes from the
     heap, and the step's gradients freed by ``zero_grad()`` stay there for the next backward.
-    Without it, a model of a few 4 MiB tensors had its heap trimmed and refaulted every step:
-    backward 35 ms instead of torch's 29 (``benchmarks/bench_drop_in.py``, issue 57).
+    Without it, a model of a few large tensors had its heap trimmed and refaulted every step
+    (``benchmarks/bench_drop_in.py`` measures the difference; docs/own_script.md has the figures).
     """
     src = dist.get_global_rank(group, 0) if group is not None else 0
     mine = dist.get_rank() == src
