@@ -58,6 +58,24 @@ def test_the_ring_keeps_the_newest_collectives(tmp_path):
     assert flight.read(str(path), pid=os.getpid() + 1) is None  # another process's ring: not this rank's
 
 
+def test_a_slot_written_as_int64s_is_the_slot_pack_into_writes():
+    """``issue`` stores a slot through an int64 view of the ring (``FlightRecorder._use``): byte for byte
+    what ``_SLOT.pack_into`` writes (the path of a big-endian machine), the two seqs, the bytes, index and text."""
+    import torch
+
+    rings = []
+    for view in (True, False):
+        fr = FlightRecorder(slots=4)
+        if not view:
+            fr._q = None
+        group = fr.new_group([0, 1])
+        for i, nbytes in enumerate([0, 4, 2**40, 12, 7], start=1):  # wraps the ring of 4
+            fr.issue(group, i, "all_gather" if i % 2 else "all_reduce", nbytes, torch.float16, None)
+        rings.append(bytes(fr.buf))
+    assert rings[0] == rings[1]
+    assert flight._SLOT.unpack_from(rings[0], flight._HEADER_SIZE + 32 * 3) == (3, 2**40, 3, 0, 3)
+
+
 def test_a_group_is_named_alike_by_its_members_though_each_rank_makes_only_its_own():
     # 4 ranks, pairs as hybrid sharding makes them: rank 0 creates (0, 1), rank 2 creates (2, 3)
     rank0, rank2 = FlightRecorder(slots=4), FlightRecorder(slots=4)
