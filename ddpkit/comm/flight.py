@@ -148,9 +148,9 @@ class FlightRecorder:
     def _use(self, buf) -> None:
         """Write slots into ``buf`` from now on: through a view of its slots as int64s, four
         stores a slot (seq, bytes, index | text << 32, seq), the layout ``_SLOT`` reads back on a
-        little-endian machine; ``_SLOT.pack_into`` elsewhere. Measured in an FSDP step, where the
-        caches are cold between collectives, the stores cost about half of ``pack_into``
-        (``benchmarks/bench_desync.py`` times ``issue``)."""
+        little-endian machine; ``_SLOT.pack_into`` elsewhere. In an FSDP step, whose caches are cold
+        between collectives, the stores cost less than ``pack_into`` (``benchmarks/bench_desync.py``
+        times ``issue``)."""
         self.buf = buf
         self._q = (memoryview(buf).cast("B")[_HEADER_SIZE:_HEADER_SIZE + self.slots * _SLOT.size].cast("q")
                    if sys.byteorder == "little" else None)
