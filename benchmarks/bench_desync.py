@@ -3,8 +3,8 @@
     python benchmarks/bench_desync.py [--world-size 2] [--rounds 20] [--steps 5]
 
 Detection is always on: ddpkit's process group hands every collective to the rank's flight
-recorder (``ddpkit.comm.flight``: one ``struct.pack_into`` of 32 bytes into a ring the parent can read, a
-weak reference for the watchdog) before launching it. The parent reads nothing while
+recorder (``ddpkit.comm.flight``: a 32-byte slot, written as four int64 stores into a ring the parent can
+read, and a weak reference for the watchdog) before launching it. The parent reads nothing while
 a job goes well, and the watchdog thread wakes four times a second. Inside one Cluster, every rank
 trains the default MLP (256x32) with a strategy, switching the recorder off and on in alternating
 blocks (off/on, then on/off, ...) so machine noise hits both alike, with recording off and on.
@@ -13,7 +13,10 @@ Two figures per case: the measured difference of the median steps (overall, and 
 rounds of each round's pair of blocks), noisy on a shared machine: its sign says little below a few
 percent; and the accounted cost: the time spent inside ``issue`` and ``launched`` during real steps
 (timed on the rank, from the stacks collectives are really issued from) over the step, the median
-over steps (``_time_flight``). Target: <= 1% of the step.
+over steps (``_time_flight``). Each call's time is less what reading the clock costs at that spot:
+read twice back to back just before the call, in the same cold caches (between two collectives an
+FSDP step runs enough other code to evict them: a clock read costs 0.2-0.5 us there, ten times what
+it costs in a loop). Target: <= 1% of the step.
 """
 from __future__ import annotations
 
@@ -74,16 +77,18 @@ def _time_flight(flight, step, args: tuple, steps: int) -> tuple[float, float, f
     ``flight.launched`` (timed on the rank, from the stacks collectives are really issued from:
     autograd's, ...). Returns the median over steps of each step's share of it (a median, like the
     step times: a rank descheduled inside one call, which a shared machine does now and then, is
-    one step's outlier, not every step's cost), collectives per step, and the median us per call."""
+    one step's outlier, not every step's cost), collectives per step, and the median us per call.
+    A call's time leaves out one clock read, measured just before it (``t1 - t0``)."""
     import time
 
     spent, calls = [0.0], ([], [])
 
     def timed(method, times):
         def call(*args):
-            t = time.perf_counter()
+            t0 = time.perf_counter()
+            t1 = time.perf_counter()  # t1 - t0: what reading the clock costs here, in these caches
             p = method(*args)
-            t = time.perf_counter() - t
+            t = time.perf_counter() - t1 - (t1 - t0)
             spent[0] += t
             times.append(t)
             return p
