@@ -21,9 +21,12 @@ milliseconds, before any Python could report. So the ring is a file mapped into 
 (``attach``; the Cluster's parent makes one per rank and reads it after the rank is gone, like an
 aircraft's recorder). Outside a Cluster (torchrun, a test) the ring is a plain bytearray.
 
-Cost. Per collective: a dict look-up (its text's number), one ``struct.pack_into`` of 32 bytes and
-a weak reference to the ``Work`` (``benchmarks/bench_desync.py``). A weak reference, not a strong
-one: holding a Work holds its tensors, which would change what ``ddpkit.memory`` sees.
+Cost. Per collective: a dict look-up (its text's number), a 32-byte slot written as four int64
+stores, and a weak reference to the ``Work`` (``benchmarks/bench_desync.py``). Between two
+collectives an FSDP step runs enough other code to evict the interpreter's caches, so what counts
+is how many Python operations the path runs, not which: four stores into a list cost there what
+they cost into the ring, and reading the strategy's labels (while recording) as much as the stores.
+A weak reference, not a strong one: holding a Work holds its tensors, which would change what ``ddpkit.memory`` sees.
 
 The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
 collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
