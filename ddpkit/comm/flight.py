@@ -26,7 +26,8 @@ stores, and a weak reference to the ``Work`` (``benchmarks/bench_desync.py``). B
 collectives an FSDP step runs enough other code to evict the interpreter's caches, so what counts
 is how many Python operations the path runs, not which: four stores into a list cost there what
 they cost into the ring, and reading the strategy's labels (while recording) as much as the stores.
-A weak reference, not a strong one: holding a Work holds its tensors, which would change what ``ddpkit.memory`` sees.
+A weak reference, not a strong one: holding a Work holds its tensors, which would change what
+``ddpkit.memory`` sees.
 
 The watchdog (one daemon thread, started by ``attach``) looks every ``WATCH_S`` at the oldest
 collective not yet completed; once it has waited longer than ``STALL_S`` during a job, it
