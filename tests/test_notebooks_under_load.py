@@ -51,5 +51,6 @@ def test_the_timing_notebooks_pass_with_one_core_kept_busy():
     finally:
         busy.kill()
         busy.wait()
-    # the load was there: the busy process had most of a core all along
-    assert busy_s > 0.5 * wall_s, f"the busy process ran {busy_s:.0f} s of CPU in {wall_s:.0f} s"
+    # the load was there all along: a core shared by turns with the ranks, their helper threads and the
+    # kernel (0.45-0.46 of the wall time on one 2-vCPU machine, over 0.5 on another; a third rules out a stall)
+    assert busy_s > wall_s / 3, f"the busy process ran {busy_s:.0f} s of CPU in {wall_s:.0f} s"
