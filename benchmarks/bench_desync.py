@@ -15,8 +15,8 @@ percent; and the accounted cost: the time spent inside ``issue`` and ``launched`
 (timed on the rank, from the stacks collectives are really issued from) over the step, the median
 over steps (``_time_flight``). Each call's time is less what reading the clock costs at that spot:
 read twice back to back just before the call, in the same cold caches (between two collectives an
-FSDP step runs enough other code to evict them: a clock read costs 0.2-0.5 us there, ten times what
-it costs in a loop). Target: <= 1% of the step.
+FSDP step runs enough other code to evict them, and a clock read there costs several times what it
+costs in a loop). Target: <= 1% of the step.
 """
 from __future__ import annotations
 
