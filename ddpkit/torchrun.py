@@ -14,8 +14,10 @@ collective is counted and can be recorded (``network=``: emulated). ``record`` m
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import glob
 import os
 import tempfile
@@ -44,6 +46,12 @@ def init_process_group(backend: str = "gloo", network="loopback", **kwargs) -> N
     process_group.install(network, backend)
     kwargs.setdefault("timeout", datetime.timedelta(seconds=TIMEOUT_S))
     dist.init_process_group(process_group.BACKEND_NAME, **kwargs)
+    # Wrappers and process groups left in reference cycles after destroy_process_group() would
+    # otherwise die in the interpreter's teardown, where a gloo backend's threads are not joined
+    # cleanly: the rank then aborts ("terminate called without an active exception") after the
+    # script finished. Collected at exit, while the interpreter is still whole, they die cleanly.
+    atexit.unregister(gc.collect)  # once, however often the script initialises
+    atexit.register(gc.collect)
 
 
 @contextlib.contextmanager
