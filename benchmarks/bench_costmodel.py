@@ -14,9 +14,10 @@ the worst |error| and whether the model put the strategies in the measured order
 ``--phases`` also takes the step apart, in the same cluster right after the timing rounds: every
 rank times forward, backward (its gradient synchronisation included) and the optimizer step of each
 strategy, on the clock and in its own thread's CPU time; the model's own phases sit beside them
-(``Prediction.phases_ms``). A phase whose wall time the model misses while its CPU time matches
-the model's compute is waiting the model does not see (a collective, a wake-up, the ranks' turns on
-the cores); one whose CPU time is off is work the profile or the host-work timing does not see.
+(``Prediction.phases_ms``), and the cores' bound beside the measured step (``phases_table``). A
+phase whose wall time the model misses while its CPU time matches the model's compute is waiting the
+model does not see (a collective, a wake-up, the ranks' turns on the cores); one whose CPU time is
+off is work the profile or the host-work timing does not see.
 
 The machine's load (``os.getloadavg``) is printed at the start and the end of every run: judge the
 figures only from a quiet machine (a load near zero before the run).
@@ -65,16 +66,27 @@ def phase_job(name: str, workload, global_batch_size: int, bucket_cap_mb, steps:
 
 
 def phases_table(cluster, records, workload, global_batch_size, bucket_cap_mb, steps) -> list[str]:
-    """Measured phases (the slowest rank's, by its whole step) beside the model's, per strategy."""
-    lines = [f"{'ranks':>5}  {'strategy':>17}  " + "  ".join(f"{p + ' wall/cpu/model':>24}" for p in PHASES)]
+    """Measured phases (the slowest rank's, by its whole step) beside the model's, per strategy; and
+    the cores' bound: the ranks' CPU per step (each rank's own thread, summed over its phases, the
+    busiest rank's) shared out over this machine's cores, beside the measured step. Where it comes
+    near the step, the ranks take turns on the cores (more ranks than cores) and the step is their
+    compute one after another, not one rank's compute with its waits."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    lines = [f"{'ranks':>5}  {'strategy':>17}  " + "  ".join(f"{p + ' wall/cpu/model':>24}" for p in PHASES)
+             + f"  {'cores bound/step':>16}"]
     for r in records:
         if "error" in r:
             continue
         ranks = cluster.run(phase_job, r["strategy"], workload, global_batch_size, bucket_cap_mb, steps)
         slowest = max(ranks, key=lambda ph: sum(wall for wall, _ in ph.values()))
+        busiest = max(sum(cpu for _, cpu in ph.values()) for ph in ranks)
+        bound = busiest * max(1.0, r["world_size"] / cores)
         model = r["predicted_phases_ms"]
         cells = [f"{slowest[p][0]:7.1f} {slowest[p][1]:7.1f} {model[p]:7.1f}" for p in PHASES]
-        lines.append(f"{r['world_size']:>5}  {r['strategy']:>17}  " + "  ".join(f"{c:>24}" for c in cells))
+        lines.append(f"{r['world_size']:>5}  {r['strategy']:>17}  " + "  ".join(f"{c:>24}" for c in cells)
+                     + f"  {bound:7.1f} {r['measured_ms']:8.1f}")
+    lines.append(f"cores bound: the busiest rank's CPU per step x max(1, ranks / {cores} cores), beside the "
+                 "measured step (ms)")
     return lines
 
 
