@@ -28,6 +28,7 @@ TINY = {
     # without a GPU its ranks are CPU ranks standing in: it starts, and says so
     "bench_shared_gpu.py": (["--world-sizes", "2", "--sizes", "4K", "--rounds", "1", "--iters", "1"],
                             "bus bandwidth in GB/s"),
+    "bench_stagger.py": (["--world-sizes", "2", "--strategies", "bucketed", "--steps", "2"], "least"),
     "bench_transport.py": (["--rounds", "2", "--iters", "1", "--sizes", "4K,64K", "--candidates", "gloo,shm",
                             "--collectives", "all_reduce,broadcast"], "all-reduce through a Cluster"),
 }
@@ -74,3 +75,25 @@ def test_the_overlap_bound_counts_the_links_capacity():
     assert link_done_ms([1.0] * 4, even, 10.0) == 11.0        # a fast link: the last bucket after backward
     assert link_done_ms([5.0] * 4, even, 10.0) == 2.5 + 20.0  # a slow one: from the first bucket, 4 x 5 ms
     assert link_done_ms([3.0], [1.0], 10.0) == 13.0           # one bucket: launched when backward ends
+
+
+def test_the_stagger_lead_is_the_link_time_run_after_the_last_rank_joined():
+    """bench_stagger's figure: per collective of the whole world, (first completion - last issue) /
+    link time, the i-th collective of every rank matched; unfinished, subgroup and parted ones left out."""
+    import ddpkit
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from bench_stagger import leads
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    net = ddpkit.Network.of("10GbE")
+    mib = 1 << 20
+    t = round(net.emulated_time("all_reduce", mib, range(2)) * 1e9)  # the link's time, ns
+    rank0 = [(0, 2 * t, "all_reduce", mib, 2), (3 * t, None, "all_reduce", mib, 2), (4 * t, 5 * t, "all_reduce", 4, 1),
+             (6 * t, 8 * t, "all_gather", mib, 2)]
+    rank1 = [(t // 2, 2 * t + 5, "all_reduce", mib, 2), (3 * t, 4 * t, "all_reduce", mib, 2),
+             (4 * t, 5 * t, "all_reduce", 4, 1), (6 * t, 8 * t, "all_reduce", mib, 2)]
+    staggers, lead = leads([rank0, rank1], net, 2)
+    assert lead == [pytest.approx(1.5)]          # the link ran 1.5 link-times after rank 1 joined
+    assert staggers == [pytest.approx(t / 2 / 1e6)]  # rank 1 issued half a link-time after rank 0
