@@ -6,9 +6,9 @@
 On a real network a collective starts moving once the last rank of its group has joined, and ends
 about a link's time later. The emulator times the link from each rank's own issue
 (``ddpkit.network.LinkClock``; the real collective underneath still waits for every rank), so where
-the ranks reach a collective apart, as they do when more ranks than cores take turns on them, a
-collective may end sooner than the last rank's issue plus the link's time: the early ranks' link
-time ran while the late ones computed.
+the ranks reach a collective apart (on a shared machine they do, the more so with more ranks than
+cores, taking turns on them), a collective may end sooner than the last rank's issue plus the link's
+time: the early ranks' link time ran while the late ones computed.
 
 Every rank trains the default MLP with a strategy and a ``Recorder``; after two warm-up steps each
 collective is matched across the ranks by its place in their sequences. Per collective: the stagger
