@@ -1,5 +1,5 @@
 """The course in a free cloud notebook (Colab, Kaggle: README "In a free cloud notebook"), what can be
-checked without one; the kernels built from their package lists run every notebook in ``.ci/cloud``.
+checked without one; the kernels built from their package lists run the notebooks in ``.ci/cloud``.
 
 - the repository's address is written once (``pyproject.toml`` ``[project.urls]``): every notebook's
   first cell clones it and the README's "Open in Colab / Kaggle" links point into it, one row per notebook;

@@ -51,7 +51,8 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
             calibrations.append(slowest_rank(cluster.run(measure_collectives, sizes=sizes)))
             if cluster.network.emulated:  # and what the emulation adds to them, waited for: ranks apart, in step
                 emulations.append(slowest_rank(cluster.run(measure_emulated)))
-                in_step.append(slowest_rank(cluster.run(measure_emulated, compute_s=0.0)))
+                if any_in_step:
+                    in_step.append(slowest_rank(cluster.run(measure_emulated, compute_s=0.0)))
         series.next(f"profiling compute (round {r + 1} of {rounds})")
         ranks = cluster.run(profile_job, wl, global_batch_size // n, optimizer)
         profiles.append(slowest_profile(ranks))
@@ -69,6 +70,11 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
         alone_of[label] = next((key for key, run in alone_runs.items() if run == plain), label)
         alone_runs.setdefault(alone_of[label], plain)
 
+    # the ranks meet in step (one collective right after another's wait) only where gradients go one
+    # by one (naive's ``_ddp_step``): that calibration is left out of a run without such a strategy
+    costs = {label: dataclasses.replace(strategy(name).cost, **{k: v for k, v in options.items() if k in knobs})
+             for label, (name, options) in runs.items()}
+    any_in_step = any(cost.algorithm == "ddp" and not cost.bucketed for cost in costs.values())
     jobs = {label: dict(strategy=name, options=options) for label, (name, options) in runs.items()}
     with Series(cluster, rounds * (len(runs) + (3 if n > 1 else 2)), follow=progress) as series:
         timings = timed_rounds(series, jobs, rounds, steps, each_round=calibrate_and_profile, **common)
@@ -83,13 +89,14 @@ def _validate(cluster, runs: dict, wl, steps, rounds, global_batch_size, optimiz
     if emulations:
         floored = emulated.with_floor(transport)
         emulated = emulated.with_floor(None, emulation_overhead(_median_over_rounds(emulations), floored, n),
-                                       emulation_overhead(_median_over_rounds(in_step), floored, n))
+                                       emulation_overhead(_median_over_rounds(in_step), floored, n) if in_step
+                                       else None)
     records = []
-    for label, (name, options) in runs.items():
+    for label, (name, _options) in runs.items():
         if label in errors:
             records.append(dict(strategy=label, world_size=n, error=errors[label]))
             continue
-        cost = dataclasses.replace(strategy(name).cost, **{k: v for k, v in options.items() if k in knobs})
+        cost = costs[label]
         host_s = _host_s(alone, alone_of[label], alone_runs[alone_of[label]][0], bucket_cap_mb, cost)
         with_host = profile.with_host(host_s)
         pred = simulate(name, with_host, n, emulated.with_floor(transport), bucket_cap_mb, cost=cost)
